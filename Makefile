@@ -1,0 +1,34 @@
+# `make run`: set up .venv, prepare the built-in corpus, train the quickstart.
+# `make test`: set up .venv, run the whole suite (what CI runs).
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-stamp
+export OMP_NUM_THREADS ?= 1
+
+.PHONY: setup run test unit bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml requirements.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -r requirements.txt
+	$(BIN)/pip install --quiet --no-deps -e .
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/lmforge data prepare jobs/quickstart.yaml
+	$(BIN)/lmforge train jobs/quickstart.yaml
+
+test: $(STAMP)
+	$(BIN)/python -m pytest tests
+
+unit: $(STAMP)
+	$(BIN)/python -m pytest tests/unit
+
+bench: $(STAMP)
+	$(BIN)/python bench/overhead.py
+
+clean:
+	rm -rf $(VENV) runs .lmforge

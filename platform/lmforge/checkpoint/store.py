@@ -1,0 +1,101 @@
+"""Where checkpoints live and when one counts as committed.
+
+Layout under the job's checkpoint directory (a local path or an fsspec URI):
+`step_00000050/` holds the DCP shards written by every rank, `rng/rank_N.safetensors`
+per rank, `state.json` (step, data cursor, schedule; rank 0) and, written last,
+`commit.json` with every file's size and sha256. Only directories with a valid
+`commit.json` are ever loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+import fsspec
+
+from lmforge.errors import UserError
+
+log = logging.getLogger(__name__)
+STEP_DIR = re.compile(r"^step_(\d{8})$")
+COMMIT = "commit.json"
+STATE = "state.json"
+
+
+@dataclass(frozen=True)
+class CommittedCheckpoint:
+    step: int
+    path: str  # as given to DCP: a local path or a URI
+    state: dict
+
+
+def _join(root: str, *parts: str) -> str:
+    return "/".join([root.rstrip("/"), *parts])
+
+
+class CheckpointStore:
+    def __init__(self, root: str):
+        self.root = root
+        self.fs, self._fs_root = fsspec.core.url_to_fs(root)
+        self.is_uri = "://" in root and not root.startswith("file://")
+
+    def step_path(self, step: int) -> str:
+        return _join(self.root, f"step_{step:08d}")
+
+    def _fs_path(self, path: str) -> str:
+        return fsspec.core.url_to_fs(path)[1]
+
+    def check_usable(self) -> None:
+        """Pre-flight: the directory can be created and listed; raises `UserError`."""
+        try:
+            self.fs.makedirs(self._fs_root, exist_ok=True)
+            self.fs.ls(self._fs_root)
+        except (OSError, ValueError) as err:
+            raise UserError(f"checkpoint.dir: {self.root} is not a usable directory ({err})") from None
+
+    def committed(self) -> list[int]:
+        """Steps with a readable commit marker, oldest first."""
+        try:
+            names = [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self._fs_root, detail=False)]
+        except FileNotFoundError:
+            return []
+        steps = sorted(int(m.group(1)) for n in names if (m := STEP_DIR.match(n)))
+        return [s for s in steps if self.fs.exists(self._fs_path(_join(self.step_path(s), COMMIT)))]
+
+    def latest(self) -> Optional[CommittedCheckpoint]:
+        for step in reversed(self.committed()):
+            path = self.step_path(step)
+            try:
+                with self.fs.open(self._fs_path(_join(path, STATE))) as f:
+                    state = json.load(f)
+                return CommittedCheckpoint(step=step, path=path, state=state)
+            except (OSError, json.JSONDecodeError) as err:
+                log.warning("checkpoint %s is unreadable (%s); trying the previous one", path, err)
+        return None
+
+    def write_state(self, step: int, state: dict) -> None:
+        with self.fs.open(self._fs_path(_join(self.step_path(step), STATE)), "w") as f:
+            json.dump(state, f, indent=2)
+
+    def commit(self, step: int) -> None:
+        """Write the commit marker last: sizes and checksums of every file in the step."""
+        base = self._fs_path(self.step_path(step))
+        files = {}
+        for path in sorted(self.fs.find(base)):
+            rel = path[len(base.rstrip("/")) + 1 :]
+            with self.fs.open(path, "rb") as f:
+                data = f.read()
+            files[rel] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        with self.fs.open(_join(base, COMMIT), "w") as f:
+            json.dump({"step": step, "files": files}, f, indent=2)
+
+    def prune(self, keep: int) -> list[int]:
+        """Delete all but the newest `keep` committed checkpoints; returns the removed steps."""
+        removed = self.committed()[:-keep]
+        for step in removed:
+            self.fs.rm(self._fs_path(self.step_path(step)), recursive=True)
+        return removed

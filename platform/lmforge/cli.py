@@ -1,0 +1,132 @@
+"""`lmforge` command line: thin wrappers over `lmforge.sdk`.
+
+Bad input (a `UserError`) prints one line and exits 2 without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from lmforge.errors import UserError
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lmforge", description="Elastic LLM training on Ray.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train a job file (resumes from its latest checkpoint)")
+    train.add_argument("job", help="job YAML file")
+    train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a field, e.g. train.max_steps=10")
+    train.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else an embedded local cluster)")
+    train.add_argument("--no-progress", action="store_true", help="no progress output")
+    train.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
+
+    data = sub.add_parser("data", help="dataset commands").add_subparsers(dest="data_command", required=True)
+    prep = data.add_parser("prepare", help="tokenize and pack a corpus into Parquet shards")
+    prep.add_argument("job", nargs="?", help="take source, path, seq_len and tokenizer from this job file")
+    prep.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    prep.add_argument("--source", help="file, directory, URI, or builtin:python-stdlib")
+    prep.add_argument("--out", help="output directory for shards and manifest.json")
+    prep.add_argument("--seq-len", type=int)
+    prep.add_argument("--tokenizer", help="tokenizer.json (default: train a byte-level BPE)")
+    prep.add_argument("--vocab-size", type=int, default=8192)
+    prep.add_argument("--text-column", default="text")
+    prep.add_argument("--shard-samples", type=int, default=2048)
+    prep.add_argument("--address")
+    prep.add_argument("--no-progress", action="store_true")
+
+    sub.add_parser("version", help="print the version")
+    return parser
+
+
+def _prepare_options(args):
+    from lmforge.data.prepare import PrepareOptions
+
+    if args.job:
+        from lmforge.spec import load_spec
+
+        spec = load_spec(args.job, args.overrides)
+        if not spec.data.source:
+            raise UserError(f"{args.job}: data.source is not set; nothing to prepare")
+        return PrepareOptions(
+            source=args.source or spec.data.source, out=args.out or spec.data.path,
+            seq_len=args.seq_len or spec.train.seq_len, tokenizer=args.tokenizer or spec.data.tokenizer,
+            vocab_size=spec.data.vocab_size, text_column=spec.data.text_column,
+            shard_samples=spec.data.shard_samples, show_progress=not args.no_progress,
+        )
+    missing = [flag for flag, value in (("--source", args.source), ("--out", args.out), ("--seq-len", args.seq_len)) if not value]
+    if missing:
+        raise UserError(f"data prepare: give a job file or {', '.join(missing)}")
+    return PrepareOptions(
+        source=args.source, out=args.out, seq_len=args.seq_len, tokenizer=args.tokenizer,
+        vocab_size=args.vocab_size, text_column=args.text_column, shard_samples=args.shard_samples,
+        show_progress=not args.no_progress,
+    )
+
+
+def _cmd_prepare(args) -> int:
+    from pathlib import Path
+
+    from lmforge import sdk
+    from lmforge.data.prepare import MANIFEST, read_manifest
+
+    opts = _prepare_options(args)
+    if (Path(opts.out) / MANIFEST).exists():
+        manifest = read_manifest(opts.out)
+        print(f"{opts.out}: already prepared ({manifest['num_samples']} samples); nothing to do", file=sys.stderr)
+        return 0
+    manifest = sdk.prepare(opts, address=args.address)
+    print(
+        f"prepared {manifest['num_samples']:,} samples of {manifest['seq_len']}+1 tokens "
+        f"({manifest['documents']} documents, {manifest['skipped_documents']} skipped) in {manifest['seconds']}s -> {opts.out}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _cmd_train(args) -> int:
+    from lmforge import sdk
+    from lmforge.spec import load_spec
+
+    spec = load_spec(args.job, args.overrides)
+    summary = sdk.train(spec, address=args.address, show_progress=not args.no_progress)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    lines = [
+        f"done: {spec.name} reached step {summary['final_step']}, loss {summary['final_loss']:.4f}" if summary["final_loss"] is not None else f"done: {spec.name} already at step {summary['final_step']}",
+        f"  run directory : {summary['run_dir']}",
+        f"  checkpoints   : {summary['latest_checkpoint']}",
+    ]
+    if summary["mlflow_run_id"]:
+        lines += [
+            f"  MLflow run    : {summary['mlflow_run_id']} ({summary['mlflow_tracking_uri']})",
+            f"  open the UI   : mlflow ui --backend-store-uri {summary['mlflow_tracking_uri']}",
+        ]
+    print("\n".join(lines))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "version":
+            from lmforge import __version__
+
+            print(__version__)
+            return 0
+        if args.command == "data":
+            return _cmd_prepare(args)
+        return _cmd_train(args)
+    except UserError as err:
+        print(f"lmforge: error: {err}", file=sys.stderr)
+        return err.exit_code
+    except KeyboardInterrupt:
+        print("lmforge: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

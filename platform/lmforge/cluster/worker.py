@@ -1,0 +1,59 @@
+"""The Worker actor: one per rank. Joins the process group, then runs the Trainer.
+
+It is deliberately thin: everything that trains lives in `lmforge.trainer` so it
+can run without Ray actors too.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+import ray
+
+
+@ray.remote(num_cpus=0)
+class Worker:
+    def __init__(self, rank: int, world_size: int):
+        import torch
+
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        self.rank, self.world_size = rank, world_size
+        ray.data.DataContext.get_current().enable_progress_bars = False
+
+    def address(self) -> tuple[str, int, str]:
+        """(ip, a free port, node id): rank 0's answer is the rendezvous."""
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            port = sock.getsockname()[1]
+        return ray.util.get_node_ip_address(), port, ray.get_runtime_context().get_node_id()
+
+    def setup(self, master_addr: str, master_port: int) -> None:
+        import torch
+        import torch.distributed as dist
+
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(0)  # Ray exposes exactly the actor's GPU as device 0
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{master_addr}:{master_port}",
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=timedelta(minutes=5),
+        )
+
+    def train(self, spec_dict: dict, manifest: dict, controller) -> dict:
+        from lmforge.spec import JobSpec
+        from lmforge.trainer import Trainer
+
+        spec = JobSpec.model_validate(spec_dict)
+        trainer = Trainer(spec, manifest, report=lambda event: controller.report.remote(event))
+        return trainer.run()
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()

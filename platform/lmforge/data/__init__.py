@@ -1,0 +1,2 @@
+"""Data: tokenizers, the `prepare` pipeline (Ray Data -> Parquet shards), and the
+deterministic, resumable feed of global batches."""

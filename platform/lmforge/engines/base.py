@@ -1,0 +1,47 @@
+"""The engine interface: build a parallel model and optimizer, take a step, expose state.
+
+The trainer, checkpointing and tracking only ever talk to this interface, so a
+new engine (DeepSpeed) is one more file.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class StepStats:
+    loss: float  # mean token loss over the global batch
+    grad_norm: float  # global L2 norm before clipping
+    lr: float  # learning rate used for this step
+
+
+class Engine(ABC):
+    @abstractmethod
+    def train_step(self, micro_batches: torch.Tensor) -> StepStats:
+        """One optimizer step over this rank's micro-batches [accum, micro, seq_len+1]."""
+
+    @abstractmethod
+    def state_dict(self) -> tuple[dict, dict]:
+        """(sharded tensors for DCP, JSON-safe rest such as the LR schedule)."""
+
+    @abstractmethod
+    def load_state_dict(self, tensors: dict, plain: dict) -> None:
+        """Inverse of `state_dict`, into the already-parallelized model; `tensors`
+        is the template from `state_dict()` filled in by DCP."""
+
+
+def warmup_cosine(warmup: int, decay_steps: int, min_ratio: float):
+    """LR multiplier: linear warmup to 1, then cosine down to `min_ratio` at `decay_steps`."""
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, decay_steps - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor

@@ -1,0 +1,11 @@
+"""Errors that reach the user as one line and exit code 2.
+
+Anything raised as a `UserError` is the user's input being wrong (a field, a
+file, a cluster too small); the CLI prints it without a traceback.
+"""
+
+
+class UserError(Exception):
+    """Bad input: printed as one line, exit code 2, nothing started."""
+
+    exit_code = 2

@@ -1,0 +1,77 @@
+"""Pre-flight: everything about a job that can be checked before any cluster work.
+
+The dataset (prepared, or a source to prepare), vocabulary and sequence length
+against the model, the checkpoint directory and what it already holds. A job
+that cannot run stops here with one message naming the field or file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from lmforge.checkpoint.store import CheckpointStore, CommittedCheckpoint
+from lmforge.data.corpus import list_files
+from lmforge.data.prepare import MANIFEST, read_manifest
+from lmforge.errors import UserError
+from lmforge.spec import JobSpec
+
+
+@dataclass
+class Plan:
+    spec: JobSpec
+    manifest: Optional[dict]  # None: the dataset must be prepared from data.source first
+    resume_from: Optional[CommittedCheckpoint]
+
+    @property
+    def start_step(self) -> int:
+        return self.resume_from.step if self.resume_from else 0
+
+
+def check_dataset(spec: JobSpec, manifest: dict) -> None:
+    path = Path(spec.data.path) / MANIFEST
+    if manifest["seq_len"] != spec.train.seq_len:
+        raise UserError(f"train.seq_len: {spec.train.seq_len} does not match the dataset's seq_len {manifest['seq_len']} ({path})")
+    vocab = manifest["tokenizer"]["vocab_size"]
+    if vocab > spec.model_arch.vocab_size:
+        raise UserError(
+            f"model.vocab_size: {spec.model_arch.vocab_size} is smaller than the tokenizer's vocabulary ({vocab}) in {path}"
+        )
+    if manifest["num_samples"] < spec.train.global_batch:
+        raise UserError(f"train.global_batch: {spec.train.global_batch} exceeds the dataset's {manifest['num_samples']} samples ({path})")
+
+
+def check_resume(spec: JobSpec, ckpt: CommittedCheckpoint) -> None:
+    saved_model = ckpt.state.get("model")
+    if saved_model and saved_model != spec.model_arch.as_dict():
+        changed = sorted(k for k in saved_model if saved_model.get(k) != spec.model_arch.as_dict().get(k))
+        raise UserError(f"checkpoint.dir: {ckpt.path} holds a model of a different shape (differs in {', '.join(changed)})")
+    if ckpt.state.get("global_batch") != spec.train.global_batch:
+        raise UserError(
+            f"train.global_batch: {spec.train.global_batch} differs from the {ckpt.state.get('global_batch')} "
+            f"the checkpoint {ckpt.path} was trained with; the data order would not continue exactly"
+        )
+    if ckpt.step > spec.train.max_steps:
+        raise UserError(f"train.max_steps: {spec.train.max_steps} is before the latest checkpoint's step {ckpt.step}")
+
+
+def preflight(spec: JobSpec) -> Plan:
+    manifest = None
+    if (Path(spec.data.path) / MANIFEST).exists():
+        manifest = read_manifest(spec.data.path)
+        check_dataset(spec, manifest)
+    elif spec.data.source is None:
+        raise UserError(f"data.path: {spec.data.path} holds no prepared dataset and data.source is not set")
+    else:
+        list_files(spec.data.source)  # fails on a missing or empty source
+        if spec.data.tokenizer is None and spec.data.vocab_size > spec.model_arch.vocab_size:
+            raise UserError(
+                f"data.vocab_size: {spec.data.vocab_size} is larger than model.vocab_size {spec.model_arch.vocab_size}"
+            )
+    store = CheckpointStore(spec.checkpoint_dir)
+    store.check_usable()
+    ckpt = store.latest() if spec.checkpoint.resume else None
+    if ckpt is not None:
+        check_resume(spec, ckpt)
+    return Plan(spec=spec, manifest=manifest, resume_from=ckpt)

@@ -1,0 +1,140 @@
+"""The Python API: `prepare()` a dataset and `train()` a job, from a script or a notebook.
+
+    from lmforge import sdk
+    spec = sdk.load("jobs/quickstart.yaml", overrides=["train.max_steps=20"])
+    summary = sdk.train(spec)
+
+The CLI is a thin layer over these functions.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Optional
+
+import ray
+from rich.console import Console
+
+from lmforge.cluster.controller import Controller
+from lmforge.cluster.runtime import check_capacity, connect
+from lmforge.data.prepare import PrepareOptions, prepare_dataset, read_manifest
+from lmforge.plan import Plan, check_dataset, preflight
+from lmforge.spec import JobSpec, load_spec
+from lmforge.tracking.progress import ProgressView
+from lmforge.tracking.run_dir import RunDir
+
+load = load_spec
+
+
+def prepare(opts: PrepareOptions, address: Optional[str] = None) -> dict:
+    """Tokenize and pack a corpus into Parquet shards; returns the manifest."""
+    started = connect(address)
+    try:
+        return prepare_dataset(opts)
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def _ensure_dataset(plan: Plan, console: Console, show_progress: bool) -> dict:
+    if plan.manifest is not None:
+        return plan.manifest
+    spec = plan.spec
+    console.print(f"preparing {spec.data.source} into {spec.data.path}", highlight=False)
+    prepare_dataset(PrepareOptions(
+        source=spec.data.source, out=spec.data.path, seq_len=spec.train.seq_len,
+        tokenizer=spec.data.tokenizer, vocab_size=spec.data.vocab_size,
+        text_column=spec.data.text_column, shard_samples=spec.data.shard_samples,
+        show_progress=show_progress,
+    ))
+    manifest = read_manifest(spec.data.path)
+    check_dataset(spec, manifest)
+    return manifest
+
+
+def train(spec: JobSpec, address: Optional[str] = None, show_progress: bool = True, console: Optional[Console] = None) -> dict:
+    """Run a job to `train.max_steps` (resuming from its latest checkpoint); returns the summary."""
+    console = console or Console(stderr=True)
+    spec = spec.with_absolute_paths()
+    plan = preflight(spec)
+    started_ray = connect(address)
+    try:
+        check_capacity(spec.world_size, spec.resources.cpus_per_worker, spec.resources.gpus_per_worker)
+        manifest = _ensure_dataset(plan, console, show_progress)
+        return _run(plan, manifest, console, show_progress)
+    finally:
+        if started_ray:
+            ray.shutdown()
+
+
+def _run(plan: Plan, manifest: dict, console: Console, show_progress: bool) -> dict:
+    spec = plan.spec
+    run_dir = RunDir(spec.run_dir)
+    run_dir.rewind(plan.start_step)
+    tracker = None
+    if spec.tracking.enabled:
+        from lmforge.tracking.mlflow_run import MlflowRun
+
+        tracker = MlflowRun(spec)
+    began = time.time()
+    view = ProgressView(spec.train.max_steps, plan.start_step, console=console, enabled=show_progress)
+    if plan.resume_from:
+        view.print(f"resuming {spec.name} from step {plan.start_step} ({plan.resume_from.path})")
+    last: dict = {}
+    latest_ckpt = plan.resume_from.path if plan.resume_from else None
+    status = "FAILED"
+    try:
+        controller = Controller.options(runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}}).remote(spec.model_dump(mode="json"), manifest)
+        done = controller.run.remote()
+        with view:
+            while True:
+                ready, _ = ray.wait([done], timeout=0.5)
+                for event in ray.get(controller.drain.remote()):
+                    latest_ckpt = _handle(event, view, run_dir, tracker) or latest_ckpt
+                    if event["event"] == "step":
+                        last = event
+                if ready:
+                    result = ray.get(done)
+                    break
+        for event in ray.get(controller.drain.remote()):
+            latest_ckpt = _handle(event, view, run_dir, tracker) or latest_ckpt
+        status = "FINISHED"
+    finally:
+        if tracker:
+            tracker.finish(status)
+    summary = {
+        "job": spec.name,
+        "final_step": result["step"],
+        "final_loss": last.get("loss"),
+        "start_step": plan.start_step,
+        "tokens": result["step"] * spec.train.global_batch * spec.train.seq_len,
+        "wall_seconds": round(time.time() - began, 2),
+        "world_size": result["world_size"],
+        "run_dir": os.path.abspath(spec.run_dir),
+        "latest_checkpoint": latest_ckpt,
+        "mlflow_tracking_uri": spec.tracking_uri if tracker else None,
+        "mlflow_run_id": tracker.run_id if tracker else None,
+    }
+    run_dir.write_summary(summary)
+    return summary
+
+
+def _handle(event: dict, view: ProgressView, run_dir: RunDir, tracker) -> Optional[str]:
+    """Route one event from the controller; returns a checkpoint path when one was committed."""
+    kind = event["event"]
+    if kind == "step":
+        run_dir.append_step(event)
+        view.step(event)
+        if tracker:
+            tracker.log_step(event)
+    elif kind == "layout":
+        view.layout(event["ranks"])
+    elif kind == "checkpoint":
+        view.print(f"checkpoint step {event['step']} -> {event['path']} ({event['seconds']:.1f}s)")
+        if tracker:
+            tracker.log_metric("checkpoint_seconds", event["seconds"], event["step"])
+        return event["path"]
+    elif kind == "restored":
+        view.print(f"restored step {event['step']} from {event['path']}")
+    return None

@@ -1,0 +1,275 @@
+"""JobSpec: the typed, validated description of one training job.
+
+A YAML file plus `--set a.b=c` overrides becomes a `JobSpec`; every contradiction
+is rejected here, with one line naming the field, before any cluster work starts.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from lmforge.errors import UserError
+from lmforge.models.config import PRESETS, ModelConfig
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+class ModelSpec(_Section):
+    preset: str = "tiny"
+    dim: Optional[int] = Field(None, gt=0)
+    n_layers: Optional[int] = Field(None, gt=0)
+    n_heads: Optional[int] = Field(None, gt=0)
+    n_kv_heads: Optional[int] = Field(None, gt=0)
+    vocab_size: Optional[int] = Field(None, gt=0)
+    ffn_hidden: Optional[int] = Field(None, gt=0)
+    max_seq_len: Optional[int] = Field(None, gt=0)
+    tie_embeddings: Optional[bool] = None
+
+    @field_validator("preset")
+    @classmethod
+    def _known_preset(cls, value: str) -> str:
+        if value not in PRESETS:
+            raise ValueError(f"unknown preset {value!r}; choose one of {', '.join(PRESETS)}")
+        return value
+
+    def resolve(self) -> ModelConfig:
+        overrides = self.model_dump(exclude={"preset"})
+        return PRESETS[self.preset].with_overrides(**overrides)
+
+
+class ParallelSpec(_Section):
+    dp: int = Field(1, ge=1)
+    tp: int = Field(1, ge=1)
+    pp: int = Field(1, ge=1)
+    # 3: shard params, grads and optimizer state (reshard after forward);
+    # 2: keep params gathered between forward and backward; 0: replicate (DDP).
+    zero: Literal[0, 2, 3] = 3
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+
+class OptimSpec(_Section):
+    lr: float = Field(3e-4, gt=0)
+    weight_decay: float = Field(0.1, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(1e-8, gt=0)
+    warmup_steps: int = Field(10, ge=0)
+    decay_steps: Optional[int] = Field(None, gt=0, description="cosine horizon; defaults to train.max_steps")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    grad_clip: float = Field(1.0, ge=0, description="max global grad norm; 0 disables clipping")
+
+
+class TrainSpec(_Section):
+    global_batch: int = Field(16, gt=0, description="samples per optimizer step, over all DP ranks")
+    micro_batch: int = Field(4, gt=0, description="samples per forward/backward on one rank")
+    seq_len: int = Field(128, description="tokens per sample fed to the model")
+    max_steps: int = Field(100, gt=0)
+    seed: int = 0
+    precision: Literal["fp32", "bf16"] = "fp32"
+
+    @field_validator("seq_len")
+    @classmethod
+    def _positive_seq_len(cls, value: int) -> int:
+        if value <= 0:
+            raise ValueError(f"must be > 0, got {value}")
+        return value
+
+
+class DataSpec(_Section):
+    path: str = Field(..., description="prepared dataset directory (holds manifest.json)")
+    source: Optional[str] = Field(None, description="raw corpus to prepare into `path` when it is missing")
+    tokenizer: Optional[str] = Field(None, description="tokenizer.json to use; default: train a byte-level BPE")
+    vocab_size: int = Field(8192, ge=256, description="vocabulary of the BPE trained when no tokenizer is given")
+    text_column: str = "text"
+    shard_samples: int = Field(2048, gt=0)
+    prefetch_steps: int = Field(64, gt=0, description="optimizer steps of samples each rank reads ahead")
+
+    @field_validator("path")
+    @classmethod
+    def _non_empty(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("must not be empty")
+        return value
+
+
+class CheckpointSpec(_Section):
+    dir: Optional[str] = Field(None, description="directory or fsspec URI; default <run_dir>/checkpoints")
+    interval: int = Field(50, gt=0, description="save every N optimizer steps (and at the last step)")
+    keep: int = Field(3, gt=0)
+    resume: bool = True
+
+
+class TrackingSpec(_Section):
+    enabled: bool = True
+    uri: Optional[str] = Field(None, description="MLflow tracking URI; default sqlite:///<output_dir>/mlflow.db")
+    experiment: str = "lmforge"
+
+
+class ResourcesSpec(_Section):
+    workers: Optional[int] = Field(None, gt=0, description="worker actors; must equal pp x dp x tp")
+    cpus_per_worker: float = Field(1.0, gt=0)
+    gpus_per_worker: float = Field(0.0, ge=0)
+
+
+class JobSpec(_Section):
+    name: str = Field(..., pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    output_dir: str = "runs"
+    engine: Literal["native"] = "native"
+    model: ModelSpec = ModelSpec()
+    parallel: ParallelSpec = ParallelSpec()
+    optim: OptimSpec = OptimSpec()
+    train: TrainSpec = TrainSpec()
+    data: DataSpec
+    checkpoint: CheckpointSpec = CheckpointSpec()
+    tracking: TrackingSpec = TrackingSpec()
+    resources: ResourcesSpec = ResourcesSpec()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "JobSpec":
+        model = self.model.resolve()
+        if model.dim % model.n_heads:
+            raise ValueError(f"model.n_heads: dim {model.dim} is not divisible by n_heads {model.n_heads}")
+        if model.n_heads % model.n_kv_heads:
+            raise ValueError(f"model.n_kv_heads: n_heads {model.n_heads} is not divisible by n_kv_heads {model.n_kv_heads}")
+        if model.head_dim % 2:
+            raise ValueError(f"model.dim: head_dim {model.head_dim} must be even for rotary embeddings")
+        if self.train.seq_len > model.max_seq_len:
+            raise ValueError(f"train.seq_len: {self.train.seq_len} exceeds model.max_seq_len {model.max_seq_len}")
+        per_step = self.train.micro_batch * self.parallel.dp
+        if self.train.global_batch % per_step:
+            raise ValueError(
+                f"train.global_batch: {self.train.global_batch} is not divisible by "
+                f"micro_batch x dp = {self.train.micro_batch} x {self.parallel.dp}"
+            )
+        if self.parallel.tp > 1 or self.parallel.pp > 1:
+            raise ValueError("parallel.tp/pp: tensor and pipeline parallelism are not available yet; use tp: 1, pp: 1")
+        if self.resources.workers is not None and self.resources.workers != self.parallel.world_size:
+            raise ValueError(
+                f"resources.workers: {self.resources.workers} != pp x dp x tp = {self.parallel.world_size}"
+            )
+        return self
+
+    # Derived values used across the job; kept here so every module agrees.
+    @property
+    def model_arch(self) -> ModelConfig:
+        return self.model.resolve()
+
+    @property
+    def world_size(self) -> int:
+        return self.parallel.world_size
+
+    @property
+    def grad_accum(self) -> int:
+        return self.train.global_batch // (self.train.micro_batch * self.parallel.dp)
+
+    @property
+    def run_dir(self) -> str:
+        return os.path.join(self.output_dir, self.name)
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return self.checkpoint.dir or os.path.join(self.run_dir, "checkpoints")
+
+    @property
+    def tracking_uri(self) -> str:
+        return self.tracking.uri or f"sqlite:///{os.path.abspath(os.path.join(self.output_dir, 'mlflow.db'))}"
+
+    def with_absolute_paths(self) -> "JobSpec":
+        """Local paths resolved against the driver's working directory, so that rank
+        actors (whose working directory may differ) see the same files."""
+        def local(path: str) -> str:
+            return path if "://" in path else os.path.abspath(path)
+
+        return self.model_copy(update={
+            "output_dir": local(self.output_dir),
+            "data": self.data.model_copy(update={
+                "path": local(self.data.path),
+                "source": local(self.data.source) if self.data.source and not self.data.source.startswith("builtin:") else self.data.source,
+                "tokenizer": local(self.data.tokenizer) if self.data.tokenizer else None,
+            }),
+            "checkpoint": self.checkpoint.model_copy(update={"dir": local(self.checkpoint_dir)}),
+            "tracking": self.tracking.model_copy(update={"uri": self.tracking_uri}),
+        })
+
+    @property
+    def decay_steps(self) -> int:
+        return self.optim.decay_steps or self.train.max_steps
+
+
+def _format_error(err: ValidationError) -> str:
+    first = err.errors()[0]
+    loc = ".".join(str(part) for part in first["loc"])
+    msg = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "extra_forbidden":
+        msg = "unknown field"
+    if not loc:
+        return msg
+    if msg.startswith(loc.split(".")[0] + ".") or msg.startswith(loc + ":"):
+        return msg
+    return f"{loc}: {msg}"
+
+
+def apply_override(tree: dict, assignment: str) -> None:
+    """Apply one `a.b=c` override; the value is parsed as YAML (numbers, bools, lists)."""
+    key, sep, raw = assignment.partition("=")
+    if not sep or not key.strip():
+        raise UserError(f"--set {assignment!r}: expected KEY=VALUE, e.g. train.max_steps=10")
+    parts = key.strip().split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise UserError(f"--set {key}: {part} is not a section")
+        node = child
+    node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else raw
+
+
+def spec_from_dict(tree: dict[str, Any], overrides: list[str] = ()) -> JobSpec:
+    tree = copy.deepcopy(tree)
+    for assignment in overrides:
+        apply_override(tree, assignment)
+    try:
+        return JobSpec.model_validate(tree)
+    except ValidationError as err:
+        raise UserError(_format_error(err)) from None
+
+
+def load_spec(path: str | os.PathLike, overrides: list[str] = ()) -> JobSpec:
+    """Read a job file, apply overrides, validate. Raises `UserError` naming the file or field."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise UserError(f"{path}: cannot read job file ({err.strerror})") from None
+    try:
+        tree = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise UserError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
+    if not isinstance(tree, dict):
+        raise UserError(f"{path}: a job file is a YAML mapping with at least `name` and `data`")
+    try:
+        return spec_from_dict(tree, overrides)
+    except UserError as err:
+        raise UserError(f"{path}: {err}") from None
+
+
+def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    """`{'a': {'b': 1}}` -> `{'a.b': 1}`: the spec as MLflow params."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten(value, name + "."))
+        else:
+            flat[name] = value
+    return flat

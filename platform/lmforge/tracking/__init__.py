@@ -1,0 +1,1 @@
+"""Tracking: MLflow runs and the run directory's machine-readable files."""

@@ -1,0 +1,72 @@
+"""What the driver shows while a job runs: a live rich progress bar on a terminal,
+plain periodic lines elsewhere (job logs, CI), plus the rank layout table."""
+
+from __future__ import annotations
+
+import time
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+
+class ProgressView:
+    def __init__(self, total_steps: int, start_step: int, console: Console | None = None, enabled: bool = True):
+        self.console = console or Console(stderr=True)
+        self.total, self.enabled = total_steps, enabled
+        self.live = enabled and self.console.is_terminal
+        self.every = max(1, total_steps // 20)
+        self._last_line = 0.0
+        self.progress = None
+        if self.live:
+            self.progress = Progress(
+                TextColumn("[bold]step {task.completed}/{task.total}"),
+                BarColumn(),
+                TextColumn("loss {task.fields[loss]}"),
+                TextColumn("{task.fields[tps]} tok/s"),
+                TimeElapsedColumn(),
+                TextColumn("ETA"),
+                TimeRemainingColumn(),
+                console=self.console,
+            )
+            self.task = self.progress.add_task("train", total=total_steps, completed=start_step, loss="-", tps="-")
+
+    def __enter__(self):
+        if self.progress:
+            self.progress.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.progress:
+            self.progress.stop()
+        return False
+
+    def print(self, message: str) -> None:
+        if self.enabled:
+            self.console.print(message, highlight=False)
+
+    def layout(self, ranks: list[dict]) -> None:
+        if not self.enabled:
+            return
+        table = Table(title="ranks", show_edge=False)
+        for column in ("rank", "node", "ip"):
+            table.add_column(column)
+        for r in ranks:
+            table.add_row(str(r["rank"]), r["node"], r["ip"])
+        self.console.print(table)
+
+    def step(self, event: dict) -> None:
+        if not self.enabled:
+            return
+        loss, tps = f"{event['loss']:.4f}", f"{event['tokens_per_s']:,.0f}"
+        if self.progress:
+            self.progress.update(self.task, completed=event["step"], loss=loss, tps=tps)
+            return
+        now = time.time()
+        if event["step"] % self.every == 0 or event["step"] == self.total or now - self._last_line > 30:
+            self._last_line = now
+            self.console.print(
+                f"step {event['step']}/{self.total}  loss {loss}  lr {event['lr']:.2e}  "
+                f"{tps} tok/s  data wait {event['data_wait'] * 1000:.1f} ms",
+                highlight=False,
+            )

@@ -1,0 +1,109 @@
+"""The per-rank training loop: mesh -> engine -> restore -> feed -> steps -> checkpoints.
+
+Runs inside a worker actor (or any process with torch.distributed initialized)
+and reports each step's metrics through a callback; it knows nothing of Ray's
+actors, so it can be driven by a benchmark or a test directly.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from lmforge.checkpoint.sharded import load_checkpoint, save_checkpoint
+from lmforge.checkpoint.store import CheckpointStore
+from lmforge.data.feed import BatchFeed, BatchLayout, GlobalOrder, ShardReader
+from lmforge.engines import create_engine
+from lmforge.parallel.mesh import MeshShape, build_mesh
+from lmforge.spec import JobSpec
+
+Reporter = Callable[[dict], None]
+
+
+class Trainer:
+    def __init__(self, spec: JobSpec, manifest: dict, report: Optional[Reporter] = None):
+        self.spec, self.manifest = spec, manifest
+        self.report = report or (lambda event: None)
+        self.rank = dist.get_rank()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        p = spec.parallel
+        self.dims = build_mesh(self.device.type, MeshShape.for_layout(p.pp, p.dp, p.tp, p.zero))
+        torch.manual_seed(spec.train.seed + self.rank)
+        self.store = CheckpointStore(spec.checkpoint_dir)
+        resume_from = self.store.latest() if spec.checkpoint.resume else None
+        self.start_step = resume_from.step if resume_from else 0
+        # Start reading ahead first: Ray Data's first read overlaps model building.
+        self.layout = BatchLayout(spec.train.global_batch, spec.train.micro_batch, p.dp)
+        self.feed = BatchFeed(
+            ShardReader(spec.data.path, manifest),
+            GlobalOrder(manifest["num_samples"], spec.train.seed),
+            self.layout,
+            dp_rank=self.dims.dp_rank,
+            start_step=self.start_step,
+            prefetch_steps=spec.data.prefetch_steps,
+        )
+        self.engine = create_engine(spec, self.dims, self.device)
+        if resume_from is not None:
+            load_checkpoint(self.store, resume_from, self.engine)
+            self._event({"event": "restored", "step": resume_from.step, "path": resume_from.path})
+
+    def _event(self, event: dict) -> None:
+        if self.rank == 0:
+            self.report(event)
+
+    def _trainer_state(self, step: int) -> dict:
+        return {
+            "step": step,
+            "samples_consumed": step * self.spec.train.global_batch,
+            "global_batch": self.spec.train.global_batch,
+            "seed": self.spec.train.seed,
+            "dp": self.spec.parallel.dp,
+            "model": self.spec.model_arch.as_dict(),
+            "data_path": self.spec.data.path,
+        }
+
+    def run(self) -> dict:
+        train = self.spec.train
+        tokens_per_step = train.global_batch * train.seq_len
+        step = self.start_step
+        last = None
+        try:
+            while step < train.max_steps:
+                began = time.perf_counter()
+                feed_step, _, tokens, waited = self.feed.next()
+                assert feed_step == step
+                stats = self.engine.train_step(torch.from_numpy(tokens).long())
+                step += 1
+                elapsed = time.perf_counter() - began
+                last = {
+                    "event": "step",
+                    "step": step,
+                    "loss": stats.loss,
+                    "lr": stats.lr,
+                    "grad_norm": stats.grad_norm,
+                    "step_time": elapsed,
+                    "data_wait": waited,
+                    "tokens_per_s": tokens_per_step / elapsed,
+                    "tokens": step * tokens_per_step,
+                    "samples_consumed": step * train.global_batch,
+                }
+                self._event(last)
+                if step % self.spec.checkpoint.interval == 0 or step == train.max_steps:
+                    self._checkpoint(step)
+        finally:
+            self.feed.close()
+        return {"step": step, "loss": last["loss"] if last else None, "start_step": self.start_step}
+
+    def _checkpoint(self, step: int) -> None:
+        began = time.perf_counter()
+        pruned = save_checkpoint(self.store, step, self.engine, self._trainer_state(step), self.spec.checkpoint.keep)
+        self._event({
+            "event": "checkpoint",
+            "step": step,
+            "path": self.store.step_path(step),
+            "seconds": time.perf_counter() - began,
+            "pruned": pruned,
+        })

@@ -1,0 +1,100 @@
+"""Shared fixtures: a private Ray cluster, a small real corpus and its prepared dataset.
+
+The corpus is a slice of this interpreter's standard library (real text, no
+download). Ray gets its own temp dir and auth token so tests never touch another
+Ray on the machine.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def _private_ray_env() -> dict:
+    """Auth and temp-dir settings for every Ray process this test session starts.
+
+    Set at import, before anything imports ray: Ray reads RAY_AUTH_MODE once per process.
+    """
+    # Unix socket paths must stay short, so not under pytest's deep tmp dir.
+    root = Path(tempfile.mkdtemp(prefix="lmf-", dir="/tmp"))
+    token_path = root / "auth_token"
+    token_path.write_text(uuid.uuid4().hex)
+    env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_path), "RAY_TMPDIR": str(root)}
+    os.environ.update(env)
+    return env | {"root": str(root)}
+
+
+PRIVATE_RAY_ENV = _private_ray_env()
+
+
+@pytest.fixture(scope="session")
+def private_ray_env():
+    yield PRIVATE_RAY_ENV
+    shutil.rmtree(PRIVATE_RAY_ENV["root"], ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def ray_session(private_ray_env):
+    import logging
+
+    import ray
+
+    ray.init(
+        address="local", num_cpus=6, include_dashboard=False, log_to_driver=False,
+        logging_level=logging.WARNING, _temp_dir=private_ray_env["root"],
+    )
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_corpus(tmp_path_factory) -> Path:
+    """About 40 real source files: enough text for a few hundred samples of 32 tokens."""
+    from lmforge.data.corpus import stdlib_files
+
+    out = tmp_path_factory.mktemp("corpus")
+    files = [f for f in stdlib_files() if "/test" not in f][:: 40][:40]
+    for i, path in enumerate(files):
+        shutil.copy(path, out / f"{i:03d}_{Path(path).name}")
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_dataset(ray_session, tiny_corpus, tmp_path_factory) -> Path:
+    from lmforge.data.prepare import PrepareOptions, prepare_dataset
+
+    out = tmp_path_factory.mktemp("data") / "tiny-32"
+    prepare_dataset(PrepareOptions(source=str(tiny_corpus), out=str(out), seq_len=32, vocab_size=512, shard_samples=256, show_progress=False))
+    return out
+
+
+def tiny_job(tmp_path: Path, data_path: Path, **sections) -> dict:
+    """A 2-rank tiny-model job writing everything under tmp_path."""
+    job = {
+        "name": "tiny",
+        "output_dir": str(tmp_path / "runs"),
+        "model": {"preset": "tiny", "vocab_size": 512},
+        "parallel": {"dp": 2},
+        "optim": {"lr": 3e-3, "warmup_steps": 2, "decay_steps": 8},
+        "train": {"global_batch": 8, "micro_batch": 2, "seq_len": 32, "max_steps": 8, "seed": 1},
+        "data": {"path": str(data_path), "prefetch_steps": 4},
+        "checkpoint": {"interval": 4, "keep": 3},
+        "tracking": {"experiment": "tests"},
+        "resources": {"cpus_per_worker": 1},
+    }
+    for section, values in sections.items():
+        if isinstance(values, dict):
+            job.setdefault(section, {}).update(values)
+        else:
+            job[section] = values
+    return job

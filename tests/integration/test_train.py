@@ -1,0 +1,87 @@
+"""End to end on a real local Ray cluster: 2 worker actors, gloo, FSDP2, real
+Parquet shards, DCP checkpoints, a real MLflow SQLite store."""
+
+import json
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from lmforge import sdk
+from lmforge.spec import spec_from_dict
+
+from conftest import tiny_job
+
+pytestmark = pytest.mark.ray
+
+
+def _losses(run_dir):
+    return {row["step"]: row["loss"] for row in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(ray_session, tiny_dataset, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("full")
+    spec = spec_from_dict(tiny_job(tmp, tiny_dataset))
+    summary = sdk.train(spec, show_progress=False)
+    return tmp, spec, summary
+
+
+def test_two_workers_train_and_loss_decreases(uninterrupted):
+    tmp, spec, summary = uninterrupted
+    losses = _losses(tmp / "runs" / "tiny")
+    assert sorted(losses) == list(range(1, 9))
+    assert (losses[7] + losses[8]) / 2 < losses[1] - 0.3, losses
+    assert summary["final_step"] == 8 and summary["world_size"] == 2
+    assert summary["final_loss"] == pytest.approx(losses[8])
+
+
+def test_run_dir_files_and_checkpoints(uninterrupted):
+    tmp, spec, summary = uninterrupted
+    on_disk = json.loads((tmp / "runs" / "tiny" / "summary.json").read_text())
+    assert on_disk == summary
+    assert summary["tokens"] == 8 * 8 * 32
+    ckpt = tmp / "runs" / "tiny" / "checkpoints" / "step_00000008"
+    assert summary["latest_checkpoint"] == str(ckpt)
+    files = json.loads((ckpt / "commit.json").read_text())["files"]
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "state.json"} <= set(files)
+    state = json.loads((ckpt / "state.json").read_text())
+    assert state["step"] == 8 and state["samples_consumed"] == 64
+    row = json.loads((tmp / "runs" / "tiny" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert {"loss", "lr", "grad_norm", "tokens_per_s", "step_time", "data_wait"} <= set(row)
+
+
+def test_mlflow_run_has_params_metrics_and_spec(uninterrupted):
+    tmp, spec, summary = uninterrupted
+    client = MlflowClient(tracking_uri=summary["mlflow_tracking_uri"])
+    run = client.get_run(summary["mlflow_run_id"])
+    assert run.info.status == "FINISHED"
+    assert run.data.params["train.global_batch"] == "8"
+    assert run.data.params["parallel.dp"] == "2"
+    history = client.get_metric_history(run.info.run_id, "loss")
+    assert sorted(m.step for m in history) == list(range(1, 9))
+    for key in ("lr", "grad_norm", "tokens_per_s", "step_time", "data_wait"):
+        assert len(client.get_metric_history(run.info.run_id, key)) == 8
+    assert "job.yaml" in [a.path for a in client.list_artifacts(run.info.run_id)]
+
+
+def test_resume_continues_with_identical_losses(uninterrupted, ray_session, tiny_dataset, tmp_path):
+    _, _, full = uninterrupted
+    reference = _losses(full_run_dir(full))
+    job = tiny_job(tmp_path, tiny_dataset)
+    first = sdk.train(spec_from_dict(job, ["train.max_steps=4"]), show_progress=False)
+    assert first["final_step"] == 4
+    second = sdk.train(spec_from_dict(job), show_progress=False)
+    assert second["start_step"] == 4 and second["final_step"] == 8
+    assert second["mlflow_run_id"] == first["mlflow_run_id"]
+    resumed = _losses(tmp_path / "runs" / "tiny")
+    assert sorted(resumed) == list(range(1, 9))
+    for step in range(1, 9):
+        assert resumed[step] == pytest.approx(reference[step], rel=1e-6, abs=1e-7), step
+    client = MlflowClient(tracking_uri=second["mlflow_tracking_uri"])
+    assert sorted(m.step for m in client.get_metric_history(second["mlflow_run_id"], "loss")) == list(range(1, 9))
+
+
+def full_run_dir(summary):
+    from pathlib import Path
+
+    return Path(summary["run_dir"])

@@ -1,0 +1,77 @@
+"""JobSpec validation: every contradiction is one line naming the field."""
+
+import pytest
+
+from lmforge.errors import UserError
+from lmforge.spec import flatten, load_spec, spec_from_dict
+
+from conftest import REPO
+
+BASE = {"name": "t", "data": {"path": "d"}}
+
+
+def test_quickstart_loads_with_defaults_filled():
+    spec = load_spec(REPO / "jobs" / "quickstart.yaml")
+    assert spec.parallel.dp == 2 and spec.world_size == 2
+    assert spec.grad_accum == spec.train.global_batch // (spec.train.micro_batch * 2)
+    assert spec.model_arch.vocab_size >= spec.data.vocab_size
+
+
+def test_overrides_are_parsed_as_yaml_values():
+    spec = spec_from_dict(BASE, ["train.max_steps=7", "train.precision=bf16", "optim.betas=[0.8, 0.9]"])
+    assert spec.train.max_steps == 7 and spec.train.precision == "bf16"
+    assert spec.optim.betas == (0.8, 0.9)
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (["train.bogus=1"], "train.bogus: unknown field"),
+        (["train.global_batch=10", "train.micro_batch=4"], "train.global_batch"),
+        (["train.seq_len=0"], "train.seq_len"),
+        (["model.n_heads=3"], "model.n_heads"),
+        (["model.n_kv_heads=3"], "model.n_kv_heads"),
+        (["model.preset=huge"], "model.preset"),
+        (["train.precision=fp8"], "train.precision"),
+        (["resources.workers=3"], "resources.workers"),
+        (["train.seq_len=4096"], "train.seq_len"),
+    ],
+)
+def test_contradictions_name_the_field(overrides, field):
+    with pytest.raises(UserError) as err:
+        spec_from_dict(BASE, overrides)
+    message = str(err.value)
+    assert message.startswith(field), message
+    assert "\n" not in message
+
+
+def test_missing_required_section():
+    with pytest.raises(UserError, match=r"^data: Field required"):
+        spec_from_dict({"name": "t"})
+
+
+def test_bad_override_syntax():
+    with pytest.raises(UserError, match="expected KEY=VALUE"):
+        spec_from_dict(BASE, ["train.max_steps"])
+
+
+def test_file_errors_name_the_file(tmp_path):
+    with pytest.raises(UserError, match="cannot read job file"):
+        load_spec(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: [unclosed\n")
+    with pytest.raises(UserError, match=rf"^{bad}: not valid YAML"):
+        load_spec(bad)
+
+
+def test_absolute_paths_resolve_against_cwd(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    spec = spec_from_dict({"name": "t", "data": {"path": "d", "source": "builtin:python-stdlib"}}).with_absolute_paths()
+    assert spec.data.path == str(tmp_path / "d")
+    assert spec.data.source == "builtin:python-stdlib"
+    assert spec.checkpoint_dir == str(tmp_path / "runs" / "t" / "checkpoints")
+    assert spec.tracking_uri == f"sqlite:///{tmp_path}/runs/mlflow.db"
+
+
+def test_flatten_for_params():
+    assert flatten({"a": {"b": 1, "c": {"d": 2}}, "e": 3}) == {"a.b": 1, "a.c.d": 2, "e": 3}
