@@ -7,6 +7,7 @@ Ray on the machine.
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import tempfile
@@ -34,12 +35,12 @@ def _private_ray_env() -> dict:
 
 
 PRIVATE_RAY_ENV = _private_ray_env()
+atexit.register(shutil.rmtree, PRIVATE_RAY_ENV["root"], True)
 
 
 @pytest.fixture(scope="session")
 def private_ray_env():
-    yield PRIVATE_RAY_ENV
-    shutil.rmtree(PRIVATE_RAY_ENV["root"], ignore_errors=True)
+    return PRIVATE_RAY_ENV
 
 
 @pytest.fixture(scope="session")

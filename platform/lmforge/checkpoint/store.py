@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import re
 from dataclasses import dataclass
 from typing import Optional
@@ -50,10 +51,23 @@ class CheckpointStore:
         return fsspec.core.url_to_fs(path)[1]
 
     def check_usable(self) -> None:
-        """Pre-flight: the directory can be created and listed; raises `UserError`."""
+        """Pre-flight without writing anything: the directory exists and lists, or the
+        nearest existing parent is a writable directory. Raises `UserError`."""
         try:
-            self.fs.makedirs(self._fs_root, exist_ok=True)
-            self.fs.ls(self._fs_root)
+            if self.fs.exists(self._fs_root):
+                if not self.fs.isdir(self._fs_root):
+                    raise NotADirectoryError("it is a file")
+                self.fs.ls(self._fs_root)
+                return
+            if self.is_uri:
+                return  # object stores create prefixes on first write
+            parent = os.path.dirname(os.path.abspath(self._fs_root))
+            while not os.path.exists(parent):
+                parent = os.path.dirname(parent)
+            if not os.path.isdir(parent):
+                raise NotADirectoryError(f"{parent} is a file")
+            if not os.access(parent, os.W_OK | os.X_OK):
+                raise PermissionError(f"{parent} is not writable")
         except (OSError, ValueError) as err:
             raise UserError(f"checkpoint.dir: {self.root} is not a usable directory ({err})") from None
 

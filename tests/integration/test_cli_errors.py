@@ -1,0 +1,118 @@
+"""Bad input through the real `lmforge` CLI: one line naming the field or file,
+exit code 2, no traceback, nothing written."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import tiny_job
+
+
+def run_cli(*args, cwd):
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "lmforge", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def assert_clean_error(result, *fragments):
+    assert result.returncode == 2, result.stderr + result.stdout
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("lmforge: error:")]
+    assert len(lines) == 1, result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+def write_job(tmp_path: Path, job: dict) -> Path:
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
+def nothing_written(tmp_path: Path) -> bool:
+    return not (tmp_path / "runs").exists()
+
+
+def test_unknown_field(tmp_path):
+    job = tiny_job(tmp_path, tmp_path / "data")
+    job["train"]["learning_rate"] = 1
+    result = run_cli("train", str(write_job(tmp_path, job)), cwd=tmp_path)
+    assert_clean_error(result, "job.yaml", "train.learning_rate: unknown field")
+    assert nothing_written(tmp_path)
+
+
+def test_bad_override(tmp_path):
+    job_file = write_job(tmp_path, tiny_job(tmp_path, tmp_path / "data"))
+    result = run_cli("train", str(job_file), "--set", "train.global_batch=7", cwd=tmp_path)
+    assert_clean_error(result, "train.global_batch: 7 is not divisible by micro_batch x dp = 2 x 2")
+
+
+def test_missing_job_file(tmp_path):
+    assert_clean_error(run_cli("train", "nope.yaml", cwd=tmp_path), "nope.yaml: cannot read job file")
+
+
+def test_data_path_without_dataset_or_source(tmp_path):
+    result = run_cli("train", str(write_job(tmp_path, tiny_job(tmp_path, tmp_path / "nodata"))), cwd=tmp_path)
+    assert_clean_error(result, "data.path", "nodata", "data.source is not set")
+    assert nothing_written(tmp_path)
+
+
+def test_missing_source(tmp_path):
+    job = tiny_job(tmp_path, tmp_path / "data", data={"source": str(tmp_path / "absent")})
+    assert_clean_error(run_cli("train", str(write_job(tmp_path, job)), cwd=tmp_path), "data.source", "absent", "does not exist")
+    assert nothing_written(tmp_path)
+
+
+def test_empty_source_directory(tmp_path):
+    (tmp_path / "empty").mkdir()
+    job = tiny_job(tmp_path, tmp_path / "data", data={"source": str(tmp_path / "empty")})
+    assert_clean_error(run_cli("train", str(write_job(tmp_path, job)), cwd=tmp_path), "data.source", "is empty")
+
+
+def test_tokenizer_vocab_larger_than_model(tmp_path):
+    job = tiny_job(tmp_path, tmp_path / "data", data={"source": "builtin:python-stdlib", "vocab_size": 4096})
+    result = run_cli("train", str(write_job(tmp_path, job)), cwd=tmp_path)
+    assert_clean_error(result, "data.vocab_size: 4096 is larger than model.vocab_size 512")
+
+
+def test_prepared_vocab_larger_than_model(tmp_path, tiny_dataset):
+    job = tiny_job(tmp_path, tiny_dataset, model={"vocab_size": 256})
+    result = run_cli("train", str(write_job(tmp_path, job)), cwd=tmp_path)
+    assert_clean_error(result, "model.vocab_size: 256 is smaller than the tokenizer's vocabulary", "manifest.json")
+    assert nothing_written(tmp_path)
+
+
+def test_seq_len_differs_from_dataset(tmp_path, tiny_dataset):
+    job = tiny_job(tmp_path, tiny_dataset, train={"seq_len": 64})
+    assert_clean_error(run_cli("train", str(write_job(tmp_path, job)), cwd=tmp_path), "train.seq_len: 64 does not match the dataset's seq_len 32")
+
+
+def test_unusable_checkpoint_dir(tmp_path, tiny_dataset):
+    (tmp_path / "blocker").write_text("a file, not a directory")
+    job = tiny_job(tmp_path, tiny_dataset, checkpoint={"dir": str(tmp_path / "blocker" / "ck")})
+    assert_clean_error(run_cli("train", str(write_job(tmp_path, job)), cwd=tmp_path), "checkpoint.dir", "blocker")
+    assert nothing_written(tmp_path)
+
+
+@pytest.mark.ray
+def test_world_larger_than_cluster_says_so_with_numbers(tmp_path, tiny_dataset):
+    job = tiny_job(tmp_path, tiny_dataset, parallel={"dp": 16}, train={"global_batch": 32})
+    result = run_cli("train", str(write_job(tmp_path, job)), cwd=tmp_path)
+    assert_clean_error(result, "resources: 16 workers", "need 16 CPUs", "the cluster has")
+    assert nothing_written(tmp_path)
+
+
+@pytest.mark.ray
+def test_empty_corpus_leaves_nothing_behind(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for name in ("a.txt", "b.txt"):
+        (corpus / name).write_text("")
+    out = tmp_path / "prepared"
+    result = run_cli("data", "prepare", "--source", str(corpus), "--out", str(out), "--seq-len", "32", "--vocab-size", "300", "--no-progress", cwd=tmp_path)
+    assert_clean_error(result, "data.source", "fewer than one sample")
+    assert not out.exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["corpus"]

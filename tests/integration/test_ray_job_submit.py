@@ -1,0 +1,94 @@
+"""`ray job submit --working-dir . -- lmforge train jobs/quickstart.yaml` against a
+real head started with `ray start --head` (private ports, temp dir and auth token),
+stopped by signalling only the process group this test started."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+BIN = Path(sys.executable).parent
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+@pytest.fixture
+def ray_head(tmp_path):
+    temp_dir = Path(f"/tmp/lmfh-{uuid.uuid4().hex[:8]}")
+    token = temp_dir / "token"
+    temp_dir.mkdir()
+    token.write_text(uuid.uuid4().hex)
+    env = os.environ | {
+        "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token), "RAY_TMPDIR": str(temp_dir),
+        "PATH": f"{BIN}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1",
+    }
+    env.pop("RAY_ADDRESS", None)
+    gcs, dash, agent, agent_grpc, metrics, rt_env, client, nm, om = free_ports(9)
+    lo = 20000 + (os.getpid() * 97) % 30000
+    cmd = [
+        str(BIN / "ray"), "start", "--head", "--block", "--disable-usage-stats", "--num-cpus=4",
+        f"--port={gcs}", f"--dashboard-port={dash}", "--dashboard-host=127.0.0.1", "--include-dashboard=true",
+        f"--dashboard-agent-listen-port={agent}", f"--dashboard-agent-grpc-port={agent_grpc}",
+        f"--metrics-export-port={metrics}", f"--runtime-env-agent-port={rt_env}",
+        f"--ray-client-server-port={client}", f"--node-manager-port={nm}", f"--object-manager-port={om}",
+        f"--min-worker-port={lo}", f"--max-worker-port={lo + 200}", f"--temp-dir={temp_dir}",
+    ]
+    head = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=open(tmp_path / "head.log", "w"), stderr=subprocess.STDOUT)
+    address = f"http://127.0.0.1:{dash}"
+    try:
+        deadline = time.time() + 120
+        while True:
+            probe = subprocess.run([str(BIN / "ray"), "job", "list", "--address", address], env=env, capture_output=True, text=True)
+            if probe.returncode == 0:
+                break
+            assert head.poll() is None, (tmp_path / "head.log").read_text()
+            assert time.time() < deadline, probe.stderr[-2000:]
+            time.sleep(2)
+        yield address, env
+    finally:
+        os.killpg(head.pid, signal.SIGTERM)
+        try:
+            head.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+            head.wait()
+        subprocess.run(["rm", "-rf", str(temp_dir)])
+
+
+def test_quickstart_through_ray_job_submit(ray_head, tiny_dataset, tmp_path):
+    address, env = ray_head
+    out = tmp_path / "out"
+    overrides = [
+        "model.preset=tiny", "model.vocab_size=512", "train.seq_len=32", "train.global_batch=8",
+        "train.micro_batch=2", "train.max_steps=4", "checkpoint.interval=2", "data.prefetch_steps=4",
+        f"data.path={tiny_dataset}", f"output_dir={out}",
+    ]
+    cmd = [str(BIN / "ray"), "job", "submit", "--address", address, "--working-dir", ".", "--",
+           "lmforge", "train", "jobs/quickstart.yaml", "--no-progress"]
+    for item in overrides:
+        cmd += ["--set", item]
+    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "succeeded" in result.stdout + result.stderr
+    summary = json.loads((out / "quickstart" / "summary.json").read_text())
+    assert summary["final_step"] == 4 and summary["world_size"] == 2
+    assert (out / "quickstart" / "checkpoints" / "step_00000004" / "commit.json").exists()
+    assert "MLflow run" in result.stdout
