@@ -75,7 +75,7 @@ def tiny_dataset(ray_session, tiny_corpus, tmp_path_factory) -> Path:
     from lmforge.data.prepare import PrepareOptions, prepare_dataset
 
     out = tmp_path_factory.mktemp("data") / "tiny-32"
-    prepare_dataset(PrepareOptions(source=str(tiny_corpus), out=str(out), seq_len=32, vocab_size=512, shard_samples=256, show_progress=False))
+    prepare_dataset(PrepareOptions(source=str(tiny_corpus), out=str(out), seq_len=32, vocab_size=512, show_progress=False))
     return out
 
 

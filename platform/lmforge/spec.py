@@ -91,8 +91,9 @@ class DataSpec(_Section):
     tokenizer: Optional[str] = Field(None, description="tokenizer.json to use; default: train a byte-level BPE")
     vocab_size: int = Field(8192, ge=256, description="vocabulary of the BPE trained when no tokenizer is given")
     text_column: str = "text"
-    shard_samples: int = Field(2048, gt=0)
+    shard_samples: int = Field(256, gt=0, description="samples per Parquet shard: the unit the feed shuffles and reads")
     prefetch_steps: int = Field(64, gt=0, description="optimizer steps of samples each rank reads ahead")
+    shuffle_window: int = Field(16, gt=0, description="shards whose samples are shuffled together")
 
     @field_validator("path")
     @classmethod

@@ -10,12 +10,14 @@ from __future__ import annotations
 import time
 from typing import Callable, Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from lmforge.checkpoint.sharded import load_checkpoint, save_checkpoint
 from lmforge.checkpoint.store import CheckpointStore
-from lmforge.data.feed import BatchFeed, BatchLayout, GlobalOrder, ShardReader
+from lmforge.data.feed import BatchFeed
+from lmforge.data.order import BatchLayout, GlobalOrder
 from lmforge.engines import create_engine
 from lmforge.parallel.mesh import MeshShape, build_mesh
 from lmforge.spec import JobSpec
@@ -38,8 +40,9 @@ class Trainer:
         # Start reading ahead first: Ray Data's first read overlaps model building.
         self.layout = BatchLayout(spec.train.global_batch, spec.train.micro_batch, p.dp)
         self.feed = BatchFeed(
-            ShardReader(spec.data.path, manifest),
-            GlobalOrder(manifest["num_samples"], spec.train.seed),
+            spec.data.path,
+            manifest,
+            GlobalOrder(manifest["num_samples"], spec.train.seed, block=manifest["shard_samples"], window=spec.data.shuffle_window),
             self.layout,
             dp_rank=self.dims.dp_rank,
             start_step=self.start_step,
@@ -75,7 +78,7 @@ class Trainer:
                 began = time.perf_counter()
                 feed_step, _, tokens, waited = self.feed.next()
                 assert feed_step == step
-                stats = self.engine.train_step(torch.from_numpy(tokens).long())
+                stats = self.engine.train_step(torch.from_numpy(tokens.astype(np.int64)))
                 step += 1
                 elapsed = time.perf_counter() - began
                 last = {

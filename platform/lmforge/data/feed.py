@@ -1,145 +1,125 @@
-"""The deterministic, resumable feed of global batches.
+"""Streaming each rank's batches from the Parquet shards with Ray Data.
 
-One global order of sample ids (a seeded permutation per epoch) defines every
-optimizer step's global batch; a DP rank takes its contiguous slice of it and
-splits that into micro-batches. The order depends on neither dp nor restarts, so
-the cursor (samples consumed = step x global batch) is all a checkpoint needs.
-Ray Data reads each rank's samples from the Parquet shards in a background
-thread, `prefetch_steps` optimizer steps ahead of the trainer.
+A `FeedReader` actor per rank runs one Ray Data stream per epoch over the shards
+in the epoch's block order (see `order.GlobalOrder`), keeps a window of samples,
+and hands out whole chunks of steps. The trainer (`BatchFeed`) keeps the next
+chunk requested, so it only waits on an object reference: reading never
+competes with the training loop for its interpreter.
 """
 
 from __future__ import annotations
 
-import queue
-import threading
 import time
-from dataclasses import dataclass
+from collections import deque
 from pathlib import Path
+from typing import Iterator, Optional
 
 import numpy as np
 import ray
-from ray.data.expressions import col
 
-_EPOCH_STRIDE = 1_000_003  # keeps (seed, epoch) streams apart for any seed
-
-
-class GlobalOrder:
-    """Maps global sample positions (0, 1, 2, ... over all epochs) to sample ids."""
-
-    def __init__(self, num_samples: int, seed: int):
-        self.num_samples, self.seed = num_samples, seed
-        self._cache: dict[int, np.ndarray] = {}
-
-    def permutation(self, epoch: int) -> np.ndarray:
-        if epoch not in self._cache:
-            if len(self._cache) > 2:
-                self._cache.clear()
-            rng = np.random.default_rng(self.seed * _EPOCH_STRIDE + epoch)
-            self._cache[epoch] = rng.permutation(self.num_samples)
-        return self._cache[epoch]
-
-    def ids(self, start: int, count: int) -> np.ndarray:
-        positions = np.arange(start, start + count)
-        out = np.empty(count, dtype=np.int64)
-        for epoch in np.unique(positions // self.num_samples):
-            mask = positions // self.num_samples == epoch
-            out[mask] = self.permutation(int(epoch))[positions[mask] % self.num_samples]
-        return out
+from lmforge.data.order import BatchLayout, GlobalOrder
 
 
-@dataclass(frozen=True)
-class BatchLayout:
-    global_batch: int
-    micro_batch: int
-    dp: int
+class EpochStream:
+    """Samples of one epoch from `first_window` on, as Ray Data reads them, by window."""
 
-    @property
-    def per_rank(self) -> int:
-        return self.global_batch // self.dp
+    def __init__(self, paths: list[str], order: GlobalOrder, width: int, epoch: int, first_window: int):
+        self.order, self.width, self.epoch = order, width, epoch
+        blocks = order.blocks(epoch)[first_window * order.window :]
+        ctx = ray.data.DataContext.get_current()
+        ctx.execution_options.preserve_order = True  # bounds what is held: files arrive in block order
+        ctx.enable_progress_bars = False
+        ds = ray.data.read_parquet([paths[b] for b in blocks], num_cpus=0.25, columns=["sample_id", "tokens"])
+        self._batches: Iterator = iter(ds.iter_batches(batch_format="pyarrow", batch_size=None, prefetch_batches=2))
+        self.samples: dict[int, np.ndarray] = {}
 
-    @property
-    def accum(self) -> int:
-        return self.per_rank // self.micro_batch
-
-    def rank_positions(self, step: int, dp_rank: int) -> tuple[int, int]:
-        """(first global position, count) of this rank's share of step `step`."""
-        return step * self.global_batch + dp_rank * self.per_rank, self.per_rank
-
-
-class ShardReader:
-    """Reads samples by id from the dataset's Parquet shards with Ray Data."""
-
-    def __init__(self, data_path: str, manifest: dict):
-        self.paths = [str(Path(data_path) / s["file"]) for s in manifest["shards"]]
-        self.starts = np.asarray([s["first_sample_id"] for s in manifest["shards"]])
-        self.width = manifest["seq_len"] + 1
-
-    def read(self, ids: np.ndarray) -> np.ndarray:
-        wanted = np.unique(ids)
-        shard_idx = np.unique(np.searchsorted(self.starts, wanted, side="right") - 1)
-        ds = ray.data.read_parquet([self.paths[i] for i in shard_idx], num_cpus=0.1)
-        ds = ds.filter(expr=col("sample_id").is_in(wanted.tolist()))
-        found: dict[int, np.ndarray] = {}
-        for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
-            sample_ids = batch.column("sample_id").to_numpy()
+    def take_window(self, index: int) -> dict[int, np.ndarray]:
+        """Rows of window `index`, reading on until all of them have arrived."""
+        wanted = self.order.window_ids(self.epoch, index).tolist()
+        missing = set(wanted) - self.samples.keys()
+        while missing:
+            batch = next(self._batches, None)
+            if batch is None:
+                raise RuntimeError(f"shards ended before samples {sorted(missing)[:5]} of epoch {self.epoch} arrived")
+            ids = batch.column("sample_id").to_numpy().tolist()
             tokens = batch.column("tokens").combine_chunks().flatten().to_numpy().reshape(-1, self.width)
-            found.update(zip(sample_ids.tolist(), tokens))
-        missing = set(wanted.tolist()) - found.keys()
-        if missing:
-            raise RuntimeError(f"samples missing from the shards: {sorted(missing)[:5]}")
-        return np.stack([found[int(i)] for i in ids])
+            self.samples.update(zip(ids, tokens))
+            missing.difference_update(ids)
+        return {i: self.samples[i] for i in wanted}
+
+    def drop(self, ids) -> None:
+        for i in ids:
+            self.samples.pop(int(i), None)
+
+
+@ray.remote(num_cpus=0)
+class FeedReader:
+    def __init__(self, data_path: str, manifest: dict, order: GlobalOrder, layout: BatchLayout, dp_rank: int):
+        self.paths = [str(Path(data_path) / s["file"]) for s in manifest["shards"]]
+        self.width = manifest["seq_len"] + 1
+        self.order, self.layout, self.dp_rank = order, layout, dp_rank
+        self.stream: Optional[EpochStream] = None
+        self.current: tuple[int, int] = (-1, -1)
+        self.rows: dict[int, np.ndarray] = {}
+
+    def _rows_for(self, position: int) -> dict[int, np.ndarray]:
+        epoch, window = self.order.locate(position)
+        if (epoch, window) != self.current:
+            if self.stream is None or self.stream.epoch != epoch or window < self.current[1]:
+                self.stream = EpochStream(self.paths, self.order, self.width, epoch, window)
+            self.stream.drop(self.rows)
+            self.rows = self.stream.take_window(window)
+            self.current = (epoch, window)
+        return self.rows
+
+    def chunk(self, first_step: int, steps: int) -> tuple[np.ndarray, np.ndarray]:
+        """(sample ids, tokens) of this rank for `steps` steps, step-major."""
+        ids, tokens = [], []
+        for step in range(first_step, first_step + steps):
+            start, count = self.layout.rank_positions(step, self.dp_rank)
+            step_ids = self.order.ids(start, count)
+            for position, sample in zip(range(start, start + count), step_ids):
+                tokens.append(self._rows_for(position)[int(sample)])
+            ids.append(step_ids)
+        return np.concatenate(ids), np.stack(tokens)
 
 
 class BatchFeed:
-    """Yields this rank's micro-batches step by step, read ahead in a background thread."""
+    """The trainer's side: yields (step, ids, micro-batches, seconds waited)."""
 
-    def __init__(self, reader: ShardReader, order: GlobalOrder, layout: BatchLayout, dp_rank: int, start_step: int, prefetch_steps: int):
-        self.reader, self.order, self.layout, self.dp_rank = reader, order, layout, dp_rank
-        self.prefetch_steps = prefetch_steps
-        self._queue: queue.Queue = queue.Queue(maxsize=2)
-        self._next_step = start_step
-        self._buffer: list[tuple[int, np.ndarray, np.ndarray]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._produce, args=(start_step,), name="lmforge-feed", daemon=True)
-        self._thread.start()
+    def __init__(self, data_path: str, manifest: dict, order: GlobalOrder, layout: BatchLayout, dp_rank: int, start_step: int, prefetch_steps: int):
+        node = ray.get_runtime_context().get_node_id()
+        affinity = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(node, soft=True)
+        self.reader = FeedReader.options(scheduling_strategy=affinity).remote(data_path, manifest, order, layout, dp_rank)
+        self.layout, self.prefetch_steps = layout, prefetch_steps
+        self._next_step = self._next_request = start_step
+        self._in_flight: deque = deque()
+        self._buffer: deque = deque()
+        for _ in range(2):
+            self._request()
 
-    def step_ids(self, step: int) -> np.ndarray:
-        start, count = self.layout.rank_positions(step, self.dp_rank)
-        return self.order.ids(start, count)
+    def _request(self) -> None:
+        self._in_flight.append((self._next_request, self.reader.chunk.remote(self._next_request, self.prefetch_steps)))
+        self._next_request += self.prefetch_steps
 
-    def _produce(self, step: int) -> None:
-        try:
-            while not self._stop.is_set():
-                steps = range(step, step + self.prefetch_steps)
-                ids = np.concatenate([self.step_ids(s) for s in steps])
-                tokens = self.reader.read(ids)
-                per = self.layout.per_rank
-                chunk = [(s, ids[i * per : (i + 1) * per], tokens[i * per : (i + 1) * per]) for i, s in enumerate(steps)]
-                while not self._stop.is_set():
-                    try:
-                        self._queue.put(chunk, timeout=0.5)
-                        break
-                    except queue.Full:
-                        continue
-                step += self.prefetch_steps
-        except BaseException as err:  # surfaced to the trainer on its next call
-            self._queue.put(err)
+    def _receive(self) -> float:
+        first, ref = self._in_flight.popleft()
+        began = time.perf_counter()
+        ids, tokens = ray.get(ref)
+        waited = time.perf_counter() - began
+        self._request()
+        per = self.layout.per_rank
+        for i in range(self.prefetch_steps):
+            self._buffer.append((first + i, ids[i * per : (i + 1) * per], tokens[i * per : (i + 1) * per]))
+        return waited
 
     def next(self) -> tuple[int, np.ndarray, np.ndarray, float]:
         """Returns (step, sample ids, tokens [accum, micro, seq_len+1], seconds waited)."""
-        waited = 0.0
-        if not self._buffer:
-            began = time.perf_counter()
-            item = self._queue.get()
-            waited = time.perf_counter() - began
-            if isinstance(item, BaseException):
-                raise item
-            self._buffer = list(item)
-        step, ids, tokens = self._buffer.pop(0)
+        waited = self._receive() if not self._buffer else 0.0
+        step, ids, tokens = self._buffer.popleft()
         assert step == self._next_step, f"feed out of order: got step {step}, expected {self._next_step}"
         self._next_step += 1
-        shape = (self.layout.accum, self.layout.micro_batch, tokens.shape[-1])
-        return step, ids, tokens.reshape(shape), waited
+        return step, ids, tokens.reshape(self.layout.accum, self.layout.micro_batch, -1), waited
 
     def close(self) -> None:
-        self._stop.set()
+        ray.kill(self.reader)

@@ -40,7 +40,7 @@ class PrepareOptions:
     tokenizer: Optional[str] = None
     vocab_size: int = 8192
     text_column: str = "text"
-    shard_samples: int = 2048
+    shard_samples: int = 256
     show_progress: bool = True
     skipped: int = field(default=0, init=False)
 
@@ -81,7 +81,7 @@ class ShardWriter:
         tokens = pa.FixedSizeListArray.from_arrays(pa.array(chunk.reshape(-1), pa.int32()), self.width)
         name = f"shard-{len(self.shards):05d}.parquet"
         path = self.directory / name
-        pq.write_table(pa.table({"sample_id": ids, "tokens": tokens}), path, row_group_size=256)
+        pq.write_table(pa.table({"sample_id": ids, "tokens": tokens}), path)
         self.shards.append({
             "file": name,
             "first_sample_id": int(self.next_id),
@@ -176,6 +176,7 @@ def prepare_dataset(opts: PrepareOptions) -> dict:
             "seq_len": opts.seq_len,
             "num_samples": writer.next_id,
             "num_tokens": writer.next_id * (opts.seq_len + 1),
+            "shard_samples": opts.shard_samples,
             "corpus_tokens": tokens,
             "documents": len(files),
             "skipped_documents": opts.skipped,
@@ -223,7 +224,11 @@ def read_manifest(path: str | Path) -> dict:
         raise UserError(f"{manifest_path}: unreadable manifest ({err})") from None
     if manifest.get("format") != "lmforge.packed.v1" or not manifest.get("shards"):
         raise UserError(f"{manifest_path}: not an lmforge dataset manifest")
-    for shard in manifest["shards"]:
+    size = manifest["shard_samples"]
+    for index, shard in enumerate(manifest["shards"]):
         if not (Path(path) / shard["file"]).is_file():
             raise UserError(f"{manifest_path}: shard {shard['file']} is missing")
+        # The feed shuffles whole shards, so every shard but the last is full.
+        if shard["first_sample_id"] != index * size or (shard["num_samples"] != size and index < len(manifest["shards"]) - 1):
+            raise UserError(f"{manifest_path}: shard {shard['file']} does not hold samples {index * size}..{(index + 1) * size - 1}")
     return manifest

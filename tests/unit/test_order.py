@@ -4,14 +4,22 @@ global batches for any number of DP ranks, resumable from a step."""
 import numpy as np
 import pytest
 
-from lmforge.data.feed import BatchLayout, GlobalOrder
+from lmforge.data.order import BatchLayout, GlobalOrder
 
 
-def test_each_epoch_is_a_permutation_and_epochs_differ():
-    order = GlobalOrder(num_samples=50, seed=7)
-    first, second = order.ids(0, 50), order.ids(50, 50)
-    assert sorted(first.tolist()) == list(range(50)) == sorted(second.tolist())
+@pytest.mark.parametrize("n, block, window", [(50, 4, 3), (1000, 256, 16), (7, 256, 16), (999, 10, 1)])
+def test_each_epoch_is_a_permutation_and_epochs_differ(n, block, window):
+    order = GlobalOrder(num_samples=n, seed=7, block=block, window=window)
+    first, second = order.ids(0, n), order.ids(n, n)
+    assert sorted(first.tolist()) == list(range(n)) == sorted(second.tolist())
     assert not np.array_equal(first, second)
+
+
+def test_a_span_touches_few_blocks_so_reads_stay_local():
+    order = GlobalOrder(num_samples=100_000, seed=0, block=256, window=4)
+    ids = order.ids(5_000, 512)
+    assert len(np.unique(ids // 256)) <= 2 * 4
+    assert len(np.unique(order.ids(0, 100_000) // 256)) == -(-100_000 // 256)
 
 
 def test_order_is_a_pure_function_of_seed():
