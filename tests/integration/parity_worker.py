@@ -55,6 +55,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump({"losses": losses}, f)
+    dist.barrier()  # no rank tears gloo down while a peer still uses it
     dist.destroy_process_group()
 
 

@@ -56,4 +56,5 @@ class Worker:
         import torch.distributed as dist
 
         if dist.is_initialized():
+            dist.barrier()  # no rank tears gloo down while a peer still uses it
             dist.destroy_process_group()
