@@ -82,6 +82,7 @@ def _run(plan: Plan, manifest: dict, console: Console, show_progress: bool) -> d
     if plan.resume_from:
         view.print(f"resuming {spec.name} from step {plan.start_step} ({plan.resume_from.path})")
     last: dict = {}
+    waits = WaitTally()
     latest_ckpt = plan.resume_from.path if plan.resume_from else None
     status = "FAILED"
     try:
@@ -94,6 +95,7 @@ def _run(plan: Plan, manifest: dict, console: Console, show_progress: bool) -> d
                     latest_ckpt = _handle(event, view, run_dir, tracker) or latest_ckpt
                     if event["event"] == "step":
                         last = event
+                        waits.add(event)
                 if ready:
                     result = ray.get(done)
                     break
@@ -110,6 +112,7 @@ def _run(plan: Plan, manifest: dict, console: Console, show_progress: bool) -> d
         "start_step": plan.start_step,
         "tokens": result["step"] * spec.train.global_batch * spec.train.seq_len,
         "wall_seconds": round(time.time() - began, 2),
+        **waits.summary(),
         "world_size": result["world_size"],
         "run_dir": os.path.abspath(spec.run_dir),
         "latest_checkpoint": latest_ckpt,
@@ -118,6 +121,28 @@ def _run(plan: Plan, manifest: dict, console: Console, show_progress: bool) -> d
     }
     run_dir.write_summary(summary)
     return summary
+
+
+class WaitTally:
+    """Time the trainer waited on data, as a share of step time. The first step of
+    a launch also waits for the reader to start, so it is reported apart."""
+
+    def __init__(self):
+        self.first_wait, self.wait, self.step_time, self.steps = None, 0.0, 0.0, 0
+
+    def add(self, event: dict) -> None:
+        if self.first_wait is None:
+            self.first_wait = event["data_wait"]
+            return
+        self.wait += event["data_wait"]
+        self.step_time += event["step_time"]
+        self.steps += 1
+
+    def summary(self) -> dict:
+        return {
+            "first_step_data_wait_seconds": round(self.first_wait or 0.0, 3),
+            "data_wait_fraction": round(self.wait / self.step_time, 5) if self.step_time else None,
+        }
 
 
 def _handle(event: dict, view: ProgressView, run_dir: RunDir, tracker) -> Optional[str]:

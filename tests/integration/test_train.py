@@ -33,6 +33,7 @@ def test_two_workers_train_and_loss_decreases(uninterrupted):
     assert (losses[7] + losses[8]) / 2 < losses[1] - 0.3, losses
     assert summary["final_step"] == 8 and summary["world_size"] == 2
     assert summary["final_loss"] == pytest.approx(losses[8])
+    assert 0 <= summary["data_wait_fraction"] < 0.5
 
 
 def test_run_dir_files_and_checkpoints(uninterrupted):

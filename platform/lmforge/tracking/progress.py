@@ -17,6 +17,7 @@ class ProgressView:
         self.live = enabled and self.console.is_terminal
         self.every = max(1, total_steps // 20)
         self._last_line = 0.0
+        self._recent: list[float] = []
         self.progress = None
         if self.live:
             self.progress = Progress(
@@ -63,10 +64,18 @@ class ProgressView:
             self.progress.update(self.task, completed=event["step"], loss=loss, tps=tps)
             return
         now = time.time()
+        self._recent.append(event["step_time"])
         if event["step"] % self.every == 0 or event["step"] == self.total or now - self._last_line > 30:
             self._last_line = now
+            window = self._recent[-20:]
+            eta = (self.total - event["step"]) * sum(window) / len(window)
             self.console.print(
                 f"step {event['step']}/{self.total}  loss {loss}  lr {event['lr']:.2e}  "
-                f"{tps} tok/s  data wait {event['data_wait'] * 1000:.1f} ms",
+                f"{tps} tok/s  data wait {event['data_wait'] * 1000:.1f} ms  ETA {_clock(eta)}",
                 highlight=False,
             )
+
+
+def _clock(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}"
