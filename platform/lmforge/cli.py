@@ -9,7 +9,7 @@ import argparse
 import json
 import sys
 
-from lmforge.errors import UserError
+from lmforge.errors import TrainingFailed, UserError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -122,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
         return _cmd_train(args)
     except UserError as err:
         print(f"lmforge: error: {err}", file=sys.stderr)
+        return err.exit_code
+    except TrainingFailed as err:
+        print(f"lmforge: training failed: {err}", file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:
         print("lmforge: interrupted", file=sys.stderr)

@@ -9,3 +9,10 @@ class UserError(Exception):
     """Bad input: printed as one line, exit code 2, nothing started."""
 
     exit_code = 2
+
+
+class TrainingFailed(RuntimeError):
+    """A rank or the controller raised during training: printed as one line with
+    where the full traceback was saved, exit code 1."""
+
+    exit_code = 1

@@ -19,6 +19,7 @@ from rich.console import Console
 from lmforge.cluster.controller import Controller
 from lmforge.cluster.runtime import check_capacity, connect
 from lmforge.data.prepare import PrepareOptions, prepare_dataset, read_manifest
+from lmforge.errors import TrainingFailed, UserError
 from lmforge.plan import Plan, check_dataset, preflight
 from lmforge.spec import JobSpec, load_spec
 from lmforge.tracking.progress import ProgressView
@@ -85,8 +86,8 @@ def _run(plan: Plan, manifest: dict, console: Console, show_progress: bool) -> d
     waits = WaitTally()
     latest_ckpt = plan.resume_from.path if plan.resume_from else None
     status = "FAILED"
+    controller = Controller.options(runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}}).remote(spec.model_dump(mode="json"), manifest)
     try:
-        controller = Controller.options(runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}}).remote(spec.model_dump(mode="json"), manifest)
         done = controller.run.remote()
         with view:
             while True:
@@ -102,7 +103,10 @@ def _run(plan: Plan, manifest: dict, console: Console, show_progress: bool) -> d
         for event in ray.get(controller.drain.remote()):
             latest_ckpt = _handle(event, view, run_dir, tracker) or latest_ckpt
         status = "FINISHED"
+    except ray.exceptions.RayTaskError as err:
+        raise _failure(err, run_dir) from None
     finally:
+        ray.kill(controller)
         if tracker:
             tracker.finish(status)
     summary = {
@@ -121,6 +125,16 @@ def _run(plan: Plan, manifest: dict, console: Console, show_progress: bool) -> d
     }
     run_dir.write_summary(summary)
     return summary
+
+
+def _failure(err: ray.exceptions.RayTaskError, run_dir: RunDir) -> Exception:
+    cause = err.cause if isinstance(err.cause, BaseException) else err
+    if isinstance(cause, UserError):
+        return cause
+    path = run_dir.path / "error.txt"
+    path.write_text(str(err))
+    first_line = (str(cause).strip().splitlines() or [""])[0]
+    return TrainingFailed(f"{type(cause).__name__}: {first_line} (traceback in {path})")
 
 
 class WaitTally:

@@ -86,3 +86,19 @@ def full_run_dir(summary):
     from pathlib import Path
 
     return Path(summary["run_dir"])
+
+
+def test_a_failing_rank_tears_the_group_down_with_one_message(ray_session, tiny_dataset, tmp_path):
+    import shutil
+
+    from lmforge.errors import TrainingFailed
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_dataset, broken)
+    for shard in broken.glob("shard-*.parquet"):
+        shard.write_bytes(b"not parquet")  # readable manifest, unreadable shards
+    with pytest.raises(TrainingFailed, match="traceback in") as err:
+        sdk.train(spec_from_dict(tiny_job(tmp_path, broken)), show_progress=False)
+    assert "\n" not in str(err.value)
+    assert (tmp_path / "runs" / "tiny" / "error.txt").read_text()
+    assert not (tmp_path / "runs" / "tiny" / "summary.json").exists()
