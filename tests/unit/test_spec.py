@@ -35,6 +35,7 @@ def test_overrides_are_parsed_as_yaml_values():
         (["train.precision=fp8"], "train.precision"),
         (["resources.workers=3"], "resources.workers"),
         (["train.seq_len=4096"], "train.seq_len"),
+        (["data.path= "], "data.path: must not be empty"),
     ],
 )
 def test_contradictions_name_the_field(overrides, field):

@@ -29,7 +29,12 @@ class EpochStream:
         ctx = ray.data.DataContext.get_current()
         ctx.execution_options.preserve_order = True  # bounds what is held: files arrive in block order
         ctx.enable_progress_bars = False
-        ds = ray.data.read_parquet([paths[b] for b in blocks], num_cpus=0.25, columns=["sample_id", "tokens"])
+        # The V2 Parquet path (Ray 2.60) delivers nothing until every file is read and
+        # takes ~50 ms a file here; V1 streams the same shards 10x faster.
+        ctx.use_datasource_v2 = False
+        # Two read tasks per rank keep the stream ahead without starting dozens of
+        # worker processes on a small machine.
+        ds = ray.data.read_parquet([paths[b] for b in blocks], num_cpus=0.25, concurrency=2, columns=["sample_id", "tokens"])
         self._batches: Iterator = iter(ds.iter_batches(batch_format="pyarrow", batch_size=None, prefetch_batches=2))
         self.samples: dict[int, np.ndarray] = {}
 

@@ -44,7 +44,7 @@ class ProgressView:
 
     def print(self, message: str) -> None:
         if self.enabled:
-            self.console.print(message, highlight=False)
+            self.console.print(message, highlight=False, soft_wrap=True)
 
     def layout(self, ranks: list[dict]) -> None:
         if not self.enabled:
@@ -73,6 +73,7 @@ class ProgressView:
                 f"step {event['step']}/{self.total}  loss {loss}  lr {event['lr']:.2e}  "
                 f"{tps} tok/s  data wait {event['data_wait'] * 1000:.1f} ms  ETA {_clock(eta)}",
                 highlight=False,
+                soft_wrap=True,
             )
 
 
