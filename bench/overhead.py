@@ -6,7 +6,7 @@ same AdamW, schedule and clipping; the losses are checked equal, then tokens/s
 are compared. Runs alternate A/B several times and the medians are compared,
 since machines here are shared and noisy.
 
-    python bench/overhead.py [--steps 40] [--repeats 3]
+    python bench/overhead.py [--steps 100] [--warmup 10] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -99,8 +99,8 @@ def run_baseline(spec, batches, warmup: int) -> tuple[float, list[float]]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(1)
