@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from lmforge.errors import TrainingFailed, UserError
@@ -111,6 +112,8 @@ def _cmd_train(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    # Ray Data logs every dataset execution at INFO; the CLI shows its own progress.
+    os.environ.setdefault("RAY_DATA_LOG_LEVEL", "WARNING")
     try:
         if args.command == "version":
             from lmforge import __version__

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 from lmforge.checkpoint.store import CheckpointStore, CommittedCheckpoint
-from lmforge.data.corpus import list_files
+from lmforge.data.corpus import list_files, source_kind
 from lmforge.data.prepare import MANIFEST, read_manifest
 from lmforge.errors import UserError
 from lmforge.spec import JobSpec
@@ -64,7 +64,7 @@ def preflight(spec: JobSpec) -> Plan:
     elif spec.data.source is None:
         raise UserError(f"data.path: {spec.data.path} holds no prepared dataset and data.source is not set")
     else:
-        list_files(spec.data.source)  # fails on a missing or empty source
+        source_kind(list_files(spec.data.source))  # fails on a missing, empty or unsupported source
         if spec.data.tokenizer is None and spec.data.vocab_size > spec.model_arch.vocab_size:
             raise UserError(
                 f"data.vocab_size: {spec.data.vocab_size} is larger than model.vocab_size {spec.model_arch.vocab_size}"

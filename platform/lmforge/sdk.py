@@ -18,6 +18,7 @@ from rich.console import Console
 
 from lmforge.cluster.controller import Controller
 from lmforge.cluster.runtime import check_capacity, connect
+from lmforge.data.corpus import list_files, source_kind
 from lmforge.data.prepare import PrepareOptions, prepare_dataset, read_manifest
 from lmforge.errors import TrainingFailed, UserError
 from lmforge.plan import Plan, check_dataset, preflight
@@ -30,6 +31,7 @@ load = load_spec
 
 def prepare(opts: PrepareOptions, address: Optional[str] = None) -> dict:
     """Tokenize and pack a corpus into Parquet shards; returns the manifest."""
+    source_kind(list_files(opts.source))  # bad sources fail before Ray starts
     started = connect(address)
     try:
         return prepare_dataset(opts)

@@ -21,7 +21,6 @@ def connect(address: str | None = None) -> bool:
     """Initialize Ray once. Returns True when this call started an embedded cluster."""
     if ray.is_initialized():
         return False
-    logging.getLogger("ray.data").setLevel(logging.WARNING)  # no per-dataset INFO lines
     address = address or os.environ.get("RAY_ADDRESS")
     quiet = {"log_to_driver": False, "logging_level": logging.WARNING, "configure_logging": True}
     if address:

@@ -63,21 +63,28 @@ def _decode(batch: dict) -> dict:
     return {"text": texts, "bad": bad}
 
 
+def source_kind(files: list[str]) -> str:
+    """`text`, `json` or `parquet`; a `UserError` for anything else or a mix."""
+    suffixes = {Path(f).suffix.lower() for f in files}
+    for kind, known in (("text", TEXT_SUFFIXES), ("json", JSON_SUFFIXES), ("parquet", PARQUET_SUFFIXES)):
+        if suffixes <= known:
+            return kind
+    raise UserError(
+        f"data.source: mixed or unsupported file types {sorted(suffixes)}; "
+        "use text files (.txt/.md/.py), JSON lines (.jsonl) or Parquet"
+    )
+
+
 def read_documents(files: list[str], text_column: str) -> ray.data.Dataset:
     """One document per text file, per JSON line, or per Parquet row, in file order."""
-    suffixes = {Path(f).suffix.lower() for f in files}
-    if suffixes <= TEXT_SUFFIXES:
+    kind = source_kind(files)
+    if kind == "text":
         raw = ray.data.read_binary_files(files, num_cpus=0.25)
         return raw.map_batches(_decode, batch_format="numpy", num_cpus=0.25)
-    if suffixes <= JSON_SUFFIXES:
+    if kind == "json":
         ds = ray.data.read_json(files, lines=True, num_cpus=0.25)
-    elif suffixes <= PARQUET_SUFFIXES:
-        ds = ray.data.read_parquet(files, num_cpus=0.25)
     else:
-        raise UserError(
-            f"data.source: mixed or unsupported file types {sorted(suffixes)}; "
-            "use text files (.txt/.md/.py), JSON lines (.jsonl) or Parquet"
-        )
+        ds = ray.data.read_parquet(files, num_cpus=0.25)
     if text_column not in ds.schema().names:
         raise UserError(f"data.text_column: {text_column!r} is not a column of {files[0]} (has {ds.schema().names})")
 
