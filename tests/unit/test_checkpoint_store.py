@@ -9,7 +9,7 @@ from lmforge.errors import UserError
 
 
 def _fake_step(store: CheckpointStore, step: int, commit: bool = True):
-    path = store._fs_path(store.step_path(step))
+    path = store.fs_path(store.step_path(step))
     store.fs.makedirs(path, exist_ok=True)
     with store.fs.open(path + "/__0_0.distcp", "wb") as f:
         f.write(b"x" * step)

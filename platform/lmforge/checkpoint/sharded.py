@@ -13,20 +13,20 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
-from lmforge.checkpoint.store import CheckpointStore, CommittedCheckpoint, _join
+from lmforge.checkpoint.store import CheckpointStore, CommittedCheckpoint, join_path
 from lmforge.engines.base import Engine
 
 
 def _writer(store: CheckpointStore, path: str):
-    return FsspecWriter(path) if store.is_uri else dcp.FileSystemWriter(store._fs_path(path))
+    return FsspecWriter(path) if store.is_uri else dcp.FileSystemWriter(store.fs_path(path))
 
 
 def _reader(store: CheckpointStore, path: str):
-    return FsspecReader(path) if store.is_uri else dcp.FileSystemReader(store._fs_path(path))
+    return FsspecReader(path) if store.is_uri else dcp.FileSystemReader(store.fs_path(path))
 
 
 def _rng_file(path: str, rank: int) -> str:
-    return _join(path, "rng", f"rank_{rank:05d}.safetensors")
+    return join_path(path, "rng", f"rank_{rank:05d}.safetensors")
 
 
 def save_checkpoint(store: CheckpointStore, step: int, engine: Engine, trainer_state: dict, keep: int) -> list[int]:
@@ -38,8 +38,8 @@ def save_checkpoint(store: CheckpointStore, step: int, engine: Engine, trainer_s
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
-    store.fs.makedirs(store._fs_path(_join(path, "rng")), exist_ok=True)
-    with store.fs.open(store._fs_path(_rng_file(path, rank)), "wb") as f:
+    store.fs.makedirs(store.fs_path(join_path(path, "rng")), exist_ok=True)
+    with store.fs.open(store.fs_path(_rng_file(path, rank)), "wb") as f:
         f.write(save_safetensors(rng))
     dist.barrier()
     pruned: list[int] = []
@@ -55,7 +55,7 @@ def load_checkpoint(store: CheckpointStore, ckpt: CommittedCheckpoint, engine: E
     tensors, _ = engine.state_dict()
     dcp.load(tensors, storage_reader=_reader(store, ckpt.path))
     engine.load_state_dict(tensors, ckpt.state["engine"])
-    rng_path = store._fs_path(_rng_file(ckpt.path, dist.get_rank()))
+    rng_path = store.fs_path(_rng_file(ckpt.path, dist.get_rank()))
     # A rank that did not exist when the checkpoint was saved keeps its seeded RNG.
     if store.fs.exists(rng_path):
         with store.fs.open(rng_path, "rb") as f:

@@ -34,7 +34,7 @@ class CommittedCheckpoint:
     state: dict
 
 
-def _join(root: str, *parts: str) -> str:
+def join_path(root: str, *parts: str) -> str:
     return "/".join([root.rstrip("/"), *parts])
 
 
@@ -45,9 +45,9 @@ class CheckpointStore:
         self.is_uri = "://" in root and not root.startswith("file://")
 
     def step_path(self, step: int) -> str:
-        return _join(self.root, f"step_{step:08d}")
+        return join_path(self.root, f"step_{step:08d}")
 
-    def _fs_path(self, path: str) -> str:
+    def fs_path(self, path: str) -> str:
         return fsspec.core.url_to_fs(path)[1]
 
     def check_usable(self) -> None:
@@ -78,13 +78,13 @@ class CheckpointStore:
         except FileNotFoundError:
             return []
         steps = sorted(int(m.group(1)) for n in names if (m := STEP_DIR.match(n)))
-        return [s for s in steps if self.fs.exists(self._fs_path(_join(self.step_path(s), COMMIT)))]
+        return [s for s in steps if self.fs.exists(self.fs_path(join_path(self.step_path(s), COMMIT)))]
 
     def latest(self) -> Optional[CommittedCheckpoint]:
         for step in reversed(self.committed()):
             path = self.step_path(step)
             try:
-                with self.fs.open(self._fs_path(_join(path, STATE))) as f:
+                with self.fs.open(self.fs_path(join_path(path, STATE))) as f:
                     state = json.load(f)
                 return CommittedCheckpoint(step=step, path=path, state=state)
             except (OSError, json.JSONDecodeError) as err:
@@ -92,24 +92,24 @@ class CheckpointStore:
         return None
 
     def write_state(self, step: int, state: dict) -> None:
-        with self.fs.open(self._fs_path(_join(self.step_path(step), STATE)), "w") as f:
+        with self.fs.open(self.fs_path(join_path(self.step_path(step), STATE)), "w") as f:
             json.dump(state, f, indent=2)
 
     def commit(self, step: int) -> None:
         """Write the commit marker last: sizes and checksums of every file in the step."""
-        base = self._fs_path(self.step_path(step))
+        base = self.fs_path(self.step_path(step))
         files = {}
         for path in sorted(self.fs.find(base)):
             rel = path[len(base.rstrip("/")) + 1 :]
             with self.fs.open(path, "rb") as f:
                 data = f.read()
             files[rel] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-        with self.fs.open(_join(base, COMMIT), "w") as f:
+        with self.fs.open(join_path(base, COMMIT), "w") as f:
             json.dump({"step": step, "files": files}, f, indent=2)
 
     def prune(self, keep: int) -> list[int]:
         """Delete all but the newest `keep` committed checkpoints; returns the removed steps."""
         removed = self.committed()[:-keep]
         for step in removed:
-            self.fs.rm(self._fs_path(self.step_path(step)), recursive=True)
+            self.fs.rm(self.fs_path(self.step_path(step)), recursive=True)
         return removed

@@ -16,6 +16,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from lmforge.cluster import placement
 from lmforge.cluster.runtime import WORKER_ENV
 from lmforge.cluster.worker import Worker
+from lmforge.spec import JobSpec
 
 
 @ray.remote(num_cpus=0, max_concurrency=8)
@@ -39,10 +40,9 @@ class Controller:
 
     def run(self) -> dict:
         controller_handle = ray.get_runtime_context().current_actor
-        res = self.spec_dict.get("resources", {})
-        par = self.spec_dict.get("parallel", {})
-        world = par.get("dp", 1) * par.get("tp", 1) * par.get("pp", 1)
-        cpus, gpus = res.get("cpus_per_worker", 1.0), res.get("gpus_per_worker", 0.0)
+        spec = JobSpec.model_validate(self.spec_dict)
+        world = spec.world_size
+        cpus, gpus = spec.resources.cpus_per_worker, spec.resources.gpus_per_worker
         self._pg = placement.reserve(world, cpus, gpus, self.placement_timeout_s)
         try:
             self._start_workers(world, cpus, gpus)
