@@ -52,6 +52,9 @@ class ParallelSpec(_Section):
     # 3: shard params, grads and optimizer state (reshard after forward);
     # 2: keep params gathered between forward and backward; 0: replicate (DDP).
     zero: Literal[0, 2, 3] = 3
+    sequence_parallel: bool = Field(True, description="with tp > 1: shard norms and residuals along the sequence")
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    ac_every: int = Field(2, ge=1, description="selective: checkpoint every k-th block")
 
     @property
     def world_size(self) -> int:
@@ -152,13 +155,26 @@ class JobSpec(_Section):
                 f"train.global_batch: {self.train.global_batch} is not divisible by "
                 f"micro_batch x dp = {self.train.micro_batch} x {self.parallel.dp}"
             )
-        if self.parallel.tp > 1 or self.parallel.pp > 1:
-            raise ValueError("parallel.tp/pp: tensor and pipeline parallelism are not available yet; use tp: 1, pp: 1")
+        self._check_tensor_parallel(model)
+        if self.parallel.pp > 1:
+            raise ValueError("parallel.pp: pipeline parallelism is not available yet; use pp: 1")
         if self.resources.workers is not None and self.resources.workers != self.parallel.world_size:
             raise ValueError(
                 f"resources.workers: {self.resources.workers} != pp x dp x tp = {self.parallel.world_size}"
             )
         return self
+
+    def _check_tensor_parallel(self, model: ModelConfig) -> None:
+        tp = self.parallel.tp
+        if tp == 1:
+            return
+        for field, value in (("n_heads", model.n_heads), ("n_kv_heads", model.n_kv_heads), ("ffn_hidden", model.ffn_hidden), ("vocab_size", model.vocab_size)):
+            if value % tp:
+                raise ValueError(f"model.{field}: {value} is not divisible by parallel.tp {tp}")
+        if model.tie_embeddings:
+            raise ValueError("model.tie_embeddings: not supported with parallel.tp > 1 (embedding and head are sharded differently)")
+        if self.parallel.sequence_parallel and self.train.seq_len % tp:
+            raise ValueError(f"train.seq_len: {self.train.seq_len} is not divisible by parallel.tp {tp} (sequence parallel)")
 
     # Derived values used across the job; kept here so every module agrees.
     @property

@@ -28,17 +28,17 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     world = dist.get_world_size()
-    spec = spec_from_dict(
-        {
-            "name": "parity",
-            "model": {"preset": "tiny", "vocab_size": 256},
-            "parallel": {"dp": world},
-            "optim": {"lr": 1e-2, "warmup_steps": 2},
-            "train": {"global_batch": 8, "micro_batch": 8 // world // 2, "seq_len": 16, "max_steps": STEPS},
-            "data": {"path": "unused"},
-        },
-        [f"parallel.dp={world}", *args.overrides],
-    )
+    base = {
+        "name": "parity",
+        "model": {"preset": "tiny", "vocab_size": 256},
+        "optim": {"lr": 1e-2, "warmup_steps": 2},
+        "train": {"global_batch": 8, "micro_batch": 2, "seq_len": 16, "max_steps": STEPS},
+        "data": {"path": "unused"},
+    }
+    tp = spec_from_dict(base, args.overrides).parallel.tp
+    dp = world // tp
+    # Two micro-batches per rank whatever the layout, so accumulation is exercised.
+    spec = spec_from_dict(base, [*args.overrides, f"parallel.dp={dp}", f"train.micro_batch={8 // dp // 2}"])
     p = spec.parallel
     dims = build_mesh("cpu", MeshShape.for_layout(p.pp, p.dp, p.tp, p.zero))
     engine = create_engine(spec, dims, torch.device("cpu"))
@@ -49,7 +49,7 @@ def main() -> None:
         start = torch.randint(0, 256, (8, 1), generator=gen)
         stride = torch.randint(1, 4, (8, 1), generator=gen)
         global_batch = (start + stride * torch.arange(17)) % 256
-        share = global_batch.view(world, -1, 17)[dims.dp_rank]
+        share = global_batch.view(dp, -1, 17)[dims.dp_rank]
         stats = engine.train_step(share.view(spec.grad_accum, spec.train.micro_batch, 17))
         losses.append(stats.loss)
     if dist.get_rank() == 0:

@@ -1,7 +1,8 @@
-"""Data-parallel layouts of the native engine train exactly like one process.
+"""Parallel layouts of the native engine train like one process.
 
 Each case is a real torchrun launch with gloo process groups (no Ray: parity is
-about the engine). fp32 must match one process within 1e-5 relative; bf16
+about the engine). fp32 must match one process within 1e-5 relative for data
+parallelism, 1e-4 with tensor parallelism (its partial sums add in another order); bf16
 (FSDP2 mixed precision, fp32 reduction) within 2e-2.
 """
 
@@ -48,6 +49,24 @@ def test_dp2_matches_one_process(reference, tmp_path, zero):
     got = losses(tmp_path, 2, f"parallel.zero={zero}")
     assert got == pytest.approx(reference, rel=1e-5)
     assert got[-1] < got[0]
+
+
+@pytest.mark.parametrize("ac", ["none", "full"])
+@pytest.mark.parametrize("sp", [True, False], ids=["sp", "no-sp"])
+def test_tp2_matches_one_process(reference, tmp_path, sp, ac):
+    got = losses(tmp_path, 2, "parallel.tp=2", f"parallel.sequence_parallel={sp}", f"parallel.activation_checkpointing={ac}")
+    assert got == pytest.approx(reference, rel=1e-4)
+
+
+@pytest.mark.parametrize("ac", ["none", "selective"])
+def test_fsdp2_x_tp2_matches_one_process(reference, tmp_path, ac):
+    got = losses(tmp_path, 4, "parallel.tp=2", f"parallel.activation_checkpointing={ac}", "parallel.ac_every=1")
+    assert got == pytest.approx(reference, rel=1e-4)
+
+
+def test_activation_checkpointing_does_not_change_the_numbers(reference, tmp_path):
+    got = losses(tmp_path, 1, "parallel.activation_checkpointing=full")
+    assert got == pytest.approx(reference, rel=1e-6)
 
 
 def test_bf16_is_close_to_fp32(reference, tmp_path):

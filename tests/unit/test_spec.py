@@ -36,6 +36,12 @@ def test_overrides_are_parsed_as_yaml_values():
         (["resources.workers=3"], "resources.workers"),
         (["train.seq_len=4096"], "train.seq_len"),
         (["data.path= "], "data.path: must not be empty"),
+        (["parallel.tp=3", "model.n_heads=6", "model.dim=96"], "model.n_kv_heads: 2 is not divisible by parallel.tp 3"),
+        (["parallel.tp=8"], "model.n_heads: 4 is not divisible by parallel.tp 8"),
+        (["parallel.tp=2", "train.seq_len=33"], "train.seq_len: 33 is not divisible by parallel.tp 2"),
+        (["parallel.tp=2", "model.tie_embeddings=true"], "model.tie_embeddings"),
+        (["parallel.pp=2"], "parallel.pp"),
+        (["parallel.activation_checkpointing=some"], "parallel.activation_checkpointing"),
     ],
 )
 def test_contradictions_name_the_field(overrides, field):

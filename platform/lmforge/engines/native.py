@@ -1,21 +1,26 @@
 """The native engine: a plain model parallelized with PyTorch's own building blocks.
 
-Order of application follows TorchTitan: (TP, activation checkpointing, compile
-arrive with the 3D work) then FSDP2. AdamW with warmup + cosine, gradient
+Order of application follows TorchTitan: tensor parallel, activation
+checkpointing, then FSDP2. AdamW with warmup + cosine, gradient
 accumulation without gradient sync until the last micro-batch, global-norm clipping.
 """
 
 from __future__ import annotations
+
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from lmforge.engines.base import Engine, StepStats, warmup_cosine
 from lmforge.models import build_model
+from lmforge.parallel.checkpointing import apply_activation_checkpointing
 from lmforge.parallel.fsdp import apply_fsdp, needs_wrapping
+from lmforge.parallel.tensor import apply_tensor_parallel
 from lmforge.parallel.mesh import ParallelDims
 
 
@@ -23,9 +28,15 @@ class NativeEngine(Engine):
     def __init__(self, spec, dims: ParallelDims, device: torch.device):
         self.dims, self.device = dims, device
         model = build_model(spec.model_arch, device=device, seed=spec.train.seed)
+        p = spec.parallel
+        # TorchTitan's order: tensor parallel, then activation checkpointing, then FSDP.
+        self.tensor_parallel = dims.shape.tp > 1
+        if self.tensor_parallel:
+            apply_tensor_parallel(model, dims.tp_mesh, p.sequence_parallel)
+        apply_activation_checkpointing(model, p.activation_checkpointing, p.ac_every)
         self.sharded = needs_wrapping(dims, spec.train.precision)
         if self.sharded:
-            model = apply_fsdp(model, dims, spec.parallel.zero, spec.train.precision)
+            model = apply_fsdp(model, dims, p.zero, spec.train.precision)
         self.model = model
         opt = spec.optim
         self.optimizer = torch.optim.AdamW(
@@ -44,12 +55,16 @@ class NativeEngine(Engine):
         for i, batch in enumerate(micro_batches.to(self.device, non_blocking=True)):
             if self.sharded:
                 self.model.set_requires_gradient_sync(i == accum - 1)
-            logits = self.model(batch[:, :-1])
-            # Every sample has the same token count, so the mean of micro-batch means
-            # is the global-batch mean; FSDP averages over DP ranks.
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten()) / accum
-            loss.backward()
-            loss_sum += loss.detach()
+            # With TP the logits are vocabulary-sharded DTensors: loss_parallel computes
+            # the cross-entropy without gathering them.
+            with loss_parallel() if self.tensor_parallel else nullcontext():
+                logits = self.model(batch[:, :-1])
+                # Every sample has the same token count, so the mean of micro-batch means
+                # is the global-batch mean; FSDP averages over DP ranks.
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten()) / accum
+                loss.backward()
+            loss = loss.detach()
+            loss_sum += loss.full_tensor() if isinstance(loss, DTensor) else loss
         lr = self.scheduler.get_last_lr()[0]
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip or float("inf"))
         if isinstance(grad_norm, DTensor):

@@ -24,5 +24,6 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, zero: int, precision: str) 
 
 
 def needs_wrapping(dims: ParallelDims, precision: str) -> bool:
-    """One fp32 rank needs no FSDP at all; bf16 still uses FSDP2's mixed precision."""
+    """One fp32 data-parallel rank needs no FSDP at all (with or without TP); bf16
+    still uses FSDP2's mixed precision."""
     return dims.shape.dp > 1 or precision != "fp32"

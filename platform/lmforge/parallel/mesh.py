@@ -48,6 +48,10 @@ class ParallelDims:
         return self.mesh["dp_replicate", "dp_shard"]
 
     @property
+    def tp_mesh(self) -> DeviceMesh:
+        return self.mesh["tp"]
+
+    @property
     def dp_group(self) -> dist.ProcessGroup:
         return self.mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group()
 

@@ -1,0 +1,68 @@
+"""Tensor parallelism with DTensor: the Megatron split of every block, applied from outside.
+
+Attention and MLP input projections are column-parallel and output projections
+row-parallel; the embedding is sharded over the vocabulary and the output head
+produces vocabulary-sharded logits for loss parallelism. With sequence
+parallelism the norms and residual stream are sharded along the sequence.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+
+def _replicate(module: nn.Module, mesh: DeviceMesh) -> None:
+    """Parameters as replicated DTensors, plain tensors in and out: keeps every
+    parameter on the TP mesh (one mesh for grad clipping and FSDP) without SP."""
+
+    def to_dtensor(_mod, inputs, device_mesh):
+        return tuple(DTensor.from_local(x, device_mesh, [Replicate()], run_check=False) for x in inputs)
+
+    def to_local(_mod, output, _device_mesh):
+        return output.to_local()
+
+    distribute_module(module, mesh, input_fn=to_dtensor, output_fn=to_local)
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    residual = Shard(1) if sequence_parallel else Replicate()
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),
+            "output": ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False),
+        },
+    )
+    if sequence_parallel:
+        parallelize_module(model.norm, tp_mesh, SequenceParallel())
+    else:
+        _replicate(model.norm, tp_mesh)
+    for block in model.layers.values():
+        plan = {
+            # cos and sin (the 2nd and 3rd inputs) are plain tensors, the same on every rank.
+            "attention": PrepareModuleInput(input_layouts=(residual, None, None), desired_input_layouts=(Replicate(), None, None)),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=residual),
+            "feed_forward": PrepareModuleInput(input_layouts=(residual,), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=residual),
+            "feed_forward.w3": ColwiseParallel(),
+        }
+        if sequence_parallel:
+            plan |= {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()}
+        else:
+            _replicate(block.attention_norm, tp_mesh)
+            _replicate(block.ffn_norm, tp_mesh)
+        parallelize_module(block, tp_mesh, plan)
