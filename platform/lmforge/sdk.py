@@ -85,6 +85,7 @@ def _run(plan: Plan, manifest: dict, console: Console, show_progress: bool) -> d
     if plan.resume_from:
         view.print(f"resuming {spec.name} from step {plan.start_step} ({plan.resume_from.path})")
     last: dict = {}
+    ranks: list[dict] = []
     waits = WaitTally()
     latest_ckpt = plan.resume_from.path if plan.resume_from else None
     status = "FAILED"
@@ -99,6 +100,8 @@ def _run(plan: Plan, manifest: dict, console: Console, show_progress: bool) -> d
                     if event["event"] == "step":
                         last = event
                         waits.add(event)
+                    elif event["event"] == "layout":
+                        ranks = event["ranks"]
                 if ready:
                     result = ray.get(done)
                     break
@@ -120,6 +123,7 @@ def _run(plan: Plan, manifest: dict, console: Console, show_progress: bool) -> d
         "wall_seconds": round(time.time() - began, 2),
         **waits.summary(),
         "world_size": result["world_size"],
+        "ranks": ranks,
         "run_dir": os.path.abspath(spec.run_dir),
         "latest_checkpoint": latest_ckpt,
         "mlflow_tracking_uri": spec.tracking_uri if tracker else None,

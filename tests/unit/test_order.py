@@ -53,3 +53,14 @@ def test_resuming_at_a_step_continues_the_uninterrupted_sequence():
 def test_accumulation_count():
     layout = BatchLayout(global_batch=32, micro_batch=4, dp=2)
     assert (layout.per_rank, layout.accum) == (16, 4)
+
+
+def test_mesh_coordinates_put_tp_innermost():
+    from lmforge.parallel.mesh import MeshShape
+
+    shape = MeshShape.for_layout(pp=2, dp=2, tp=2, zero=3)
+    coords = [shape.coordinates(r) for r in range(8)]
+    assert coords[0] == {"pp": 0, "dp": 0, "tp": 0}
+    assert coords[1] == {"pp": 0, "dp": 0, "tp": 1}
+    assert coords[2] == {"pp": 0, "dp": 1, "tp": 0}
+    assert coords[7] == {"pp": 1, "dp": 1, "tp": 1}

@@ -16,6 +16,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from lmforge.cluster import placement
 from lmforge.cluster.runtime import WORKER_ENV
 from lmforge.cluster.worker import Worker
+from lmforge.parallel.mesh import MeshShape
 from lmforge.spec import JobSpec
 
 
@@ -43,10 +44,12 @@ class Controller:
         spec = JobSpec.model_validate(self.spec_dict)
         world = spec.world_size
         cpus, gpus = spec.resources.cpus_per_worker, spec.resources.gpus_per_worker
-        self._pg = placement.reserve(world, cpus, gpus, self.placement_timeout_s)
+        tp = spec.parallel.tp
+        self._pg = placement.reserve(world, tp, cpus, gpus, self.placement_timeout_s)
         try:
-            self._start_workers(world, cpus, gpus)
-            layout = self._rendezvous()
+            self._start_workers(world, tp, cpus, gpus)
+            p = spec.parallel
+            layout = self._rendezvous(MeshShape.for_layout(p.pp, p.dp, p.tp, p.zero))
             self.report({"event": "layout", "ranks": layout})
             results = _wait_all([w.train.remote(self.spec_dict, self.manifest, controller_handle) for w in self._workers])
             ray.get([w.shutdown.remote() for w in self._workers])
@@ -54,9 +57,9 @@ class Controller:
         finally:
             self._teardown()
 
-    def _start_workers(self, world: int, cpus: float, gpus: float) -> None:
+    def _start_workers(self, world: int, tp: int, cpus: float, gpus: float) -> None:
         for rank in range(world):
-            strategy = PlacementGroupSchedulingStrategy(placement_group=self._pg, placement_group_bundle_index=rank)
+            strategy = PlacementGroupSchedulingStrategy(placement_group=self._pg, placement_group_bundle_index=placement.bundle_of(rank, tp))
             self._workers.append(
                 Worker.options(
                     num_cpus=cpus, num_gpus=gpus, scheduling_strategy=strategy,
@@ -64,11 +67,11 @@ class Controller:
                 ).remote(rank, world)
             )
 
-    def _rendezvous(self) -> list[dict]:
+    def _rendezvous(self, shape: MeshShape) -> list[dict]:
         addresses = ray.get([w.address.remote() for w in self._workers])
         master_addr, master_port, _ = addresses[0]
         ray.get([w.setup.remote(master_addr, master_port) for w in self._workers])
-        return [{"rank": r, "ip": ip, "node": node[:12]} for r, (ip, _, node) in enumerate(addresses)]
+        return [{"rank": r, **shape.coordinates(r), "ip": ip, "node": node[:12]} for r, (ip, _, node) in enumerate(addresses)]
 
     def _teardown(self) -> None:
         for worker in self._workers:

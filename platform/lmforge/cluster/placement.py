@@ -1,7 +1,8 @@
-"""Placement of rank actors: one bundle per rank in a placement group.
+"""Placement of rank actors: one placement-group bundle per tensor-parallel group.
 
-Bundles are packed so that ranks fill a node before spilling to the next; with
-tensor parallelism this keeps a TP group (consecutive ranks) on one node.
+A bundle always lies on one node, so a TP group (consecutive ranks, sharing one
+bundle) never spans two nodes; bundles are packed so that groups fill a node
+before spilling to the next, which keeps the stages of a pipeline close.
 """
 
 from __future__ import annotations
@@ -12,15 +13,21 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from lmforge.errors import UserError
 
 
-def reserve(workers: int, cpus: float, gpus: float, timeout_s: float) -> PlacementGroup:
-    bundle = {"CPU": cpus} | ({"GPU": gpus} if gpus else {})
-    pg = placement_group([dict(bundle) for _ in range(workers)], strategy="PACK", name="")
+def bundle_of(rank: int, group_size: int) -> int:
+    return rank // group_size
+
+
+def reserve(workers: int, group_size: int, cpus: float, gpus: float, timeout_s: float) -> PlacementGroup:
+    """One bundle of `group_size` ranks' resources per TP group."""
+    bundle = {"CPU": cpus * group_size} | ({"GPU": gpus * group_size} if gpus else {})
+    pg = placement_group([dict(bundle) for _ in range(workers // group_size)], strategy="PACK", name="")
     try:
         ray.get(pg.ready(), timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
         remove_placement_group(pg)
         raise UserError(
-            f"resources: could not place {workers} workers of {bundle} within {timeout_s:.0f}s; "
+            f"resources: could not place {workers // group_size} groups of {group_size} workers ({bundle} each) "
+            f"within {timeout_s:.0f}s; a tensor-parallel group must fit on one node; "
             f"the cluster has {ray.available_resources()} free"
         ) from None
     return pg

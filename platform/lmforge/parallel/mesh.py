@@ -34,6 +34,13 @@ class MeshShape:
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
 
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """(pp, dp, tp) of a global rank; tp varies fastest, so a TP group is
+        consecutive ranks (and one placement bundle)."""
+        pp, rest = divmod(rank, self.dp * self.tp)
+        dp, tp = divmod(rest, self.tp)
+        return {"pp": pp, "dp": dp, "tp": tp}
+
 
 @dataclass
 class ParallelDims:

@@ -50,10 +50,11 @@ class ProgressView:
         if not self.enabled:
             return
         table = Table(title="ranks", show_edge=False)
-        for column in ("rank", "node", "ip"):
+        columns = ("rank", "pp", "dp", "tp", "node", "ip")
+        for column in columns:
             table.add_column(column)
         for r in ranks:
-            table.add_row(str(r["rank"]), r["node"], r["ip"])
+            table.add_row(*(str(r[c]) for c in columns))
         self.console.print(table)
 
     def step(self, event: dict) -> None:
