@@ -2,6 +2,8 @@
 steps on fixed batches with the native engine and (rank 0) writes the losses.
 
     torchrun --nproc-per-node 2 parity_worker.py --out losses.json --set parallel.zero=2
+    torchrun --nproc-per-node 4 parity_worker.py --out a.json --set parallel.tp=2 --save ck --save-at 3
+    torchrun --nproc-per-node 1 parity_worker.py --out b.json --load ck   # steps 4.. only
 """
 
 import argparse
@@ -13,6 +15,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch
 import torch.distributed as dist
 
+from lmforge.checkpoint.sharded import load_checkpoint, save_checkpoint
+from lmforge.checkpoint.store import CheckpointStore
 from lmforge.engines import create_engine
 from lmforge.parallel.mesh import MeshShape, build_mesh
 from lmforge.spec import spec_from_dict
@@ -24,6 +28,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser.add_argument("--save", help="checkpoint directory to save into after --save-at steps")
+    parser.add_argument("--save-at", type=int, default=0)
+    parser.add_argument("--load", help="checkpoint directory to resume from")
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -42,16 +49,26 @@ def main() -> None:
     p = spec.parallel
     dims = build_mesh("cpu", MeshShape.for_layout(p.pp, p.dp, p.tp, p.zero))
     engine = create_engine(spec, dims, torch.device("cpu"))
+    start = 0
+    if args.load:
+        store = CheckpointStore(args.load)
+        ckpt = store.latest()
+        load_checkpoint(store, ckpt, engine)
+        start = ckpt.step
     gen = torch.Generator().manual_seed(0)
     losses = []
-    for _ in range(STEPS):
+    for step in range(STEPS):
         # Learnable sequences (arithmetic progressions) so the loss visibly falls.
-        start = torch.randint(0, 256, (8, 1), generator=gen)
+        start_tok = torch.randint(0, 256, (8, 1), generator=gen)
         stride = torch.randint(1, 4, (8, 1), generator=gen)
-        global_batch = (start + stride * torch.arange(17)) % 256
+        if step < start:
+            continue  # the batch was drawn so the generator stays in step
+        global_batch = (start_tok + stride * torch.arange(17)) % 256
         share = global_batch.view(dp, -1, 17)[dims.dp_rank]
         stats = engine.train_step(share.view(spec.grad_accum, spec.train.micro_batch, 17))
         losses.append(stats.loss)
+        if args.save and step + 1 == args.save_at:
+            save_checkpoint(CheckpointStore(args.save), step + 1, engine, {"step": step + 1}, keep=1)
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump({"losses": losses}, f)

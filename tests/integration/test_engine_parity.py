@@ -19,8 +19,8 @@ import pytest
 WORKER = Path(__file__).with_name("parity_worker.py")
 
 
-def losses(tmp_path, nproc, *overrides):
-    out = tmp_path / f"{nproc}-{'-'.join(overrides) or 'base'}.json"
+def losses(tmp_path, nproc, *overrides, extra=()):
+    out = tmp_path / f"{nproc}-{'-'.join(overrides) or 'base'}-{len(extra)}.json"
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -28,6 +28,7 @@ def losses(tmp_path, nproc, *overrides):
            str(WORKER), "--out", str(out)]
     for item in overrides:
         cmd += ["--set", item]
+    cmd += list(extra)
     env = os.environ | {"OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
     try:
@@ -73,3 +74,18 @@ def test_bf16_is_close_to_fp32(reference, tmp_path):
     got = losses(tmp_path, 2, "train.precision=bf16")
     assert got == pytest.approx(reference, rel=2e-2)
     assert got != pytest.approx(reference, rel=1e-7), "bf16 produced fp32 numbers: mixed precision is not applied"
+
+
+@pytest.fixture(scope="module")
+def fsdp_tp_checkpoint(tmp_path_factory):
+    """Saved after 3 steps by dp 2 x tp 2 (FSDP2 over DTensor TP shards)."""
+    ckpt = tmp_path_factory.mktemp("ckpt")
+    losses(ckpt, 4, "parallel.tp=2", extra=["--save", str(ckpt / "ck"), "--save-at", "3"])
+    return ckpt / "ck"
+
+
+@pytest.mark.parametrize("nproc, layout", [(4, []), (2, ["parallel.tp=2"]), (1, [])], ids=["dp4", "tp2", "one-rank"])
+def test_checkpoint_reshards_to_any_layout(reference, fsdp_tp_checkpoint, tmp_path, nproc, layout):
+    got = losses(tmp_path, nproc, *layout, extra=["--load", str(fsdp_tp_checkpoint)])
+    assert len(got) == 3
+    assert got == pytest.approx(reference[3:], rel=1e-4)
