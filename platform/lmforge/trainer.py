@@ -21,6 +21,7 @@ from lmforge.data.order import BatchLayout, GlobalOrder
 from lmforge.engines import create_engine
 from lmforge.parallel.mesh import MeshShape, build_mesh
 from lmforge.spec import JobSpec
+from lmforge.tracking.flops import mfu, peak_flops
 
 Reporter = Callable[[dict], None]
 
@@ -49,6 +50,8 @@ class Trainer:
             prefetch_steps=spec.data.prefetch_steps,
         )
         self.engine = create_engine(spec, self.dims, self.device)
+        self.peak_flops = peak_flops(self.device, spec.train.precision)
+        self.flops_per_step = spec.model_arch.flops_per_token(spec.train.seq_len) * spec.train.global_batch * spec.train.seq_len
         if resume_from is not None:
             load_checkpoint(self.store, resume_from, self.engine)
             self._event({"event": "restored", "step": resume_from.step, "path": resume_from.path})
@@ -90,6 +93,7 @@ class Trainer:
                     "step_time": elapsed,
                     "data_wait": waited,
                     "tokens_per_s": tokens_per_step / elapsed,
+                    "mfu": mfu(self.flops_per_step, elapsed, self.peak_flops, dist.get_world_size()),
                     "tokens": step * tokens_per_step,
                     "samples_consumed": step * train.global_batch,
                 }

@@ -48,7 +48,8 @@ def test_run_dir_files_and_checkpoints(uninterrupted):
     state = json.loads((ckpt / "state.json").read_text())
     assert state["step"] == 8 and state["samples_consumed"] == 64
     row = json.loads((tmp / "runs" / "tiny" / "metrics.jsonl").read_text().splitlines()[-1])
-    assert {"loss", "lr", "grad_norm", "tokens_per_s", "step_time", "data_wait"} <= set(row)
+    assert {"loss", "lr", "grad_norm", "tokens_per_s", "mfu", "step_time", "data_wait"} <= set(row)
+    assert 0 < row["mfu"] < 1
 
 
 def test_mlflow_run_has_params_metrics_and_spec(uninterrupted):
@@ -60,7 +61,7 @@ def test_mlflow_run_has_params_metrics_and_spec(uninterrupted):
     assert run.data.params["parallel.dp"] == "2"
     history = client.get_metric_history(run.info.run_id, "loss")
     assert sorted(m.step for m in history) == list(range(1, 9))
-    for key in ("lr", "grad_norm", "tokens_per_s", "step_time", "data_wait"):
+    for key in ("lr", "grad_norm", "tokens_per_s", "mfu", "step_time", "data_wait"):
         assert len(client.get_metric_history(run.info.run_id, key)) == 8
     assert "job.yaml" in [a.path for a in client.list_artifacts(run.info.run_id)]
 
