@@ -55,6 +55,8 @@ class ParallelSpec(_Section):
     sequence_parallel: bool = Field(True, description="with tp > 1: shard norms and residuals along the sequence")
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     ac_every: int = Field(2, ge=1, description="selective: checkpoint every k-th block")
+    schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"] = "1f1b"
+    virtual_stages: int = Field(1, ge=1, description="pipeline stages per rank (interleaved: >= 2; zero-bubble: 2)")
 
     @property
     def world_size(self) -> int:
@@ -156,8 +158,7 @@ class JobSpec(_Section):
                 f"micro_batch x dp = {self.train.micro_batch} x {self.parallel.dp}"
             )
         self._check_tensor_parallel(model)
-        if self.parallel.pp > 1:
-            raise ValueError("parallel.pp: pipeline parallelism is not available yet; use pp: 1")
+        self._check_pipeline(model)
         if self.resources.workers is not None and self.resources.workers != self.parallel.world_size:
             raise ValueError(
                 f"resources.workers: {self.resources.workers} != pp x dp x tp = {self.parallel.world_size}"
@@ -175,6 +176,28 @@ class JobSpec(_Section):
             raise ValueError("model.tie_embeddings: not supported with parallel.tp > 1 (embedding and head are sharded differently)")
         if self.parallel.sequence_parallel and self.train.seq_len % tp:
             raise ValueError(f"train.seq_len: {self.train.seq_len} is not divisible by parallel.tp {tp} (sequence parallel)")
+
+    def _check_pipeline(self, model: ModelConfig) -> None:
+        p = self.parallel
+        looped = p.schedule in ("interleaved-1f1b", "zero-bubble")
+        if looped and p.pp == 1:
+            raise ValueError(f"parallel.schedule: {p.schedule} needs pp > 1")
+        if not looped and p.virtual_stages > 1:
+            raise ValueError(f"parallel.virtual_stages: {p.schedule} runs one stage per rank; use interleaved-1f1b or zero-bubble")
+        if p.schedule == "interleaved-1f1b" and p.virtual_stages < 2:
+            raise ValueError("parallel.virtual_stages: interleaved-1f1b needs at least 2 stages per rank")
+        if p.schedule == "zero-bubble" and p.virtual_stages != 2:
+            raise ValueError("parallel.virtual_stages: zero-bubble (ZBV) runs exactly 2 stages per rank")
+        if p.pp == 1:
+            return
+        stages = p.pp * p.virtual_stages
+        if model.n_layers < stages:
+            raise ValueError(f"model.n_layers: {model.n_layers} layers cannot fill pp x virtual_stages = {stages} stages")
+        micro = self.grad_accum
+        if p.schedule != "gpipe" and micro < p.pp:
+            raise ValueError(f"train.micro_batch: {micro} micro-batches per step are fewer than the {p.pp} pipeline stages ({p.schedule})")
+        if looped and micro % p.pp:
+            raise ValueError(f"train.micro_batch: {micro} micro-batches per step must be a multiple of pp {p.pp} for {p.schedule}")
 
     # Derived values used across the job; kept here so every module agrees.
     @property

@@ -37,13 +37,13 @@ def main() -> None:
     world = dist.get_world_size()
     base = {
         "name": "parity",
-        "model": {"preset": "tiny", "vocab_size": 256},
+        "model": {"preset": "tiny", "vocab_size": 256, "n_layers": 4},
         "optim": {"lr": 1e-2, "warmup_steps": 2},
         "train": {"global_batch": 8, "micro_batch": 2, "seq_len": 16, "max_steps": STEPS},
         "data": {"path": "unused"},
     }
-    tp = spec_from_dict(base, args.overrides).parallel.tp
-    dp = world // tp
+    layout = spec_from_dict(base, args.overrides).parallel
+    dp = world // (layout.tp * layout.pp)
     # Two micro-batches per rank whatever the layout, so accumulation is exercised.
     spec = spec_from_dict(base, [*args.overrides, f"parallel.dp={dp}", f"train.micro_batch={8 // dp // 2}"])
     p = spec.parallel
@@ -72,8 +72,11 @@ def main() -> None:
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump({"losses": losses}, f)
-    dist.barrier()  # no rank tears gloo down while a peer still uses it
-    dist.destroy_process_group()
+    dist.barrier()  # results are written; no rank leaves while a peer still sends
+    # Exit without destroy_process_group: under heavy load gloo's teardown has
+    # aborted a rank now and then ("terminate called without an active exception")
+    # after all work was done, which would fail a correct run.
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -76,6 +76,25 @@ def test_bf16_is_close_to_fp32(reference, tmp_path):
     assert got != pytest.approx(reference, rel=1e-7), "bf16 produced fp32 numbers: mixed precision is not applied"
 
 
+@pytest.mark.parametrize(
+    "schedule",
+    [["parallel.schedule=gpipe"], ["parallel.schedule=1f1b"],
+     ["parallel.schedule=interleaved-1f1b", "parallel.virtual_stages=2"],
+     ["parallel.schedule=zero-bubble", "parallel.virtual_stages=2"]],
+    ids=["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"],
+)
+@pytest.mark.parametrize("ac", ["none", "full"])
+def test_pp2_schedules_match_one_process(reference, tmp_path, schedule, ac):
+    got = losses(tmp_path, 2, "parallel.pp=2", *schedule, f"parallel.activation_checkpointing={ac}")
+    assert got == pytest.approx(reference, rel=1e-4)
+
+
+@pytest.mark.parametrize("ac", ["none", "full"])
+def test_3d_pp2_dp2_tp2_on_8_ranks(reference, tmp_path, ac):
+    got = losses(tmp_path, 8, "parallel.pp=2", "parallel.tp=2", f"parallel.activation_checkpointing={ac}")
+    assert got == pytest.approx(reference, rel=1e-4)
+
+
 @pytest.fixture(scope="module")
 def fsdp_tp_checkpoint(tmp_path_factory):
     """Saved after 3 steps by dp 2 x tp 2 (FSDP2 over DTensor TP shards)."""

@@ -103,3 +103,19 @@ def test_a_failing_rank_tears_the_group_down_with_one_message(ray_session, tiny_
     assert "\n" not in str(err.value)
     assert (tmp_path / "runs" / "tiny" / "error.txt").read_text()
     assert not (tmp_path / "runs" / "tiny" / "summary.json").exists()
+
+
+def test_3d_run_through_the_controller_matches_data_parallel(uninterrupted, ray_session, tiny_dataset, tmp_path):
+    _, _, full = uninterrupted
+    reference = _losses(full_run_dir(full))
+    job = tiny_job(
+        tmp_path, tiny_dataset,
+        parallel={"dp": 2, "tp": 2, "pp": 2}, train={"max_steps": 3},
+        checkpoint={"interval": 3}, resources={"cpus_per_worker": 0.5},
+    )
+    summary = sdk.train(spec_from_dict(job), show_progress=False)
+    assert summary["world_size"] == 8
+    assert {(r["pp"], r["dp"], r["tp"]) for r in summary["ranks"]} == {(p, d, t) for p in (0, 1) for d in (0, 1) for t in (0, 1)}
+    losses = _losses(tmp_path / "runs" / "tiny")
+    for step in (1, 2, 3):
+        assert losses[step] == pytest.approx(reference[step], rel=1e-4), step

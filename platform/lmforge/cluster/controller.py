@@ -52,7 +52,10 @@ class Controller:
             layout = self._rendezvous(MeshShape.for_layout(p.pp, p.dp, p.tp, p.zero))
             self.report({"event": "layout", "ranks": layout})
             results = _wait_all([w.train.remote(self.spec_dict, self.manifest, controller_handle) for w in self._workers])
-            ray.get([w.shutdown.remote() for w in self._workers])
+            try:
+                ray.get([w.shutdown.remote() for w in self._workers], timeout=60)
+            except ray.exceptions.RayError:
+                pass  # training finished and was reported; the actors are killed next anyway
             return results[0] | {"world_size": world}
         finally:
             self._teardown()

@@ -1,8 +1,9 @@
 """The native engine: a plain model parallelized with PyTorch's own building blocks.
 
-Order of application follows TorchTitan: tensor parallel, activation
-checkpointing, then FSDP2. AdamW with warmup + cosine, gradient
-accumulation without gradient sync until the last micro-batch, global-norm clipping.
+With pipeline parallelism the model is first cut into this rank's stages; each
+part then gets, in TorchTitan's order, tensor parallelism, activation
+checkpointing and FSDP2. AdamW (one per part) with warmup + cosine, gradient
+accumulation over micro-batches (or pipeline micro-batches), global-norm clipping.
 """
 
 from __future__ import annotations
@@ -12,78 +13,161 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from lmforge.engines.base import Engine, StepStats, warmup_cosine
-from lmforge.models import build_model
+from lmforge.models import Transformer, materialize
 from lmforge.parallel.checkpointing import apply_activation_checkpointing
 from lmforge.parallel.fsdp import apply_fsdp, needs_wrapping
-from lmforge.parallel.tensor import apply_tensor_parallel
 from lmforge.parallel.mesh import ParallelDims
+from lmforge.parallel.pipeline import build_schedule, cut_stage, split_layers, stage_indices
+from lmforge.parallel.tensor import apply_tensor_parallel
+
+# Flattened optimizer state keys by parameter name: required with pipeline stages,
+# used everywhere so a checkpoint loads under any layout.
+STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _local(value: torch.Tensor) -> torch.Tensor:
+    return value.full_tensor() if isinstance(value, DTensor) else value
 
 
 class NativeEngine(Engine):
     def __init__(self, spec, dims: ParallelDims, device: torch.device):
-        self.dims, self.device = dims, device
-        model = build_model(spec.model_arch, device=device, seed=spec.train.seed)
+        self.dims, self.device, self.spec = dims, device, spec
         p = spec.parallel
-        # TorchTitan's order: tensor parallel, then activation checkpointing, then FSDP.
         self.tensor_parallel = dims.shape.tp > 1
-        if self.tensor_parallel:
-            apply_tensor_parallel(model, dims.tp_mesh, p.sequence_parallel)
-        apply_activation_checkpointing(model, p.activation_checkpointing, p.ac_every)
-        self.sharded = needs_wrapping(dims, spec.train.precision)
-        if self.sharded:
-            model = apply_fsdp(model, dims, p.zero, spec.train.precision)
-        self.model = model
+        self.pipelined = dims.shape.pp > 1
+        with torch.device("meta"):
+            whole = Transformer(spec.model_arch)
+        self.parts = [self._parallelize(materialize(part, device, spec.train.seed)) for part in self._cut(whole)]
         opt = spec.optim
-        self.optimizer = torch.optim.AdamW(
-            model.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay,
-            foreach=True,
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, warmup_cosine(opt.warmup_steps, spec.decay_steps, opt.min_lr_ratio)
-        )
+        self.optimizers = [
+            torch.optim.AdamW(part.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay, foreach=True)
+            for part in self.parts
+        ]
+        factor = warmup_cosine(opt.warmup_steps, spec.decay_steps, opt.min_lr_ratio)
+        self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, factor) for o in self.optimizers]
         self.grad_clip = opt.grad_clip
+        if self.pipelined:
+            self._build_pipeline()
+
+    def _cut(self, whole: nn.Module) -> list[nn.Module]:
+        if not self.pipelined:
+            return [whole]
+        p, shape = self.spec.parallel, self.dims.shape
+        num_stages = shape.pp * p.virtual_stages
+        ranges = split_layers(self.spec.model_arch, self.spec.train.seq_len, num_stages)
+        self.stage_ids = stage_indices(self.dims.pp_rank, shape.pp, p.virtual_stages, p.schedule)
+        self.num_stages = num_stages
+        return [cut_stage(whole, ranges[i], first=i == 0, last=i == num_stages - 1) for i in self.stage_ids]
+
+    def _parallelize(self, part: nn.Module) -> nn.Module:
+        p = self.spec.parallel
+        if self.tensor_parallel:
+            apply_tensor_parallel(part, self.dims.tp_mesh, p.sequence_parallel)
+        apply_activation_checkpointing(part, p.activation_checkpointing, p.ac_every)
+        self.sharded = needs_wrapping(self.dims, self.spec.train.precision)
+        if self.sharded:
+            part = apply_fsdp(part, self.dims, p.zero, self.spec.train.precision)
+        return part
+
+    def _build_pipeline(self) -> None:
+        stages = [
+            PipelineStage(part, index, self.num_stages, self.device, group=self.dims.pp_group)
+            for part, index in zip(self.parts, self.stage_ids)
+        ]
+        self.has_first = 0 in self.stage_ids
+        self.has_last = self.num_stages - 1 in self.stage_ids
+        self.schedule = build_schedule(stages, self.spec.parallel.schedule, self.spec.grad_accum, self._loss)
+
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+    def _loss_context(self):
+        # With TP the logits are vocabulary-sharded DTensors: loss_parallel computes
+        # the cross-entropy without gathering them.
+        return loss_parallel() if self.tensor_parallel else nullcontext()
 
     def train_step(self, micro_batches: torch.Tensor) -> StepStats:
-        self.model.train()
-        accum = micro_batches.shape[0]
+        micro_batches = micro_batches.to(self.device, non_blocking=True)
+        for part in self.parts:
+            part.train()
+        loss = self._pipeline_step(micro_batches) if self.pipelined else self._accumulate(micro_batches)
+        lr = self.schedulers[0].get_last_lr()[0]
+        grad_norm = self._clip_gradients()
+        for optimizer, scheduler in zip(self.optimizers, self.schedulers):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+        if self.dims.shape.dp > 1:
+            dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.dims.dp_group)
+        return StepStats(loss=loss.item(), grad_norm=grad_norm.item(), lr=lr)
+
+    def _accumulate(self, micro_batches: torch.Tensor) -> torch.Tensor:
+        model, accum = self.parts[0], micro_batches.shape[0]
         loss_sum = torch.zeros((), device=self.device)
-        for i, batch in enumerate(micro_batches.to(self.device, non_blocking=True)):
+        for i, batch in enumerate(micro_batches):
             if self.sharded:
-                self.model.set_requires_gradient_sync(i == accum - 1)
-            # With TP the logits are vocabulary-sharded DTensors: loss_parallel computes
-            # the cross-entropy without gathering them.
-            with loss_parallel() if self.tensor_parallel else nullcontext():
-                logits = self.model(batch[:, :-1])
+                model.set_requires_gradient_sync(i == accum - 1)
+            with self._loss_context():
                 # Every sample has the same token count, so the mean of micro-batch means
                 # is the global-batch mean; FSDP averages over DP ranks.
-                loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten()) / accum
+                loss = self._loss(model(batch[:, :-1]), batch[:, 1:]) / accum
                 loss.backward()
-            loss = loss.detach()
-            loss_sum += loss.full_tensor() if isinstance(loss, DTensor) else loss
-        lr = self.scheduler.get_last_lr()[0]
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip or float("inf"))
-        if isinstance(grad_norm, DTensor):
-            grad_norm = grad_norm.full_tensor()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
-        if self.dims.shape.dp > 1:
-            dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG, group=self.dims.dp_group)
-        return StepStats(loss=loss_sum.item(), grad_norm=grad_norm.item(), lr=lr)
+            loss_sum += _local(loss.detach())
+        return loss_sum
+
+    def _pipeline_step(self, micro_batches: torch.Tensor) -> torch.Tensor:
+        """One schedule over this rank's micro-batches; the mean loss lives on the last
+        stage and is summed over the pipeline group so every rank reports it."""
+        batch = micro_batches.flatten(0, 1)
+        inputs = (batch[:, :-1],) if self.has_first else ()
+        target = batch[:, 1:] if self.has_last else None
+        losses: list[torch.Tensor] = []
+        with self._loss_context():
+            self.schedule.step(*inputs, target=target, losses=losses)
+        loss = torch.stack([_local(l.detach()) for l in losses]).mean() if self.has_last else torch.zeros((), device=self.device)
+        dist.all_reduce(loss, group=self.dims.pp_group)
+        return loss
+
+    def _clip_gradients(self) -> torch.Tensor:
+        params = [p for part in self.parts for p in part.parameters() if p.grad is not None]
+        norm = _local(torch.nn.utils.get_total_norm([p.grad for p in params]))
+        if self.pipelined:  # each rank holds other layers: combine squared norms
+            norm = norm.pow(2)
+            dist.all_reduce(norm, group=self.dims.pp_group)
+            norm = norm.sqrt()
+        if self.grad_clip:
+            torch.nn.utils.clip_grads_with_norm_(params, self.grad_clip, norm)
+        return norm
 
     def state_dict(self) -> tuple[dict, dict]:
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        # Tensors go to DCP; the small rest stays JSON so no checkpoint needs unpickling.
-        tensors = {"model": model_sd, "optim": optim_sd["state"]}
-        plain = {"param_groups": optim_sd["param_groups"], "scheduler": self.scheduler.state_dict()}
-        return tensors, plain
+        tensors: dict = {}
+        for part, optimizer in zip(self.parts, self.optimizers):
+            tensors.update(get_model_state_dict(part))
+            optim = get_optimizer_state_dict(part, optimizer, options=STATE_OPTIONS)
+            # Hyper-parameters come from the job, not the checkpoint: only tensors are saved.
+            tensors.update({f"optim.{k}": v for k, v in optim.items() if isinstance(v, torch.Tensor)})
+        return tensors, {"scheduler": self.schedulers[0].state_dict()}
 
     def load_state_dict(self, tensors: dict, plain: dict) -> None:
-        optim_sd = {"state": tensors["optim"], "param_groups": plain["param_groups"]}
-        set_state_dict(self.model, self.optimizer, model_state_dict=tensors["model"], optim_state_dict=optim_sd)
-        self.scheduler.load_state_dict(plain["scheduler"])
+        for part, optimizer, scheduler in zip(self.parts, self.optimizers, self.schedulers):
+            model_sd = get_model_state_dict(part)
+            set_model_state_dict(part, {k: tensors[k] for k in model_sd})
+            optim = get_optimizer_state_dict(part, optimizer, options=STATE_OPTIONS)
+            optim.update({k: tensors[f"optim.{k}"] for k, v in optim.items() if isinstance(v, torch.Tensor)})
+            set_optimizer_state_dict(part, optimizer, optim, options=STATE_OPTIONS)
+            scheduler.load_state_dict(plain["scheduler"])
+            for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
+                group["lr"] = lr

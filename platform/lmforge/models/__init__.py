@@ -4,6 +4,6 @@
 """
 
 from lmforge.models.config import PRESETS, ModelConfig
-from lmforge.models.llama import Transformer, build_model
+from lmforge.models.llama import Transformer, build_model, materialize
 
-__all__ = ["PRESETS", "ModelConfig", "Transformer", "build_model"]
+__all__ = ["PRESETS", "ModelConfig", "Transformer", "build_model", "materialize"]

@@ -7,6 +7,7 @@ and compilation are applied from outside by `lmforge.parallel`.
 from __future__ import annotations
 
 import math
+import zlib
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +46,9 @@ class Attention(nn.Module):
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)
         k = self.wk(x).view(bsz, seq, -1, self.head_dim)
         v = self.wv(x).view(bsz, seq, -1, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # cos/sin cover max_seq_len; the sequence here may be longer than a
+        # sequence-sharded block input, so slice at the attention itself.
+        q, k = apply_rope(q, cos[:seq], sin[:seq]), apply_rope(k, cos[:seq], sin[:seq])
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
@@ -93,34 +96,32 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        seq = tokens.shape[1]
-        h = self.tok_embeddings(tokens)
-        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        # A pipeline stage is this module with the parts it does not own set to
+        # None (and blocks removed), so the same forward serves every stage.
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
-            h = layer(h, cos, sin)
-        return self.output(self.norm(h))
+            h = layer(h, self.rope_cos, self.rope_sin)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Deterministic init (same on every rank): GPT-2 style, scaled residual projections."""
-        gen = torch.Generator(device="cpu").manual_seed(seed)
+        """Deterministic init, GPT-2 style with scaled residual projections.
+
+        Each parameter draws from its own generator seeded by (seed, name), so a
+        pipeline stage holding only some blocks gets exactly the values the whole
+        model would have.
+        """
         std = 0.02
         residual_std = std / math.sqrt(2 * self.cfg.n_layers)
-
-        def normal_(param: torch.Tensor, scale: float) -> None:
+        for name, param in self.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+                continue
+            scale = residual_std if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")) else std
+            gen = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
             param.copy_(torch.randn(param.shape, generator=gen) * scale)
-
-        normal_(self.tok_embeddings.weight, std)
-        for layer in self.layers.values():
-            for lin in (layer.attention.wq, layer.attention.wk, layer.attention.wv, layer.feed_forward.w1, layer.feed_forward.w3):
-                normal_(lin.weight, std)
-            normal_(layer.attention.wo.weight, residual_std)
-            normal_(layer.feed_forward.w2.weight, residual_std)
-            layer.attention_norm.reset_parameters()
-            layer.ffn_norm.reset_parameters()
-        self.norm.reset_parameters()
-        if not self.cfg.tie_embeddings:
-            normal_(self.output.weight, std)
         cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
@@ -130,8 +131,13 @@ def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", seed: int 
     """Build on the meta device (no memory), then materialize on `device` and initialize."""
     with torch.device("meta"):
         model = Transformer(cfg)
+    return materialize(model, device, seed)
+
+
+def materialize(model: Transformer, device: str | torch.device, seed: int) -> Transformer:
+    """Allocate a meta-device model (or pipeline stage) on `device` and initialize it."""
     model.to_empty(device=device)
-    if cfg.tie_embeddings:  # to_empty breaks the tie; restore it before init
-        model.output.weight = model.tok_embeddings.weight
+    if model.cfg.tie_embeddings and model.output is not None and model.tok_embeddings is not None:
+        model.output.weight = model.tok_embeddings.weight  # to_empty breaks the tie
     model.init_weights(seed)
     return model

@@ -55,6 +55,14 @@ class ParallelDims:
         return self.mesh["dp_replicate", "dp_shard"]
 
     @property
+    def pp_group(self) -> dist.ProcessGroup:
+        return self.mesh["pp"].get_group()
+
+    @property
+    def pp_rank(self) -> int:
+        return self.mesh["pp"].get_local_rank()
+
+    @property
     def tp_mesh(self) -> DeviceMesh:
         return self.mesh["tp"]
 

@@ -35,17 +35,14 @@ def _replicate(module: nn.Module, mesh: DeviceMesh) -> None:
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
     residual = Shard(1) if sequence_parallel else Replicate()
-    parallelize_module(
-        model,
-        tp_mesh,
-        {
-            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),
-            "output": ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False),
-        },
-    )
-    if sequence_parallel:
+    # A pipeline stage lacks (None) the embedding, or the norm and head, it does not own.
+    if model.tok_embeddings is not None:
+        parallelize_module(model.tok_embeddings, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=residual))
+    if model.output is not None:
+        parallelize_module(model.output, tp_mesh, ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False))
+    if model.norm is not None and sequence_parallel:
         parallelize_module(model.norm, tp_mesh, SequenceParallel())
-    else:
+    elif model.norm is not None:
         _replicate(model.norm, tp_mesh)
     for block in model.layers.values():
         plan = {

@@ -1,0 +1,92 @@
+"""Pipeline parallelism with torch.distributed.pipelining.
+
+The model is cut into `pp x virtual_stages` contiguous stages balanced by FLOPs
+(embedding lookup free, each block its matmuls and attention, the output head
+its vocabulary projection). Each stage is the model with the parts it does not
+own removed, so parameter names, and checkpoints, stay those of the whole model.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleZBVZeroBubble,
+)
+
+from lmforge.models.config import ModelConfig
+
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved-1f1b": ScheduleInterleaved1F1B,
+    "zero-bubble": ScheduleZBVZeroBubble,
+}
+
+
+def layer_costs(cfg: ModelConfig, seq_len: int) -> tuple[float, float]:
+    """(FLOPs per token of one block, of the output head)."""
+    d, kv = cfg.dim, cfg.n_kv_heads * cfg.head_dim
+    block = 2 * (2 * d * d + 2 * d * kv + 3 * d * cfg.ffn_hidden) + 4 * seq_len * d
+    return block, 2 * d * cfg.vocab_size
+
+
+def split_layers(cfg: ModelConfig, seq_len: int, num_stages: int) -> list[list[int]]:
+    """Contiguous block ranges per stage minimizing the costliest stage (the head
+    counts towards the last stage); every stage gets at least one block."""
+    block, head = layer_costs(cfg, seq_len)
+    n = cfg.n_layers
+    # best[s][i]: least max-cost of putting the first i blocks into s stages.
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, num_stages + 1):
+        for i in range(s, n + 1):
+            for j in range(s - 1, i):
+                cost = (i - j) * block + (head if s == num_stages and i == n else 0)
+                value = max(best[s - 1][j], cost)
+                if value < best[s][i]:
+                    best[s][i], cut[s][i] = value, j
+    ranges, i = [], n
+    for s in range(num_stages, 0, -1):
+        j = cut[s][i]
+        ranges.append(list(range(j, i)))
+        i = j
+    return ranges[::-1]
+
+
+def stage_indices(pp_rank: int, pp: int, virtual: int, schedule: str) -> list[int]:
+    """Which global stages a rank runs: looped (s, s+pp, ...) or, for ZBV, a V."""
+    if schedule == "zero-bubble":
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + k * pp for k in range(virtual)]
+
+
+def cut_stage(model: nn.Module, layers: list[int], first: bool, last: bool) -> nn.Module:
+    """A copy of a meta-device model holding only `layers` (and embedding/head if owned)."""
+    stage = copy.deepcopy(model)
+    keep = {str(i) for i in layers}
+    for name in list(stage.layers.keys()):
+        if name not in keep:
+            del stage.layers[name]
+    if not first:
+        stage.tok_embeddings = None
+    if not last:
+        stage.norm = None
+        stage.output = None
+    return stage
+
+
+def build_schedule(stages: list[PipelineStage], name: str, microbatches: int, loss_fn):
+    cls = SCHEDULES[name]
+    if name in ("gpipe", "1f1b"):
+        return cls(stages[0], n_microbatches=microbatches, loss_fn=loss_fn)
+    return cls(stages, n_microbatches=microbatches, loss_fn=loss_fn)
+
