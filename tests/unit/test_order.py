@@ -64,3 +64,24 @@ def test_mesh_coordinates_put_tp_innermost():
     assert coords[1] == {"pp": 0, "dp": 0, "tp": 1}
     assert coords[2] == {"pp": 0, "dp": 1, "tp": 0}
     assert coords[7] == {"pp": 1, "dp": 1, "tp": 1}
+
+
+def test_pipeline_split_is_contiguous_and_balanced():
+    from lmforge.models import PRESETS
+    from lmforge.parallel.pipeline import split_layers
+
+    cfg = PRESETS["7b"]
+    ranges = split_layers(cfg, 4096, 4)
+    assert [i for r in ranges for i in r] == list(range(32))
+    sizes = [len(r) for r in ranges]
+    assert max(sizes) - min(sizes) <= 2 and sizes[-1] <= sizes[0], sizes  # the head weighs on the last stage
+    big_head = cfg.with_overrides(vocab_size=1_000_000)
+    assert len(split_layers(big_head, 4096, 4)[-1]) < len(ranges[-1])
+
+
+def test_stage_assignment_per_schedule():
+    from lmforge.parallel.pipeline import stage_indices
+
+    assert stage_indices(1, pp=4, virtual=1, schedule="1f1b") == [1]
+    assert stage_indices(1, pp=4, virtual=2, schedule="interleaved-1f1b") == [1, 5]
+    assert stage_indices(1, pp=4, virtual=2, schedule="zero-bubble") == [1, 6]
