@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 import os
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -46,7 +46,7 @@ class ModelSpec(_Section):
 
 
 class ParallelSpec(_Section):
-    dp: int = Field(1, ge=1)
+    dp: Union[int, Literal["auto"]] = Field(1, description="data-parallel ranks, or auto: resources.workers / (pp x tp)")
     tp: int = Field(1, ge=1)
     pp: int = Field(1, ge=1)
     # 3: shard params, grads and optimizer state (reshard after forward);
@@ -142,6 +142,7 @@ class JobSpec(_Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> "JobSpec":
+        self._resolve_dp()
         model = self.model.resolve()
         if model.dim % model.n_heads:
             raise ValueError(f"model.n_heads: dim {model.dim} is not divisible by n_heads {model.n_heads}")
@@ -164,6 +165,18 @@ class JobSpec(_Section):
                 f"resources.workers: {self.resources.workers} != pp x dp x tp = {self.parallel.world_size}"
             )
         return self
+
+    def _resolve_dp(self) -> None:
+        p, workers = self.parallel, self.resources.workers
+        if p.dp != "auto":
+            if p.dp < 1:
+                raise ValueError(f"parallel.dp: must be >= 1 or auto, got {p.dp}")
+            return
+        if workers is None:
+            raise ValueError("parallel.dp: auto needs resources.workers to divide among pp x tp")
+        if workers % (p.pp * p.tp):
+            raise ValueError(f"parallel.dp: auto cannot split {workers} workers into groups of pp x tp = {p.pp * p.tp}")
+        p.dp = workers // (p.pp * p.tp)
 
     def _check_tensor_parallel(self, model: ModelConfig) -> None:
         tp = self.parallel.tp

@@ -47,6 +47,9 @@ def test_overrides_are_parsed_as_yaml_values():
         (["parallel.pp=2", "parallel.virtual_stages=2"], "parallel.virtual_stages: 1f1b runs one stage per rank"),
         (["parallel.pp=2", "model.n_layers=4", "parallel.schedule=interleaved-1f1b", "parallel.virtual_stages=2", "train.micro_batch=16", "train.global_batch=48"], "train.micro_batch: 3 micro-batches per step must be a multiple of pp 2"),
         (["parallel.activation_checkpointing=some"], "parallel.activation_checkpointing"),
+        (["parallel.dp=auto"], "parallel.dp: auto needs resources.workers"),
+        (["parallel.dp=auto", "parallel.tp=2", "resources.workers=3"], "parallel.dp: auto cannot split 3 workers"),
+        (["parallel.dp=0"], "parallel.dp: must be >= 1"),
     ],
 )
 def test_contradictions_name_the_field(overrides, field):
@@ -87,3 +90,8 @@ def test_absolute_paths_resolve_against_cwd(tmp_path, monkeypatch):
 
 def test_flatten_for_params():
     assert flatten({"a": {"b": 1, "c": {"d": 2}}, "e": 3}) == {"a.b": 1, "a.c.d": 2, "e": 3}
+
+
+def test_dp_auto_fills_the_workers():
+    spec = spec_from_dict(BASE, ["parallel.dp=auto", "parallel.tp=2", "resources.workers=8", "train.global_batch=16", "train.micro_batch=2"])
+    assert spec.parallel.dp == 4 and spec.world_size == 8 and spec.grad_accum == 2
