@@ -52,6 +52,8 @@ class ParallelSpec(_Section):
     # 3: shard params, grads and optimizer state (reshard after forward);
     # 2: keep params gathered between forward and backward; 0: replicate (DDP).
     zero: Literal[0, 2, 3] = 3
+    dp_replicate: int = Field(1, ge=1, description="zero 2/3: replicate over this many groups, shard within each (HSDP)")
+    cpu_offload: bool = Field(False, description="keep sharded params, grads and optimizer state in CPU memory (FSDP2; GPU ranks)")
     sequence_parallel: bool = Field(True, description="with tp > 1: shard norms and residuals along the sequence")
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     ac_every: int = Field(2, ge=1, description="selective: checkpoint every k-th block")
@@ -160,6 +162,7 @@ class JobSpec(_Section):
             )
         self._check_tensor_parallel(model)
         self._check_pipeline(model)
+        self._check_sharding()
         if self.resources.workers is not None and self.resources.workers != self.parallel.world_size:
             raise ValueError(
                 f"resources.workers: {self.resources.workers} != pp x dp x tp = {self.parallel.world_size}"
@@ -177,6 +180,15 @@ class JobSpec(_Section):
         if workers % (p.pp * p.tp):
             raise ValueError(f"parallel.dp: auto cannot split {workers} workers into groups of pp x tp = {p.pp * p.tp}")
         p.dp = workers // (p.pp * p.tp)
+
+    def _check_sharding(self) -> None:
+        p = self.parallel
+        if p.dp % p.dp_replicate:
+            raise ValueError(f"parallel.dp_replicate: {p.dp_replicate} does not divide dp {p.dp}")
+        if p.dp_replicate > 1 and p.zero == 0:
+            raise ValueError("parallel.dp_replicate: zero 0 already replicates every DP rank; use zero 2 or 3 for HSDP")
+        if p.cpu_offload and self.resources.gpus_per_worker == 0:
+            raise ValueError("parallel.cpu_offload: offloads from GPU memory; it needs resources.gpus_per_worker > 0")
 
     def _check_tensor_parallel(self, model: ModelConfig) -> None:
         tp = self.parallel.tp

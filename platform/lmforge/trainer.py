@@ -33,7 +33,7 @@ class Trainer:
         self.rank = dist.get_rank()
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         p = spec.parallel
-        self.dims = build_mesh(self.device.type, MeshShape.for_layout(p.pp, p.dp, p.tp, p.zero))
+        self.dims = build_mesh(self.device.type, MeshShape.for_spec(p))
         torch.manual_seed(spec.train.seed + self.rank)
         self.store = CheckpointStore(spec.checkpoint_dir)
         resume_from = self.store.latest() if spec.checkpoint.resume else None

@@ -42,12 +42,12 @@ def main() -> None:
         "train": {"global_batch": 8, "micro_batch": 2, "seq_len": 16, "max_steps": STEPS},
         "data": {"path": "unused"},
     }
-    layout = spec_from_dict(base, args.overrides).parallel
-    dp = world // (layout.tp * layout.pp)
+    degree = {key: int(value) for key, _, value in (o.partition("=") for o in args.overrides) if key in ("parallel.tp", "parallel.pp")}
+    dp = world // (degree.get("parallel.tp", 1) * degree.get("parallel.pp", 1))
     # Two micro-batches per rank whatever the layout, so accumulation is exercised.
     spec = spec_from_dict(base, [*args.overrides, f"parallel.dp={dp}", f"train.micro_batch={8 // dp // 2}"])
     p = spec.parallel
-    dims = build_mesh("cpu", MeshShape.for_layout(p.pp, p.dp, p.tp, p.zero))
+    dims = build_mesh("cpu", MeshShape.for_spec(p))
     engine = create_engine(spec, dims, torch.device("cpu"))
     start = 0
     if args.load:

@@ -52,6 +52,11 @@ def test_dp2_matches_one_process(reference, tmp_path, zero):
     assert got[-1] < got[0]
 
 
+def test_hsdp_replicate2_x_shard2_matches_one_process(reference, tmp_path):
+    got = losses(tmp_path, 4, "parallel.dp_replicate=2")
+    assert got == pytest.approx(reference, rel=1e-5)
+
+
 @pytest.mark.parametrize("ac", ["none", "full"])
 @pytest.mark.parametrize("sp", [True, False], ids=["sp", "no-sp"])
 def test_tp2_matches_one_process(reference, tmp_path, sp, ac):

@@ -85,3 +85,10 @@ def test_stage_assignment_per_schedule():
     assert stage_indices(1, pp=4, virtual=1, schedule="1f1b") == [1]
     assert stage_indices(1, pp=4, virtual=2, schedule="interleaved-1f1b") == [1, 5]
     assert stage_indices(1, pp=4, virtual=2, schedule="zero-bubble") == [1, 6]
+
+
+def test_hsdp_mesh_splits_dp_into_replicate_and_shard():
+    from lmforge.parallel.mesh import MeshShape
+
+    assert MeshShape.for_layout(pp=1, dp=8, tp=1, zero=3, replicate=2).dims == (1, 2, 4, 1)
+    assert MeshShape.for_layout(pp=1, dp=8, tp=1, zero=0).dims == (1, 8, 1, 1)

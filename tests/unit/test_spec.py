@@ -50,6 +50,9 @@ def test_overrides_are_parsed_as_yaml_values():
         (["parallel.dp=auto"], "parallel.dp: auto needs resources.workers"),
         (["parallel.dp=auto", "parallel.tp=2", "resources.workers=3"], "parallel.dp: auto cannot split 3 workers"),
         (["parallel.dp=0"], "parallel.dp: must be >= 1"),
+        (["parallel.dp=4", "parallel.dp_replicate=3"], "parallel.dp_replicate: 3 does not divide dp 4"),
+        (["parallel.dp=4", "parallel.dp_replicate=2", "parallel.zero=0"], "parallel.dp_replicate: zero 0 already replicates"),
+        (["parallel.cpu_offload=true"], "parallel.cpu_offload: offloads from GPU memory"),
     ],
 )
 def test_contradictions_name_the_field(overrides, field):

@@ -49,7 +49,7 @@ class Controller:
         try:
             self._start_workers(world, tp, cpus, gpus)
             p = spec.parallel
-            layout = self._rendezvous(MeshShape.for_layout(p.pp, p.dp, p.tp, p.zero))
+            layout = self._rendezvous(MeshShape.for_spec(p))
             self.report({"event": "layout", "ranks": layout})
             results = _wait_all([w.train.remote(self.spec_dict, self.manifest, controller_handle) for w in self._workers])
             try:

@@ -79,7 +79,7 @@ class NativeEngine(Engine):
         apply_activation_checkpointing(part, p.activation_checkpointing, p.ac_every)
         self.sharded = needs_wrapping(self.dims, self.spec.train.precision)
         if self.sharded:
-            part = apply_fsdp(part, self.dims, p.zero, self.spec.train.precision)
+            part = apply_fsdp(part, self.dims, p.zero, self.spec.train.precision, p.cpu_offload)
         return part
 
     def _build_pipeline(self) -> None:

@@ -8,18 +8,23 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from lmforge.parallel.mesh import ParallelDims
 
 
-def apply_fsdp(model: nn.Module, dims: ParallelDims, zero: int, precision: str) -> nn.Module:
+def apply_fsdp(model: nn.Module, dims: ParallelDims, zero: int, precision: str, cpu_offload: bool = False) -> nn.Module:
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "bf16" else MixedPrecisionPolicy()
-    # ZeRO-2 keeps parameters gathered between forward and backward; ZeRO-3 frees them.
-    reshard = zero == 3
+    options = {
+        "mesh": dims.dp_mesh,
+        # ZeRO-2 keeps parameters gathered between forward and backward; ZeRO-3 frees them.
+        "reshard_after_forward": zero == 3,
+        "mp_policy": mp,
+        "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
+    }
     for block in model.layers.values():
-        fully_shard(block, mesh=dims.dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
-    fully_shard(model, mesh=dims.dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
+        fully_shard(block, **options)
+    fully_shard(model, **options)
     return model
 
 

@@ -2,7 +2,7 @@
 
 Every process group a rank uses comes from this mesh; nothing is kept in globals.
 ZeRO 0 puts the data-parallel ranks on `dp_replicate` (plain replication), ZeRO
-2/3 on `dp_shard` (FSDP2 sharding).
+2/3 on `dp_shard` (FSDP2 sharding), or on both with `dp_replicate > 1` (HSDP).
 """
 
 from __future__ import annotations
@@ -23,8 +23,15 @@ class MeshShape:
     tp: int
 
     @classmethod
-    def for_layout(cls, pp: int, dp: int, tp: int, zero: int) -> "MeshShape":
-        return cls(pp=pp, dp_replicate=dp if zero == 0 else 1, dp_shard=1 if zero == 0 else dp, tp=tp)
+    def for_layout(cls, pp: int, dp: int, tp: int, zero: int, replicate: int = 1) -> "MeshShape":
+        if zero == 0:
+            replicate = dp
+        return cls(pp=pp, dp_replicate=replicate, dp_shard=dp // replicate, tp=tp)
+
+    @classmethod
+    def for_spec(cls, parallel) -> "MeshShape":
+        p = parallel
+        return cls.for_layout(p.pp, p.dp, p.tp, p.zero, p.dp_replicate)
 
     @property
     def dims(self) -> tuple[int, int, int, int]:
