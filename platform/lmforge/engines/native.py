@@ -2,7 +2,7 @@
 
 With pipeline parallelism the model is first cut into this rank's stages; each
 part then gets, in TorchTitan's order, tensor parallelism, activation
-checkpointing and FSDP2. AdamW (one per part) with warmup + cosine, gradient
+checkpointing, compilation and FSDP2. AdamW (one per part) with warmup + cosine, gradient
 accumulation over micro-batches (or pipeline micro-batches), global-norm clipping.
 """
 
@@ -28,6 +28,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from lmforge.engines.base import Engine, StepStats, warmup_cosine
 from lmforge.models import Transformer, materialize
 from lmforge.parallel.checkpointing import apply_activation_checkpointing
+from lmforge.parallel.compile import apply_compile
 from lmforge.parallel.fsdp import apply_fsdp, needs_wrapping
 from lmforge.parallel.mesh import ParallelDims
 from lmforge.parallel.pipeline import build_schedule, cut_stage, split_layers, stage_indices
@@ -77,6 +78,8 @@ class NativeEngine(Engine):
         if self.tensor_parallel:
             apply_tensor_parallel(part, self.dims.tp_mesh, p.sequence_parallel)
         apply_activation_checkpointing(part, p.activation_checkpointing, p.ac_every)
+        if p.compile:
+            apply_compile(part)
         self.sharded = needs_wrapping(self.dims, self.spec.train.precision)
         if self.sharded:
             part = apply_fsdp(part, self.dims, p.zero, self.spec.train.precision, p.cpu_offload)
