@@ -99,3 +99,9 @@ def test_flatten_for_params():
 def test_dp_auto_fills_the_workers():
     spec = spec_from_dict(BASE, ["parallel.dp=auto", "parallel.tp=2", "resources.workers=8", "train.global_batch=16", "train.micro_batch=2"])
     assert spec.parallel.dp == 4 and spec.world_size == 8 and spec.grad_accum == 2
+
+
+@pytest.mark.parametrize("job", sorted((REPO / "jobs").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_job_files_are_valid(job):
+    spec = load_spec(job)
+    assert spec.world_size == spec.parallel.pp * spec.parallel.dp * spec.parallel.tp
