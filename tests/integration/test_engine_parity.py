@@ -107,15 +107,15 @@ def test_3d_pp2_dp2_tp2_on_8_ranks(reference, tmp_path, ac):
 
 
 @pytest.fixture(scope="module")
-def fsdp_tp_checkpoint(tmp_path_factory):
-    """Saved after 3 steps by dp 2 x tp 2 (FSDP2 over DTensor TP shards)."""
+def checkpoint_3d(tmp_path_factory):
+    """Saved after 3 steps by pp 2 x dp 2 x tp 2 (pipeline stages of FSDP2 over DTensor TP shards)."""
     ckpt = tmp_path_factory.mktemp("ckpt")
-    losses(ckpt, 4, "parallel.tp=2", extra=["--save", str(ckpt / "ck"), "--save-at", "3"])
+    losses(ckpt, 8, "parallel.pp=2", "parallel.tp=2", extra=["--save", str(ckpt / "ck"), "--save-at", "3"])
     return ckpt / "ck"
 
 
-@pytest.mark.parametrize("nproc, layout", [(4, []), (2, ["parallel.tp=2"]), (1, [])], ids=["dp4", "tp2", "one-rank"])
-def test_checkpoint_reshards_to_any_layout(reference, fsdp_tp_checkpoint, tmp_path, nproc, layout):
-    got = losses(tmp_path, nproc, *layout, extra=["--load", str(fsdp_tp_checkpoint)])
+@pytest.mark.parametrize("nproc, layout", [(4, []), (2, ["parallel.tp=2"]), (2, ["parallel.pp=2"]), (1, [])], ids=["dp4", "tp2", "pp2", "one-rank"])
+def test_checkpoint_reshards_to_any_layout(reference, checkpoint_3d, tmp_path, nproc, layout):
+    got = losses(tmp_path, nproc, *layout, extra=["--load", str(checkpoint_3d)])
     assert len(got) == 3
     assert got == pytest.approx(reference[3:], rel=1e-4)
