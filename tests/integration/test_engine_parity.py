@@ -81,8 +81,9 @@ def test_compile_gives_the_same_losses(reference, tmp_path, nproc, layout):
     assert got == pytest.approx(reference, rel=1e-4)
 
 
-def test_bf16_is_close_to_fp32(reference, tmp_path):
-    got = losses(tmp_path, 2, "train.precision=bf16")
+@pytest.mark.parametrize("layout", [[], ["parallel.tp=2"], ["parallel.pp=2"]], ids=["dp2", "tp2", "pp2"])
+def test_bf16_is_close_to_fp32(reference, tmp_path, layout):
+    got = losses(tmp_path, 2, "train.precision=bf16", *layout)
     assert got == pytest.approx(reference, rel=2e-2)
     assert got != pytest.approx(reference, rel=1e-7), "bf16 produced fp32 numbers: mixed precision is not applied"
 
