@@ -46,9 +46,9 @@ def _local(value: torch.Tensor) -> torch.Tensor:
 class NativeEngine(Engine):
     def __init__(self, spec, dims: ParallelDims, device: torch.device):
         self.dims, self.device, self.spec = dims, device, spec
-        p = spec.parallel
         self.tensor_parallel = dims.shape.tp > 1
         self.pipelined = dims.shape.pp > 1
+        self.sharded = needs_wrapping(dims, spec.train.precision)
         with torch.device("meta"):
             whole = Transformer(spec.model_arch)
         self.parts = [self._parallelize(materialize(part, device, spec.train.seed)) for part in self._cut(whole)]
@@ -80,7 +80,6 @@ class NativeEngine(Engine):
         apply_activation_checkpointing(part, p.activation_checkpointing, p.ac_every)
         if p.compile:
             apply_compile(part)
-        self.sharded = needs_wrapping(self.dims, self.spec.train.precision)
         if self.sharded:
             part = apply_fsdp(part, self.dims, p.zero, self.spec.train.precision, p.cpu_offload)
         return part
