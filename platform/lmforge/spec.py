@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 import os
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -56,7 +56,9 @@ class ParallelSpec(_Section):
     cpu_offload: bool = Field(False, description="keep sharded params, grads and optimizer state in CPU memory (FSDP2; GPU ranks)")
     sequence_parallel: bool = Field(True, description="with tp > 1: shard norms and residuals along the sequence")
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
-    ac_every: int = Field(2, ge=1, description="selective: checkpoint every k-th block")
+    ac_every: Union[Annotated[int, Field(ge=1)], Literal["op"]] = Field(
+        2, description="selective: checkpoint every k-th block, or op: every block, keeping matmul and attention outputs"
+    )
     compile: bool = Field(False, description="torch.compile each transformer block (not with tp > 1 yet)")
     schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"] = "1f1b"
     virtual_stages: int = Field(1, ge=1, description="pipeline stages per rank (interleaved: >= 2; zero-bubble: 2)")

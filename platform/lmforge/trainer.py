@@ -97,6 +97,8 @@ class Trainer:
                     "tokens": step * tokens_per_step,
                     "samples_consumed": step * train.global_batch,
                 }
+                if stats.bubble is not None:
+                    last.update(bubble=stats.bubble, bubble_theory=stats.bubble_theory)
                 self._event(last)
                 if step % self.spec.checkpoint.interval == 0 or step == train.max_steps:
                     self._checkpoint(step)

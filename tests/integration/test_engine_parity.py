@@ -64,9 +64,9 @@ def test_tp2_matches_one_process(reference, tmp_path, sp, ac):
     assert got == pytest.approx(reference, rel=1e-4)
 
 
-@pytest.mark.parametrize("ac", ["none", "selective"])
-def test_fsdp2_x_tp2_matches_one_process(reference, tmp_path, ac):
-    got = losses(tmp_path, 4, "parallel.tp=2", f"parallel.activation_checkpointing={ac}", "parallel.ac_every=1")
+@pytest.mark.parametrize("ac, every", [("none", 1), ("selective", 1), ("selective", "op")], ids=["none", "every-block", "op-level"])
+def test_fsdp2_x_tp2_matches_one_process(reference, tmp_path, ac, every):
+    got = losses(tmp_path, 4, "parallel.tp=2", f"parallel.activation_checkpointing={ac}", f"parallel.ac_every={every}")
     assert got == pytest.approx(reference, rel=1e-4)
 
 

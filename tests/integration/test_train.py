@@ -113,9 +113,14 @@ def test_3d_run_through_the_controller_matches_data_parallel(uninterrupted, ray_
         parallel={"dp": 2, "tp": 2, "pp": 2}, train={"max_steps": 3},
         checkpoint={"interval": 3}, resources={"cpus_per_worker": 0.5},
     )
-    summary = sdk.train(spec_from_dict(job), show_progress=False)
+    spec = spec_from_dict(job)
+    summary = sdk.train(spec, show_progress=False)
     assert summary["world_size"] == 8
     assert {(r["pp"], r["dp"], r["tp"]) for r in summary["ranks"]} == {(p, d, t) for p in (0, 1) for d in (0, 1) for t in (0, 1)}
     losses = _losses(tmp_path / "runs" / "tiny")
     for step in (1, 2, 3):
         assert losses[step] == pytest.approx(reference[step], rel=1e-4), step
+    # Each step logs its measured pipeline bubble next to 1F1B's (p-1)/(m+p-1).
+    rows = [json.loads(line) for line in (tmp_path / "runs" / "tiny" / "metrics.jsonl").read_text().splitlines()]
+    assert all(0 < row["bubble"] < 1 for row in rows)
+    assert all(row["bubble_theory"] == pytest.approx(1 / (spec.grad_accum + 1)) for row in rows)

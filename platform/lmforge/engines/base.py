@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -18,6 +19,8 @@ class StepStats:
     loss: float  # mean token loss over the global batch
     grad_norm: float  # global L2 norm before clipping
     lr: float  # learning rate used for this step
+    bubble: Optional[float] = None  # pipelines: measured share of idle time per rank
+    bubble_theory: Optional[float] = None  # pipelines: the schedule's (p-1)/(v*m+p-1)
 
 
 class Engine(ABC):

@@ -21,7 +21,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -31,7 +30,15 @@ from lmforge.parallel.checkpointing import apply_activation_checkpointing
 from lmforge.parallel.compile import apply_compile
 from lmforge.parallel.fsdp import apply_fsdp, needs_wrapping
 from lmforge.parallel.mesh import ParallelDims
-from lmforge.parallel.pipeline import build_schedule, cut_stage, split_layers, stage_indices
+from lmforge.parallel.pipeline import (
+    Stopwatch,
+    TimedStage,
+    build_schedule,
+    cut_stage,
+    split_layers,
+    stage_indices,
+    theoretical_bubble,
+)
 from lmforge.parallel.tensor import apply_tensor_parallel
 
 # Flattened optimizer state keys by parameter name: required with pipeline stages,
@@ -85,13 +92,20 @@ class NativeEngine(Engine):
         return part
 
     def _build_pipeline(self) -> None:
+        self.compute = Stopwatch(self.device)
         stages = [
-            PipelineStage(part, index, self.num_stages, self.device, group=self.dims.pp_group)
+            TimedStage(part, index, self.num_stages, self.device, group=self.dims.pp_group, stopwatch=self.compute)
             for part, index in zip(self.parts, self.stage_ids)
         ]
         self.has_first = 0 in self.stage_ids
         self.has_last = self.num_stages - 1 in self.stage_ids
-        self.schedule = build_schedule(stages, self.spec.parallel.schedule, self.spec.grad_accum, self._loss)
+        p = self.spec.parallel
+        self.schedule = build_schedule(stages, p.schedule, self.spec.grad_accum, self._timed_loss)
+        self.bubble_theory = theoretical_bubble(p.schedule, self.dims.shape.pp, p.virtual_stages, self.spec.grad_accum)
+
+    def _timed_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        with self.compute.span():  # the schedule computes the loss outside the stage's chunk
+            return self._loss(logits, targets)
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
@@ -105,7 +119,7 @@ class NativeEngine(Engine):
         micro_batches = micro_batches.to(self.device, non_blocking=True)
         for part in self.parts:
             part.train()
-        loss = self._pipeline_step(micro_batches) if self.pipelined else self._accumulate(micro_batches)
+        loss, bubble = self._pipeline_step(micro_batches) if self.pipelined else (self._accumulate(micro_batches), None)
         lr = self.schedulers[0].get_last_lr()[0]
         grad_norm = self._clip_gradients()
         for optimizer, scheduler in zip(self.optimizers, self.schedulers):
@@ -114,7 +128,10 @@ class NativeEngine(Engine):
             scheduler.step()
         if self.dims.shape.dp > 1:
             dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.dims.dp_group)
-        return StepStats(loss=loss.item(), grad_norm=grad_norm.item(), lr=lr)
+        stats = StepStats(loss=loss.item(), grad_norm=grad_norm.item(), lr=lr)
+        if bubble is not None:
+            stats.bubble, stats.bubble_theory = bubble, self.bubble_theory
+        return stats
 
     def _accumulate(self, micro_batches: torch.Tensor) -> torch.Tensor:
         model, accum = self.parts[0], micro_batches.shape[0]
@@ -130,18 +147,24 @@ class NativeEngine(Engine):
             loss_sum += _local(loss.detach())
         return loss_sum
 
-    def _pipeline_step(self, micro_batches: torch.Tensor) -> torch.Tensor:
-        """One schedule over this rank's micro-batches; the mean loss lives on the last
-        stage and is summed over the pipeline group so every rank reports it."""
+    def _pipeline_step(self, micro_batches: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """One schedule over this rank's micro-batches. Returns the mean loss (it lives
+        on the last stage; summed over the pipeline group so every rank reports it)
+        and the bubble: the share of the schedule's time a rank spent not computing,
+        averaged over the pipeline's ranks."""
         batch = micro_batches.flatten(0, 1)
         inputs = (batch[:, :-1],) if self.has_first else ()
         target = batch[:, 1:] if self.has_last else None
         losses: list[torch.Tensor] = []
-        with self._loss_context():
+        self.compute.take()
+        step_watch = Stopwatch(self.device)
+        with self._loss_context(), step_watch.span():
             self.schedule.step(*inputs, target=target, losses=losses)
+        bubble = 1.0 - self.compute.take() / max(step_watch.take(), 1e-9)
         loss = torch.stack([_local(l.detach()) for l in losses]).mean() if self.has_last else torch.zeros((), device=self.device)
-        dist.all_reduce(loss, group=self.dims.pp_group)
-        return loss
+        combined = torch.stack([loss, torch.tensor(bubble / self.dims.shape.pp, device=self.device)])
+        dist.all_reduce(combined, group=self.dims.pp_group)
+        return combined[0], combined[1].item()
 
     def _clip_gradients(self) -> torch.Tensor:
         params = [p for part in self.parts for p in part.parameters() if p.grad is not None]

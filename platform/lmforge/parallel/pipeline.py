@@ -4,12 +4,16 @@ The model is cut into `pp x virtual_stages` contiguous stages balanced by FLOPs
 (embedding lookup free, each block its matmuls and attention, the output head
 its vocabulary projection). Each stage is the model with the parts it does not
 own removed, so parameter names, and checkpoints, stay those of the whole model.
+Stages time their own compute so each step can report its measured bubble.
 """
 
 from __future__ import annotations
 
 import copy
+import time
+from contextlib import contextmanager
 
+import torch
 from torch import nn
 from torch.distributed.pipelining import (
     PipelineStage,
@@ -27,6 +31,67 @@ SCHEDULES = {
     "interleaved-1f1b": ScheduleInterleaved1F1B,
     "zero-bubble": ScheduleZBVZeroBubble,
 }
+
+
+class Stopwatch:
+    """Sums the time spent inside `span()`; CUDA spans are timed with events on the
+    current stream, so asynchronous kernels count when they run, not when queued."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.spans: list = []
+
+    @contextmanager
+    def span(self):
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self.spans.append((start, end))
+        else:
+            began = time.perf_counter()
+            yield
+            self.spans.append(time.perf_counter() - began)
+
+    def take(self) -> float:
+        """Seconds summed since the last call."""
+        if self.cuda:
+            if self.spans:
+                self.spans[-1][1].synchronize()
+            total = sum(start.elapsed_time(end) for start, end in self.spans) / 1e3
+        else:
+            total = sum(self.spans)
+        self.spans = []
+        return total
+
+
+class TimedStage(PipelineStage):
+    """A pipeline stage that adds the time of each forward and backward chunk to a
+    stopwatch; time waiting for neighbours is left out, which is the bubble."""
+
+    def __init__(self, *args, stopwatch: Stopwatch, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.stopwatch = stopwatch
+
+    def forward_one_chunk(self, *args, **kwargs):
+        with self.stopwatch.span():
+            return super().forward_one_chunk(*args, **kwargs)
+
+    def backward_one_chunk(self, *args, **kwargs):
+        with self.stopwatch.span():
+            return super().backward_one_chunk(*args, **kwargs)
+
+    def backward_weight_one_chunk(self, *args, **kwargs):
+        with self.stopwatch.span():
+            return super().backward_weight_one_chunk(*args, **kwargs)
+
+
+def theoretical_bubble(schedule: str, pp: int, virtual: int, microbatches: int) -> float:
+    """(p-1)/(m+p-1) for GPipe and 1F1B; interleaving divides the warm-up by v.
+    For zero-bubble the interleaved figure is shown as an upper bound."""
+    v = 1 if schedule in ("gpipe", "1f1b") else virtual
+    return (pp - 1) / (v * microbatches + pp - 1)
 
 
 def layer_costs(cfg: ModelConfig, seq_len: int) -> tuple[float, float]:

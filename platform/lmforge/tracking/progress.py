@@ -70,9 +70,10 @@ class ProgressView:
             self._last_line = now
             window = self._recent[-20:]
             eta = (self.total - event["step"]) * sum(window) / len(window)
+            bubble = f"  bubble {event['bubble']:.0%} (theory {event['bubble_theory']:.0%})" if "bubble" in event else ""
             self.console.print(
                 f"step {event['step']}/{self.total}  loss {loss}  lr {event['lr']:.2e}  "
-                f"{tps} tok/s  data wait {event['data_wait'] * 1000:.1f} ms  ETA {_clock(eta)}",
+                f"{tps} tok/s  data wait {event['data_wait'] * 1000:.1f} ms{bubble}  ETA {_clock(eta)}",
                 highlight=False,
                 soft_wrap=True,
             )
