@@ -75,7 +75,7 @@ def test_activation_checkpointing_does_not_change_the_numbers(reference, tmp_pat
     assert got == pytest.approx(reference, rel=1e-6)
 
 
-@pytest.mark.parametrize("nproc, layout", [(1, []), (2, [])], ids=["one-rank", "fsdp-dp2"])
+@pytest.mark.parametrize("nproc, layout", [(1, []), (2, []), (2, ["parallel.pp=2"])], ids=["one-rank", "fsdp-dp2", "pp2"])
 def test_compile_gives_the_same_losses(reference, tmp_path, nproc, layout):
     got = losses(tmp_path, nproc, "parallel.compile=true", *layout)
     assert got == pytest.approx(reference, rel=1e-4)

@@ -17,8 +17,15 @@ from lmforge.errors import UserError
 WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
+# CPUs kept free of rank actors: Ray Data's reads and its Parquet metadata tasks
+# need a whole CPU to be scheduled, and would wait forever behind the ranks.
+DATA_CPUS = 1
+
+
 def connect(address: str | None = None) -> bool:
-    """Initialize Ray once. Returns True when this call started an embedded cluster."""
+    """Initialize Ray once. Returns True when this call started an embedded cluster:
+    at least 4 logical CPUs for ranks (they run one thread each, so more than the
+    cores is safe), plus Ray Data's reserve."""
     if ray.is_initialized():
         return False
     address = address or os.environ.get("RAY_ADDRESS")
@@ -29,21 +36,20 @@ def connect(address: str | None = None) -> bool:
         except ConnectionError as err:
             raise UserError(f"cannot reach the Ray cluster at {address} ({err})") from None
         return False
-    # Logical CPUs beyond the cores keep Ray Data's readers from starving behind
-    # the rank actors; the ranks themselves run one thread each.
-    num_cpus = max(4, os.cpu_count() or 1)
+    num_cpus = max(4, os.cpu_count() or 1) + DATA_CPUS
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **quiet)
     return True
 
 
 def check_capacity(workers: int, cpus_per_worker: float, gpus_per_worker: float) -> None:
-    """Refuse a world size the cluster cannot hold instead of waiting forever."""
+    """Refuse a world size the cluster cannot hold, with CPUs left for reading data,
+    instead of waiting forever."""
     total = ray.cluster_resources()
     cpus, gpus = total.get("CPU", 0.0), total.get("GPU", 0.0)
-    need_cpus, need_gpus = workers * cpus_per_worker, workers * gpus_per_worker
+    need_cpus, need_gpus = workers * cpus_per_worker + DATA_CPUS, workers * gpus_per_worker
     if need_cpus > cpus or need_gpus > gpus:
         raise UserError(
-            f"resources: {workers} workers x ({cpus_per_worker:g} CPU, {gpus_per_worker:g} GPU) need "
-            f"{need_cpus:g} CPUs and {need_gpus:g} GPUs; the cluster has {cpus:g} CPUs and {gpus:g} GPUs "
-            "(lower parallel.dp or resources.cpus_per_worker, or join a larger cluster)"
+            f"resources: {workers} workers x ({cpus_per_worker:g} CPU, {gpus_per_worker:g} GPU), plus "
+            f"{DATA_CPUS} CPU for reading data, need {need_cpus:g} CPUs and {need_gpus:g} GPUs; the cluster has "
+            f"{cpus:g} CPUs and {gpus:g} GPUs (lower parallel.dp or resources.cpus_per_worker, or join a larger cluster)"
         )
