@@ -14,6 +14,8 @@ from typing import Annotated, Any, Literal, Optional, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from lmforge.deepspeed_config import inline_config_file
+from lmforge.deepspeed_config import reconcile as reconcile_deepspeed
 from lmforge.errors import UserError
 from lmforge.models.config import PRESETS, ModelConfig
 
@@ -85,7 +87,7 @@ class TrainSpec(_Section):
     seq_len: int = Field(128, description="tokens per sample fed to the model")
     max_steps: int = Field(100, gt=0)
     seed: int = 0
-    precision: Literal["fp32", "bf16"] = "fp32"
+    precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="fp16: deepspeed engine only (with loss scaling)")
 
     @field_validator("seq_len")
     @classmethod
@@ -132,10 +134,16 @@ class ResourcesSpec(_Section):
     gpus_per_worker: float = Field(0.0, ge=0)
 
 
+class DeepSpeedSpec(_Section):
+    config: Union[str, dict] = Field(..., description="a DeepSpeed config mapping, or a JSON file (relative to the job file)")
+    config_file: Optional[str] = Field(None, description="set by lmforge: the file `config` was read from")
+
+
 class JobSpec(_Section):
     name: str = Field(..., pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
     output_dir: str = "runs"
-    engine: Literal["native"] = "native"
+    engine: Literal["native", "deepspeed"] = "native"
+    deepspeed: Optional[DeepSpeedSpec] = None
     model: ModelSpec = ModelSpec()
     parallel: ParallelSpec = ParallelSpec()
     optim: OptimSpec = OptimSpec()
@@ -148,6 +156,7 @@ class JobSpec(_Section):
     @model_validator(mode="after")
     def _consistent(self) -> "JobSpec":
         self._resolve_dp()
+        self._check_engine()
         model = self.model.resolve()
         if model.dim % model.n_heads:
             raise ValueError(f"model.n_heads: dim {model.dim} is not divisible by n_heads {model.n_heads}")
@@ -183,6 +192,25 @@ class JobSpec(_Section):
         if workers % (p.pp * p.tp):
             raise ValueError(f"parallel.dp: auto cannot split {workers} workers into groups of pp x tp = {p.pp * p.tp}")
         p.dp = workers // (p.pp * p.tp)
+
+    def _check_engine(self) -> None:
+        if self.engine == "native":
+            if self.deepspeed is not None:
+                raise ValueError("deepspeed: set engine: deepspeed to use a DeepSpeed config")
+            if self.train.precision == "fp16":
+                raise ValueError("train.precision: fp16 needs engine: deepspeed (the native engine trains in fp32 or bf16)")
+            return
+        if self.deepspeed is None:
+            raise ValueError("deepspeed: engine: deepspeed needs a deepspeed.config (a mapping or a JSON file)")
+        p = self.parallel
+        if p.tp > 1 or p.pp > 1:
+            raise ValueError("parallel.tp: the deepspeed engine runs data parallelism only; use engine: native for tp or pp")
+        for field in ("zero", "dp_replicate", "cpu_offload", "compile"):
+            if field in p.model_fields_set:
+                raise ValueError(f"parallel.{field}: a native-engine setting; with deepspeed it belongs in deepspeed.config")
+        if isinstance(self.deepspeed.config, str):
+            raise ValueError(f"deepspeed.config: {self.deepspeed.config} was not read; load the job with load_spec or spec_from_dict")
+        self.deepspeed.config = reconcile_deepspeed(self)
 
     def _check_sharding(self) -> None:
         p = self.parallel
@@ -304,14 +332,20 @@ def apply_override(tree: dict, assignment: str) -> None:
     node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else raw
 
 
-def spec_from_dict(tree: dict[str, Any], overrides: list[str] = ()) -> JobSpec:
+def spec_from_dict(tree: dict[str, Any], overrides: list[str] = (), base_dir: str | os.PathLike = ".") -> JobSpec:
+    """Validate a job mapping; files it names (a DeepSpeed config) are read relative to
+    `base_dir`, before the overrides so that these can reach into them."""
     tree = copy.deepcopy(tree)
-    for assignment in overrides:
-        apply_override(tree, assignment)
     try:
+        inline_config_file(tree, base_dir)
+        for assignment in overrides:
+            apply_override(tree, assignment)
+        inline_config_file(tree, ".")  # an override may name another file
         return JobSpec.model_validate(tree)
     except ValidationError as err:
         raise UserError(_format_error(err)) from None
+    except ValueError as err:
+        raise UserError(str(err)) from None
 
 
 def load_spec(path: str | os.PathLike, overrides: list[str] = ()) -> JobSpec:
@@ -328,7 +362,7 @@ def load_spec(path: str | os.PathLike, overrides: list[str] = ()) -> JobSpec:
     if not isinstance(tree, dict):
         raise UserError(f"{path}: a job file is a YAML mapping with at least `name` and `data`")
     try:
-        return spec_from_dict(tree, overrides)
+        return spec_from_dict(tree, overrides, base_dir=path.parent)
     except UserError as err:
         raise UserError(f"{path}: {err}") from None
 

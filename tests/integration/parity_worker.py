@@ -24,6 +24,25 @@ from lmforge.spec import spec_from_dict
 STEPS = 6
 
 
+def _device(offload) -> str | None:
+    device = getattr(offload, "device", None)
+    return None if device is None else str(getattr(device, "value", device))
+
+
+def describe(engine) -> dict:
+    """What actually ran, as the engine's library reports it."""
+    info = {"class": type(engine).__name__}
+    if hasattr(engine, "engine"):  # DeepSpeed
+        ds = engine.engine
+        info.update(
+            zero_stage=ds.zero_optimization_stage(),
+            offload_optimizer=_device(ds.zero_offload_optimizer()),
+            offload_param=_device(ds.zero_offload_param()),
+            optimizer=type(ds.basic_optimizer).__name__,
+        )
+    return info
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -31,6 +50,7 @@ def main() -> None:
     parser.add_argument("--save", help="checkpoint directory to save into after --save-at steps")
     parser.add_argument("--save-at", type=int, default=0)
     parser.add_argument("--load", help="checkpoint directory to resume from")
+    parser.add_argument("--steps", type=int, default=STEPS)
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -39,7 +59,7 @@ def main() -> None:
         "name": "parity",
         "model": {"preset": "tiny", "vocab_size": 256, "n_layers": 4},
         "optim": {"lr": 1e-2, "warmup_steps": 2},
-        "train": {"global_batch": 8, "micro_batch": 2, "seq_len": 16, "max_steps": STEPS},
+        "train": {"global_batch": 8, "micro_batch": 2, "seq_len": 16, "max_steps": args.steps},
         "data": {"path": "unused"},
     }
     degree = {key: int(value) for key, _, value in (o.partition("=") for o in args.overrides) if key in ("parallel.tp", "parallel.pp")}
@@ -57,7 +77,7 @@ def main() -> None:
         start = ckpt.step
     gen = torch.Generator().manual_seed(0)
     losses = []
-    for step in range(STEPS):
+    for step in range(args.steps):
         # Learnable sequences (arithmetic progressions) so the loss visibly falls.
         start_tok = torch.randint(0, 256, (8, 1), generator=gen)
         stride = torch.randint(1, 4, (8, 1), generator=gen)
@@ -71,7 +91,7 @@ def main() -> None:
             save_checkpoint(CheckpointStore(args.save), step + 1, engine, {"step": step + 1}, keep=1)
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
-            json.dump({"losses": losses}, f)
+            json.dump({"losses": losses, "engine": describe(engine)}, f)
     dist.barrier()  # results are written; no rank leaves while a peer still sends
     # Exit without destroy_process_group: under heavy load gloo's teardown has
     # aborted a rank now and then ("terminate called without an active exception")

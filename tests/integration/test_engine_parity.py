@@ -6,38 +6,9 @@ parallelism, 1e-4 with tensor parallelism (its partial sums add in another order
 (FSDP2 mixed precision, fp32 reduction) within 2e-2.
 """
 
-import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-WORKER = Path(__file__).with_name("parity_worker.py")
-
-
-def losses(tmp_path, nproc, *overrides, extra=()):
-    out = tmp_path / f"{nproc}-{'-'.join(overrides) or 'base'}-{len(extra)}.json"
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(port),
-           str(WORKER), "--out", str(out)]
-    for item in overrides:
-        cmd += ["--set", item]
-    cmd += list(extra)
-    env = os.environ | {"OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
-    try:
-        _, stderr = proc.communicate(timeout=180)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and every rank it started
-        raise
-    assert proc.returncode == 0, stderr[-3000:]
-    return json.loads(out.read_text())["losses"]
+from parity import losses
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,9 @@
 """Save and restore one rank's share of a checkpoint with torch.distributed.checkpoint.
 
 Every rank writes its own shards; rank 0 writes the JSON state and then commits.
-DCP reshards on load, so a checkpoint saved on N ranks loads on M.
+DCP reshards on load, so a checkpoint saved on N ranks loads on M. An engine with
+its own format (DeepSpeed) writes its files into the same step directory, under
+the same commit rule.
 """
 
 from __future__ import annotations
@@ -32,8 +34,12 @@ def _rng_file(path: str, rank: int) -> str:
 def save_checkpoint(store: CheckpointStore, step: int, engine: Engine, trainer_state: dict, keep: int) -> list[int]:
     """Collective: every rank calls it at the same step. Returns pruned steps (rank 0)."""
     path = store.step_path(step)
-    tensors, plain = engine.state_dict()
-    dcp.save(tensors, storage_writer=_writer(store, path))
+    plain: dict = {}
+    if engine.checkpoint_format == "dcp":
+        tensors, plain = engine.state_dict()
+        dcp.save(tensors, storage_writer=_writer(store, path))
+    else:
+        engine.save(store.fs_path(path))
     rank = dist.get_rank()
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -44,7 +50,7 @@ def save_checkpoint(store: CheckpointStore, step: int, engine: Engine, trainer_s
     dist.barrier()
     pruned: list[int] = []
     if rank == 0:
-        store.write_state(step, {**trainer_state, "engine": plain})
+        store.write_state(step, {**trainer_state, "engine": plain, "format": engine.checkpoint_format})
         store.commit(step)
         pruned = store.prune(keep)
     dist.barrier()
@@ -52,9 +58,12 @@ def save_checkpoint(store: CheckpointStore, step: int, engine: Engine, trainer_s
 
 
 def load_checkpoint(store: CheckpointStore, ckpt: CommittedCheckpoint, engine: Engine) -> None:
-    tensors, _ = engine.state_dict()
-    dcp.load(tensors, storage_reader=_reader(store, ckpt.path))
-    engine.load_state_dict(tensors, ckpt.state["engine"])
+    if engine.checkpoint_format == "dcp":
+        tensors, _ = engine.state_dict()
+        dcp.load(tensors, storage_reader=_reader(store, ckpt.path))
+        engine.load_state_dict(tensors, ckpt.state["engine"])
+    else:
+        engine.load(store.fs_path(ckpt.path))
     rng_path = store.fs_path(_rng_file(ckpt.path, dist.get_rank()))
     # A rank that did not exist when the checkpoint was saved keeps its seeded RNG.
     if store.fs.exists(rng_path):

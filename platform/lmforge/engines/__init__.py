@@ -8,6 +8,10 @@ def create_engine(spec, dims, device) -> Engine:
         from lmforge.engines.native import NativeEngine
 
         return NativeEngine(spec, dims, device)
+    if spec.engine == "deepspeed":
+        from lmforge.engines.deepspeed import DeepSpeedEngine
+
+        return DeepSpeedEngine(spec, dims, device)
     raise ValueError(f"unknown engine {spec.engine!r}")
 
 

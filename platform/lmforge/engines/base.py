@@ -24,6 +24,10 @@ class StepStats:
 
 
 class Engine(ABC):
+    # "dcp": the checkpoint is `state_dict()` saved with torch.distributed.checkpoint;
+    # otherwise the engine writes its own files with `save(dir)` and reads them with `load(dir)`.
+    checkpoint_format = "dcp"
+
     @abstractmethod
     def train_step(self, micro_batches: torch.Tensor) -> StepStats:
         """One optimizer step over this rank's micro-batches [accum, micro, seq_len+1]."""

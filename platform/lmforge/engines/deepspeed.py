@@ -1,0 +1,93 @@
+"""The DeepSpeed engine: the same model and batches, with DeepSpeed's ZeRO (stages
+0-3, CPU/NVMe offload) partitioning optimizer state, gradients and parameters.
+
+DeepSpeed runs inside the process group the worker already made; the config is
+the job's reconciled one (see `lmforge.deepspeed_config`). Checkpoints are
+DeepSpeed's own files inside lmforge's step directory.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from lmforge.engines.base import Engine, StepStats, warmup_cosine
+from lmforge.models import Transformer, materialize
+from lmforge.parallel.checkpointing import apply_activation_checkpointing
+from lmforge.parallel.mesh import ParallelDims
+
+CHECKPOINT_TAG = "deepspeed"
+
+
+def _skip_shared_memory_op() -> None:
+    """DeepSpeed compiles a shared-memory collective op at every start on CPU (minutes);
+    lmforge's collectives go through torch.distributed, so it is not needed."""
+    import deepspeed.comm.torch  # noqa: F401  (the name resolves to torch; the module is in sys.modules)
+
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+
+
+class DeepSpeedEngine(Engine):
+    checkpoint_format = "deepspeed"
+
+    def __init__(self, spec, dims: ParallelDims, device: torch.device):
+        _skip_shared_memory_op()
+        import deepspeed
+
+        self.spec, self.dims, self.device = spec, dims, device
+        config = spec.deepspeed.config
+        with torch.device("meta"):
+            model = Transformer(spec.model_arch)
+        model = materialize(model, device, spec.train.seed)
+        p = spec.parallel
+        apply_activation_checkpointing(model, p.activation_checkpointing, p.ac_every)
+        scheduler = None if "scheduler" in config else self._warmup_cosine
+        self.engine, _, _, _ = deepspeed.initialize(
+            model=model, model_parameters=model.parameters(), config=dict(config), lr_scheduler=scheduler, dist_init_required=False
+        )
+        self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(spec.train.precision)
+
+    def _warmup_cosine(self, optimizer: torch.optim.Optimizer):
+        opt = self.spec.optim
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(opt.warmup_steps, self.spec.decay_steps, opt.min_lr_ratio))
+
+    @property
+    def module(self) -> nn.Module:
+        return self.engine.module
+
+    def train_step(self, micro_batches: torch.Tensor) -> StepStats:
+        micro_batches = micro_batches.to(self.device, non_blocking=True)
+        self.engine.train()
+        lr = self.engine.get_lr()[0]
+        loss_sum = torch.zeros((), device=self.device)
+        for batch in micro_batches:
+            logits = self.engine(batch[:, :-1])
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
+            # DeepSpeed divides by the accumulation steps and averages over DP ranks.
+            self.engine.backward(loss)
+            self.engine.step()
+            loss_sum += loss.detach()
+        loss = loss_sum / len(micro_batches)
+        if self.dims.shape.dp > 1:
+            dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.dims.dp_group)
+        norm = self.engine.get_global_grad_norm()
+        return StepStats(loss=loss.item(), grad_norm=float(norm) if norm is not None else float("nan"), lr=lr)
+
+    # Checkpoints: DeepSpeed's files (sharded per rank and stage) under `<step dir>/deepspeed`.
+    def save(self, directory: str) -> None:
+        self.engine.save_checkpoint(directory, tag=CHECKPOINT_TAG, save_latest=False)
+
+    def load(self, directory: str) -> None:
+        path, _ = self.engine.load_checkpoint(directory, tag=CHECKPOINT_TAG, load_module_strict=True)
+        if path is None:
+            raise RuntimeError(f"DeepSpeed found no checkpoint under {directory}/{CHECKPOINT_TAG}")
+
+    def state_dict(self) -> tuple[dict, dict]:
+        raise NotImplementedError("the deepspeed engine saves with save()")
+
+    def load_state_dict(self, tensors: dict, plain: dict) -> None:
+        raise NotImplementedError("the deepspeed engine loads with load()")
