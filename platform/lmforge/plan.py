@@ -52,8 +52,33 @@ def check_resume(spec: JobSpec, ckpt: CommittedCheckpoint) -> None:
             f"train.global_batch: {spec.train.global_batch} differs from the {ckpt.state.get('global_batch')} "
             f"the checkpoint {ckpt.path} was trained with; the data order would not continue exactly"
         )
+    saved_format, wanted = ckpt.state.get("format", "dcp"), "deepspeed" if spec.engine == "deepspeed" else "dcp"
+    if saved_format != wanted:
+        raise UserError(f"engine: {spec.engine} cannot resume {ckpt.path}, a {saved_format} checkpoint of the other engine")
+    if spec.engine == "deepspeed" and ckpt.state.get("dp") != spec.parallel.dp:
+        raise UserError(
+            f"parallel.dp: {spec.parallel.dp} differs from the dp {ckpt.state.get('dp')} of the DeepSpeed checkpoint "
+            f"{ckpt.path}; resuming DeepSpeed on another DP size is not supported yet"
+        )
     if ckpt.step > spec.train.max_steps:
         raise UserError(f"train.max_steps: {spec.train.max_steps} is before the latest checkpoint's step {ckpt.step}")
+
+
+def check_deepspeed(spec: JobSpec) -> None:
+    if "://" in spec.checkpoint_dir:
+        raise UserError(f"checkpoint.dir: the deepspeed engine writes checkpoints to a filesystem path, not {spec.checkpoint_dir}")
+    if spec.train.precision == "fp16" and spec.resources.gpus_per_worker == 0 and not cpu_supports_fp16():
+        raise UserError("train.precision: fp16 on CPU ranks needs AVX512-FP16, which this machine lacks; use bf16 or fp32")
+
+
+def cpu_supports_fp16() -> bool:
+    """What DeepSpeed's CPU accelerator asks before it agrees to fp16."""
+    import torch
+
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def preflight(spec: JobSpec) -> Plan:
@@ -69,6 +94,8 @@ def preflight(spec: JobSpec) -> Plan:
             raise UserError(
                 f"data.vocab_size: {spec.data.vocab_size} is larger than model.vocab_size {spec.model_arch.vocab_size}"
             )
+    if spec.engine == "deepspeed":
+        check_deepspeed(spec)
     store = CheckpointStore(spec.checkpoint_dir)
     store.check_usable()
     ckpt = store.latest() if spec.checkpoint.resume else None

@@ -89,7 +89,7 @@ def _run(plan: Plan, manifest: dict, console: Console, show_progress: bool) -> d
     waits = WaitTally()
     latest_ckpt = plan.resume_from.path if plan.resume_from else None
     status = "FAILED"
-    controller = Controller.options(runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}}).remote(spec.model_dump(mode="json"), manifest)
+    controller = Controller.options(runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}}).remote(spec.model_dump(mode="json", exclude_unset=True), manifest)
     try:
         done = controller.run.remote()
         with view:

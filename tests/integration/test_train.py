@@ -124,3 +124,31 @@ def test_3d_run_through_the_controller_matches_data_parallel(uninterrupted, ray_
     rows = [json.loads(line) for line in (tmp_path / "runs" / "tiny" / "metrics.jsonl").read_text().splitlines()]
     assert all(0 < row["bubble"] < 1 for row in rows)
     assert all(row["bubble_theory"] == pytest.approx(1 / (spec.grad_accum + 1)) for row in rows)
+
+
+def test_deepspeed_documentation_config_trains_resumes_and_matches_native(uninterrupted, ray_session, tiny_dataset, tmp_path):
+    """jobs/zero3-offload.json as written (ZeRO-3, optimizer offloaded to CPU) with the
+    batch and learning rate overridden to the tiny job's: 4 steps, then a resume to
+    8, equal to the native engine's uninterrupted run."""
+    from pathlib import Path
+
+    _, _, full = uninterrupted
+    reference = _losses(full_run_dir(full))
+    config = Path(__file__).parents[2] / "jobs" / "zero3-offload.json"
+    job = tiny_job(tmp_path, tiny_dataset, engine="deepspeed", deepspeed={"config": str(config)})
+    del job["optim"]["lr"]  # the config sets it: the job must not say otherwise
+    overrides = ["deepspeed.config.train_batch_size=8", "deepspeed.config.optimizer.params.lr=0.003"]
+    first = sdk.train(spec_from_dict(job, [*overrides, "train.max_steps=4"]), show_progress=False)
+    second = sdk.train(spec_from_dict(job, overrides), show_progress=False)
+    assert first["final_step"] == 4 and second["start_step"] == 4 and second["final_step"] == 8
+    losses = _losses(tmp_path / "runs" / "tiny")
+    for step in range(1, 9):
+        assert losses[step] == pytest.approx(reference[step], rel=1e-4), step
+    ckpt = tmp_path / "runs" / "tiny" / "checkpoints" / "step_00000008"
+    assert json.loads((ckpt / "state.json").read_text())["format"] == "deepspeed"
+    files = json.loads((ckpt / "commit.json").read_text())["files"]
+    assert any(name.startswith("deepspeed/") and "optim_states" in name for name in files), files
+    params = MlflowClient(tracking_uri=second["mlflow_tracking_uri"]).get_run(second["mlflow_run_id"]).data.params
+    assert params["engine"] == "deepspeed"
+    assert params["deepspeed.config.zero_optimization.stage"] == "3"
+    assert params["deepspeed.config.zero_optimization.offload_optimizer.device"] == "cpu"

@@ -36,6 +36,9 @@ class Worker:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(0)  # Ray exposes exactly the actor's GPU as device 0
+        # What torchrun would set; DeepSpeed reads these (LOCAL_RANK: the device index).
+        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK="0",
+                          MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
         dist.init_process_group(
             backend,
             init_method=f"tcp://{master_addr}:{master_port}",
