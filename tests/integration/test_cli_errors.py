@@ -1,6 +1,7 @@
 """Bad input through the real `lmforge` CLI: one line naming the field or file,
 exit code 2, no traceback, nothing written."""
 
+import json
 import os
 import subprocess
 import sys
@@ -116,3 +117,22 @@ def test_empty_corpus_leaves_nothing_behind(tmp_path):
     assert_clean_error(result, "data.source", "fewer than one sample")
     assert not out.exists()
     assert [p.name for p in tmp_path.iterdir()] == ["corpus"]
+
+
+def test_deepspeed_config_contradicting_the_job(tmp_path):
+    (tmp_path / "ds.json").write_text(json.dumps({"train_batch_size": 4096, "zero_optimization": {"stage": 3}}))
+    job = tiny_job(tmp_path, tmp_path / "data", engine="deepspeed", deepspeed={"config": "ds.json"})
+    result = run_cli("train", str(write_job(tmp_path, job)), cwd=tmp_path)
+    assert_clean_error(result, "job.yaml", "deepspeed.config.train_batch_size: 4096 contradicts train.global_batch 8")
+    assert nothing_written(tmp_path)
+
+
+def test_deepspeed_fp16_on_a_cpu_without_fp16_units(tmp_path, tiny_dataset):
+    from lmforge.plan import cpu_supports_fp16
+
+    if cpu_supports_fp16():
+        pytest.skip("this CPU has AVX512-FP16: DeepSpeed accepts fp16 here")
+    job = tiny_job(tmp_path, tiny_dataset, engine="deepspeed", deepspeed={"config": {"fp16": {"enabled": True}}})
+    result = run_cli("train", str(write_job(tmp_path, job)), cwd=tmp_path)
+    assert_clean_error(result, "train.precision: fp16 on CPU ranks needs AVX512-FP16")
+    assert nothing_written(tmp_path)

@@ -38,3 +38,31 @@ def test_zero_stages_match_native_data_parallel(native_dp2, tmp_path, stage, off
 def test_activation_checkpointing_under_zero3(native_dp2, tmp_path):
     got = losses(tmp_path, 2, "engine=deepspeed", "deepspeed.config.zero_optimization.stage=3", "parallel.activation_checkpointing=full", extra=STEPS)
     assert got == pytest.approx(native_dp2, rel=1e-4)
+
+
+def _cpu_adam_build_cached() -> bool:
+    import os
+    import sys
+    from pathlib import Path
+
+    import torch
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
+        get_default_build_root(), f"py{sys.version_info.major}{sys.version_info.minor}_{'cu' + torch.version.cuda.replace('.', '') if torch.version.cuda else 'cpu'}"
+    )
+    return any(Path(root, "cpu_adam").glob("cpu_adam*.so"))
+
+
+@pytest.mark.skipif(not _cpu_adam_build_cached(), reason="DeepSpeedCPUAdam is not built in the torch extensions cache; building it takes minutes")
+def test_compiled_cpu_adam_with_offload(native_dp2, tmp_path):
+    got, ran = losses(tmp_path, 2, "engine=deepspeed", "deepspeed.config.zero_optimization.stage=2", OFFLOAD_OPT,
+                      "deepspeed.config.optimizer.params.torch_adam=false", extra=STEPS, describe=True)
+    assert ran["optimizer"] == "DeepSpeedCPUAdam"
+    assert got == pytest.approx(native_dp2, rel=1e-4)
+
+
+def test_bf16_is_close_to_fp32(native_dp2, tmp_path):
+    got = losses(tmp_path, 2, "engine=deepspeed", "deepspeed.config.zero_optimization.stage=2", "train.precision=bf16", extra=STEPS)
+    assert got == pytest.approx(native_dp2, rel=2e-2)
+    assert got != pytest.approx(native_dp2, rel=1e-7), "bf16 produced fp32 numbers"
