@@ -38,6 +38,10 @@ def _parser() -> argparse.ArgumentParser:
     prep.add_argument("--address")
     prep.add_argument("--no-progress", action="store_true")
 
+    export = sub.add_parser("export", help="write a checkpoint's weights as model.safetensors + config.json")
+    export.add_argument("checkpoint", help="a committed step directory, e.g. runs/NAME/checkpoints/step_00000100")
+    export.add_argument("--out", required=True, help="new directory to write (usable as model.init_from)")
+
     sub.add_parser("version", help="print the version")
     return parser
 
@@ -110,6 +114,14 @@ def _cmd_train(args) -> int:
     return 0
 
 
+def _cmd_export(args) -> int:
+    from lmforge.checkpoint.export import export_checkpoint
+
+    result = export_checkpoint(args.checkpoint, args.out)
+    print(f"exported step {result['step']} ({result['format']}, {result['parameters']:,} parameters) -> {result['out']}", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     # Ray Data logs every dataset execution at INFO; the CLI shows its own progress.
@@ -120,9 +132,8 @@ def main(argv: list[str] | None = None) -> int:
 
             print(__version__)
             return 0
-        if args.command == "data":
-            return _cmd_prepare(args)
-        return _cmd_train(args)
+        commands = {"data": _cmd_prepare, "export": _cmd_export, "train": _cmd_train}
+        return commands[args.command](args)
     except UserError as err:
         print(f"lmforge: error: {err}", file=sys.stderr)
         return err.exit_code

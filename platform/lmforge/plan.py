@@ -15,6 +15,7 @@ from lmforge.checkpoint.store import CheckpointStore, CommittedCheckpoint
 from lmforge.data.corpus import list_files, source_kind
 from lmforge.data.prepare import MANIFEST, read_manifest
 from lmforge.errors import UserError
+from lmforge.models.weights import read_config
 from lmforge.spec import JobSpec
 
 
@@ -64,6 +65,17 @@ def check_resume(spec: JobSpec, ckpt: CommittedCheckpoint) -> None:
         raise UserError(f"train.max_steps: {spec.train.max_steps} is before the latest checkpoint's step {ckpt.step}")
 
 
+def check_init_from(spec: JobSpec) -> None:
+    try:
+        saved = read_config(spec.model.init_from)
+    except ValueError as err:
+        raise UserError(f"model.init_from: {err}") from None
+    wanted = spec.model_arch.as_dict()
+    changed = sorted(k for k in wanted if saved.get(k) != wanted[k])
+    if changed:
+        raise UserError(f"model.init_from: {spec.model.init_from} holds a model of a different shape (differs in {', '.join(changed)})")
+
+
 def check_deepspeed(spec: JobSpec) -> None:
     if "://" in spec.checkpoint_dir:
         raise UserError(f"checkpoint.dir: the deepspeed engine writes checkpoints to a filesystem path, not {spec.checkpoint_dir}")
@@ -96,6 +108,8 @@ def preflight(spec: JobSpec) -> Plan:
             )
     if spec.engine == "deepspeed":
         check_deepspeed(spec)
+    if spec.model.init_from:
+        check_init_from(spec)
     store = CheckpointStore(spec.checkpoint_dir)
     store.check_usable()
     ckpt = store.latest() if spec.checkpoint.resume else None

@@ -34,6 +34,7 @@ class ModelSpec(_Section):
     ffn_hidden: Optional[int] = Field(None, gt=0)
     max_seq_len: Optional[int] = Field(None, gt=0)
     tie_embeddings: Optional[bool] = None
+    init_from: Optional[str] = Field(None, description="start from weights exported by `lmforge export` (unless resuming)")
 
     @field_validator("preset")
     @classmethod
@@ -43,7 +44,7 @@ class ModelSpec(_Section):
         return value
 
     def resolve(self) -> ModelConfig:
-        overrides = self.model_dump(exclude={"preset"})
+        overrides = self.model_dump(exclude={"preset", "init_from"})
         return PRESETS[self.preset].with_overrides(**overrides)
 
 
@@ -290,6 +291,7 @@ class JobSpec(_Section):
 
         return self.model_copy(update={
             "output_dir": local(self.output_dir),
+            "model": self.model.model_copy(update={"init_from": local(self.model.init_from) if self.model.init_from else None}),
             "data": self.data.model_copy(update={
                 "path": local(self.data.path),
                 "source": local(self.data.source) if self.data.source and not self.data.source.startswith("builtin:") else self.data.source,

@@ -51,6 +51,7 @@ def main() -> None:
     parser.add_argument("--save-at", type=int, default=0)
     parser.add_argument("--load", help="checkpoint directory to resume from")
     parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument("--skip-steps", type=int, default=0, help="skip this many steps' batches (with model.init_from)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -69,7 +70,7 @@ def main() -> None:
     p = spec.parallel
     dims = build_mesh("cpu", MeshShape.for_spec(p))
     engine = create_engine(spec, dims, torch.device("cpu"))
-    start = 0
+    start = args.skip_steps
     if args.load:
         store = CheckpointStore(args.load)
         ckpt = store.latest()
@@ -88,7 +89,7 @@ def main() -> None:
         stats = engine.train_step(share.view(spec.grad_accum, spec.train.micro_batch, 17))
         losses.append(stats.loss)
         if args.save and step + 1 == args.save_at:
-            save_checkpoint(CheckpointStore(args.save), step + 1, engine, {"step": step + 1}, keep=1)
+            save_checkpoint(CheckpointStore(args.save), step + 1, engine, {"step": step + 1, "model": spec.model_arch.as_dict()}, keep=1)
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump({"losses": losses, "engine": describe(engine)}, f)

@@ -136,3 +136,17 @@ def test_deepspeed_fp16_on_a_cpu_without_fp16_units(tmp_path, tiny_dataset):
     result = run_cli("train", str(write_job(tmp_path, job)), cwd=tmp_path)
     assert_clean_error(result, "train.precision: fp16 on CPU ranks needs AVX512-FP16")
     assert nothing_written(tmp_path)
+
+
+def test_export_of_an_uncommitted_directory(tmp_path):
+    (tmp_path / "step_00000004").mkdir()
+    result = run_cli("export", str(tmp_path / "step_00000004"), "--out", str(tmp_path / "model"), cwd=tmp_path)
+    assert_clean_error(result, "step_00000004: not a committed checkpoint")
+    assert not (tmp_path / "model").exists()
+
+
+def test_init_from_a_directory_that_is_not_an_export(tmp_path, tiny_dataset):
+    job = tiny_job(tmp_path, tiny_dataset, model={"preset": "tiny", "vocab_size": 512, "init_from": str(tmp_path)})
+    result = run_cli("train", str(write_job(tmp_path, job)), cwd=tmp_path)
+    assert_clean_error(result, "model.init_from:", "is not an exported model (needs config.json and model.safetensors)")
+    assert nothing_written(tmp_path)

@@ -66,3 +66,21 @@ def test_bf16_is_close_to_fp32(native_dp2, tmp_path):
     got = losses(tmp_path, 2, "engine=deepspeed", "deepspeed.config.zero_optimization.stage=2", "train.precision=bf16", extra=STEPS)
     assert got == pytest.approx(native_dp2, rel=2e-2)
     assert got != pytest.approx(native_dp2, rel=1e-7), "bf16 produced fp32 numbers"
+
+
+@pytest.mark.parametrize("source, target", [("native", "deepspeed"), ("deepspeed", "native")])
+def test_exported_weights_move_between_engines(tmp_path, source, target):
+    """Train 6 steps saving at 3; export step 3 with the CLI; the other engine started
+    from the export on step 4's batch computes step 4's loss."""
+    import subprocess
+    import sys
+
+    engine_args = {"native": [], "deepspeed": ["engine=deepspeed", "deepspeed.config.zero_optimization.stage=3"]}
+    ckpt, exported = tmp_path / "ckpt", tmp_path / "exported"
+    trained = losses(tmp_path, 2, *engine_args[source], extra=["--save", str(ckpt), "--save-at", "3"])
+    result = subprocess.run([sys.executable, "-m", "lmforge", "export", str(ckpt / "step_00000003"), "--out", str(exported)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in exported.iterdir()) == ["config.json", "model.safetensors"]
+    continued = losses(tmp_path, 2, *engine_args[target], f"model.init_from={exported}", extra=["--skip-steps", "3"])
+    assert continued[0] == pytest.approx(trained[3], rel=1e-5)

@@ -17,13 +17,14 @@ from torch import nn
 
 from lmforge.engines.base import Engine, StepStats, warmup_cosine
 from lmforge.models import Transformer, materialize
+from lmforge.models.weights import load_weights_into
 from lmforge.parallel.checkpointing import apply_activation_checkpointing
 from lmforge.parallel.mesh import ParallelDims
 
 CHECKPOINT_TAG = "deepspeed"
 
 
-def _skip_shared_memory_op() -> None:
+def skip_shared_memory_op() -> None:
     """DeepSpeed compiles a shared-memory collective op at every start on CPU (minutes);
     lmforge's collectives go through torch.distributed, so it is not needed."""
     import deepspeed.comm.torch  # noqa: F401  (the name resolves to torch; the module is in sys.modules)
@@ -35,7 +36,7 @@ class DeepSpeedEngine(Engine):
     checkpoint_format = "deepspeed"
 
     def __init__(self, spec, dims: ParallelDims, device: torch.device):
-        _skip_shared_memory_op()
+        skip_shared_memory_op()
         import deepspeed
 
         self.spec, self.dims, self.device = spec, dims, device
@@ -43,6 +44,8 @@ class DeepSpeedEngine(Engine):
         with torch.device("meta"):
             model = Transformer(spec.model_arch)
         model = materialize(model, device, spec.train.seed)
+        if spec.model.init_from:
+            load_weights_into(model, spec.model.init_from)
         p = spec.parallel
         apply_activation_checkpointing(model, p.activation_checkpointing, p.ac_every)
         scheduler = None if "scheduler" in config else self._warmup_cosine

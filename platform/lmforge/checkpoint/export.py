@@ -1,0 +1,90 @@
+"""Export a committed checkpoint of either engine as consolidated fp32 weights in
+lmforge's model format (see `lmforge.models.weights`), in one process.
+
+Native checkpoints are read with DCP (no process group needed); DeepSpeed ones
+with DeepSpeed's zero_to_fp32, after their checksums are verified against the
+commit record, since DeepSpeed's files are pickles.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from lmforge.checkpoint.store import COMMIT, STATE
+from lmforge.errors import UserError
+from lmforge.models import ModelConfig, Transformer
+from lmforge.models.weights import clean_name, save_weights
+
+def export_checkpoint(step_dir: str | os.PathLike, out: str | os.PathLike) -> dict:
+    """Returns what was written: {'out', 'step', 'format', 'parameters'}."""
+    step_dir = Path(step_dir)
+    state = _committed_state(step_dir)
+    cfg = ModelConfig(**state["model"])
+    fmt = state.get("format", "dcp")
+    tensors = _read_dcp(step_dir, cfg) if fmt == "dcp" else _read_deepspeed(step_dir)
+    names = weight_names(cfg)
+    missing = sorted(set(names) - set(tensors))
+    if missing:
+        raise UserError(f"{step_dir}: the checkpoint lacks {', '.join(missing[:3])} for its model")
+    tensors = {name: tensors[name] for name in names}
+    try:
+        save_weights(out, cfg, tensors, source={"checkpoint": str(step_dir), "step": state["step"], "format": fmt})
+    except FileExistsError:
+        raise UserError(f"--out: {out} already exists") from None
+    return {"out": str(out), "step": state["step"], "format": fmt, "parameters": sum(t.numel() for t in tensors.values())}
+
+
+def weight_names(cfg: ModelConfig) -> list[str]:
+    """The model's tensors by name; a tied output head is the embedding, stored once."""
+    with torch.device("meta"):
+        names = list(Transformer(cfg).state_dict())
+    return [n for n in names if not (cfg.tie_embeddings and n == "output.weight")]
+
+
+def _committed_state(step_dir: Path) -> dict:
+    if not (step_dir / COMMIT).is_file():
+        raise UserError(f"{step_dir}: not a committed checkpoint (no {COMMIT}); pass a step_XXXXXXXX directory")
+    try:
+        state = json.loads((step_dir / STATE).read_text())
+        state["model"]
+    except (OSError, json.JSONDecodeError, KeyError) as err:
+        raise UserError(f"{step_dir / STATE}: unreadable ({err})") from None
+    return state
+
+
+def _read_dcp(step_dir: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    model = Transformer(cfg)  # a template on CPU: DCP fills its tensors in place
+    names = set(weight_names(cfg))
+    template = {name: tensor for name, tensor in model.state_dict().items() if name in names}
+    dcp.load(template, checkpoint_id=str(step_dir), no_dist=True)
+    return template
+
+
+def _verify(step_dir: Path, subdir: str) -> None:
+    files = json.loads((step_dir / COMMIT).read_text())["files"]
+    for rel, meta in files.items():
+        if rel.startswith(subdir + "/"):
+            digest = hashlib.sha256((step_dir / rel).read_bytes()).hexdigest()
+            if digest != meta["sha256"]:
+                raise UserError(f"{step_dir / rel}: does not match its checksum in {COMMIT}; refusing to unpickle it")
+
+
+def _read_deepspeed(step_dir: Path) -> dict[str, torch.Tensor]:
+    from lmforge.engines.deepspeed import CHECKPOINT_TAG, skip_shared_memory_op
+
+    _verify(step_dir, CHECKPOINT_TAG)
+    skip_shared_memory_op()
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    tag_dir = step_dir / CHECKPOINT_TAG
+    if any(tag_dir.glob("zero_pp_rank_*")):
+        tensors = get_fp32_state_dict_from_zero_checkpoint(str(step_dir), tag=CHECKPOINT_TAG)
+    else:  # ZeRO stage 0 keeps whole fp32 weights in the model states
+        tensors = torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
+    return {clean_name(k): v for k, v in tensors.items()}
