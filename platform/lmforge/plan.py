@@ -56,11 +56,6 @@ def check_resume(spec: JobSpec, ckpt: CommittedCheckpoint) -> None:
     saved_format, wanted = ckpt.state.get("format", "dcp"), "deepspeed" if spec.engine == "deepspeed" else "dcp"
     if saved_format != wanted:
         raise UserError(f"engine: {spec.engine} cannot resume {ckpt.path}, a {saved_format} checkpoint of the other engine")
-    if spec.engine == "deepspeed" and ckpt.state.get("dp") != spec.parallel.dp:
-        raise UserError(
-            f"parallel.dp: {spec.parallel.dp} differs from the dp {ckpt.state.get('dp')} of the DeepSpeed checkpoint "
-            f"{ckpt.path}; resuming DeepSpeed on another DP size is not supported yet"
-        )
     if ckpt.step > spec.train.max_steps:
         raise UserError(f"train.max_steps: {spec.train.max_steps} is before the latest checkpoint's step {ckpt.step}")
 

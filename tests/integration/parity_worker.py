@@ -89,7 +89,7 @@ def main() -> None:
         stats = engine.train_step(share.view(spec.grad_accum, spec.train.micro_batch, 17))
         losses.append(stats.loss)
         if args.save and step + 1 == args.save_at:
-            save_checkpoint(CheckpointStore(args.save), step + 1, engine, {"step": step + 1, "model": spec.model_arch.as_dict()}, keep=1)
+            save_checkpoint(CheckpointStore(args.save), step + 1, engine, {"step": step + 1, "dp": p.dp, "model": spec.model_arch.as_dict()}, keep=1)
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump({"losses": losses, "engine": describe(engine)}, f)

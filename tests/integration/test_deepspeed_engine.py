@@ -84,3 +84,15 @@ def test_exported_weights_move_between_engines(tmp_path, source, target):
     assert sorted(p.name for p in exported.iterdir()) == ["config.json", "model.safetensors"]
     continued = losses(tmp_path, 2, *engine_args[target], f"model.init_from={exported}", extra=["--skip-steps", "3"])
     assert continued[0] == pytest.approx(trained[3], rel=1e-5)
+
+
+@pytest.mark.parametrize("stage, nproc", [(0, 1), (1, 4), (2, 1), (3, 4)])
+def test_resume_on_another_dp_size(tmp_path, stage, nproc):
+    """Saved on dp 2 after 3 steps, continued on dp 1 or 4 (ZeRO partitions through
+    DeepSpeed's universal checkpoint): the remaining steps' losses are those of dp 2."""
+    ds = ["engine=deepspeed", f"deepspeed.config.zero_optimization.stage={stage}"]
+    ckpt = tmp_path / "ckpt"
+    trained = losses(tmp_path, 2, *ds, extra=["--save", str(ckpt), "--save-at", "3"])
+    continued = losses(tmp_path, nproc, *ds, extra=["--load", str(ckpt)])
+    assert continued == pytest.approx(trained[3:], rel=1e-4)
+    assert (ckpt / "step_00000003" / "universal").is_dir() == (stage > 0)

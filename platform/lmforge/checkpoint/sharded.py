@@ -63,7 +63,7 @@ def load_checkpoint(store: CheckpointStore, ckpt: CommittedCheckpoint, engine: E
         dcp.load(tensors, storage_reader=_reader(store, ckpt.path))
         engine.load_state_dict(tensors, ckpt.state["engine"])
     else:
-        engine.load(store.fs_path(ckpt.path))
+        engine.load(store.fs_path(ckpt.path), ckpt.state)
     rng_path = store.fs_path(_rng_file(ckpt.path, dist.get_rank()))
     # A rank that did not exist when the checkpoint was saved keeps its seeded RNG.
     if store.fs.exists(rng_path):

@@ -25,7 +25,8 @@ class StepStats:
 
 class Engine(ABC):
     # "dcp": the checkpoint is `state_dict()` saved with torch.distributed.checkpoint;
-    # otherwise the engine writes its own files with `save(dir)` and reads them with `load(dir)`.
+    # otherwise the engine writes its own files with `save(dir)` and reads them with
+    # `load(dir, saved_state)` (the checkpoint's state.json: step, dp, ...).
     checkpoint_format = "dcp"
 
     @abstractmethod

@@ -8,7 +8,12 @@ DeepSpeed's own files inside lmforge's step directory.
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import io
+import os
 import sys
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -22,6 +27,7 @@ from lmforge.parallel.checkpointing import apply_activation_checkpointing
 from lmforge.parallel.mesh import ParallelDims
 
 CHECKPOINT_TAG = "deepspeed"
+UNIVERSAL_TAG = "universal"
 
 
 def skip_shared_memory_op() -> None:
@@ -30,6 +36,25 @@ def skip_shared_memory_op() -> None:
     import deepspeed.comm.torch  # noqa: F401  (the name resolves to torch; the module is in sys.modules)
 
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+
+
+def to_universal(step_dir: str) -> str:
+    """Convert `<step_dir>/deepspeed` to DeepSpeed's DP-size-independent layout, unless
+    already done; written under a temporary name and renamed, so it is whole or absent."""
+    from deepspeed.checkpoint import ds_to_universal
+
+    out = os.path.join(step_dir, UNIVERSAL_TAG)
+    if os.path.isdir(out):
+        return out
+    staging = tempfile.mkdtemp(prefix=f".{UNIVERSAL_TAG}.", dir=step_dir)
+    args = argparse.Namespace(
+        input_folder=os.path.join(step_dir, CHECKPOINT_TAG), output_folder=staging, num_extract_workers=1,
+        num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True,
+    )
+    with contextlib.redirect_stdout(io.StringIO()):  # it prints every parameter
+        ds_to_universal.main(args)
+    os.replace(staging, out)
+    return out
 
 
 class DeepSpeedEngine(Engine):
@@ -84,10 +109,20 @@ class DeepSpeedEngine(Engine):
     def save(self, directory: str) -> None:
         self.engine.save_checkpoint(directory, tag=CHECKPOINT_TAG, save_latest=False)
 
-    def load(self, directory: str) -> None:
-        path, _ = self.engine.load_checkpoint(directory, tag=CHECKPOINT_TAG, load_module_strict=True)
+    def load(self, directory: str, saved: dict) -> None:
+        """Same DP size: DeepSpeed's own files. Another DP size with ZeRO partitions:
+        DeepSpeed's universal checkpoint, converted once (by rank 0) into `<step dir>/universal`."""
+        tag = CHECKPOINT_TAG
+        # ZeRO stage 0 saves whole optimizer state, which loads on any DP size as is.
+        if saved.get("dp") != self.dims.shape.dp and self.engine.zero_optimization_stage() > 0:
+            if dist.get_rank() == 0:
+                to_universal(directory)
+            dist.barrier()
+            self.engine._config.load_universal_checkpoint = True  # DeepSpeed reads it from the config at load
+            tag = UNIVERSAL_TAG
+        path, _ = self.engine.load_checkpoint(directory, tag=tag, load_module_strict=True)
         if path is None:
-            raise RuntimeError(f"DeepSpeed found no checkpoint under {directory}/{CHECKPOINT_TAG}")
+            raise RuntimeError(f"DeepSpeed found no checkpoint under {directory}/{tag}")
 
     def state_dict(self) -> tuple[dict, dict]:
         raise NotImplementedError("the deepspeed engine saves with save()")
