@@ -57,7 +57,7 @@ def _cpu_adam_build_cached() -> bool:
 @pytest.mark.skipif(not _cpu_adam_build_cached(), reason="DeepSpeedCPUAdam is not built in the torch extensions cache; building it takes minutes")
 def test_compiled_cpu_adam_with_offload(native_dp2, tmp_path):
     got, ran = losses(tmp_path, 2, "engine=deepspeed", "deepspeed.config.zero_optimization.stage=2", OFFLOAD_OPT,
-                      "deepspeed.config.optimizer.params.torch_adam=false", extra=STEPS, describe=True)
+                      "deepspeed.config.optimizer.type=AdamW", "deepspeed.config.optimizer.params.torch_adam=false", extra=STEPS, describe=True)
     assert ran["optimizer"] == "DeepSpeedCPUAdam"
     assert got == pytest.approx(native_dp2, rel=1e-4)
 
