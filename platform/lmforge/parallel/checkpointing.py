@@ -7,7 +7,6 @@ and recomputes only the cheap element-wise ops (norms, RoPE, SiLU) between them.
 
 from __future__ import annotations
 
-from functools import partial
 
 import torch
 from torch import nn
