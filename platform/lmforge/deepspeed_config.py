@@ -176,8 +176,3 @@ def _zero(config: dict) -> None:
         if device != "none" and stage not in stages:
             raise ValueError(f"{where}.{kind}: needs stage {' or '.join(map(str, stages))}, not {stage}")
 
-
-def offloads(config: dict) -> dict[str, str]:
-    """{'optimizer': device, 'param': device} for what the config offloads."""
-    zero = config.get("zero_optimization") or {}
-    return {kind.removeprefix("offload_"): zero[kind].get("device", "none") for kind in ("offload_optimizer", "offload_param") if zero.get(kind)}

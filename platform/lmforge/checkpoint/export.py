@@ -19,11 +19,14 @@ import torch.distributed.checkpoint as dcp
 from lmforge.checkpoint.store import COMMIT, STATE
 from lmforge.errors import UserError
 from lmforge.models import ModelConfig, Transformer
-from lmforge.models.weights import clean_name, save_weights
+from lmforge.models.weights import clean_name, save_weights, weight_names
+
 
 def export_checkpoint(step_dir: str | os.PathLike, out: str | os.PathLike) -> dict:
     """Returns what was written: {'out', 'step', 'format', 'parameters'}."""
     step_dir = Path(step_dir)
+    if Path(out).exists():
+        raise UserError(f"--out: {out} already exists")
     state = _committed_state(step_dir)
     cfg = ModelConfig(**state["model"])
     fmt = state.get("format", "dcp")
@@ -33,18 +36,8 @@ def export_checkpoint(step_dir: str | os.PathLike, out: str | os.PathLike) -> di
     if missing:
         raise UserError(f"{step_dir}: the checkpoint lacks {', '.join(missing[:3])} for its model")
     tensors = {name: tensors[name] for name in names}
-    try:
-        save_weights(out, cfg, tensors, source={"checkpoint": str(step_dir), "step": state["step"], "format": fmt})
-    except FileExistsError:
-        raise UserError(f"--out: {out} already exists") from None
+    save_weights(out, cfg, tensors, source={"checkpoint": str(step_dir), "step": state["step"], "format": fmt})
     return {"out": str(out), "step": state["step"], "format": fmt, "parameters": sum(t.numel() for t in tensors.values())}
-
-
-def weight_names(cfg: ModelConfig) -> list[str]:
-    """The model's tensors by name; a tied output head is the embedding, stored once."""
-    with torch.device("meta"):
-        names = list(Transformer(cfg).state_dict())
-    return [n for n in names if not (cfg.tie_embeddings and n == "output.weight")]
 
 
 def _committed_state(step_dir: Path) -> dict:
@@ -52,9 +45,10 @@ def _committed_state(step_dir: Path) -> dict:
         raise UserError(f"{step_dir}: not a committed checkpoint (no {COMMIT}); pass a step_XXXXXXXX directory")
     try:
         state = json.loads((step_dir / STATE).read_text())
-        state["model"]
-    except (OSError, json.JSONDecodeError, KeyError) as err:
+    except (OSError, json.JSONDecodeError) as err:
         raise UserError(f"{step_dir / STATE}: unreadable ({err})") from None
+    if "model" not in state:
+        raise UserError(f"{step_dir / STATE}: records no model shape")
     return state
 
 

@@ -25,22 +25,30 @@ class StepStats:
 
 class Engine(ABC):
     # "dcp": the checkpoint is `state_dict()` saved with torch.distributed.checkpoint;
-    # otherwise the engine writes its own files with `save(dir)` and reads them with
-    # `load(dir, saved_state)` (the checkpoint's state.json: step, dp, ...).
+    # otherwise the engine writes and reads its own files with `save` and `load`.
     checkpoint_format = "dcp"
 
     @abstractmethod
     def train_step(self, micro_batches: torch.Tensor) -> StepStats:
         """One optimizer step over this rank's micro-batches [accum, micro, seq_len+1]."""
 
-    @abstractmethod
+    # One pair of these, by `checkpoint_format`:
     def state_dict(self) -> tuple[dict, dict]:
-        """(sharded tensors for DCP, JSON-safe rest such as the LR schedule)."""
+        """dcp: (sharded tensors for DCP, JSON-safe rest such as the LR schedule)."""
+        raise NotImplementedError(f"{type(self).__name__} checkpoints with save()/load()")
 
-    @abstractmethod
     def load_state_dict(self, tensors: dict, plain: dict) -> None:
-        """Inverse of `state_dict`, into the already-parallelized model; `tensors`
+        """dcp: inverse of `state_dict`, into the already-parallelized model; `tensors`
         is the template from `state_dict()` filled in by DCP."""
+        raise NotImplementedError(f"{type(self).__name__} checkpoints with save()/load()")
+
+    def save(self, directory: str) -> None:
+        """Own format: write this rank's files into the step directory."""
+        raise NotImplementedError(f"{type(self).__name__} checkpoints with state_dict()")
+
+    def load(self, directory: str, saved: dict) -> None:
+        """Own format: restore from a step directory; `saved` is its state.json."""
+        raise NotImplementedError(f"{type(self).__name__} checkpoints with state_dict()")
 
 
 def warmup_cosine(warmup: int, decay_steps: int, min_ratio: float):

@@ -18,11 +18,9 @@ import tempfile
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 
 from lmforge.engines.base import Engine, StepStats, warmup_cosine
-from lmforge.models import Transformer, materialize
-from lmforge.models.weights import load_weights_into
+from lmforge.models import build_model
 from lmforge.parallel.checkpointing import apply_activation_checkpointing
 from lmforge.parallel.mesh import ParallelDims
 
@@ -66,26 +64,17 @@ class DeepSpeedEngine(Engine):
 
         self.spec, self.dims, self.device = spec, dims, device
         config = spec.deepspeed.config
-        with torch.device("meta"):
-            model = Transformer(spec.model_arch)
-        model = materialize(model, device, spec.train.seed)
-        if spec.model.init_from:
-            load_weights_into(model, spec.model.init_from)
+        model = build_model(spec.model_arch, device, spec.train.seed, weights=spec.model.init_from)
         p = spec.parallel
         apply_activation_checkpointing(model, p.activation_checkpointing, p.ac_every)
         scheduler = None if "scheduler" in config else self._warmup_cosine
         self.engine, _, _, _ = deepspeed.initialize(
             model=model, model_parameters=model.parameters(), config=dict(config), lr_scheduler=scheduler, dist_init_required=False
         )
-        self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(spec.train.precision)
 
     def _warmup_cosine(self, optimizer: torch.optim.Optimizer):
         opt = self.spec.optim
         return torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(opt.warmup_steps, self.spec.decay_steps, opt.min_lr_ratio))
-
-    @property
-    def module(self) -> nn.Module:
-        return self.engine.module
 
     def train_step(self, micro_batches: torch.Tensor) -> StepStats:
         micro_batches = micro_batches.to(self.device, non_blocking=True)
@@ -123,9 +112,3 @@ class DeepSpeedEngine(Engine):
         path, _ = self.engine.load_checkpoint(directory, tag=tag, load_module_strict=True)
         if path is None:
             raise RuntimeError(f"DeepSpeed found no checkpoint under {directory}/{tag}")
-
-    def state_dict(self) -> tuple[dict, dict]:
-        raise NotImplementedError("the deepspeed engine saves with save()")
-
-    def load_state_dict(self, tensors: dict, plain: dict) -> None:
-        raise NotImplementedError("the deepspeed engine loads with load()")

@@ -26,7 +26,6 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from lmforge.engines.base import Engine, StepStats, warmup_cosine
 from lmforge.models import Transformer, materialize
-from lmforge.models.weights import load_weights_into
 from lmforge.parallel.checkpointing import apply_activation_checkpointing
 from lmforge.parallel.compile import apply_compile
 from lmforge.parallel.fsdp import apply_fsdp, needs_wrapping
@@ -59,7 +58,8 @@ class NativeEngine(Engine):
         self.sharded = needs_wrapping(dims, spec.train.precision)
         with torch.device("meta"):
             whole = Transformer(spec.model_arch)
-        self.parts = [self._parallelize(self._initialize(part)) for part in self._cut(whole)]
+        weights = spec.model.init_from
+        self.parts = [self._parallelize(materialize(part, device, spec.train.seed, weights)) for part in self._cut(whole)]
         opt = spec.optim
         self.optimizers = [
             torch.optim.AdamW(part.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay, foreach=True)
@@ -80,12 +80,6 @@ class NativeEngine(Engine):
         self.stage_ids = stage_indices(self.dims.pp_rank, shape.pp, p.virtual_stages, p.schedule)
         self.num_stages = num_stages
         return [cut_stage(whole, ranges[i], first=i == 0, last=i == num_stages - 1) for i in self.stage_ids]
-
-    def _initialize(self, part: nn.Module) -> nn.Module:
-        part = materialize(part, self.device, self.spec.train.seed)
-        if self.spec.model.init_from:
-            load_weights_into(part, self.spec.model.init_from)
-        return part
 
     def _parallelize(self, part: nn.Module) -> nn.Module:
         p = self.spec.parallel

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmforge.models.config import ModelConfig
+from lmforge.models.weights import load_weights_into
 
 
 def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,17 +128,20 @@ class Transformer(nn.Module):
         self.rope_sin.copy_(sin)
 
 
-def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", seed: int = 0) -> Transformer:
-    """Build on the meta device (no memory), then materialize on `device` and initialize."""
+def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", seed: int = 0, weights: str | None = None) -> Transformer:
+    """Build on the meta device (no memory), then materialize on `device`."""
     with torch.device("meta"):
         model = Transformer(cfg)
-    return materialize(model, device, seed)
+    return materialize(model, device, seed, weights)
 
 
-def materialize(model: Transformer, device: str | torch.device, seed: int) -> Transformer:
-    """Allocate a meta-device model (or pipeline stage) on `device` and initialize it."""
+def materialize(model: Transformer, device: str | torch.device, seed: int, weights: str | None = None) -> Transformer:
+    """Allocate a meta-device model (or pipeline stage) on `device` and initialize it:
+    seeded, or from exported weights (a directory written by `lmforge export`)."""
     model.to_empty(device=device)
     if model.cfg.tie_embeddings and model.output is not None and model.tok_embeddings is not None:
         model.output.weight = model.tok_embeddings.weight  # to_empty breaks the tie
-    model.init_weights(seed)
+    model.init_weights(seed)  # also fills the RoPE tables, which exports do not hold
+    if weights:
+        load_weights_into(model, weights)
     return model

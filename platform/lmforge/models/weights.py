@@ -30,6 +30,15 @@ def clean_name(name: str) -> str:
     return name
 
 
+def weight_names(cfg: ModelConfig) -> list[str]:
+    """The tensors an export holds; a tied output head is the embedding, stored once."""
+    from lmforge.models.llama import Transformer  # llama imports this module
+
+    with torch.device("meta"):
+        names = list(Transformer(cfg).state_dict())
+    return [n for n in names if not (cfg.tie_embeddings and n == "output.weight")]
+
+
 def save_weights(out: str | os.PathLike, cfg: ModelConfig, tensors: dict[str, torch.Tensor], source: dict) -> None:
     """Write atomically: a staging directory renamed into place, so `out` is whole or absent."""
     out = Path(out)
@@ -39,8 +48,6 @@ def save_weights(out: str | os.PathLike, cfg: ModelConfig, tensors: dict[str, to
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         weights = {clean_name(k): v.detach().to("cpu", torch.float32).contiguous() for k, v in tensors.items()}
-        if cfg.tie_embeddings:
-            weights.pop("output.weight", None)  # the same tensor as tok_embeddings.weight
         save_file(weights, str(staging / WEIGHTS))
         (staging / CONFIG).write_text(json.dumps({"model": cfg.as_dict(), "source": source}, indent=2) + "\n")
         os.replace(staging, out)
