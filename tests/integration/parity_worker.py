@@ -32,6 +32,9 @@ def _device(offload) -> str | None:
 def describe(engine) -> dict:
     """What actually ran, as the engine's library reports it."""
     info = {"class": type(engine).__name__}
+    if hasattr(engine, "parts"):  # native
+        modules = [m for part in engine.parts for m in part.modules()]
+        info["compiled_modules"] = sum(getattr(m, "_compiled_call_impl", None) is not None for m in modules)
     if hasattr(engine, "engine"):  # DeepSpeed
         ds = engine.engine
         info.update(

@@ -46,9 +46,17 @@ def test_activation_checkpointing_does_not_change_the_numbers(reference, tmp_pat
     assert got == pytest.approx(reference, rel=1e-6)
 
 
-@pytest.mark.parametrize("nproc, layout", [(1, []), (2, []), (2, ["parallel.pp=2"])], ids=["one-rank", "fsdp-dp2", "pp2"])
+@pytest.mark.parametrize(
+    "nproc, layout",
+    [(1, []), (2, []), (2, ["parallel.pp=2"]), (2, ["parallel.tp=2"]), (2, ["parallel.tp=2", "parallel.sequence_parallel=false"]),
+     (4, ["parallel.tp=2"]), (8, ["parallel.tp=2", "parallel.pp=2", "parallel.activation_checkpointing=full"])],
+    ids=["one-rank", "fsdp-dp2", "pp2", "tp2", "tp2-no-sp", "fsdp2-x-tp2", "3d-ac"],
+)
 def test_compile_gives_the_same_losses(reference, tmp_path, nproc, layout):
-    got = losses(tmp_path, nproc, "parallel.compile=true", *layout)
+    got, ran = losses(tmp_path, nproc, "parallel.compile=true", *layout, describe=True)
+    # 4 blocks on this rank's stages: whole blocks, or attention and MLP under TP
+    blocks = 4 // (2 if "parallel.pp=2" in layout else 1)
+    assert ran["compiled_modules"] == blocks * (2 if any("tp=2" in item for item in layout) else 1)
     assert got == pytest.approx(reference, rel=1e-4)
 
 

@@ -87,7 +87,7 @@ class NativeEngine(Engine):
             apply_tensor_parallel(part, self.dims.tp_mesh, p.sequence_parallel)
         apply_activation_checkpointing(part, p.activation_checkpointing, p.ac_every)
         if p.compile:
-            apply_compile(part)
+            apply_compile(part, self.tensor_parallel)
         if self.sharded:
             part = apply_fsdp(part, self.dims, p.zero, self.spec.train.precision, p.cpu_offload)
         return part
