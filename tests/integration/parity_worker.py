@@ -54,10 +54,15 @@ def main() -> None:
     parser.add_argument("--save-at", type=int, default=0)
     parser.add_argument("--load", help="checkpoint directory to resume from")
     parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--skip-steps", type=int, default=0, help="skip this many steps' batches (with model.init_from)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     world = dist.get_world_size()
     base = {
         "name": "parity",
@@ -71,8 +76,8 @@ def main() -> None:
     # Two micro-batches per rank whatever the layout, so accumulation is exercised.
     spec = spec_from_dict(base, [*args.overrides, f"parallel.dp={dp}", f"train.micro_batch={8 // dp // 2}"])
     p = spec.parallel
-    dims = build_mesh("cpu", MeshShape.for_spec(p))
-    engine = create_engine(spec, dims, torch.device("cpu"))
+    dims = build_mesh(device.type, MeshShape.for_spec(p))
+    engine = create_engine(spec, dims, device)
     start = args.skip_steps
     if args.load:
         store = CheckpointStore(args.load)

@@ -1,0 +1,38 @@
+"""Paths that need a GPU: FSDP2 CPU offload (pinned host memory needs an
+accelerator; on CPU torch refuses) and DeepSpeed fp16 with loss scaling (refused on
+CPUs without AVX512-FP16). Skipped, with that reason, where no GPU is visible;
+run on a GPU machine with `pytest tests/integration/test_gpu.py`."""
+
+import pytest
+import torch
+
+from parity import losses
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+GPU = ["--device", "cuda"]
+ON_GPU = "resources.gpus_per_worker=1"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return losses(tmp_path_factory.mktemp("gpu-ref"), 1, ON_GPU, extra=GPU)
+
+
+@pytest.mark.parametrize("zero", [3, 2])
+def test_fsdp2_cpu_offload_matches_one_gpu(reference, tmp_path, zero):
+    got = losses(tmp_path, 1, ON_GPU, "parallel.cpu_offload=true", f"parallel.zero={zero}", extra=GPU)
+    assert got == pytest.approx(reference, rel=1e-4)
+
+
+def test_deepspeed_fp16_with_loss_scaling_is_close_to_fp32(reference, tmp_path):
+    got = losses(tmp_path, 1, ON_GPU, "engine=deepspeed", "deepspeed.config.zero_optimization.stage=2",
+                 "train.precision=fp16", "deepspeed.config.fp16.initial_scale_power=8", extra=GPU)
+    assert got == pytest.approx(reference, rel=2e-2)
+    assert got != pytest.approx(reference, rel=1e-7), "fp16 produced fp32 numbers"
+
+
+def test_deepspeed_zero3_param_offload_matches_one_gpu(reference, tmp_path):
+    got = losses(tmp_path, 1, ON_GPU, "engine=deepspeed", "deepspeed.config.zero_optimization.stage=3",
+                 "deepspeed.config.zero_optimization.offload_param.device=cpu",
+                 "deepspeed.config.zero_optimization.offload_optimizer.device=cpu", extra=GPU)
+    assert got == pytest.approx(reference, rel=1e-4)
