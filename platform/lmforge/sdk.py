@@ -14,6 +14,7 @@ import time
 from typing import Optional
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from rich.console import Console
 
 from lmforge.cluster.controller import Controller
@@ -86,10 +87,13 @@ def _run(plan: Plan, manifest: dict, console: Console, show_progress: bool) -> d
         view.print(f"resuming {spec.name} from step {plan.start_step} ({plan.resume_from.path})")
     last: dict = {}
     ranks: list[dict] = []
+    failures = 0
     waits = WaitTally()
     latest_ckpt = plan.resume_from.path if plan.resume_from else None
     status = "FAILED"
-    controller = Controller.options(runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}}).remote(spec.model_dump(mode="json", exclude_unset=True), manifest)
+    # The controller lives next to the driver, so losing a worker node never takes it along.
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+    controller = Controller.options(runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}}, scheduling_strategy=here).remote(spec.model_dump(mode="json", exclude_unset=True), manifest)
     try:
         done = controller.run.remote()
         with view:
@@ -102,6 +106,8 @@ def _run(plan: Plan, manifest: dict, console: Console, show_progress: bool) -> d
                         waits.add(event)
                     elif event["event"] == "layout":
                         ranks = event["ranks"]
+                    elif event["event"] == "failure":
+                        failures += 1
                 if ready:
                     result = ray.get(done)
                     break
@@ -123,6 +129,8 @@ def _run(plan: Plan, manifest: dict, console: Console, show_progress: bool) -> d
         "wall_seconds": round(time.time() - began, 2),
         **waits.summary(),
         "world_size": result["world_size"],
+        "dp": result["dp"],
+        "failures": failures,
         "ranks": ranks,
         "run_dir": os.path.abspath(spec.run_dir),
         "latest_checkpoint": latest_ckpt,
@@ -182,4 +190,18 @@ def _handle(event: dict, view: ProgressView, run_dir: RunDir, tracker) -> Option
         return event["path"]
     elif kind == "restored":
         view.print(f"restored step {event['step']} from {event['path']}")
+        run_dir.rewind(event["step"])
+    elif kind == "failure":
+        view.print(
+            f"failure {event['attempt']}/{event['max_failures']} at step {event['step']}: {event['cause']} "
+            f"(rank {event['rank']}, nodes lost: {', '.join(event['nodes_lost']) or 'none'}); restarting from the latest checkpoint"
+        )
+        run_dir.append_event(event)
+        if tracker:
+            tracker.log_metric("failures", event["attempt"], event["step"])
+    elif kind == "recovered":
+        view.print(f"recovered in {event['seconds']:.1f}s on dp {event['dp']}, {event['steps_redone']} steps redone")
+        run_dir.append_event(event)
+        if tracker:
+            tracker.log_metric("recovery_seconds", event["seconds"], event["step"])
     return None

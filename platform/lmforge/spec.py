@@ -107,6 +107,7 @@ class DataSpec(_Section):
     shard_samples: int = Field(256, gt=0, description="samples per Parquet shard: the unit the feed shuffles and reads")
     prefetch_steps: int = Field(64, gt=0, description="optimizer steps of samples each rank reads ahead")
     shuffle_window: int = Field(16, gt=0, description="shards whose samples are shuffled together")
+    record_sample_ids: bool = Field(False, description="write every step's sample ids to <run_dir>/samples.jsonl")
 
     @field_validator("path")
     @classmethod
@@ -135,6 +136,16 @@ class ResourcesSpec(_Section):
     gpus_per_worker: float = Field(0.0, ge=0)
 
 
+class FaultToleranceSpec(_Section):
+    max_failures: int = Field(0, ge=0, description="restarts from the latest checkpoint before the job fails")
+    backoff_s: float = Field(1.0, ge=0, description="wait before the first restart; doubles with each, up to 60 s")
+
+
+class ElasticSpec(_Section):
+    min_dp: int = Field(..., ge=1, description="fewest data-parallel replicas to continue with after a loss")
+    max_dp: int = Field(..., ge=1, description="most data-parallel replicas to use when capacity allows")
+
+
 class DeepSpeedSpec(_Section):
     config: Union[str, dict] = Field(..., description="a DeepSpeed config mapping, or a JSON file (relative to the job file)")
     config_file: Optional[str] = Field(None, description="set by lmforge: the file `config` was read from")
@@ -153,6 +164,8 @@ class JobSpec(_Section):
     checkpoint: CheckpointSpec = CheckpointSpec()
     tracking: TrackingSpec = TrackingSpec()
     resources: ResourcesSpec = ResourcesSpec()
+    fault_tolerance: FaultToleranceSpec = FaultToleranceSpec()
+    elastic: Optional[ElasticSpec] = None
 
     @model_validator(mode="after")
     def _consistent(self) -> "JobSpec":
@@ -176,6 +189,7 @@ class JobSpec(_Section):
         self._check_tensor_parallel(model)
         self._check_pipeline(model)
         self._check_sharding()
+        self._check_elastic()
         if self.resources.workers is not None and self.resources.workers != self.parallel.world_size:
             raise ValueError(
                 f"resources.workers: {self.resources.workers} != pp x dp x tp = {self.parallel.world_size}"
@@ -212,6 +226,36 @@ class JobSpec(_Section):
         if isinstance(self.deepspeed.config, str):
             raise ValueError(f"deepspeed.config: {self.deepspeed.config} was not read; load the job with load_spec or spec_from_dict")
         self.deepspeed.config = reconcile_deepspeed(self)
+
+    def _check_elastic(self) -> None:
+        """Every dp the job may shrink or grow to must keep the global batch whole."""
+        e, p, train = self.elastic, self.parallel, self.train
+        if e is None:
+            return
+        if self.engine != "native":
+            raise ValueError("elastic: resizing is supported with engine: native only (so far)")
+        if e.min_dp > e.max_dp:
+            raise ValueError(f"elastic.min_dp: {e.min_dp} is larger than elastic.max_dp {e.max_dp}")
+        if not e.min_dp <= p.dp <= e.max_dp:
+            raise ValueError(f"parallel.dp: {p.dp} is outside elastic.min_dp..max_dp = {e.min_dp}..{e.max_dp}")
+        if p.dp_replicate > 1:
+            raise ValueError("elastic: not combined with parallel.dp_replicate (HSDP) yet")
+        for dp in range(e.min_dp, e.max_dp + 1):
+            if train.global_batch % (train.micro_batch * dp):
+                raise ValueError(
+                    f"elastic.max_dp: at dp {dp} train.global_batch {train.global_batch} is not divisible by "
+                    f"micro_batch x dp = {train.micro_batch} x {dp}; every dp in {e.min_dp}..{e.max_dp} must keep it whole"
+                )
+            accum = train.global_batch // (train.micro_batch * dp)
+            if p.pp > 1 and p.schedule != "gpipe" and accum < p.pp:
+                raise ValueError(f"elastic.max_dp: at dp {dp} there are {accum} micro-batches per step, fewer than pp {p.pp}")
+
+    def with_dp(self, dp: int) -> "JobSpec":
+        """The same job on another data-parallel size (elastic resizing), validated."""
+        tree = self.model_dump(mode="json", exclude_unset=True)
+        tree.setdefault("parallel", {})["dp"] = dp
+        tree.get("resources", {}).pop("workers", None)
+        return JobSpec.model_validate(tree)
 
     def _check_sharding(self) -> None:
         p = self.parallel

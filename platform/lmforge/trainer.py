@@ -79,7 +79,7 @@ class Trainer:
         try:
             while step < train.max_steps:
                 began = time.perf_counter()
-                feed_step, _, tokens, waited = self.feed.next()
+                feed_step, ids, tokens, waited = self.feed.next()
                 assert feed_step == step
                 stats = self.engine.train_step(torch.from_numpy(tokens.astype(np.int64)))
                 step += 1
@@ -97,6 +97,8 @@ class Trainer:
                     "tokens": step * tokens_per_step,
                     "samples_consumed": step * train.global_batch,
                 }
+                if self.spec.data.record_sample_ids:
+                    last["sample_ids"] = self._global_ids(ids)
                 if stats.bubble is not None:
                     last.update(bubble=stats.bubble, bubble_theory=stats.bubble_theory)
                 self._event(last)
@@ -105,6 +107,15 @@ class Trainer:
         finally:
             self.feed.close()
         return {"step": step, "loss": last["loss"] if last else None, "start_step": self.start_step}
+
+    def _global_ids(self, ids: np.ndarray) -> list[int]:
+        """The whole global batch's sample ids, as the DP ranks actually read them."""
+        local = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)).to(self.device)
+        if self.dims.shape.dp == 1:
+            return local.tolist()
+        gathered = [torch.empty_like(local) for _ in range(self.dims.shape.dp)]
+        dist.all_gather(gathered, local, group=self.dims.dp_group)
+        return torch.cat(gathered).cpu().tolist()
 
     def _checkpoint(self, step: int) -> None:
         began = time.perf_counter()

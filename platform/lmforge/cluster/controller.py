@@ -1,8 +1,10 @@
 """The Controller actor: reserves the placement group, starts one Worker per rank,
 hands out the rendezvous, runs the group and relays rank 0's events to the driver.
 
-A failing rank tears the whole group down so no survivor stays blocked in a
-collective. Restart-on-failure and elasticity build on this object.
+A failing rank (it raises, its actor or its node dies) tears the whole group down
+so no survivor stays blocked in a collective. Within `fault_tolerance.max_failures`
+the controller then starts again from the latest committed checkpoint, after a
+backoff, and with `elastic` on the largest data-parallel size that still fits.
 """
 
 from __future__ import annotations
@@ -14,10 +16,13 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from lmforge.cluster import placement
-from lmforge.cluster.runtime import WORKER_ENV
+from lmforge.cluster.runtime import DATA_CPUS, WORKER_ENV
 from lmforge.cluster.worker import Worker
+from lmforge.errors import UserError
 from lmforge.parallel.mesh import MeshShape
 from lmforge.spec import JobSpec
+
+RESIZE_PROBE_S = 10.0  # how long to try each smaller layout after a failure
 
 
 @ray.remote(num_cpus=0, max_concurrency=8)
@@ -29,36 +34,110 @@ class Controller:
         self._lock = threading.Lock()
         self._workers: list = []
         self._pg = None
-
-    def report(self, event: dict) -> None:
-        with self._lock:
-            self._events.append(event | {"time": time.time()})
+        self._layout: list[dict] = []
+        self._dp = 0
+        self._last_step = 0
+        self._failed_rank: int | None = None
+        self._failed_at: float | None = None  # set from a failure until the first step after it
+        self._redone = 0
 
     def drain(self) -> list[dict]:
         with self._lock:
             events, self._events = self._events, []
         return events
 
+    def report(self, event: dict) -> None:
+        with self._lock:
+            if event.get("event") == "step" and self._failed_at is not None:
+                self._events.append({
+                    "event": "recovered", "step": event["step"], "dp": self._dp,
+                    "seconds": round(time.time() - self._failed_at, 2), "steps_redone": self._redone,
+                    "time": time.time(),
+                })
+                self._failed_at = None
+            if event.get("event") == "restored" and self._failed_at is not None:
+                self._redone = max(0, self._last_step - event["step"])
+            if event.get("event") == "step":
+                self._last_step = event["step"]
+            self._events.append(event | {"time": time.time()})
+
     def run(self) -> dict:
-        controller_handle = ray.get_runtime_context().current_actor
         spec = JobSpec.model_validate(self.spec_dict)
-        world = spec.world_size
-        cpus, gpus = spec.resources.cpus_per_worker, spec.resources.gpus_per_worker
-        tp = spec.parallel.tp
-        self._pg = placement.reserve(world, tp, cpus, gpus, self.placement_timeout_s)
+        budget = spec.fault_tolerance
+        failures = 0
+        while True:
+            try:
+                return self._run_once(spec if failures == 0 else self._resized(spec))
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as err:
+                cause = err.cause if isinstance(err, ray.exceptions.RayTaskError) else err
+                if isinstance(cause, UserError) or failures >= budget.max_failures:
+                    raise
+                failures += 1
+                self._failed_at = time.time()
+                self.report({
+                    "event": "failure", "attempt": failures, "max_failures": budget.max_failures,
+                    "step": self._last_step, "cause": f"{type(cause).__name__}: {_first_line(cause)}",
+                    "rank": self._failed_rank, "nodes_lost": self._nodes_lost(),
+                })
+                time.sleep(min(60.0, budget.backoff_s * 2 ** (failures - 1)))
+
+    def _run_once(self, spec: JobSpec) -> dict:
+        controller_handle = ray.get_runtime_context().current_actor
+        world, tp, res = spec.world_size, spec.parallel.tp, spec.resources
+        self._dp = spec.parallel.dp
+        if self._pg is None:
+            self._pg = placement.reserve(world, tp, res.cpus_per_worker, res.gpus_per_worker, self.placement_timeout_s)
+        spec_dict = spec.model_dump(mode="json", exclude_unset=True)
         try:
-            self._start_workers(world, tp, cpus, gpus)
-            p = spec.parallel
-            layout = self._rendezvous(MeshShape.for_spec(p))
-            self.report({"event": "layout", "ranks": layout})
-            results = _wait_all([w.train.remote(self.spec_dict, self.manifest, controller_handle) for w in self._workers])
+            self._start_workers(world, tp, res.cpus_per_worker, res.gpus_per_worker)
+            self._layout = self._rendezvous(MeshShape.for_spec(spec.parallel))
+            self.report({"event": "layout", "ranks": self._layout})
+            results = self._wait_all([w.train.remote(spec_dict, self.manifest, controller_handle) for w in self._workers])
             try:
                 ray.get([w.shutdown.remote() for w in self._workers], timeout=60)
             except ray.exceptions.RayError:
                 pass  # training finished and was reported; the actors are killed next anyway
-            return results[0] | {"world_size": world}
+            return results[0] | {"world_size": world, "dp": spec.parallel.dp}
         finally:
             self._teardown()
+
+    def _resized(self, spec: JobSpec) -> JobSpec:
+        """Elastic: the largest dp in range whose placement group can be reserved now
+        (it is kept for the next attempt). Without `elastic`, the same job."""
+        if spec.elastic is None:
+            return spec
+        res, p = spec.resources, spec.parallel
+        for dp in range(spec.elastic.max_dp, spec.elastic.min_dp - 1, -1):
+            world = p.pp * dp * p.tp
+            if world * res.cpus_per_worker + DATA_CPUS > ray.cluster_resources().get("CPU", 0):
+                continue
+            try:
+                self._pg = placement.reserve(world, p.tp, res.cpus_per_worker, res.gpus_per_worker, RESIZE_PROBE_S)
+            except UserError:
+                continue
+            return spec.with_dp(dp)
+        raise UserError(
+            f"elastic.min_dp: after a failure the cluster cannot hold even dp {spec.elastic.min_dp} "
+            f"(pp {p.pp} x tp {p.tp} ranks of {res.cpus_per_worker:g} CPU, {res.gpus_per_worker:g} GPU each)"
+        )
+
+    def _nodes_lost(self) -> list[str]:
+        alive = {node["NodeID"][:12] for node in ray.nodes() if node["Alive"]}
+        return sorted({rank["node"] for rank in self._layout} - alive)
+
+    def _wait_all(self, refs: list) -> list:
+        """Like ray.get, but raises as soon as any rank fails instead of waiting on the
+        survivors, which would block forever in their next collective."""
+        pending = list(refs)
+        self._failed_rank = None
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            try:
+                ray.get(done[0])
+            except ray.exceptions.RayError:
+                self._failed_rank = refs.index(done[0])
+                raise
+        return ray.get(refs)
 
     def _start_workers(self, world: int, tp: int, cpus: float, gpus: float) -> None:
         for rank in range(world):
@@ -85,11 +164,6 @@ class Controller:
             self._pg = None
 
 
-def _wait_all(refs: list) -> list:
-    """Like ray.get, but raises as soon as any rank fails instead of waiting on the
-    survivors, which would block forever in their next collective."""
-    pending = list(refs)
-    while pending:
-        done, pending = ray.wait(pending, num_returns=1)
-        ray.get(done[0])
-    return ray.get(refs)
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [""])[0][:300]

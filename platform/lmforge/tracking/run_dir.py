@@ -1,5 +1,6 @@
 """The run directory's machine-readable files: metrics.jsonl (one JSON object per
-optimizer step) and summary.json (written when the job ends)."""
+optimizer step, plus failure and recovery events), samples.jsonl (the sample ids
+of every step, when recorded) and summary.json (written when the job ends)."""
 
 from __future__ import annotations
 
@@ -15,22 +16,35 @@ class RunDir:
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.path / "metrics.jsonl"
+        self.samples_path = self.path / "samples.jsonl"
         self.summary_path = self.path / "summary.json"
 
     def rewind(self, step: int) -> None:
-        """Drop lines after `step`: those steps are about to be trained again."""
-        if not self.metrics_path.exists():
-            return
-        kept = [line for line in self.metrics_path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
-        tmp = self.metrics_path.with_suffix(".tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, self.metrics_path)
+        """Drop step lines after `step`: those steps are about to be trained again, so
+        each step appears once. Event lines are history and stay."""
+        for path in (self.metrics_path, self.samples_path):
+            if not path.exists():
+                continue
+            rows = [line for line in path.read_text().splitlines() if line.strip()]
+            kept = [line for line in rows if "event" in (row := json.loads(line)) or row["step"] <= step]
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            os.replace(tmp, path)
 
     def append_step(self, event: dict) -> None:
-        with self.metrics_path.open("a") as f:
-            f.write(json.dumps({k: event[k] for k in STEP_FIELDS if k in event}) + "\n")
+        _append(self.metrics_path, {k: event[k] for k in STEP_FIELDS if k in event})
+        if "sample_ids" in event:
+            _append(self.samples_path, {"step": event["step"], "ids": event["sample_ids"]})
+
+    def append_event(self, event: dict) -> None:
+        _append(self.metrics_path, event)
 
     def write_summary(self, summary: dict) -> None:
         tmp = self.summary_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(summary, indent=2) + "\n")
         os.replace(tmp, self.summary_path)
+
+
+def _append(path: Path, row: dict) -> None:
+    with path.open("a") as f:
+        f.write(json.dumps(row) + "\n")

@@ -1,0 +1,66 @@
+"""Failure injection helpers: wait for training to reach a step, then break something."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+
+def steps_done(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return max((row["step"] for row in rows if "event" not in row), default=0)
+
+
+def when_step_reached(run_dir: Path, step: int, action, timeout_s: float = 300) -> threading.Thread:
+    """Run `action()` once training has reported `step` (in a background thread)."""
+    def watch():
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            if steps_done(run_dir) >= step:
+                action()
+                return
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def kill_one_rank_process(rank_index: int = 1) -> int:
+    """SIGKILL one rank actor's process among this process's descendants (the test's
+    own Ray cluster), as if its machine had lost it. Returns the pid."""
+    workers = sorted(
+        (p for p in psutil.Process(os.getpid()).children(recursive=True) if _cmdline(p).startswith("ray::Worker")),
+        key=lambda p: p.create_time(),
+    )
+    victim = workers[rank_index]
+    os.kill(victim.pid, signal.SIGKILL)
+    return victim.pid
+
+
+def _cmdline(process: psutil.Process) -> str:
+    try:
+        return " ".join(process.cmdline())
+    except psutil.Error:
+        return ""
+
+
+def step_rows(run_dir: Path, name: str = "metrics.jsonl") -> dict[int, dict]:
+    rows = [json.loads(line) for line in (run_dir / name).read_text().splitlines() if line.strip()]
+    steps = [row for row in rows if "event" not in row]
+    assert len({row["step"] for row in steps}) == len(steps), "a step appears twice"
+    return {row["step"]: row for row in steps}
+
+
+def events(run_dir: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [row for row in rows if "event" in row]
