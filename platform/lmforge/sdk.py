@@ -190,6 +190,7 @@ def _handle(event: dict, view: ProgressView, run_dir: RunDir, tracker) -> Option
         return event["path"]
     elif kind == "restored":
         view.print(f"restored step {event['step']} from {event['path']}")
+    elif kind == "start":
         run_dir.rewind(event["step"])
     elif kind == "failure":
         view.print(
@@ -200,7 +201,8 @@ def _handle(event: dict, view: ProgressView, run_dir: RunDir, tracker) -> Option
         if tracker:
             tracker.log_metric("failures", event["attempt"], event["step"])
     elif kind == "recovered":
-        view.print(f"recovered in {event['seconds']:.1f}s on dp {event['dp']}, {event['steps_redone']} steps redone")
+        lost = f", nodes lost: {', '.join(event['nodes_lost'])}" if event["nodes_lost"] else ""
+        view.print(f"recovered in {event['seconds']:.1f}s on dp {event['dp']}, {event['steps_redone']} steps redone{lost}")
         run_dir.append_event(event)
         if tracker:
             tracker.log_metric("recovery_seconds", event["seconds"], event["step"])

@@ -55,6 +55,8 @@ class Trainer:
         if resume_from is not None:
             load_checkpoint(self.store, resume_from, self.engine)
             self._event({"event": "restored", "step": resume_from.step, "path": resume_from.path})
+        # Steps after this one are (re)trained now: whoever records them drops later ones.
+        self._event({"event": "start", "step": self.start_step})
 
     def _event(self, event: dict) -> None:
         if self.rank == 0:

@@ -18,9 +18,9 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 STEPS = 60  # tiny steps take ~40 ms: enough of them that the kill lands mid-run
 
 
-def job(tmp_path, tiny_dataset):
+def job(tmp_path, tiny_dataset, interval=10):
     return tiny_job(
-        tmp_path, tiny_dataset, train={"max_steps": STEPS}, optim={"decay_steps": STEPS}, checkpoint={"interval": 10},
+        tmp_path, tiny_dataset, train={"max_steps": STEPS}, optim={"decay_steps": STEPS}, checkpoint={"interval": interval},
         data={"path": str(tiny_dataset), "prefetch_steps": 4, "record_sample_ids": True},
         fault_tolerance={"max_failures": 2, "backoff_s": 0.1},
     )
@@ -34,12 +34,14 @@ def uninterrupted(ray_session, tiny_dataset, tmp_path_factory):
     return step_rows(run_dir), step_rows(run_dir, "samples.jsonl")
 
 
-def test_killed_rank_restarts_from_checkpoint_with_identical_losses_and_samples(uninterrupted, ray_session, tiny_dataset, tmp_path):
+# interval 40: the kill lands before the first checkpoint, so the restart begins at step 0.
+@pytest.mark.parametrize("interval", [10, 40])
+def test_killed_rank_restarts_from_checkpoint_with_identical_losses_and_samples(uninterrupted, ray_session, tiny_dataset, tmp_path, interval):
     reference, reference_samples = uninterrupted
     run_dir = tmp_path / "runs" / "tiny"
     killed = []
     watcher = when_step_reached(run_dir, 5, lambda: killed.append(kill_one_rank_process()))
-    summary = sdk.train(spec_from_dict(job(tmp_path, tiny_dataset)), show_progress=False)
+    summary = sdk.train(spec_from_dict(job(tmp_path, tiny_dataset, interval)), show_progress=False)
     watcher.join(timeout=5)
     assert killed, "the rank was never killed"
     assert summary["final_step"] == STEPS and summary["failures"] == 1

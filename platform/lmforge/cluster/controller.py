@@ -22,7 +22,7 @@ from lmforge.errors import UserError
 from lmforge.parallel.mesh import MeshShape
 from lmforge.spec import JobSpec
 
-RESIZE_PROBE_S = 10.0  # how long to try each smaller layout after a failure
+RESIZE_PROBE_S = 5.0  # how long to try each smaller layout after a failure
 
 
 @ray.remote(num_cpus=0, max_concurrency=8)
@@ -35,7 +35,9 @@ class Controller:
         self._workers: list = []
         self._pg = None
         self._layout: list[dict] = []
+        self._failed_layout: list[dict] = []
         self._dp = 0
+        self._attempt = 0
         self._last_step = 0
         self._failed_rank: int | None = None
         self._failed_at: float | None = None  # set from a failure until the first step after it
@@ -46,16 +48,19 @@ class Controller:
             events, self._events = self._events, []
         return events
 
-    def report(self, event: dict) -> None:
+    def report(self, event: dict, attempt: int | None = None) -> None:
         with self._lock:
+            if attempt is not None and attempt != self._attempt:
+                return
             if event.get("event") == "step" and self._failed_at is not None:
                 self._events.append({
                     "event": "recovered", "step": event["step"], "dp": self._dp,
                     "seconds": round(time.time() - self._failed_at, 2), "steps_redone": self._redone,
-                    "time": time.time(),
+                    # By now Ray has noticed a dead node, which it may not have at the failure.
+                    "nodes_lost": self._nodes_lost(self._failed_layout), "time": time.time(),
                 })
                 self._failed_at = None
-            if event.get("event") == "restored" and self._failed_at is not None:
+            if event.get("event") == "start" and self._failed_at is not None:
                 self._redone = max(0, self._last_step - event["step"])
             if event.get("event") == "step":
                 self._last_step = event["step"]
@@ -73,11 +78,13 @@ class Controller:
                 if isinstance(cause, UserError) or failures >= budget.max_failures:
                     raise
                 failures += 1
-                self._failed_at = time.time()
+                with self._lock:  # from here on, reports of the failed attempt are dropped
+                    self._attempt = failures
+                    self._failed_at, self._failed_layout = time.time(), self._layout
                 self.report({
                     "event": "failure", "attempt": failures, "max_failures": budget.max_failures,
                     "step": self._last_step, "cause": f"{type(cause).__name__}: {_first_line(cause)}",
-                    "rank": self._failed_rank, "nodes_lost": self._nodes_lost(),
+                    "rank": self._failed_rank, "nodes_lost": self._nodes_lost(self._layout),
                 })
                 time.sleep(min(60.0, budget.backoff_s * 2 ** (failures - 1)))
 
@@ -92,7 +99,7 @@ class Controller:
             self._start_workers(world, tp, res.cpus_per_worker, res.gpus_per_worker)
             self._layout = self._rendezvous(MeshShape.for_spec(spec.parallel))
             self.report({"event": "layout", "ranks": self._layout})
-            results = self._wait_all([w.train.remote(spec_dict, self.manifest, controller_handle) for w in self._workers])
+            results = self._wait_all([w.train.remote(spec_dict, self.manifest, controller_handle, self._attempt) for w in self._workers])
             try:
                 ray.get([w.shutdown.remote() for w in self._workers], timeout=60)
             except ray.exceptions.RayError:
@@ -121,9 +128,10 @@ class Controller:
             f"(pp {p.pp} x tp {p.tp} ranks of {res.cpus_per_worker:g} CPU, {res.gpus_per_worker:g} GPU each)"
         )
 
-    def _nodes_lost(self) -> list[str]:
+    @staticmethod
+    def _nodes_lost(layout: list[dict]) -> list[str]:
         alive = {node["NodeID"][:12] for node in ray.nodes() if node["Alive"]}
-        return sorted({rank["node"] for rank in self._layout} - alive)
+        return sorted({rank["node"] for rank in layout} - alive)
 
     def _wait_all(self, refs: list) -> list:
         """Like ray.get, but raises as soon as any rank fails instead of waiting on the

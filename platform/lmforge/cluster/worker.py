@@ -47,12 +47,13 @@ class Worker:
             timeout=timedelta(minutes=5),
         )
 
-    def train(self, spec_dict: dict, manifest: dict, controller) -> dict:
+    def train(self, spec_dict: dict, manifest: dict, controller, attempt: int = 0) -> dict:
         from lmforge.spec import JobSpec
         from lmforge.trainer import Trainer
 
         spec = JobSpec.model_validate(spec_dict)
-        trainer = Trainer(spec, manifest, report=lambda event: controller.report.remote(event))
+        # Tagged with the attempt: a report still in flight from a failed attempt is dropped.
+        trainer = Trainer(spec, manifest, report=lambda event: controller.report.remote(event, attempt))
         return trainer.run()
 
     def shutdown(self) -> None:

@@ -1,0 +1,53 @@
+"""A node is removed abruptly (`allow_graceful=False`) mid-run: with `elastic` the
+job shrinks from dp 2 to dp 1, keeps the global batch by doubling accumulation,
+and continues on exactly the samples and (within 1e-4) the losses of the run that
+lost nothing."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from chaos import events, step_rows
+from conftest import tiny_job
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+SCRIPT = Path(__file__).with_name("node_loss_run.py")
+STEPS = 60
+
+
+def test_node_loss_shrinks_dp_and_continues_exactly(tiny_dataset, tmp_path):
+    job = tiny_job(
+        tmp_path, tiny_dataset, train={"max_steps": STEPS}, optim={"decay_steps": STEPS}, checkpoint={"interval": 10},
+        data={"path": str(tiny_dataset), "prefetch_steps": 4, "record_sample_ids": True},
+        resources={"cpus_per_worker": 2}, fault_tolerance={"max_failures": 1, "backoff_s": 0.1},
+        elastic={"min_dp": 1, "max_dp": 2},
+    )
+    job_file = tmp_path / "job.json"
+    job_file.write_text(json.dumps(job))
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), str(job_file)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=os.environ | {"OMP_NUM_THREADS": "1"}, start_new_session=True, cwd=Path(__file__).parent)
+    try:
+        out, err = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    assert proc.returncode == 0, err[-4000:]
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["whole"]["dp"] == 2
+    shrunk = result["shrunk"]
+    assert shrunk["final_step"] == STEPS and shrunk["failures"] == 1 and shrunk["dp"] == 1
+    runs = tmp_path / "runs"
+    failure, recovered = events(runs / "tiny")
+    assert failure["event"] == "failure" and recovered["dp"] == 1
+    assert len(recovered["nodes_lost"]) == 1
+    whole, lost = step_rows(runs / "whole"), step_rows(runs / "tiny")
+    assert sorted(lost) == list(range(1, STEPS + 1))
+    for step in range(1, STEPS + 1):
+        assert lost[step]["loss"] == pytest.approx(whole[step]["loss"], rel=1e-4), step
+    ids = lambda name: {s: row["ids"] for s, row in step_rows(runs / name, "samples.jsonl").items()}  # noqa: E731
+    assert ids("tiny") == ids("whole")
