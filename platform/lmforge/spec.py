@@ -139,6 +139,9 @@ class ResourcesSpec(_Section):
 class FaultToleranceSpec(_Section):
     max_failures: int = Field(0, ge=0, description="restarts from the latest checkpoint before the job fails")
     backoff_s: float = Field(1.0, ge=0, description="wait before the first restart; doubles with each, up to 60 s")
+    step_timeout_s: Optional[float] = Field(
+        None, gt=0, description="no step for this long (after an attempt's first step) counts as a hang: a failure"
+    )
 
 
 class ElasticSpec(_Section):

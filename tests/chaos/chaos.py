@@ -35,15 +35,16 @@ def when_step_reached(run_dir: Path, step: int, action, timeout_s: float = 300) 
     return thread
 
 
-def kill_one_rank_process(rank_index: int = 1) -> int:
-    """SIGKILL one rank actor's process among this process's descendants (the test's
-    own Ray cluster), as if its machine had lost it. Returns the pid."""
+def kill_one_rank_process(rank_index: int = 1, sig: int = signal.SIGKILL) -> int:
+    """Signal one rank actor's process among this process's descendants (the test's
+    own Ray cluster): SIGKILL as if its machine had lost it, SIGSTOP to hang it.
+    Returns the pid."""
     workers = sorted(
         (p for p in psutil.Process(os.getpid()).children(recursive=True) if _cmdline(p).startswith("ray::Worker")),
         key=lambda p: p.create_time(),
     )
     victim = workers[rank_index]
-    os.kill(victim.pid, signal.SIGKILL)
+    os.kill(victim.pid, sig)
     return victim.pid
 
 

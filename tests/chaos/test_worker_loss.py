@@ -57,3 +57,32 @@ def test_killed_rank_restarts_from_checkpoint_with_identical_losses_and_samples(
     assert samples == {step: row["ids"] for step, row in reference_samples.items()}
     order = GlobalOrder(read_manifest(tiny_dataset)["num_samples"], seed=1, block=read_manifest(tiny_dataset)["shard_samples"], window=16)
     assert samples == {step: order.ids((step - 1) * 8, 8).tolist() for step in range(1, STEPS + 1)}
+
+
+def test_hung_rank_is_detected_and_the_run_restarts(uninterrupted, ray_session, tiny_dataset, tmp_path):
+    """SIGSTOP one rank: its peers block in their next collective; with
+    fault_tolerance.step_timeout_s the controller calls it a hang, kills the group
+    and restarts from the latest checkpoint."""
+    import os
+    import signal
+
+    reference, _ = uninterrupted
+    run_dir = tmp_path / "runs" / "tiny"
+    stopped = []
+    watcher = when_step_reached(run_dir, 5, lambda: stopped.append(kill_one_rank_process(sig=signal.SIGSTOP)))
+    spec = spec_from_dict(job(tmp_path, tiny_dataset), ["fault_tolerance.step_timeout_s=3"])
+    try:
+        summary = sdk.train(spec, show_progress=False)
+    finally:
+        watcher.join(timeout=5)
+        for pid in stopped:  # normally already killed by the teardown
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert stopped and summary["final_step"] == STEPS and summary["failures"] == 1
+    failure, _ = events(run_dir)
+    assert failure["cause"].startswith("RankHung: no step for")
+    losses = step_rows(run_dir)
+    for step in range(1, STEPS + 1):
+        assert losses[step]["loss"] == pytest.approx(reference[step]["loss"], rel=1e-5), step

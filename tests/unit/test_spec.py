@@ -53,6 +53,11 @@ def test_overrides_are_parsed_as_yaml_values():
         (["parallel.dp=4", "parallel.dp_replicate=3"], "parallel.dp_replicate: 3 does not divide dp 4"),
         (["parallel.dp=4", "parallel.dp_replicate=2", "parallel.zero=0"], "parallel.dp_replicate: zero 0 already replicates"),
         (["parallel.cpu_offload=true"], "parallel.cpu_offload: offloads from GPU memory"),
+        (["parallel.dp=2", "elastic.min_dp=3", "elastic.max_dp=2"], "elastic.min_dp: 3 is larger than elastic.max_dp 2"),
+        (["parallel.dp=4", "elastic.min_dp=1", "elastic.max_dp=2"], "parallel.dp: 4 is outside elastic.min_dp..max_dp = 1..2"),
+        (["parallel.dp=2", "elastic.min_dp=1", "elastic.max_dp=3"], "elastic.max_dp: at dp 3 train.global_batch 16 is not divisible by micro_batch x dp = 4 x 3"),
+        (["parallel.dp=2", "elastic.min_dp=2"], "elastic.max_dp: Field required"),
+        (["fault_tolerance.max_failures=-1"], "fault_tolerance.max_failures"),
     ],
 )
 def test_contradictions_name_the_field(overrides, field):
@@ -104,3 +109,10 @@ def test_dp_auto_fills_the_workers():
 def test_shipped_job_files_are_valid(job):
     spec = load_spec(job)
     assert spec.world_size == spec.parallel.pp * spec.parallel.dp * spec.parallel.tp
+
+
+def test_with_dp_resizes_and_keeps_the_global_batch():
+    spec = spec_from_dict(BASE, ["parallel.dp=2", "elastic.min_dp=1", "elastic.max_dp=2", "train.global_batch=16", "train.micro_batch=2"])
+    small = spec.with_dp(1)
+    assert small.parallel.dp == 1 and small.train.global_batch == 16 and small.grad_accum == 8
+    assert spec.grad_accum == 4 and small.elastic == spec.elastic

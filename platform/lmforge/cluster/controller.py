@@ -25,6 +25,10 @@ from lmforge.spec import JobSpec
 RESIZE_PROBE_S = 5.0  # how long to try each smaller layout after a failure
 
 
+class RankHung(RuntimeError):
+    """Some rank stopped making progress (stuck in a collective, a stopped process)."""
+
+
 @ray.remote(num_cpus=0, max_concurrency=8)
 class Controller:
     def __init__(self, spec_dict: dict, manifest: dict, placement_timeout_s: float = 120.0):
@@ -41,6 +45,7 @@ class Controller:
         self._last_step = 0
         self._failed_rank: int | None = None
         self._failed_at: float | None = None  # set from a failure until the first step after it
+        self._progress_at: float | None = None  # when this attempt last reported a step
         self._redone = 0
 
     def drain(self) -> list[dict]:
@@ -63,7 +68,7 @@ class Controller:
             if event.get("event") == "start" and self._failed_at is not None:
                 self._redone = max(0, self._last_step - event["step"])
             if event.get("event") == "step":
-                self._last_step = event["step"]
+                self._last_step, self._progress_at = event["step"], time.time()
             self._events.append(event | {"time": time.time()})
 
     def run(self) -> dict:
@@ -73,7 +78,7 @@ class Controller:
         while True:
             try:
                 return self._run_once(spec if failures == 0 else self._resized(spec))
-            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as err:
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, RankHung) as err:
                 cause = err.cause if isinstance(err, ray.exceptions.RayTaskError) else err
                 if isinstance(cause, UserError) or failures >= budget.max_failures:
                     raise
@@ -95,11 +100,13 @@ class Controller:
         if self._pg is None:
             self._pg = placement.reserve(world, tp, res.cpus_per_worker, res.gpus_per_worker, self.placement_timeout_s)
         spec_dict = spec.model_dump(mode="json", exclude_unset=True)
+        self._progress_at = None
         try:
             self._start_workers(world, tp, res.cpus_per_worker, res.gpus_per_worker)
             self._layout = self._rendezvous(MeshShape.for_spec(spec.parallel))
             self.report({"event": "layout", "ranks": self._layout})
-            results = self._wait_all([w.train.remote(spec_dict, self.manifest, controller_handle, self._attempt) for w in self._workers])
+            refs = [w.train.remote(spec_dict, self.manifest, controller_handle, self._attempt) for w in self._workers]
+            results = self._wait_all(refs, spec.fault_tolerance.step_timeout_s)
             try:
                 ray.get([w.shutdown.remote() for w in self._workers], timeout=60)
             except ray.exceptions.RayError:
@@ -133,13 +140,19 @@ class Controller:
         alive = {node["NodeID"][:12] for node in ray.nodes() if node["Alive"]}
         return sorted({rank["node"] for rank in layout} - alive)
 
-    def _wait_all(self, refs: list) -> list:
-        """Like ray.get, but raises as soon as any rank fails instead of waiting on the
-        survivors, which would block forever in their next collective."""
+    def _wait_all(self, refs: list, step_timeout_s: float | None) -> list:
+        """Like ray.get, but raises as soon as any rank fails (instead of waiting on the
+        survivors, which would block forever in their next collective), or when no
+        step has been reported for `step_timeout_s`: a hung rank holds up all others."""
         pending = list(refs)
         self._failed_rank = None
         while pending:
-            done, pending = ray.wait(pending, num_returns=1)
+            done, pending = ray.wait(pending, num_returns=1, timeout=1.0)
+            if not done:
+                stalled = time.time() - self._progress_at if self._progress_at else 0.0
+                if step_timeout_s and stalled > step_timeout_s:
+                    raise RankHung(f"no step for {stalled:.0f}s after step {self._last_step} (fault_tolerance.step_timeout_s {step_timeout_s:g})")
+                continue
             try:
                 ray.get(done[0])
             except ray.exceptions.RayError:
