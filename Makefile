@@ -22,7 +22,7 @@ run: $(STAMP)
 	$(BIN)/lmforge train jobs/quickstart.yaml
 
 test: $(STAMP)
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest tests --durations=15
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest tests/unit

@@ -3,17 +3,13 @@ job shrinks from dp 2 to dp 1, keeps the global batch by doubling accumulation,
 and continues on exactly the samples and (within 1e-4) the losses of the run that
 lost nothing."""
 
-import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from chaos import events, step_rows
 from conftest import tiny_job
+from multinode import run_script
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 SCRIPT = Path(__file__).with_name("node_loss_run.py")
@@ -27,17 +23,7 @@ def test_node_loss_shrinks_dp_and_continues_exactly(tiny_dataset, tmp_path):
         resources={"cpus_per_worker": 2}, fault_tolerance={"max_failures": 1, "backoff_s": 0.1},
         elastic={"min_dp": 1, "max_dp": 2},
     )
-    job_file = tmp_path / "job.json"
-    job_file.write_text(json.dumps(job))
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), str(job_file)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=os.environ | {"OMP_NUM_THREADS": "1"}, start_new_session=True, cwd=Path(__file__).parent)
-    try:
-        out, err = proc.communicate(timeout=600)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise
-    assert proc.returncode == 0, err[-4000:]
-    result = json.loads(out.strip().splitlines()[-1])
+    result = run_script(SCRIPT, job, tmp_path)
     assert result["whole"]["dp"] == 2
     shrunk = result["shrunk"]
     assert shrunk["final_step"] == STEPS and shrunk["failures"] == 1 and shrunk["dp"] == 1

@@ -86,7 +86,7 @@ def test_exported_weights_move_between_engines(tmp_path, source, target):
     assert continued[0] == pytest.approx(trained[3], rel=1e-5)
 
 
-@pytest.mark.parametrize("stage, nproc", [(0, 1), (1, 4), (2, 1), (3, 4)])
+@pytest.mark.parametrize("stage, nproc", [(0, 1), (2, 1), (3, 4)])
 def test_resume_on_another_dp_size(tmp_path, stage, nproc):
     """Saved on dp 2 after 3 steps, continued on dp 1 or 4 (ZeRO partitions through
     DeepSpeed's universal checkpoint): the remaining steps' losses are those of dp 2."""

@@ -1,16 +1,12 @@
 """Placement on a real multi-node Ray cluster (several raylets on this machine):
 a tensor-parallel group never spans two nodes, and the driver reports the layout."""
 
-import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from conftest import tiny_job
+from multinode import run_script
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 SCRIPT = Path(__file__).with_name("multinode_run.py")
@@ -18,17 +14,7 @@ SCRIPT = Path(__file__).with_name("multinode_run.py")
 
 def test_tp_groups_stay_on_one_node(tiny_dataset, tmp_path):
     job = tiny_job(tmp_path, tiny_dataset, parallel={"dp": 2, "tp": 2}, train={"max_steps": 3}, checkpoint={"interval": 3})
-    job_file = tmp_path / "job.json"
-    job_file.write_text(json.dumps(job))
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), str(job_file)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=os.environ | {"OMP_NUM_THREADS": "1"}, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=400)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise
-    assert proc.returncode == 0, err[-4000:]
-    summary = json.loads(out.strip().splitlines()[-1])
+    summary = run_script(SCRIPT, job, tmp_path, timeout_s=400)
     assert summary["final_step"] == 3 and summary["world_size"] == 4
     ranks = summary["ranks"]
     assert [(r["rank"], r["dp"], r["tp"]) for r in ranks] == [(0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)]

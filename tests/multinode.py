@@ -1,0 +1,48 @@
+"""Several Ray nodes on this machine (`ray.cluster_utils.Cluster`), for scripts
+that tests launch as their own processes (a process joins only one Ray cluster)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import ray
+from ray.cluster_utils import Cluster
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_cluster(worker_nodes: int, cpus_per_node: int) -> tuple[Cluster, list]:
+    """A 1-CPU head (the driver, controller and Ray Data's reads) plus worker nodes,
+    joined by this process."""
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "gcs_server_port": free_port(), "include_dashboard": False})
+    nodes = [cluster.add_node(num_cpus=cpus_per_node) for _ in range(worker_nodes)]
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False, logging_level=logging.WARNING)
+    return cluster, nodes
+
+
+def run_script(script: Path, job: dict, workdir: Path, timeout_s: float = 600) -> dict:
+    """Run `script JOB.json RESULT.json` in its own session and return what it wrote
+    to RESULT.json (not stdout: Ray's own log lines land there too)."""
+    job_file, result_file = workdir / "job.json", workdir / "result.json"
+    job_file.write_text(json.dumps(job))
+    proc = subprocess.Popen([sys.executable, str(script), str(job_file), str(result_file)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=os.environ | {"OMP_NUM_THREADS": "1"}, start_new_session=True, cwd=script.parent)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the script and every Ray process it started
+        raise
+    assert proc.returncode == 0, err[-4000:]
+    return json.loads(result_file.read_text())
