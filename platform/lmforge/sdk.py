@@ -92,14 +92,14 @@ def _run(plan: Plan, manifest: dict, console: Console, show_progress: bool) -> d
     latest_ckpt = plan.resume_from.path if plan.resume_from else None
     status = "FAILED"
     # The controller lives next to the driver, so losing a worker node never takes it along.
-    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     controller = Controller.options(runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}}, scheduling_strategy=here).remote(spec.model_dump(mode="json", exclude_unset=True), manifest)
     try:
         done = controller.run.remote()
         with view:
             while True:
                 ready, _ = ray.wait([done], timeout=0.5)
-                for event in ray.get(controller.drain.remote()):
+                for event in _drain(controller):
                     latest_ckpt = _handle(event, view, run_dir, tracker) or latest_ckpt
                     if event["event"] == "step":
                         last = event
@@ -111,7 +111,7 @@ def _run(plan: Plan, manifest: dict, console: Console, show_progress: bool) -> d
                 if ready:
                     result = ray.get(done)
                     break
-        for event in ray.get(controller.drain.remote()):
+        for event in _drain(controller):
             latest_ckpt = _handle(event, view, run_dir, tracker) or latest_ckpt
         status = "FINISHED"
     except ray.exceptions.RayTaskError as err:
@@ -139,6 +139,16 @@ def _run(plan: Plan, manifest: dict, console: Console, show_progress: bool) -> d
     }
     run_dir.write_summary(summary)
     return summary
+
+
+def _drain(controller) -> list[dict]:
+    """The controller's new events; none this time if it is briefly unreachable (a
+    node leaving the cluster can interrupt connections for a moment). A controller
+    that is really gone fails the `run` call, which the caller waits on."""
+    try:
+        return ray.get(controller.drain.remote())
+    except ray.exceptions.ActorUnavailableError:
+        return []
 
 
 def _failure(err: ray.exceptions.RayTaskError, run_dir: RunDir) -> Exception:
