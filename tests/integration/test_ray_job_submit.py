@@ -43,6 +43,8 @@ def ray_head(tmp_path):
     env.pop("RAY_ADDRESS", None)
     gcs, dash, agent, agent_grpc, metrics, rt_env, client, nm, om = free_ports(9)
     lo = 20000 + (os.getpid() * 97) % 30000
+    while any(lo <= port <= lo + 200 for port in (gcs, dash, agent, agent_grpc, metrics, rt_env, client, nm, om)):
+        lo += 211  # the worker port range must not hold a port given to another component
     cmd = [
         str(BIN / "ray"), "start", "--head", "--block", "--disable-usage-stats", "--num-cpus=4",
         f"--port={gcs}", f"--dashboard-port={dash}", "--dashboard-host=127.0.0.1", "--include-dashboard=true",

@@ -155,10 +155,29 @@ class Controller:
                 continue
             try:
                 ray.get(done[0])
-            except ray.exceptions.RayError:
+            except ray.exceptions.RayError as err:
                 self._failed_rank = refs.index(done[0])
+                if isinstance(err, ray.exceptions.RayTaskError):
+                    raise self._dead_peer(refs, pending) or err from None
                 raise
         return ray.get(refs)
+
+    def _dead_peer(self, refs: list, pending: list, grace_s: float = 3.0):
+        """A rank that raised because a peer vanished (gloo: "Connection closed by
+        peer") shows a symptom; if a peer's actor turns out dead within moments, that
+        is the cause to report."""
+        deadline = time.time() + grace_s
+        while pending and time.time() < deadline:
+            done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.time()))
+            for ref in done:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayActorError as err:
+                    self._failed_rank = refs.index(ref)
+                    return err
+                except ray.exceptions.RayError:
+                    pass
+        return None
 
     def _start_workers(self, world: int, tp: int, cpus: float, gpus: float) -> None:
         for rank in range(world):
