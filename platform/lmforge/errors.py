@@ -16,3 +16,8 @@ class TrainingFailed(RuntimeError):
     where the full traceback was saved, exit code 1."""
 
     exit_code = 1
+
+
+class CheckpointWritesFailing(RuntimeError):
+    """`checkpoint.max_failed_writes` checkpoints in a row could not be written:
+    restarting would not help, so the controller does not retry it."""

@@ -194,12 +194,33 @@ def _handle(event: dict, view: ProgressView, run_dir: RunDir, tracker) -> Option
     elif kind == "layout":
         view.layout(event["ranks"])
     elif kind == "checkpoint":
-        view.print(f"checkpoint step {event['step']} -> {event['path']} ({event['seconds']:.1f}s)")
+        view.print(f"checkpoint step {event['step']} -> {event['path']} ({event['seconds']:.1f}s, training paused {event['stall_seconds']:.2f}s)")
         if tracker:
             tracker.log_metric("checkpoint_seconds", event["seconds"], event["step"])
+            tracker.log_metric("checkpoint_stall_seconds", event["stall_seconds"], event["step"])
         return event["path"]
+    elif kind == "checkpoint_failed":
+        view.print(
+            f"checkpoint step {event['step']} failed ({event['failed_in_a_row']}/{event['max_failed_writes']} in a row): "
+            f"{event['error']}; training goes on"
+        )
+        run_dir.append_event(event)
+        if tracker:
+            tracker.log_metric("checkpoint_failed_in_a_row", event["failed_in_a_row"], event["step"])
+    elif kind == "grow_pending":
+        view.print(f"room for dp {event['to_dp']} (now {event['dp']}): growing at the next checkpoint")
+        run_dir.append_event(event)
+    elif kind == "resized":
+        view.print(f"resized from dp {event['from_dp']} to dp {event['dp']} at step {event['step']} in {event['seconds']:.1f}s")
+        run_dir.append_event(event)
+        if tracker:
+            tracker.log_metric("dp", event["dp"], event["step"])
+    elif kind == "checkpoint_corrupt":
+        view.print(f"checkpoint {event['path']} is corrupt ({event['reason']}); restoring an earlier one")
+        run_dir.append_event(event)
     elif kind == "restored":
         view.print(f"restored step {event['step']} from {event['path']}")
+        run_dir.append_event(event)
     elif kind == "start":
         run_dir.rewind(event["step"])
     elif kind == "failure":

@@ -120,7 +120,10 @@ class DataSpec(_Section):
 class CheckpointSpec(_Section):
     dir: Optional[str] = Field(None, description="directory or fsspec URI; default <run_dir>/checkpoints")
     interval: int = Field(50, gt=0, description="save every N optimizer steps (and at the last step)")
-    keep: int = Field(3, gt=0)
+    keep: int = Field(3, gt=0, description="newest committed checkpoints kept")
+    keep_every: Optional[int] = Field(None, gt=0, description="also keep every checkpoint whose step is a multiple of this")
+    async_save: bool = Field(True, description="write in the background; training pauses only to copy the state to CPU memory")
+    max_failed_writes: int = Field(3, gt=0, description="checkpoint writes that may fail in a row (logged) before the job fails")
     resume: bool = True
 
 

@@ -14,8 +14,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from lmforge.checkpoint.sharded import load_checkpoint, save_checkpoint
+from lmforge.checkpoint.sharded import load_checkpoint, restore_point
 from lmforge.checkpoint.store import CheckpointStore
+from lmforge.checkpoint.writer import CheckpointWriter
 from lmforge.data.feed import BatchFeed
 from lmforge.data.order import BatchLayout, GlobalOrder
 from lmforge.engines import create_engine
@@ -27,17 +28,25 @@ Reporter = Callable[[dict], None]
 
 
 class Trainer:
-    def __init__(self, spec: JobSpec, manifest: dict, report: Optional[Reporter] = None):
+    def __init__(self, spec: JobSpec, manifest: dict, report: Optional[Reporter] = None, should_stop: Optional[Callable[[], bool]] = None):
         self.spec, self.manifest = spec, manifest
         self.report = report or (lambda event: None)
+        self.should_stop = should_stop  # asked on rank 0 after each checkpoint (elastic growth)
         self.rank = dist.get_rank()
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         p = spec.parallel
         self.dims = build_mesh(self.device.type, MeshShape.for_spec(p))
         torch.manual_seed(spec.train.seed + self.rank)
         self.store = CheckpointStore(spec.checkpoint_dir)
-        resume_from = self.store.latest() if spec.checkpoint.resume else None
+        # Checkpoint I/O gets its own gloo group: its background collectives must not
+        # interleave with training's (and DCP's async save needs a CPU backend).
+        checkpoint_group = dist.new_group(backend="gloo")
+        resume_from = restore_point(self.store, checkpoint_group, self._event) if spec.checkpoint.resume else None
         self.start_step = resume_from.step if resume_from else 0
+        if self.rank == 0:
+            self.store.discard_after(self.start_step)  # half-written or to be rewritten
+        dist.barrier(group=checkpoint_group)
+        self.writer = CheckpointWriter(self.store, spec.checkpoint, checkpoint_group, self._event)
         # Start reading ahead first: Ray Data's first read overlaps model building.
         self.layout = BatchLayout(spec.train.global_batch, spec.train.micro_batch, p.dp)
         self.feed = BatchFeed(
@@ -78,6 +87,7 @@ class Trainer:
         tokens_per_step = train.global_batch * train.seq_len
         step = self.start_step
         last = None
+        stopped = False
         try:
             while step < train.max_steps:
                 began = time.perf_counter()
@@ -105,10 +115,22 @@ class Trainer:
                     last.update(bubble=stats.bubble, bubble_theory=stats.bubble_theory)
                 self._event(last)
                 if step % self.spec.checkpoint.interval == 0 or step == train.max_steps:
-                    self._checkpoint(step)
+                    self.writer.save(step, self.engine, self._trainer_state(step))
+                    if step < train.max_steps and self._stop_requested():
+                        stopped = True
+                        break
+            self.writer.close()  # the last checkpoint is committed before the run counts as done
         finally:
             self.feed.close()
-        return {"step": step, "loss": last["loss"] if last else None, "start_step": self.start_step}
+        return {"step": step, "loss": last["loss"] if last else None, "start_step": self.start_step, "stopped": stopped}
+
+    def _stop_requested(self) -> bool:
+        """Rank 0 asks; every rank gets the same answer."""
+        if self.should_stop is None:
+            return False
+        flag = torch.tensor([int(self.rank == 0 and self.should_stop())], device=self.device)
+        dist.broadcast(flag, src=0)
+        return bool(flag.item())
 
     def _global_ids(self, ids: np.ndarray) -> list[int]:
         """The whole global batch's sample ids, as the DP ranks actually read them."""
@@ -119,13 +141,3 @@ class Trainer:
         dist.all_gather(gathered, local, group=self.dims.dp_group)
         return torch.cat(gathered).cpu().tolist()
 
-    def _checkpoint(self, step: int) -> None:
-        began = time.perf_counter()
-        pruned = save_checkpoint(self.store, step, self.engine, self._trainer_state(step), self.spec.checkpoint.keep)
-        self._event({
-            "event": "checkpoint",
-            "step": step,
-            "path": self.store.step_path(step),
-            "seconds": time.perf_counter() - began,
-            "pruned": pruned,
-        })

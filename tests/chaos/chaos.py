@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 
 def steps_done(run_dir: Path) -> int:
@@ -20,15 +21,27 @@ def steps_done(run_dir: Path) -> int:
     return max((row["step"] for row in rows if "event" not in row), default=0)
 
 
+def reached_step(run_dir: Path, step: int):
+    return lambda: steps_done(run_dir) >= step
+
+
+def recorded_event(run_dir: Path, kind: str):
+    return lambda: (run_dir / "metrics.jsonl").exists() and any(e["event"] == kind for e in events(run_dir))
+
+
+def wait_until(condition, timeout_s: float = 300) -> None:
+    deadline = time.time() + timeout_s
+    while not condition():
+        if time.time() > deadline:
+            raise TimeoutError("the awaited training progress never came")
+        time.sleep(0.05)
+
+
 def when_step_reached(run_dir: Path, step: int, action, timeout_s: float = 300) -> threading.Thread:
     """Run `action()` once training has reported `step` (in a background thread)."""
     def watch():
-        deadline = time.time() + timeout_s
-        while time.time() < deadline:
-            if steps_done(run_dir) >= step:
-                action()
-                return
-            time.sleep(0.05)
+        wait_until(reached_step(run_dir, step), timeout_s)
+        action()
 
     thread = threading.Thread(target=watch, daemon=True)
     thread.start()
@@ -65,3 +78,14 @@ def step_rows(run_dir: Path, name: str = "metrics.jsonl") -> dict[int, dict]:
 def events(run_dir: Path) -> list[dict]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return [row for row in rows if "event" in row]
+
+
+def same_as_uninterrupted(run_dir: Path, uninterrupted: tuple, rel: float = 1e-5) -> None:
+    """Every step once, with the uninterrupted run's loss and exactly its samples."""
+    reference, reference_samples = uninterrupted
+    losses = step_rows(run_dir)
+    assert sorted(losses) == sorted(reference)
+    for step, row in reference.items():
+        assert losses[step]["loss"] == pytest.approx(row["loss"], rel=rel), step
+    samples = {step: row["ids"] for step, row in step_rows(run_dir, "samples.jsonl").items()}
+    assert samples == {step: row["ids"] for step, row in reference_samples.items()}

@@ -1,13 +1,15 @@
 """Runs a dp=2 job on a 3-node cluster (a 1-CPU head, two 2-CPU worker nodes with
-one rank each), removes one worker node abruptly mid-run, and writes both summaries
-as JSON: the uninterrupted run first (same cluster, job name "whole"), then the one
-that lost a node. Launched by test_node_loss.py.
+one rank each), removes one worker node abruptly mid-run, adds a node back once the
+job has recovered on what was left, and writes both summaries as JSON: the
+uninterrupted run first (same cluster, job name "whole"), then the one that lost a
+node and got one back. Launched by test_node_loss.py.
 
     python node_loss_run.py JOB.json RESULT.json
 """
 
 import json
 import sys
+import threading
 from pathlib import Path
 
 import ray
@@ -15,7 +17,7 @@ import ray
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from multinode import start_cluster  # noqa: E402
 
-from chaos import when_step_reached  # noqa: E402
+from chaos import reached_step, recorded_event, wait_until  # noqa: E402
 from lmforge import sdk  # noqa: E402
 from lmforge.spec import spec_from_dict  # noqa: E402
 
@@ -26,10 +28,16 @@ def main() -> None:
     try:
         whole = sdk.train(spec_from_dict(job | {"name": "whole"}), show_progress=False)
         run_dir = Path(job["output_dir"]) / job["name"]
-        watcher = when_step_reached(run_dir, 5, lambda: cluster.remove_node(workers[1], allow_graceful=False))
-        shrunk = sdk.train(spec_from_dict(job), show_progress=False)
-        watcher.join(timeout=5)
-        Path(sys.argv[2]).write_text(json.dumps({"whole": whole, "shrunk": shrunk}))
+        # The job trains in a thread: Ray adds nodes only from the main thread.
+        outcome: dict = {}
+        training = threading.Thread(target=lambda: outcome.update(shrunk=sdk.train(spec_from_dict(job), show_progress=False)))
+        training.start()
+        wait_until(reached_step(run_dir, 5))
+        cluster.remove_node(workers[1], allow_graceful=False)
+        wait_until(recorded_event(run_dir, "recovered"))
+        cluster.add_node(num_cpus=2)
+        training.join()
+        Path(sys.argv[2]).write_text(json.dumps({"whole": whole} | outcome))
     finally:
         ray.shutdown()
         cluster.shutdown()

@@ -15,11 +15,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch
 import torch.distributed as dist
 
-from lmforge.checkpoint.sharded import load_checkpoint, save_checkpoint
+from lmforge.checkpoint.sharded import load_checkpoint
 from lmforge.checkpoint.store import CheckpointStore
+from lmforge.checkpoint.writer import CheckpointWriter
 from lmforge.engines import create_engine
 from lmforge.parallel.mesh import MeshShape, build_mesh
-from lmforge.spec import spec_from_dict
+from lmforge.spec import CheckpointSpec, spec_from_dict
 
 STEPS = 6
 
@@ -97,7 +98,9 @@ def main() -> None:
         stats = engine.train_step(share.view(spec.grad_accum, spec.train.micro_batch, 17))
         losses.append(stats.loss)
         if args.save and step + 1 == args.save_at:
-            save_checkpoint(CheckpointStore(args.save), step + 1, engine, {"step": step + 1, "dp": p.dp, "model": spec.model_arch.as_dict()}, keep=1)
+            writer = CheckpointWriter(CheckpointStore(args.save), CheckpointSpec(keep=1, async_save=False), dist.new_group(backend="gloo"), lambda event: None)
+            writer.save(step + 1, engine, {"step": step + 1, "dp": p.dp, "model": spec.model_arch.as_dict()})
+            writer.close()
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump({"losses": losses, "engine": describe(engine)}, f)

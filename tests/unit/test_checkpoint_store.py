@@ -1,4 +1,4 @@
-"""Which checkpoint counts: only committed steps, newest first, retention."""
+"""Which checkpoint counts: only committed steps, newest first, checksums, retention."""
 
 import json
 
@@ -15,7 +15,7 @@ def _fake_step(store: CheckpointStore, step: int, commit: bool = True):
         f.write(b"x" * step)
     store.write_state(step, {"step": step})
     if commit:
-        store.commit(step)
+        store.commit(step, store.digest(step, store.files(step)))
 
 
 def test_latest_ignores_uncommitted(tmp_path):
@@ -49,6 +49,35 @@ def test_prune_keeps_newest(tmp_path):
         _fake_step(store, step)
     assert store.prune(keep=2) == [1, 2]
     assert store.committed() == [3, 4]
+
+
+def test_prune_keeps_every_mth_step_too(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    for step in (2, 4, 6, 8, 10, 12):
+        _fake_step(store, step)
+    assert store.prune(keep=2, keep_every=4) == [2, 6]
+    assert store.committed() == [4, 8, 10, 12]
+
+
+def test_a_flipped_byte_is_a_mismatch(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    _fake_step(store, 7)
+    names = sorted(store.manifest(7))
+    assert names == ["__0_0.distcp", "state.json"] and store.mismatches(7, names) == []
+    shard = tmp_path / "step_00000007" / "__0_0.distcp"
+    shard.write_bytes(b"y" + shard.read_bytes()[1:])  # same size, other content
+    assert store.mismatches(7, names) == ["__0_0.distcp"]
+    shard.unlink()
+    assert store.mismatches(7, names) == ["__0_0.distcp"]
+
+
+def test_discard_after_removes_newer_step_dirs_only(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    for step in (1, 2, 3):
+        _fake_step(store, step, commit=step != 3)
+    (tmp_path / "step_00000009").write_text("not ours")
+    assert store.discard_after(1) == [2, 3]
+    assert store.committed() == [1] and (tmp_path / "step_00000009").is_file()
 
 
 def test_fsspec_uri_works_like_a_path(tmp_path):

@@ -1,12 +1,17 @@
-"""Save and restore one rank's share of a checkpoint with torch.distributed.checkpoint.
+"""Restore one rank's share of a checkpoint with torch.distributed.checkpoint, and
+the pieces every save needs (the DCP writer, per-rank RNG files).
 
-Every rank writes its own shards; rank 0 writes the JSON state and then commits.
-DCP reshards on load, so a checkpoint saved on N ranks loads on M. An engine with
-its own format (DeepSpeed) writes its files into the same step directory, under
-the same commit rule.
+Every rank writes its own shards (see `writer.py`); DCP reshards on load, so a
+checkpoint saved on N ranks loads on M. An engine with its own format (DeepSpeed)
+keeps its files in the same step directory, under the same commit rule. Before a
+checkpoint is loaded, the ranks check its files against the commit marker together;
+a corrupt one is skipped for the one before it.
 """
 
 from __future__ import annotations
+
+import logging
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -18,8 +23,10 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, Fsspec
 from lmforge.checkpoint.store import CheckpointStore, CommittedCheckpoint, join_path
 from lmforge.engines.base import Engine
 
+log = logging.getLogger(__name__)
 
-def _writer(store: CheckpointStore, path: str):
+
+def dcp_writer(store: CheckpointStore, path: str):
     return FsspecWriter(path) if store.is_uri else dcp.FileSystemWriter(store.fs_path(path))
 
 
@@ -31,30 +38,33 @@ def _rng_file(path: str, rank: int) -> str:
     return join_path(path, "rng", f"rank_{rank:05d}.safetensors")
 
 
-def save_checkpoint(store: CheckpointStore, step: int, engine: Engine, trainer_state: dict, keep: int) -> list[int]:
-    """Collective: every rank calls it at the same step. Returns pruned steps (rank 0)."""
-    path = store.step_path(step)
-    plain: dict = {}
-    if engine.checkpoint_format == "dcp":
-        tensors, plain = engine.state_dict()
-        dcp.save(tensors, storage_writer=_writer(store, path))
-    else:
-        engine.save(store.fs_path(path))
-    rank = dist.get_rank()
-    rng = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state()
+def write_rng(store: CheckpointStore, path: str, rank: int, rng: dict[str, torch.Tensor]) -> None:
     store.fs.makedirs(store.fs_path(join_path(path, "rng")), exist_ok=True)
     with store.fs.open(store.fs_path(_rng_file(path, rank)), "wb") as f:
         f.write(save_safetensors(rng))
-    dist.barrier()
-    pruned: list[int] = []
-    if rank == 0:
-        store.write_state(step, {**trainer_state, "engine": plain, "format": engine.checkpoint_format})
-        store.commit(step)
-        pruned = store.prune(keep)
-    dist.barrier()
-    return pruned
+
+
+def restore_point(store: CheckpointStore, group: dist.ProcessGroup, report: Callable[[dict], None]) -> Optional[CommittedCheckpoint]:
+    """Collective: the newest committed checkpoint whose files all match their commit
+    marker (each rank checks a share). A corrupt one is reported and passed over."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    for step in reversed(store.committed()):
+        try:
+            names = sorted(store.manifest(step))
+            mine = store.mismatches(step, names[rank::world])
+        except (OSError, ValueError, KeyError) as err:
+            mine = [f"commit.json ({err})"]
+        everyone: list = [None] * world
+        dist.all_gather_object(everyone, mine, group=group)
+        bad = sorted(name for part in everyone for name in part)
+        ckpt = None if bad else store.checkpoint(step)
+        if ckpt is not None:
+            return ckpt
+        reason = f"{', '.join(bad[:3])} do not match commit.json" if bad else "state.json is unreadable"
+        log.warning("checkpoint %s is corrupt (%s); trying the previous one", store.step_path(step), reason)
+        if rank == 0:
+            report({"event": "checkpoint_corrupt", "step": step, "path": store.step_path(step), "reason": reason})
+    return None
 
 
 def load_checkpoint(store: CheckpointStore, ckpt: CommittedCheckpoint, engine: Engine) -> None:

@@ -80,36 +80,82 @@ class CheckpointStore:
         steps = sorted(int(m.group(1)) for n in names if (m := STEP_DIR.match(n)))
         return [s for s in steps if self.fs.exists(self.fs_path(join_path(self.step_path(s), COMMIT)))]
 
+    def checkpoint(self, step: int) -> Optional[CommittedCheckpoint]:
+        """A committed step with its state, or None when state.json is unreadable."""
+        path = self.step_path(step)
+        try:
+            with self.fs.open(self.fs_path(join_path(path, STATE))) as f:
+                return CommittedCheckpoint(step=step, path=path, state=json.load(f))
+        except (OSError, json.JSONDecodeError) as err:
+            log.warning("checkpoint %s is unreadable (%s); trying the previous one", path, err)
+            return None
+
     def latest(self) -> Optional[CommittedCheckpoint]:
+        """The newest committed step with a readable state (files not checksummed: see
+        `sharded.restore_point`, which the ranks use before loading)."""
         for step in reversed(self.committed()):
-            path = self.step_path(step)
-            try:
-                with self.fs.open(self.fs_path(join_path(path, STATE))) as f:
-                    state = json.load(f)
-                return CommittedCheckpoint(step=step, path=path, state=state)
-            except (OSError, json.JSONDecodeError) as err:
-                log.warning("checkpoint %s is unreadable (%s); trying the previous one", path, err)
+            if ckpt := self.checkpoint(step):
+                return ckpt
         return None
 
     def write_state(self, step: int, state: dict) -> None:
         with self.fs.open(self.fs_path(join_path(self.step_path(step), STATE)), "w") as f:
             json.dump(state, f, indent=2)
 
-    def commit(self, step: int) -> None:
-        """Write the commit marker last: sizes and checksums of every file in the step."""
-        base = self.fs_path(self.step_path(step))
-        files = {}
-        for path in sorted(self.fs.find(base)):
-            rel = path[len(base.rstrip("/")) + 1 :]
-            with self.fs.open(path, "rb") as f:
-                data = f.read()
-            files[rel] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-        with self.fs.open(join_path(base, COMMIT), "w") as f:
+    def files(self, step: int) -> list[str]:
+        """Every file of a step, relative to its directory, sorted (commit.json aside)."""
+        base = self.fs_path(self.step_path(step)).rstrip("/")
+        return sorted(p[len(base) + 1 :] for p in self.fs.find(base) if p[len(base) + 1 :] != COMMIT)
+
+    def digest(self, step: int, names: list[str]) -> dict[str, dict]:
+        """Size and sha256 of some of a step's files, read in 8 MiB chunks."""
+        out = {}
+        for name in names:
+            sha, size = hashlib.sha256(), 0
+            with self.fs.open(self.fs_path(join_path(self.step_path(step), name)), "rb") as f:
+                while chunk := f.read(8 << 20):
+                    sha.update(chunk)
+                    size += len(chunk)
+            out[name] = {"bytes": size, "sha256": sha.hexdigest()}
+        return out
+
+    def commit(self, step: int, files: dict[str, dict]) -> None:
+        """Write the commit marker, last: the size and checksum of every file in the step."""
+        with self.fs.open(self.fs_path(join_path(self.step_path(step), COMMIT)), "w") as f:
             json.dump({"step": step, "files": files}, f, indent=2)
 
-    def prune(self, keep: int) -> list[int]:
-        """Delete all but the newest `keep` committed checkpoints; returns the removed steps."""
-        removed = self.committed()[:-keep]
+    def manifest(self, step: int) -> dict[str, dict]:
+        with self.fs.open(self.fs_path(join_path(self.step_path(step), COMMIT))) as f:
+            return json.load(f)["files"]
+
+    def mismatches(self, step: int, names: list[str]) -> list[str]:
+        """The files among `names` whose size or checksum differs from the commit marker."""
+        expected = self.manifest(step)
+        bad = []
+        for name in names:
+            try:
+                if self.digest(step, [name])[name] != expected[name]:
+                    bad.append(name)
+            except OSError:
+                bad.append(name)
+        return bad
+
+    def discard_after(self, step: int) -> list[int]:
+        """Remove step directories newer than `step` (half-written, or to be written again:
+        an old commit marker must not vouch for files being rewritten). A file that
+        merely has a step's name is not ours and is left alone."""
+        removed = []
+        for path in self.fs.ls(self._fs_root, detail=False) if self.fs.exists(self._fs_root) else []:
+            m = STEP_DIR.match(path.rstrip("/").rsplit("/", 1)[-1])
+            if m and int(m.group(1)) > step and self.fs.isdir(path):
+                self.fs.rm(path, recursive=True)
+                removed.append(int(m.group(1)))
+        return sorted(removed)
+
+    def prune(self, keep: int, keep_every: Optional[int] = None) -> list[int]:
+        """Delete committed checkpoints but the newest `keep` and every `keep_every`-th
+        step; returns the removed steps."""
+        removed = [s for s in self.committed()[:-keep] if not (keep_every and s % keep_every == 0)]
         for step in removed:
             self.fs.rm(self.fs_path(self.step_path(step)), recursive=True)
         return removed

@@ -2,9 +2,12 @@
 hands out the rendezvous, runs the group and relays rank 0's events to the driver.
 
 A failing rank (it raises, its actor or its node dies) tears the whole group down
-so no survivor stays blocked in a collective. Within `fault_tolerance.max_failures`
+so no survivor stays blocked in a collective. A job that shrank looks for room to
+grow back; when there is, its ranks stop at their next checkpoint and it restarts
+larger from there. Within `fault_tolerance.max_failures`
 the controller then starts again from the latest committed checkpoint, after a
 backoff, and with `elastic` on the largest data-parallel size that still fits.
+Bad input and a checkpoint directory that keeps refusing writes are not retried.
 """
 
 from __future__ import annotations
@@ -18,11 +21,12 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from lmforge.cluster import placement
 from lmforge.cluster.runtime import DATA_CPUS, WORKER_ENV
 from lmforge.cluster.worker import Worker
-from lmforge.errors import UserError
+from lmforge.errors import CheckpointWritesFailing, UserError
 from lmforge.parallel.mesh import MeshShape
 from lmforge.spec import JobSpec
 
 RESIZE_PROBE_S = 5.0  # how long to try each smaller layout after a failure
+GROW_PROBE_S = 2.0  # how often a shrunk job looks for room to grow back
 
 
 class RankHung(RuntimeError):
@@ -47,6 +51,9 @@ class Controller:
         self._failed_at: float | None = None  # set from a failure until the first step after it
         self._progress_at: float | None = None  # when this attempt last reported a step
         self._redone = 0
+        self._growth_pg = None  # capacity held for growing back, while shrunk
+        self._grow_probed_at = 0.0
+        self._resize_from: tuple[int, float] | None = None  # (dp, when) of a planned resize
 
     def drain(self) -> list[dict]:
         with self._lock:
@@ -65,6 +72,11 @@ class Controller:
                     "nodes_lost": self._nodes_lost(self._failed_layout), "time": time.time(),
                 })
                 self._failed_at = None
+            if event.get("event") == "step" and self._resize_from is not None:
+                from_dp, since = self._resize_from
+                self._events.append({"event": "resized", "step": event["step"], "from_dp": from_dp, "dp": self._dp,
+                                     "seconds": round(time.time() - since, 2), "time": time.time()})
+                self._resize_from = None
             if event.get("event") == "start" and self._failed_at is not None:
                 self._redone = max(0, self._last_step - event["step"])
             if event.get("event") == "step":
@@ -75,23 +87,67 @@ class Controller:
         spec = JobSpec.model_validate(self.spec_dict)
         budget = spec.fault_tolerance
         failures = 0
+        current = spec
         while True:
             try:
-                return self._run_once(spec if failures == 0 else self._resized(spec))
+                result = self._run_once(current)
             except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, RankHung) as err:
                 cause = err.cause if isinstance(err, ray.exceptions.RayTaskError) else err
-                if isinstance(cause, UserError) or failures >= budget.max_failures:
+                if isinstance(cause, (UserError, CheckpointWritesFailing)) or failures >= budget.max_failures:
                     raise
                 failures += 1
-                with self._lock:  # from here on, reports of the failed attempt are dropped
-                    self._attempt = failures
-                    self._failed_at, self._failed_layout = time.time(), self._layout
+                self._new_attempt(failed=True)
                 self.report({
                     "event": "failure", "attempt": failures, "max_failures": budget.max_failures,
                     "step": self._last_step, "cause": f"{type(cause).__name__}: {_first_line(cause)}",
                     "rank": self._failed_rank, "nodes_lost": self._nodes_lost(self._layout),
                 })
                 time.sleep(min(60.0, budget.backoff_s * 2 ** (failures - 1)))
+                current = self._resized(spec)
+                continue
+            if not result.get("stopped"):
+                return result
+            # Stopped at a committed checkpoint because more ranks fit now: grow.
+            self._release_growth()
+            self._new_attempt(failed=False)
+            self._resize_from = (self._dp, time.time())
+            current = self._resized(spec)
+
+    def _new_attempt(self, failed: bool) -> None:
+        with self._lock:  # from here on, reports of the previous attempt are dropped
+            self._attempt += 1
+            if failed:
+                self._failed_at, self._failed_layout = time.time(), self._layout
+
+    def grow_pending(self) -> bool:
+        """Asked by rank 0 at each checkpoint: stop there, so the job can grow?"""
+        return self._growth_pg is not None
+
+    def _probe_growth(self, spec: JobSpec) -> None:
+        """While shrunk, look now and then for room for more replicas; hold it when found
+        (the ranks stop at their next checkpoint, then the job restarts larger)."""
+        if spec.elastic is None or self._growth_pg is not None or self._dp >= spec.elastic.max_dp:
+            return
+        if time.time() - self._grow_probed_at < GROW_PROBE_S:
+            return
+        self._grow_probed_at = time.time()
+        res, p = spec.resources, spec.parallel
+        free = ray.available_resources().get("CPU", 0) - DATA_CPUS
+        for dp in range(spec.elastic.max_dp, self._dp, -1):
+            extra = p.pp * (dp - self._dp) * p.tp
+            if extra * res.cpus_per_worker > free:
+                continue
+            try:
+                self._growth_pg = placement.reserve(extra, p.tp, res.cpus_per_worker, res.gpus_per_worker, 1.0)
+            except UserError:
+                continue
+            self.report({"event": "grow_pending", "step": self._last_step, "dp": self._dp, "to_dp": dp})
+            return
+
+    def _release_growth(self) -> None:
+        if self._growth_pg is not None:
+            placement.release(self._growth_pg)
+            self._growth_pg = None
 
     def _run_once(self, spec: JobSpec) -> dict:
         controller_handle = ray.get_runtime_context().current_actor
@@ -101,12 +157,13 @@ class Controller:
             self._pg = placement.reserve(world, tp, res.cpus_per_worker, res.gpus_per_worker, self.placement_timeout_s)
         spec_dict = spec.model_dump(mode="json", exclude_unset=True)
         self._progress_at = None
+        results: list = []
         try:
             self._start_workers(world, tp, res.cpus_per_worker, res.gpus_per_worker)
             self._layout = self._rendezvous(MeshShape.for_spec(spec.parallel))
             self.report({"event": "layout", "ranks": self._layout})
             refs = [w.train.remote(spec_dict, self.manifest, controller_handle, self._attempt) for w in self._workers]
-            results = self._wait_all(refs, spec.fault_tolerance.step_timeout_s)
+            results = self._wait_all(refs, spec)
             try:
                 ray.get([w.shutdown.remote() for w in self._workers], timeout=60)
             except ray.exceptions.RayError:
@@ -114,6 +171,8 @@ class Controller:
             return results[0] | {"world_size": world, "dp": spec.parallel.dp}
         finally:
             self._teardown()
+            if self._growth_pg is not None and not (results and results[0].get("stopped")):
+                self._release_growth()  # a failure or the end came first
 
     def _resized(self, spec: JobSpec) -> JobSpec:
         """Elastic: the largest dp in range whose placement group can be reserved now
@@ -140,15 +199,17 @@ class Controller:
         alive = {node["NodeID"][:12] for node in ray.nodes() if node["Alive"]}
         return sorted({rank["node"] for rank in layout} - alive)
 
-    def _wait_all(self, refs: list, step_timeout_s: float | None) -> list:
+    def _wait_all(self, refs: list, spec: JobSpec) -> list:
         """Like ray.get, but raises as soon as any rank fails (instead of waiting on the
         survivors, which would block forever in their next collective), or when no
         step has been reported for `step_timeout_s`: a hung rank holds up all others."""
         pending = list(refs)
         self._failed_rank = None
+        step_timeout_s = spec.fault_tolerance.step_timeout_s
         while pending:
             done, pending = ray.wait(pending, num_returns=1, timeout=1.0)
             if not done:
+                self._probe_growth(spec)
                 stalled = time.time() - self._progress_at if self._progress_at else 0.0
                 if step_timeout_s and stalled > step_timeout_s:
                     raise RankHung(f"no step for {stalled:.0f}s after step {self._last_step} (fault_tolerance.step_timeout_s {step_timeout_s:g})")

@@ -53,7 +53,10 @@ class Worker:
 
         spec = JobSpec.model_validate(spec_dict)
         # Tagged with the attempt: a report still in flight from a failed attempt is dropped.
-        trainer = Trainer(spec, manifest, report=lambda event: controller.report.remote(event, attempt))
+        trainer = Trainer(
+            spec, manifest, report=lambda event: controller.report.remote(event, attempt),
+            should_stop=lambda: ray.get(controller.grow_pending.remote()),
+        )
         return trainer.run()
 
     def shutdown(self) -> None:

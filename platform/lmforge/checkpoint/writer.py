@@ -1,0 +1,125 @@
+"""Writing checkpoints in the background while training goes on.
+
+`save()` stages the state into CPU memory (DCP's stager: the only pause training
+sees) and hands the rest to a thread: DCP's write, this rank's RNG, an agreement
+that every rank succeeded, checksums (each rank hashes a share of the files), and
+rank 0's commit marker and pruning. The thread talks only on the checkpoint's own
+gloo group, so its collectives never interleave with training's. A failed write is
+reported and training goes on, until `checkpoint.max_failed_writes` fail in a row.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from lmforge.checkpoint.sharded import dcp_writer, write_rng
+from lmforge.checkpoint.store import CheckpointStore
+from lmforge.engines.base import Engine
+from lmforge.errors import CheckpointWritesFailing
+from lmforge.spec import CheckpointSpec
+
+
+class CheckpointWriter:
+    def __init__(self, store: CheckpointStore, options: CheckpointSpec, group: dist.ProcessGroup, report: Callable[[dict], None]):
+        self.store, self.options, self.group = store, options, group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.report = report  # called on rank 0 only, from the writer thread too
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
+        self._pending: Optional[Future] = None
+        self.failed_in_a_row = 0
+
+    def save(self, step: int, engine: Engine, trainer_state: dict) -> None:
+        """Collective over every rank at the same step. Training is held up while the
+        previous write finishes and this state is staged (`stall_seconds`)."""
+        began = time.perf_counter()
+        self.wait()
+        path = self.store.step_path(step)
+        rng = _rng_state()
+        plain: dict = {}
+        if engine.checkpoint_format == "dcp":
+            tensors, plain = engine.state_dict()
+            # Staged synchronously (a CPU copy); written and planned on the checkpoint group.
+            upload = dcp.async_save(tensors, storage_writer=dcp_writer(self.store, path), process_group=self.group)
+        else:
+            engine.save(self.store.fs_path(path))  # DeepSpeed writes synchronously, on its own
+            upload = None
+        state = {**trainer_state, "engine": plain, "format": engine.checkpoint_format}
+        stall = time.perf_counter() - began
+        self._pending = self._thread.submit(self._finish, step, upload, rng, state, began, stall)
+        if not self.options.async_save:
+            self.wait()
+
+    def wait(self) -> None:
+        """Block until the write in flight (if any) is committed or has failed."""
+        if self._pending is None:
+            return
+        pending, self._pending = self._pending, None
+        ok = pending.result()  # a dead peer raises here: that is a rank failure, not a write failure
+        self.failed_in_a_row = 0 if ok else self.failed_in_a_row + 1
+        if self.failed_in_a_row >= self.options.max_failed_writes:
+            raise CheckpointWritesFailing(
+                f"{self.failed_in_a_row} checkpoints in a row could not be written to {self.store.root} "
+                f"(checkpoint.max_failed_writes {self.options.max_failed_writes}); see the checkpoint_failed events"
+            )
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._thread.shutdown(wait=True)
+
+    def _finish(self, step: int, upload: Optional[Future], rng: dict, state: dict, began: float, stall: float) -> bool:
+        error = None
+        try:
+            if upload is not None:
+                upload.result()
+            write_rng(self.store, self.store.step_path(step), self.rank, rng)
+            if self.rank == 0:
+                self.store.write_state(step, state)
+        except (Exception, CheckpointException) as err:  # noqa: BLE001 - a write error is reported, not fatal
+            error = _describe(err)
+        errors = [None] * self.world
+        dist.all_gather_object(errors, error, group=self.group)
+        failed = {rank: err for rank, err in enumerate(errors) if err}
+        if failed:
+            rank, first = next(iter(failed.items()))
+            self._event({"event": "checkpoint_failed", "step": step, "error": f"rank {rank}: {first}", "ranks": sorted(failed),
+                         "failed_in_a_row": self.failed_in_a_row + 1, "max_failed_writes": self.options.max_failed_writes})
+            return False
+        names = self.store.files(step)
+        share = self.store.digest(step, names[self.rank :: self.world])
+        shares = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(share, shares, dst=0, group=self.group)
+        if self.rank == 0:
+            self.store.commit(step, {name: meta for part in shares for name, meta in part.items()})
+            pruned = self.store.prune(self.options.keep, self.options.keep_every)
+            seconds = time.perf_counter() - began
+            self._event({"event": "checkpoint", "step": step, "path": self.store.step_path(step), "seconds": seconds,
+                         "stall_seconds": stall if self.options.async_save else seconds, "pruned": pruned})
+        return True
+
+    def _event(self, event: dict) -> None:
+        if self.rank == 0:
+            self.report(event)
+
+
+def _describe(err: BaseException) -> str:
+    """One line; for DCP's collective exception, the first rank's own error."""
+    if isinstance(err, CheckpointException) and err.failures:
+        err = next(iter(err.failures.values()))[0]
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0] if lines else ''}"
+
+
+def _rng_state() -> dict:
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    return rng

@@ -1,0 +1,185 @@
+"""Faults on one node, each against the run that nothing interrupted: a rank's
+process killed or hung, a rank killed while a checkpoint is being written, a
+committed shard corrupted, a checkpoint directory refusing writes for a while.
+Each run must end as if nothing had happened: the same losses and every sample
+exactly once, in the uninterrupted order."""
+
+import os
+import time
+
+import pytest
+
+from lmforge import sdk
+from lmforge.checkpoint.store import CheckpointStore
+from lmforge.data.order import GlobalOrder
+from lmforge.data.prepare import read_manifest
+from lmforge.errors import TrainingFailed
+from lmforge.spec import spec_from_dict
+
+from chaos import events, kill_one_rank_process, same_as_uninterrupted, step_rows, when_step_reached
+from conftest import tiny_job
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+STEPS = 60  # tiny steps take ~40 ms: enough of them that a fault lands mid-run
+
+
+def chaos_job(tmp_path, tiny_dataset, interval=10, **checkpoint):
+    return tiny_job(
+        tmp_path, tiny_dataset, train={"max_steps": STEPS}, optim={"decay_steps": STEPS},
+        checkpoint={"interval": interval, **checkpoint},
+        data={"path": str(tiny_dataset), "prefetch_steps": 4, "record_sample_ids": True},
+        fault_tolerance={"max_failures": 2, "backoff_s": 0.1},
+    )
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(ray_session, tiny_dataset, tmp_path_factory):
+    """(losses by step, sample ids by step) of the job run straight through."""
+    tmp = tmp_path_factory.mktemp("whole")
+    sdk.train(spec_from_dict(chaos_job(tmp, tiny_dataset)), show_progress=False)
+    run_dir = tmp / "runs" / "tiny"
+    return step_rows(run_dir), step_rows(run_dir, "samples.jsonl")
+
+
+# interval 10: the kill lands after a checkpoint; interval 40: before the first
+# one, so the restart begins at step 0.
+@pytest.mark.parametrize("interval", [10, 40])
+def test_killed_rank_restarts_from_checkpoint_with_identical_losses_and_samples(uninterrupted, ray_session, tiny_dataset, tmp_path, interval):
+    run_dir = tmp_path / "runs" / "tiny"
+    killed = []
+    watcher = when_step_reached(run_dir, 15 if interval == 10 else 5, lambda: killed.append(kill_one_rank_process()))
+    summary = sdk.train(spec_from_dict(chaos_job(tmp_path, tiny_dataset, interval)), show_progress=False)
+    watcher.join(timeout=5)
+    assert killed, "the rank was never killed"
+    assert summary["final_step"] == STEPS and summary["failures"] == 1
+    (failure,), (recovered,) = _events(run_dir, "failure"), _events(run_dir, "recovered")
+    restored = _restored_steps(run_dir)
+    assert (len(restored) == 1 and restored[0] >= 10) if interval == 10 else restored == []
+    assert failure["step"] >= 5 and "ActorDiedError" in failure["cause"]
+    assert recovered["seconds"] > 0 and recovered["steps_redone"] >= 0
+    same_as_uninterrupted(run_dir, uninterrupted)
+    # ... which is the order GlobalOrder defines, whatever dp read it.
+    samples = {step: row["ids"] for step, row in step_rows(run_dir, "samples.jsonl").items()}
+    manifest = read_manifest(tiny_dataset)
+    order = GlobalOrder(manifest["num_samples"], seed=1, block=manifest["shard_samples"], window=16)
+    assert samples == {step: order.ids((step - 1) * 8, 8).tolist() for step in range(1, STEPS + 1)}
+
+
+def test_hung_rank_is_detected_and_the_run_restarts(uninterrupted, ray_session, tiny_dataset, tmp_path):
+    """SIGSTOP one rank: its peers block in their next collective; with
+    fault_tolerance.step_timeout_s the controller calls it a hang, kills the group
+    and restarts from the latest checkpoint."""
+    import signal
+
+    run_dir = tmp_path / "runs" / "tiny"
+    stopped = []
+    watcher = when_step_reached(run_dir, 5, lambda: stopped.append(kill_one_rank_process(sig=signal.SIGSTOP)))
+    spec = spec_from_dict(chaos_job(tmp_path, tiny_dataset), ["fault_tolerance.step_timeout_s=3"])
+    try:
+        summary = sdk.train(spec, show_progress=False)
+    finally:
+        watcher.join(timeout=5)
+        for pid in stopped:  # normally already killed by the teardown
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert stopped and summary["final_step"] == STEPS and summary["failures"] == 1
+    (failure,) = _events(run_dir, "failure")
+    assert failure["cause"].startswith("RankHung: no step for")
+    same_as_uninterrupted(run_dir, uninterrupted)
+
+
+def _events(run_dir, kind):
+    return [event for event in events(run_dir) if event["event"] == kind]
+
+
+def _restored_steps(run_dir):
+    return [event["step"] for event in _events(run_dir, "restored")]
+
+
+def _wait_for(path, timeout_s=30.0):
+    deadline = time.time() + timeout_s
+    while not path.exists():
+        assert time.time() < deadline, f"{path} never appeared"
+        time.sleep(0.02)
+
+
+def test_rank_killed_while_a_checkpoint_is_written_restores_the_one_before(uninterrupted, ray_session, tiny_dataset, tmp_path):
+    """Rank 1's write of step 20 hangs (its RNG file is a FIFO nobody reads, like a
+    stuck storage mount) while training goes on; a rank is killed then. Step 20
+    was never committed, so the restart restores step 10."""
+    run_dir = tmp_path / "runs" / "tiny"
+    step_20 = run_dir / "checkpoints" / "step_00000020"
+
+    def hang_the_write():
+        (step_20 / "rng").mkdir(parents=True)
+        os.mkfifo(step_20 / "rng" / "rank_00001.safetensors")
+
+    killed = []
+
+    def kill_mid_write():
+        assert not (step_20 / "commit.json").exists()
+        killed.append(kill_one_rank_process())
+
+    watchers = [when_step_reached(run_dir, 3, hang_the_write), when_step_reached(run_dir, 24, kill_mid_write)]
+    summary = sdk.train(spec_from_dict(chaos_job(tmp_path, tiny_dataset)), show_progress=False)
+    for watcher in watchers:
+        watcher.join(timeout=5)
+    assert killed and summary["final_step"] == STEPS and summary["failures"] == 1
+    assert _restored_steps(run_dir) == [10]
+    same_as_uninterrupted(run_dir, uninterrupted)
+
+
+def test_corrupt_latest_checkpoint_is_passed_over_for_the_one_before(uninterrupted, ray_session, tiny_dataset, tmp_path):
+    """A byte of a committed shard of step 20 flips, then a rank dies: the restart
+    finds step 20's checksums wrong, says so, and restores step 10."""
+    run_dir = tmp_path / "runs" / "tiny"
+    step_20 = run_dir / "checkpoints" / "step_00000020"
+    killed = []
+
+    def corrupt_and_kill():
+        _wait_for(step_20 / "commit.json")
+        shard = sorted(step_20.glob("__*_*.distcp"))[0]
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+        killed.append(kill_one_rank_process())
+
+    watcher = when_step_reached(run_dir, 21, corrupt_and_kill)
+    summary = sdk.train(spec_from_dict(chaos_job(tmp_path, tiny_dataset)), show_progress=False)
+    watcher.join(timeout=5)
+    assert killed and summary["final_step"] == STEPS and summary["failures"] == 1
+    corrupt = _events(run_dir, "checkpoint_corrupt")
+    assert [event["step"] for event in corrupt] == [20] and ".distcp" in corrupt[0]["reason"]
+    assert _restored_steps(run_dir) == [10]
+    same_as_uninterrupted(run_dir, uninterrupted)
+
+
+def _block_steps(run_dir, *steps):
+    """Make the checkpoint directory refuse the writes of these steps: a file where
+    the step's directory would go (permissions would not stop root)."""
+    ckpt = run_dir / "checkpoints"
+    ckpt.mkdir(parents=True)
+    for step in steps:
+        (ckpt / f"step_{step:08d}").write_text("in the way\n")
+
+
+def test_failed_checkpoint_writes_are_logged_and_training_goes_on(uninterrupted, ray_session, tiny_dataset, tmp_path):
+    run_dir = tmp_path / "runs" / "tiny"
+    _block_steps(run_dir, 20, 30)
+    summary = sdk.train(spec_from_dict(chaos_job(tmp_path, tiny_dataset, max_failed_writes=3)), show_progress=False)
+    assert summary["final_step"] == STEPS and summary["failures"] == 0
+    failed = _events(run_dir, "checkpoint_failed")
+    assert [(event["step"], event["failed_in_a_row"]) for event in failed] == [(20, 1), (30, 2)]
+    assert "step_00000020" in failed[0]["error"]
+    assert CheckpointStore(str(run_dir / "checkpoints")).committed() == [40, 50, 60]
+    same_as_uninterrupted(run_dir, uninterrupted)
+
+
+def test_too_many_failed_writes_in_a_row_fail_the_job_without_a_restart(ray_session, tiny_dataset, tmp_path):
+    run_dir = tmp_path / "runs" / "tiny"
+    _block_steps(run_dir, 10, 20)
+    with pytest.raises(TrainingFailed, match="2 checkpoints in a row could not be written.*max_failed_writes 2"):
+        sdk.train(spec_from_dict(chaos_job(tmp_path, tiny_dataset, max_failed_writes=2)), show_progress=False)
+    assert not _events(run_dir, "failure")
