@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass, field
 from typing import Optional
 
 import ray
@@ -81,64 +82,106 @@ def _run(plan: Plan, manifest: dict, console: Console, show_progress: bool) -> d
         from lmforge.tracking.mlflow_run import MlflowRun
 
         tracker = MlflowRun(spec)
+        tracker.catch_up(run_dir.steps())
     began = time.time()
     view = ProgressView(spec.train.max_steps, plan.start_step, console=console, enabled=show_progress)
     if plan.resume_from:
         view.print(f"resuming {spec.name} from step {plan.start_step} ({plan.resume_from.path})")
-    last: dict = {}
-    ranks: list[dict] = []
-    failures = 0
-    waits = WaitTally()
-    latest_ckpt = plan.resume_from.path if plan.resume_from else None
-    status = "FAILED"
-    # The controller lives next to the driver, so losing a worker node never takes it along.
-    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    controller = Controller.options(runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}}, scheduling_strategy=here).remote(spec.model_dump(mode="json", exclude_unset=True), manifest)
+    seen = Seen(latest_checkpoint=plan.resume_from.path if plan.resume_from else None)
+    handle = lambda event: seen.add(event, _handle(event, view, run_dir, tracker))  # noqa: E731
+    budget = spec.fault_tolerance
+    status, after_failure = "FAILED", None
     try:
-        done = controller.run.remote()
         with view:
             while True:
-                ready, _ = ray.wait([done], timeout=0.5)
-                for event in _drain(controller):
-                    latest_ckpt = _handle(event, view, run_dir, tracker) or latest_ckpt
-                    if event["event"] == "step":
-                        last = event
-                        waits.add(event)
-                    elif event["event"] == "layout":
-                        ranks = event["ranks"]
-                    elif event["event"] == "failure":
-                        failures += 1
-                if ready:
-                    result = ray.get(done)
+                controller = _start_controller(spec, manifest, after_failure)
+                try:
+                    result = _follow(controller, handle)
                     break
-        for event in _drain(controller):
-            latest_ckpt = _handle(event, view, run_dir, tracker) or latest_ckpt
+                except ray.exceptions.RayActorError as err:
+                    # The controller itself died: its ranks went with it (Ray's owner
+                    # fate-sharing); a new one resumes from the latest checkpoint.
+                    if seen.failures >= budget.max_failures:
+                        raise TrainingFailed(f"the controller died ({_first_line(err)}); fault_tolerance.max_failures {budget.max_failures} is used up") from None
+                    step = seen.last.get("step", plan.start_step)
+                    after_failure = {"failures": seen.failures + 1, "step": step, "time": time.time()}
+                    handle({"event": "failure", "attempt": seen.failures + 1, "max_failures": budget.max_failures, "step": step,
+                            "cause": f"the controller died ({type(err).__name__})", "rank": None, "nodes_lost": []})
+                    time.sleep(min(60.0, budget.backoff_s * 2 ** (seen.failures - 1)))
+                finally:
+                    ray.kill(controller)
         status = "FINISHED"
     except ray.exceptions.RayTaskError as err:
         raise _failure(err, run_dir) from None
     finally:
-        ray.kill(controller)
         if tracker:
             tracker.finish(status)
     summary = {
         "job": spec.name,
         "final_step": result["step"],
-        "final_loss": last.get("loss"),
+        "final_loss": seen.last.get("loss"),
         "start_step": plan.start_step,
         "tokens": result["step"] * spec.train.global_batch * spec.train.seq_len,
         "wall_seconds": round(time.time() - began, 2),
-        **waits.summary(),
+        **seen.waits.summary(),
         "world_size": result["world_size"],
         "dp": result["dp"],
-        "failures": failures,
-        "ranks": ranks,
+        "failures": seen.failures,
+        "ranks": seen.ranks,
         "run_dir": os.path.abspath(spec.run_dir),
-        "latest_checkpoint": latest_ckpt,
+        "latest_checkpoint": seen.latest_checkpoint,
         "mlflow_tracking_uri": spec.tracking_uri if tracker else None,
         "mlflow_run_id": tracker.run_id if tracker else None,
     }
     run_dir.write_summary(summary)
     return summary
+
+
+def _follow(controller, handle) -> dict:
+    """Run the job on this controller, passing each of its events to `handle`."""
+    done = controller.run.remote()
+    while True:
+        ready, _ = ray.wait([done], timeout=0.5)
+        for event in _drain(controller):
+            handle(event)
+        if ready:
+            result = ray.get(done)
+            for event in _drain(controller):
+                handle(event)
+            return result
+
+
+@dataclass
+class Seen:
+    """What the driver keeps from the events for the summary."""
+
+    latest_checkpoint: Optional[str] = None
+    last: dict = field(default_factory=dict)
+    ranks: list = field(default_factory=list)
+    failures: int = 0
+    waits: "WaitTally" = field(default_factory=lambda: WaitTally())
+
+    def add(self, event: dict, checkpoint_path: Optional[str]) -> None:
+        self.latest_checkpoint = checkpoint_path or self.latest_checkpoint
+        if event["event"] == "step":
+            self.last = event
+            self.waits.add(event)
+        elif event["event"] == "layout":
+            self.ranks = event["ranks"]
+        elif event["event"] == "failure":
+            self.failures += 1
+
+
+def _start_controller(spec: JobSpec, manifest: dict, after_failure: Optional[dict]):
+    # The controller lives next to the driver, so losing a worker node never takes it along.
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    return Controller.options(runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}}, scheduling_strategy=here).remote(
+        spec.model_dump(mode="json", exclude_unset=True), manifest, after_failure=after_failure
+    )
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [""])[0][:300]
 
 
 def _drain(controller) -> list[dict]:
@@ -157,8 +200,7 @@ def _failure(err: ray.exceptions.RayTaskError, run_dir: RunDir) -> Exception:
         return cause
     path = run_dir.path / "error.txt"
     path.write_text(str(err))
-    first_line = (str(cause).strip().splitlines() or [""])[0]
-    return TrainingFailed(f"{type(cause).__name__}: {first_line} (traceback in {path})")
+    return TrainingFailed(f"{type(cause).__name__}: {_first_line(cause)} (traceback in {path})")
 
 
 class WaitTally:

@@ -52,13 +52,17 @@ def kill_one_rank_process(rank_index: int = 1, sig: int = signal.SIGKILL) -> int
     """Signal one rank actor's process among this process's descendants (the test's
     own Ray cluster): SIGKILL as if its machine had lost it, SIGSTOP to hang it.
     Returns the pid."""
-    workers = sorted(
-        (p for p in psutil.Process(os.getpid()).children(recursive=True) if _cmdline(p).startswith("ray::Worker")),
-        key=lambda p: p.create_time(),
-    )
-    victim = workers[rank_index]
+    victim = actor_processes("Worker")[rank_index]
     os.kill(victim.pid, sig)
     return victim.pid
+
+
+def actor_processes(actor_class: str) -> list[psutil.Process]:
+    """This test's live processes of one actor class, oldest first."""
+    return sorted(
+        (p for p in psutil.Process(os.getpid()).children(recursive=True) if _cmdline(p).startswith(f"ray::{actor_class}")),
+        key=lambda p: p.create_time(),
+    )
 
 
 def _cmdline(process: psutil.Process) -> str:

@@ -4,10 +4,14 @@ committed shard corrupted, a checkpoint directory refusing writes for a while.
 Each run must end as if nothing had happened: the same losses and every sample
 exactly once, in the uninterrupted order."""
 
+import json
 import os
+import subprocess
+import sys
 import time
 
 import pytest
+import yaml
 
 from lmforge import sdk
 from lmforge.checkpoint.store import CheckpointStore
@@ -16,7 +20,7 @@ from lmforge.data.prepare import read_manifest
 from lmforge.errors import TrainingFailed
 from lmforge.spec import spec_from_dict
 
-from chaos import events, kill_one_rank_process, same_as_uninterrupted, step_rows, when_step_reached
+from chaos import actor_processes, events, kill_one_rank_process, reached_step, same_as_uninterrupted, step_rows, wait_until, when_step_reached
 from conftest import tiny_job
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -183,3 +187,46 @@ def test_too_many_failed_writes_in_a_row_fail_the_job_without_a_restart(ray_sess
     with pytest.raises(TrainingFailed, match="2 checkpoints in a row could not be written.*max_failed_writes 2"):
         sdk.train(spec_from_dict(chaos_job(tmp_path, tiny_dataset, max_failed_writes=2)), show_progress=False)
     assert not _events(run_dir, "failure")
+
+
+def test_killed_controller_is_replaced_and_the_run_continues(uninterrupted, ray_session, tiny_dataset, tmp_path):
+    """The controller's process dies: its ranks go with it (Ray fate-shares actors
+    with their owner), and the driver starts a new controller that resumes."""
+    run_dir = tmp_path / "runs" / "tiny"
+    killed = []
+    watcher = when_step_reached(run_dir, 15, lambda: killed.append(actor_processes("Controller")[0].kill()))
+    summary = sdk.train(spec_from_dict(chaos_job(tmp_path, tiny_dataset)), show_progress=False)
+    watcher.join(timeout=5)
+    assert killed and summary["final_step"] == STEPS and summary["failures"] == 1
+    (failure,) = _events(run_dir, "failure")
+    assert failure["cause"].startswith("the controller died") and failure["step"] >= 15
+    (recovered,) = _events(run_dir, "recovered")
+    assert recovered["seconds"] > 0 and _restored_steps(run_dir)[0] >= 10
+    same_as_uninterrupted(run_dir, uninterrupted)
+
+
+def test_resubmitted_job_resumes_after_its_driver_was_killed(uninterrupted, ray_session, tiny_dataset, tmp_path):
+    """`lmforge train` (the driver, as under `ray job submit`) is SIGKILLed mid-run;
+    its controller and ranks die with it. The same job submitted again resumes from
+    the last checkpoint and continues the same MLflow run."""
+    from mlflow.tracking import MlflowClient
+
+    job_file, run_dir = tmp_path / "job.yaml", tmp_path / "runs" / "tiny"
+    job_file.write_text(yaml.safe_dump(chaos_job(tmp_path, tiny_dataset)))
+    command = [sys.executable, "-m", "lmforge", "train", str(job_file), "--no-progress", "--address", ray_session.get_runtime_context().gcs_address]
+    driver = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until(reached_step(run_dir, 15), timeout_s=120)
+    finally:
+        driver.kill()
+        driver.wait()
+    wait_until(lambda: not actor_processes("Worker") and not actor_processes("Controller"), timeout_s=60)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["start_step"] >= 10 and summary["start_step"] % 10 == 0 and summary["final_step"] == STEPS
+    same_as_uninterrupted(run_dir, uninterrupted)
+    client = MlflowClient(summary["mlflow_tracking_uri"])
+    (run,) = client.search_runs([client.get_experiment_by_name("tests").experiment_id])
+    assert run.info.run_id == summary["mlflow_run_id"] and run.info.status == "FINISHED"
+    assert {m.step for m in client.get_metric_history(run.info.run_id, "loss")} == set(range(1, STEPS + 1))

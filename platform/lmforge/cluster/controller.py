@@ -35,7 +35,9 @@ class RankHung(RuntimeError):
 
 @ray.remote(num_cpus=0, max_concurrency=8)
 class Controller:
-    def __init__(self, spec_dict: dict, manifest: dict, placement_timeout_s: float = 120.0):
+    def __init__(self, spec_dict: dict, manifest: dict, placement_timeout_s: float = 120.0, after_failure: dict | None = None):
+        """`after_failure` ({"failures", "step", "time"}): this controller replaces one
+        that died; it continues the failure count and reports the recovery."""
         self.spec_dict, self.manifest = spec_dict, manifest
         self.placement_timeout_s = placement_timeout_s
         self._events: list[dict] = []
@@ -54,6 +56,10 @@ class Controller:
         self._growth_pg = None  # capacity held for growing back, while shrunk
         self._grow_probed_at = 0.0
         self._resize_from: tuple[int, float] | None = None  # (dp, when) of a planned resize
+        self._failures = 0
+        if after_failure:
+            self._failures = self._attempt = after_failure["failures"]
+            self._last_step, self._failed_at = after_failure["step"], after_failure["time"]
 
     def drain(self) -> list[dict]:
         with self._lock:
@@ -86,8 +92,8 @@ class Controller:
     def run(self) -> dict:
         spec = JobSpec.model_validate(self.spec_dict)
         budget = spec.fault_tolerance
-        failures = 0
-        current = spec
+        failures = self._failures
+        current = self._resized(spec) if failures else spec
         while True:
             try:
                 result = self._run_once(current)

@@ -71,6 +71,18 @@ class MlflowRun:
         if time.time() - self._last_flush >= self.flush_every_s:
             self.flush()
 
+    def catch_up(self, steps: list[dict]) -> int:
+        """On resume, log the steps that `metrics.jsonl` has and this run lacks (a driver
+        killed between two flushes lost them). Returns how many were added."""
+        if not self.resumed:
+            return 0
+        have = {m.step for m in self.client.get_metric_history(self.run_id, "loss")}
+        missing = [row for row in steps if row["step"] not in have]
+        for row in missing:
+            self.log_step(row)
+        self.flush()
+        return len(missing)
+
     def log_metric(self, key: str, value: float, step: int) -> None:
         from mlflow.entities import Metric
 

@@ -31,6 +31,13 @@ class RunDir:
             tmp.write_text("".join(line + "\n" for line in kept))
             os.replace(tmp, path)
 
+    def steps(self) -> list[dict]:
+        """The step lines of metrics.jsonl."""
+        if not self.metrics_path.exists():
+            return []
+        rows = (json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip())
+        return [row for row in rows if "event" not in row]
+
     def append_step(self, event: dict) -> None:
         _append(self.metrics_path, {k: event[k] for k in STEP_FIELDS if k in event})
         if "sample_ids" in event:
