@@ -65,7 +65,7 @@ def train(spec: JobSpec, address: Optional[str] = None, show_progress: bool = Tr
     plan = preflight(spec)
     started_ray = connect(address)
     try:
-        check_capacity(spec.world_size, spec.resources.cpus_per_worker, spec.resources.gpus_per_worker)
+        check_capacity(spec.world_size + spec.fault_tolerance.spares, spec.resources.cpus_per_worker, spec.resources.gpus_per_worker)
         manifest = _ensure_dataset(plan, console, show_progress)
         return _run(plan, manifest, console, show_progress)
     finally:
@@ -235,6 +235,10 @@ def _handle(event: dict, view: ProgressView, run_dir: RunDir, tracker) -> Option
             tracker.log_step(event)
     elif kind == "layout":
         view.layout(event["ranks"])
+        run_dir.append_event(event)
+    elif kind == "spares":
+        view.print(f"spare ranks ready: {event['ready']} of {event['wanted']}")
+        run_dir.append_event(event)
     elif kind == "checkpoint":
         view.print(f"checkpoint step {event['step']} -> {event['path']} ({event['seconds']:.1f}s, training paused {event['stall_seconds']:.2f}s)")
         if tracker:

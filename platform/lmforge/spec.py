@@ -1,7 +1,8 @@
 """JobSpec: the typed, validated description of one training job.
 
 A YAML file plus `--set a.b=c` overrides becomes a `JobSpec`; every contradiction
-is rejected here, with one line naming the field, before any cluster work starts.
+is rejected here (the rules between sections are in `spec_rules.py`), with one line
+naming the field, before any cluster work starts.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from typing import Annotated, Any, Literal, Optional, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from lmforge import spec_rules as rules
 from lmforge.deepspeed_config import inline_config_file
-from lmforge.deepspeed_config import reconcile as reconcile_deepspeed
 from lmforge.errors import UserError
 from lmforge.models.config import PRESETS, ModelConfig
 
@@ -145,6 +146,7 @@ class FaultToleranceSpec(_Section):
     step_timeout_s: Optional[float] = Field(
         None, gt=0, description="no step for this long (after an attempt's first step) counts as a hang: a failure"
     )
+    spares: int = Field(0, ge=0, description="idle ranks kept started on capacity of their own, so a lost rank is replaced without shrinking")
 
 
 class ElasticSpec(_Section):
@@ -176,14 +178,9 @@ class JobSpec(_Section):
     @model_validator(mode="after")
     def _consistent(self) -> "JobSpec":
         self._resolve_dp()
-        self._check_engine()
+        rules.check_engine(self)
         model = self.model.resolve()
-        if model.dim % model.n_heads:
-            raise ValueError(f"model.n_heads: dim {model.dim} is not divisible by n_heads {model.n_heads}")
-        if model.n_heads % model.n_kv_heads:
-            raise ValueError(f"model.n_kv_heads: n_heads {model.n_heads} is not divisible by n_kv_heads {model.n_kv_heads}")
-        if model.head_dim % 2:
-            raise ValueError(f"model.dim: head_dim {model.head_dim} must be even for rotary embeddings")
+        rules.check_model(model)
         if self.train.seq_len > model.max_seq_len:
             raise ValueError(f"train.seq_len: {self.train.seq_len} exceeds model.max_seq_len {model.max_seq_len}")
         per_step = self.train.micro_batch * self.parallel.dp
@@ -192,10 +189,11 @@ class JobSpec(_Section):
                 f"train.global_batch: {self.train.global_batch} is not divisible by "
                 f"micro_batch x dp = {self.train.micro_batch} x {self.parallel.dp}"
             )
-        self._check_tensor_parallel(model)
-        self._check_pipeline(model)
-        self._check_sharding()
-        self._check_elastic()
+        rules.check_tensor_parallel(self, model)
+        rules.check_pipeline(self, model)
+        rules.check_sharding(self)
+        rules.check_elastic(self)
+        rules.check_spares(self)
         if self.resources.workers is not None and self.resources.workers != self.parallel.world_size:
             raise ValueError(
                 f"resources.workers: {self.resources.workers} != pp x dp x tp = {self.parallel.world_size}"
@@ -214,97 +212,12 @@ class JobSpec(_Section):
             raise ValueError(f"parallel.dp: auto cannot split {workers} workers into groups of pp x tp = {p.pp * p.tp}")
         p.dp = workers // (p.pp * p.tp)
 
-    def _check_engine(self) -> None:
-        if self.engine == "native":
-            if self.deepspeed is not None:
-                raise ValueError("deepspeed: set engine: deepspeed to use a DeepSpeed config")
-            if self.train.precision == "fp16":
-                raise ValueError("train.precision: fp16 needs engine: deepspeed (the native engine trains in fp32 or bf16)")
-            return
-        if self.deepspeed is None:
-            raise ValueError("deepspeed: engine: deepspeed needs a deepspeed.config (a mapping or a JSON file)")
-        p = self.parallel
-        if p.tp > 1 or p.pp > 1:
-            raise ValueError("parallel.tp: the deepspeed engine runs data parallelism only; use engine: native for tp or pp")
-        for field in ("zero", "dp_replicate", "cpu_offload", "compile"):
-            if field in p.model_fields_set:
-                raise ValueError(f"parallel.{field}: a native-engine setting; with deepspeed it belongs in deepspeed.config")
-        if isinstance(self.deepspeed.config, str):
-            raise ValueError(f"deepspeed.config: {self.deepspeed.config} was not read; load the job with load_spec or spec_from_dict")
-        self.deepspeed.config = reconcile_deepspeed(self)
-
-    def _check_elastic(self) -> None:
-        """Every dp the job may shrink or grow to must keep the global batch whole."""
-        e, p, train = self.elastic, self.parallel, self.train
-        if e is None:
-            return
-        if self.engine != "native":
-            raise ValueError("elastic: resizing is supported with engine: native only (so far)")
-        if e.min_dp > e.max_dp:
-            raise ValueError(f"elastic.min_dp: {e.min_dp} is larger than elastic.max_dp {e.max_dp}")
-        if not e.min_dp <= p.dp <= e.max_dp:
-            raise ValueError(f"parallel.dp: {p.dp} is outside elastic.min_dp..max_dp = {e.min_dp}..{e.max_dp}")
-        if p.dp_replicate > 1:
-            raise ValueError("elastic: not combined with parallel.dp_replicate (HSDP) yet")
-        for dp in range(e.min_dp, e.max_dp + 1):
-            if train.global_batch % (train.micro_batch * dp):
-                raise ValueError(
-                    f"elastic.max_dp: at dp {dp} train.global_batch {train.global_batch} is not divisible by "
-                    f"micro_batch x dp = {train.micro_batch} x {dp}; every dp in {e.min_dp}..{e.max_dp} must keep it whole"
-                )
-            accum = train.global_batch // (train.micro_batch * dp)
-            if p.pp > 1 and p.schedule != "gpipe" and accum < p.pp:
-                raise ValueError(f"elastic.max_dp: at dp {dp} there are {accum} micro-batches per step, fewer than pp {p.pp}")
-
     def with_dp(self, dp: int) -> "JobSpec":
         """The same job on another data-parallel size (elastic resizing), validated."""
         tree = self.model_dump(mode="json", exclude_unset=True)
         tree.setdefault("parallel", {})["dp"] = dp
         tree.get("resources", {}).pop("workers", None)
         return JobSpec.model_validate(tree)
-
-    def _check_sharding(self) -> None:
-        p = self.parallel
-        if p.dp % p.dp_replicate:
-            raise ValueError(f"parallel.dp_replicate: {p.dp_replicate} does not divide dp {p.dp}")
-        if p.dp_replicate > 1 and p.zero == 0:
-            raise ValueError("parallel.dp_replicate: zero 0 already replicates every DP rank; use zero 2 or 3 for HSDP")
-        if p.cpu_offload and self.resources.gpus_per_worker == 0:
-            raise ValueError("parallel.cpu_offload: offloads from GPU memory; it needs resources.gpus_per_worker > 0")
-
-    def _check_tensor_parallel(self, model: ModelConfig) -> None:
-        tp = self.parallel.tp
-        if tp == 1:
-            return
-        for field, value in (("n_heads", model.n_heads), ("n_kv_heads", model.n_kv_heads), ("ffn_hidden", model.ffn_hidden), ("vocab_size", model.vocab_size)):
-            if value % tp:
-                raise ValueError(f"model.{field}: {value} is not divisible by parallel.tp {tp}")
-        if model.tie_embeddings:
-            raise ValueError("model.tie_embeddings: not supported with parallel.tp > 1 (embedding and head are sharded differently)")
-        if self.parallel.sequence_parallel and self.train.seq_len % tp:
-            raise ValueError(f"train.seq_len: {self.train.seq_len} is not divisible by parallel.tp {tp} (sequence parallel)")
-
-    def _check_pipeline(self, model: ModelConfig) -> None:
-        p = self.parallel
-        looped = p.schedule in ("interleaved-1f1b", "zero-bubble")
-        if looped and p.pp == 1:
-            raise ValueError(f"parallel.schedule: {p.schedule} needs pp > 1")
-        if not looped and p.virtual_stages > 1:
-            raise ValueError(f"parallel.virtual_stages: {p.schedule} runs one stage per rank; use interleaved-1f1b or zero-bubble")
-        if p.schedule == "interleaved-1f1b" and p.virtual_stages < 2:
-            raise ValueError("parallel.virtual_stages: interleaved-1f1b needs at least 2 stages per rank")
-        if p.schedule == "zero-bubble" and p.virtual_stages != 2:
-            raise ValueError("parallel.virtual_stages: zero-bubble (ZBV) runs exactly 2 stages per rank")
-        if p.pp == 1:
-            return
-        stages = p.pp * p.virtual_stages
-        if model.n_layers < stages:
-            raise ValueError(f"model.n_layers: {model.n_layers} layers cannot fill pp x virtual_stages = {stages} stages")
-        micro = self.grad_accum
-        if p.schedule != "gpipe" and micro < p.pp:
-            raise ValueError(f"train.micro_batch: {micro} micro-batches per step are fewer than the {p.pp} pipeline stages ({p.schedule})")
-        if looped and micro % p.pp:
-            raise ValueError(f"train.micro_batch: {micro} micro-batches per step must be a multiple of pp {p.pp} for {p.schedule}")
 
     # Derived values used across the job; kept here so every module agrees.
     @property

@@ -93,7 +93,8 @@ class Trainer:
                 began = time.perf_counter()
                 feed_step, ids, tokens, waited = self.feed.next()
                 assert feed_step == step
-                stats = self.engine.train_step(torch.from_numpy(tokens.astype(np.int64)))
+                # A checkpoint started at the last step may still be copying the weights.
+                stats = self.engine.train_step(torch.from_numpy(tokens.astype(np.int64)), before_update=self.writer.staged)
                 step += 1
                 elapsed = time.perf_counter() - began
                 last = {

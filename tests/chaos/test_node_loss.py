@@ -1,7 +1,8 @@
 """A node is removed abruptly (`allow_graceful=False`) mid-run: with `elastic` the
 job shrinks from dp 2 to dp 1, keeps the global batch by doubling accumulation,
-and when a node joins again it grows back to dp 2 at its next checkpoint. It
-trains exactly the samples and (within 1e-4) the losses of the run that lost
+and when a node joins again it grows back to dp 2 at its next checkpoint; with a
+spare rank instead, it restarts at dp 2 at once. Each trains exactly the samples
+and (within 1e-4 after a resize, 1e-5 otherwise) the losses of the run that lost
 nothing."""
 
 from pathlib import Path
@@ -17,7 +18,10 @@ SCRIPT = Path(__file__).with_name("node_loss_run.py")
 STEPS = 200  # at dp 1 enough steps (~10 s) remain for a node to join and the job to grow
 
 
-def test_node_loss_shrinks_then_grows_back_and_trains_exactly(tiny_dataset, tmp_path):
+@pytest.fixture(scope="module")
+def node_loss(tiny_dataset, tmp_path_factory):
+    """(the script's summaries, the runs directory): one multi-node session for both tests."""
+    tmp_path = tmp_path_factory.mktemp("nodes")
     job = tiny_job(
         tmp_path, tiny_dataset, train={"max_steps": STEPS}, optim={"decay_steps": STEPS}, checkpoint={"interval": 10},
         data={"path": str(tiny_dataset), "prefetch_steps": 4, "record_sample_ids": True},
@@ -26,11 +30,23 @@ def test_node_loss_shrinks_then_grows_back_and_trains_exactly(tiny_dataset, tmp_
         fault_tolerance={"max_failures": 3, "backoff_s": 0.1},
         elastic={"min_dp": 1, "max_dp": 2},
     )
-    result = run_script(SCRIPT, job, tmp_path)
+    return run_script(SCRIPT, job, tmp_path), tmp_path / "runs"
+
+
+def _same_as_whole(runs, name, rel):
+    whole, lost = step_rows(runs / "whole"), step_rows(runs / name)
+    assert sorted(lost) == list(range(1, STEPS + 1))
+    for step in range(1, STEPS + 1):
+        assert lost[step]["loss"] == pytest.approx(whole[step]["loss"], rel=rel), step
+    ids = lambda name: {s: row["ids"] for s, row in step_rows(runs / name, "samples.jsonl").items()}  # noqa: E731
+    assert ids(name) == ids("whole")
+
+
+def test_node_loss_shrinks_then_grows_back_and_trains_exactly(node_loss):
+    result, runs = node_loss
     assert result["whole"]["dp"] == 2
     shrunk = result["shrunk"]
     assert shrunk["final_step"] == STEPS and shrunk["failures"] >= 1 and shrunk["dp"] == 2
-    runs = tmp_path / "runs"
     history = events(runs / "tiny")
     recovered = [event for event in history if event["event"] == "recovered"]
     assert recovered[-1]["dp"] == 1
@@ -39,9 +55,15 @@ def test_node_loss_shrinks_then_grows_back_and_trains_exactly(tiny_dataset, tmp_
     assert (resized["from_dp"], resized["dp"]) == (1, 2) and resized["step"] > recovered[-1]["step"]
     restored = [event["step"] for event in history if event["event"] == "restored"]
     assert restored[-1] % 10 == 0 and restored[-1] == resized["step"] - 1  # grew at a checkpoint, nothing redone
-    whole, lost = step_rows(runs / "whole"), step_rows(runs / "tiny")
-    assert sorted(lost) == list(range(1, STEPS + 1))
-    for step in range(1, STEPS + 1):
-        assert lost[step]["loss"] == pytest.approx(whole[step]["loss"], rel=1e-4), step
-    ids = lambda name: {s: row["ids"] for s, row in step_rows(runs / name, "samples.jsonl").items()}  # noqa: E731
-    assert ids("tiny") == ids("whole")
+    _same_as_whole(runs, "tiny", rel=1e-4)
+
+
+def test_a_spare_rank_replaces_a_lost_node_without_shrinking(node_loss):
+    """No `elastic` here: without the spare's capacity the restart could not place dp 2."""
+    result, runs = node_loss
+    spared = result["spared"]
+    assert spared["final_step"] == STEPS and spared["failures"] >= 1 and spared["dp"] == 2
+    history = events(runs / "spared")
+    assert [event["ready"] for event in history if event["event"] == "spares"][:2] == [1, 0]  # used up by the restart
+    assert all(event["dp"] == 2 for event in history if event["event"] == "recovered")
+    _same_as_whole(runs, "spared", rel=1e-5)

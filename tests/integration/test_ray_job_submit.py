@@ -68,7 +68,7 @@ def ray_head(tmp_path):
     finally:
         os.killpg(head.pid, signal.SIGTERM)
         try:
-            head.wait(timeout=30)
+            head.wait(timeout=5)  # `ray start --block` often lingers on SIGTERM; nothing of it is needed
         except subprocess.TimeoutExpired:
             os.killpg(head.pid, signal.SIGKILL)
             head.wait()

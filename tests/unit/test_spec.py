@@ -57,6 +57,10 @@ def test_overrides_are_parsed_as_yaml_values():
         (["parallel.dp=4", "elastic.min_dp=1", "elastic.max_dp=2"], "parallel.dp: 4 is outside elastic.min_dp..max_dp = 1..2"),
         (["parallel.dp=2", "elastic.min_dp=1", "elastic.max_dp=3"], "elastic.max_dp: at dp 3 train.global_batch 16 is not divisible by micro_batch x dp = 4 x 3"),
         (["parallel.dp=2", "elastic.min_dp=2"], "elastic.max_dp: Field required"),
+        (["parallel.tp=2", "fault_tolerance.max_failures=1", "fault_tolerance.spares=1"], "fault_tolerance.spares: 1 is not a multiple of parallel.tp 2"),
+        (["fault_tolerance.spares=1"], "fault_tolerance.spares: spares only serve a restart"),
+        (["checkpoint.keep_every=0"], "checkpoint.keep_every: Input should be greater than 0"),
+        (["checkpoint.max_failed_writes=0"], "checkpoint.max_failed_writes: Input should be greater than 0"),
         (["fault_tolerance.max_failures=-1"], "fault_tolerance.max_failures"),
     ],
 )

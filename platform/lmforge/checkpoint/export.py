@@ -56,7 +56,7 @@ def _read_dcp(step_dir: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     model = Transformer(cfg)  # a template on CPU: DCP fills its tensors in place
     names = set(weight_names(cfg))
     template = {name: tensor for name, tensor in model.state_dict().items() if name in names}
-    dcp.load(template, checkpoint_id=str(step_dir), no_dist=True)
+    dcp.load({"model": template}, checkpoint_id=str(step_dir), no_dist=True)
     return template
 
 

@@ -20,6 +20,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from lmforge.cluster import placement
 from lmforge.cluster.runtime import DATA_CPUS, WORKER_ENV
+from lmforge.cluster.spares import SparePool
 from lmforge.cluster.worker import Worker
 from lmforge.errors import CheckpointWritesFailing, UserError
 from lmforge.parallel.mesh import MeshShape
@@ -56,6 +57,9 @@ class Controller:
         self._growth_pg = None  # capacity held for growing back, while shrunk
         self._grow_probed_at = 0.0
         self._resize_from: tuple[int, float] | None = None  # (dp, when) of a planned resize
+        self._spares: SparePool | None = None
+        self._spares_reported = 0
+        self._spares_probed_at = 0.0
         self._failures = 0
         if after_failure:
             self._failures = self._attempt = after_failure["failures"]
@@ -109,9 +113,13 @@ class Controller:
                     "rank": self._failed_rank, "nodes_lost": self._nodes_lost(self._layout),
                 })
                 time.sleep(min(60.0, budget.backoff_s * 2 ** (failures - 1)))
+                if self._spares is not None:
+                    self._spares.release()  # their capacity goes to the restarted group first
                 current = self._resized(spec)
                 continue
             if not result.get("stopped"):
+                if self._spares is not None:
+                    self._spares.release()
                 return result
             # Stopped at a committed checkpoint because more ranks fit now: grow.
             self._release_growth()
@@ -150,6 +158,30 @@ class Controller:
             self.report({"event": "grow_pending", "step": self._last_step, "dp": self._dp, "to_dp": dp})
             return
 
+    def _fill_spares(self, spec: JobSpec, first: bool) -> None:
+        """Start the spare ranks: on the first launch they must fit, later as many as do."""
+        wanted = spec.fault_tolerance.spares
+        if not wanted:
+            return
+        res = spec.resources
+        if self._spares is None:
+            self._spares = SparePool(wanted, spec.parallel.tp, res.cpus_per_worker, res.gpus_per_worker)
+        ready = self._spares.fill(self.placement_timeout_s if first else 1.0)
+        if first and ready < wanted:
+            self._spares.release()
+            raise UserError(f"fault_tolerance.spares: the cluster cannot hold {wanted} spare ranks beside the job's {spec.world_size}")
+        if ready != self._spares_reported:
+            self._spares_reported = ready
+            self.report({"event": "spares", "step": self._last_step, "ready": ready, "wanted": wanted})
+
+    def _probe_spares(self, spec: JobSpec) -> None:
+        """Refill spares used up by a restart, now and then, once capacity returns."""
+        if self._spares is None or self._spares.ready >= self._spares.wanted:
+            return
+        if time.time() - self._spares_probed_at >= GROW_PROBE_S:
+            self._spares_probed_at = time.time()
+            self._fill_spares(spec, first=False)
+
     def _release_growth(self) -> None:
         if self._growth_pg is not None:
             placement.release(self._growth_pg)
@@ -161,6 +193,7 @@ class Controller:
         self._dp = spec.parallel.dp
         if self._pg is None:
             self._pg = placement.reserve(world, tp, res.cpus_per_worker, res.gpus_per_worker, self.placement_timeout_s)
+        self._fill_spares(spec, first=self._attempt == 0)
         spec_dict = spec.model_dump(mode="json", exclude_unset=True)
         self._progress_at = None
         results: list = []
@@ -216,6 +249,7 @@ class Controller:
             done, pending = ray.wait(pending, num_returns=1, timeout=1.0)
             if not done:
                 self._probe_growth(spec)
+                self._probe_spares(spec)
                 stalled = time.time() - self._progress_at if self._progress_at else 0.0
                 if step_timeout_s and stalled > step_timeout_s:
                     raise RankHung(f"no step for {stalled:.0f}s after step {self._last_step} (fault_tolerance.step_timeout_s {step_timeout_s:g})")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -29,8 +29,10 @@ class Engine(ABC):
     checkpoint_format = "dcp"
 
     @abstractmethod
-    def train_step(self, micro_batches: torch.Tensor) -> StepStats:
-        """One optimizer step over this rank's micro-batches [accum, micro, seq_len+1]."""
+    def train_step(self, micro_batches: torch.Tensor, before_update: Callable[[], None] = lambda: None) -> StepStats:
+        """One optimizer step over this rank's micro-batches [accum, micro, seq_len+1].
+        `before_update` runs after the backward passes, before any weight or optimizer
+        state changes (a checkpoint's background copy must have finished by then)."""
 
     # One pair of these, by `checkpoint_format`:
     def state_dict(self) -> tuple[dict, dict]:

@@ -9,6 +9,7 @@ accumulation over micro-batches (or pipeline micro-batches), global-norm clippin
 from __future__ import annotations
 
 from contextlib import nullcontext
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -116,13 +117,14 @@ class NativeEngine(Engine):
         # the cross-entropy without gathering them.
         return loss_parallel() if self.tensor_parallel else nullcontext()
 
-    def train_step(self, micro_batches: torch.Tensor) -> StepStats:
+    def train_step(self, micro_batches: torch.Tensor, before_update: Callable[[], None] = lambda: None) -> StepStats:
         micro_batches = micro_batches.to(self.device, non_blocking=True)
         for part in self.parts:
             part.train()
         loss, bubble = self._pipeline_step(micro_batches) if self.pipelined else (self._accumulate(micro_batches), None)
         lr = self.schedulers[0].get_last_lr()[0]
         grad_norm = self._clip_gradients()
+        before_update()
         for optimizer, scheduler in zip(self.optimizers, self.schedulers):
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -179,20 +181,23 @@ class NativeEngine(Engine):
         return norm
 
     def state_dict(self) -> tuple[dict, dict]:
-        tensors: dict = {}
+        # Two nested dicts, not hundreds of top-level keys: DCP's async save does
+        # per-key Python work while training waits. Checkpoint keys read "model.<fqn>"
+        # and "optim.state.<fqn>.<moment>".
+        model: dict = {}
+        optim: dict = {}
         for part, optimizer in zip(self.parts, self.optimizers):
-            tensors.update(get_model_state_dict(part))
-            optim = get_optimizer_state_dict(part, optimizer, options=STATE_OPTIONS)
+            model.update(get_model_state_dict(part))
             # Hyper-parameters come from the job, not the checkpoint: only tensors are saved.
-            tensors.update({f"optim.{k}": v for k, v in optim.items() if isinstance(v, torch.Tensor)})
-        return tensors, {"scheduler": self.schedulers[0].state_dict()}
+            optim.update({k: v for k, v in get_optimizer_state_dict(part, optimizer, options=STATE_OPTIONS).items() if isinstance(v, torch.Tensor)})
+        return {"model": model, "optim": optim}, {"scheduler": self.schedulers[0].state_dict()}
 
     def load_state_dict(self, tensors: dict, plain: dict) -> None:
         for part, optimizer, scheduler in zip(self.parts, self.optimizers, self.schedulers):
             model_sd = get_model_state_dict(part)
-            set_model_state_dict(part, {k: tensors[k] for k in model_sd})
+            set_model_state_dict(part, {k: tensors["model"][k] for k in model_sd})
             optim = get_optimizer_state_dict(part, optimizer, options=STATE_OPTIONS)
-            optim.update({k: tensors[f"optim.{k}"] for k, v in optim.items() if isinstance(v, torch.Tensor)})
+            optim.update({k: tensors["optim"][k] for k, v in optim.items() if isinstance(v, torch.Tensor)})
             set_optimizer_state_dict(part, optimizer, optim, options=STATE_OPTIONS)
             scheduler.load_state_dict(plain["scheduler"])
             for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):

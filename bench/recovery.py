@@ -1,0 +1,241 @@
+"""Recovery from a lost node, lmforge against Ray Train V2, and the training stall
+of an asynchronous checkpoint save against a synchronous one.
+
+Recovery: a local cluster (`ray.cluster_utils.Cluster`: a 1-CPU head with the driver,
+two 2-CPU worker nodes with one rank each) trains the same tiny model with dp 2,
+checkpointing every 10 steps, first with lmforge (elastic dp 1..2) and then with
+Ray Train V2's TorchTrainer (elastic `num_workers=(1, 2)`, `FailureConfig`). At the
+same step one worker node is removed abruptly; the figure is the seconds from that
+moment to the first step completed after the restore. The node is added back
+between the two runs. lmforge reads its data through Ray Data; the Ray Train loop
+uses in-memory batches, so data start-up is counted against lmforge only.
+
+Stall: one rank saves the same model and AdamW state several times with
+`checkpoint.async_save` on and off; the figure is the median of (a save plus the
+training step after it) minus (the training step just before, without a save):
+what a save costs the training loop, the background copy's contention included.
+
+    python bench/recovery.py [--kill-at 20] [--stall-dim 512] [--stall-layers 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+# This benchmark's Ray cluster keeps its sockets and logs to itself.
+os.environ.setdefault("RAY_TMPDIR", tempfile.mkdtemp(prefix="lmf-bench-", dir="/tmp"))
+
+import ray
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from multinode import free_port, start_cluster  # noqa: E402
+
+from lmforge import sdk  # noqa: E402
+from lmforge.data.corpus import stdlib_files  # noqa: E402
+from lmforge.data.prepare import PrepareOptions, prepare_dataset  # noqa: E402
+from lmforge.models.config import PRESETS  # noqa: E402
+from lmforge.models.llama import build_model  # noqa: E402
+from lmforge.spec import spec_from_dict  # noqa: E402
+
+STEPS, INTERVAL, GLOBAL_BATCH, MICRO_BATCH, SEQ, VOCAB = 60, 10, 8, 2, 32, 512
+
+
+def lmforge_job(out: Path, data: Path) -> dict:
+    return {
+        "name": "recovery", "output_dir": str(out),
+        "model": {"preset": "tiny", "vocab_size": VOCAB}, "parallel": {"dp": 2},
+        "optim": {"lr": 3e-3, "warmup_steps": 2, "decay_steps": STEPS},
+        "train": {"global_batch": GLOBAL_BATCH, "micro_batch": MICRO_BATCH, "seq_len": SEQ, "max_steps": STEPS},
+        "data": {"path": str(data)}, "checkpoint": {"interval": INTERVAL},
+        "tracking": {"enabled": False}, "resources": {"cpus_per_worker": 2},
+        "fault_tolerance": {"max_failures": 3, "backoff_s": 0.1}, "elastic": {"min_dp": 1, "max_dp": 2},
+    }
+
+
+def wait_for(condition, timeout_s: float = 300.0) -> None:
+    deadline = time.time() + timeout_s
+    while not condition():
+        if time.time() > deadline:
+            raise TimeoutError("training never got there")
+        time.sleep(0.02)
+
+
+def jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def lose_a_node(cluster, node, train, reached) -> float:
+    """Train in a thread, remove `node` once `reached()`; returns the kill time."""
+    errors: list = []
+
+    def run():
+        try:
+            train()
+        except BaseException as err:  # noqa: BLE001 - reported by the main thread
+            errors.append(err)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    wait_for(reached)
+    killed_at = time.time()
+    cluster.remove_node(node, allow_graceful=False)  # Ray changes nodes from the main thread only
+    thread.join()
+    if errors:
+        raise errors[0]
+    return killed_at
+
+
+def lmforge_recovery(cluster, node, out: Path, data: Path, kill_at: int) -> float:
+    run_dir = out / "recovery"
+    spec = spec_from_dict(lmforge_job(out, data))
+    steps = lambda: [row for row in jsonl(run_dir / "metrics.jsonl") if "event" not in row]  # noqa: E731
+    killed_at = lose_a_node(cluster, node, lambda: sdk.train(spec, show_progress=False), lambda: len(steps()) >= kill_at)
+    recovered = [row for row in jsonl(run_dir / "metrics.jsonl") if row.get("event") == "recovered"]
+    return recovered[0]["time"] - killed_at
+
+
+def ray_train_loop(config: dict) -> None:
+    """Ray Train's side: the same model and batch shapes, DDP over gloo, a checkpoint
+    (model + AdamW) every INTERVAL steps; rank 0 logs starts and steps to a file."""
+    import ray.train
+    import ray.train.torch
+
+    torch.set_num_threads(1)
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    model = ray.train.torch.prepare_model(build_model(PRESETS["tiny"].with_overrides(vocab_size=VOCAB), seed=0))
+    plain = getattr(model, "module", model)  # DDP-wrapped only when world > 1
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    start = 0
+    if checkpoint := ray.train.get_checkpoint():
+        with checkpoint.as_directory() as directory:
+            state = torch.load(os.path.join(directory, "state.pt"), weights_only=True)
+        plain.load_state_dict(state["model"])
+        opt.load_state_dict(state["optim"])
+        start = state["step"]
+    log = lambda row: rank == 0 and open(config["log"], "a").write(json.dumps(row | {"time": time.time()}) + "\n")  # noqa: E731
+    log({"event": "start", "step": start, "world": world})
+    accum = GLOBAL_BATCH // (MICRO_BATCH * world)
+    for step in range(start, STEPS):
+        tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=torch.Generator().manual_seed(step))
+        share = tokens.view(world, accum, MICRO_BATCH, SEQ + 1)[rank]
+        for micro in share:
+            logits = model(micro[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), micro[:, 1:].flatten()) / accum
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        log({"event": "step", "step": step + 1, "world": world})
+        if (step + 1) % INTERVAL == 0:
+            with tempfile.TemporaryDirectory() as directory:
+                if rank == 0:
+                    torch.save({"model": plain.state_dict(), "optim": opt.state_dict(), "step": step + 1}, os.path.join(directory, "state.pt"))
+                ray.train.report({"step": step + 1}, checkpoint=ray.train.Checkpoint.from_directory(directory) if rank == 0 else None)
+
+
+def ray_train_recovery(cluster, node, out: Path, kill_at: int) -> float:
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    log = out / "ray-train.jsonl"
+    trainer = TorchTrainer(
+        ray_train_loop, train_loop_config={"log": str(log)},
+        scaling_config=ScalingConfig(num_workers=(1, 2), resources_per_worker={"CPU": 2}),
+        run_config=RunConfig(name="recovery", storage_path=str(out / "ray-train"), failure_config=FailureConfig(max_failures=3)),
+    )
+    reached = lambda: sum(row["event"] == "step" for row in jsonl(log)) >= kill_at  # noqa: E731
+    killed_at = lose_a_node(cluster, node, trainer.fit, reached)
+    rows = [row for row in jsonl(log) if row["time"] > killed_at]
+    restart = next(i for i, row in enumerate(rows) if row["event"] == "start")
+    first_step = next(row for row in rows[restart:] if row["event"] == "step")
+    return first_step["time"] - killed_at
+
+
+def save_stall(dim: int, layers: int, saves: int) -> dict[str, float]:
+    """Median seconds the loop is held up per save, async and sync, on one rank."""
+    import torch.distributed as dist
+
+    from lmforge.checkpoint.store import CheckpointStore
+    from lmforge.checkpoint.writer import CheckpointWriter
+    from lmforge.engines import create_engine
+    from lmforge.parallel.mesh import MeshShape, build_mesh
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    spec = spec_from_dict({
+        "name": "stall", "model": {"preset": "small", "dim": dim, "n_layers": layers, "ffn_hidden": 4 * dim, "vocab_size": 8192},
+        "parallel": {"dp": 1, "zero": 0}, "train": {"global_batch": 2, "micro_batch": 2, "seq_len": 64, "max_steps": 1}, "data": {"path": "unused"},
+    })
+    engine = create_engine(spec, build_mesh("cpu", MeshShape.for_spec(spec.parallel)), torch.device("cpu"))
+    engine.train_step(torch.randint(0, 8192, (1, 2, 65)))  # AdamW state exists from here on
+    group = dist.new_group(backend="gloo")
+    batch = lambda: torch.randint(0, 8192, (1, 2, 65))  # noqa: E731
+    stalls: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode in ("sync", "async"):
+            options = spec.checkpoint.model_copy(update={"async_save": mode == "async", "keep": 1})
+            writer = CheckpointWriter(CheckpointStore(f"{tmp}/{mode}"), options, group, lambda event: None)
+            held = []
+            for i in range(saves):
+                began = time.perf_counter()
+                engine.train_step(batch())
+                alone = time.perf_counter() - began
+                began = time.perf_counter()
+                writer.save(i + 1, engine, {"step": i + 1})
+                engine.train_step(batch(), before_update=writer.staged)
+                held.append(time.perf_counter() - began - alone)
+                writer.wait()  # the write finishes before the next round (not counted)
+            writer.close()
+            stalls[mode] = statistics.median(held[1:])  # the first save also allocates the stager's buffers
+    stalls["state_mib"] = spec.model_arch.num_params() * 4 * 3 / 2**20  # fp32 weights and two AdamW moments
+    dist.destroy_process_group()
+    return stalls
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kill-at", type=int, default=20, help="steps completed before the node is removed")
+    parser.add_argument("--stall-dim", type=int, default=512)
+    parser.add_argument("--stall-layers", type=int, default=8)
+    parser.add_argument("--saves", type=int, default=5)
+    args = parser.parse_args()
+
+    stall = save_stall(args.stall_dim, args.stall_layers, args.saves)
+    print(f"checkpoint stall, one rank, {stall['state_mib']:.0f} MiB of model + AdamW state, median of {args.saves - 1} saves")
+    print(f"  synchronous save : {stall['sync'] * 1000:8.1f} ms held up")
+    print(f"  async save       : {stall['async'] * 1000:8.1f} ms held up")
+    print(f"  ratio async / sync: {stall['async'] / stall['sync']:.3f}  (target <= 0.05)")
+
+    with tempfile.TemporaryDirectory(prefix="lmf-recovery-") as tmp:
+        out = Path(tmp)
+        corpus = out / "corpus"
+        corpus.mkdir()
+        for i, path in enumerate([f for f in stdlib_files() if "/test" not in f][::40][:40]):
+            (corpus / f"{i:03d}.py").write_text(Path(path).read_text(errors="replace"))
+        cluster, workers = start_cluster(worker_nodes=2, cpus_per_node=2)
+        try:
+            prepare_dataset(PrepareOptions(source=str(corpus), out=str(out / "data"), seq_len=SEQ, vocab_size=VOCAB, show_progress=False))
+            ours = lmforge_recovery(cluster, workers[1], out / "lmforge", out / "data", args.kill_at)
+            workers[1] = cluster.add_node(num_cpus=2)
+            cluster.wait_for_nodes()
+            theirs = ray_train_recovery(cluster, workers[1], out, args.kill_at)
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+    print(f"recovery after a node loss at step {args.kill_at} (dp 2 -> 1, tiny model, checkpoint every {INTERVAL} steps)")
+    print(f"  lmforge     : {ours:6.1f} s from the kill to the first step after the restore")
+    print(f"  Ray Train V2: {theirs:6.1f} s")
+    print(f"  ratio lmforge / Ray Train: {ours / theirs:.3f}  (targets: <= 0.333 and lmforge <= 15 s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""Cross-field rules of a job: what one section requires of another (layouts that
+divide, an engine's own settings, elastic bounds). Each raises ValueError naming
+the field; `JobSpec` runs them all after parsing.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from lmforge.deepspeed_config import reconcile as reconcile_deepspeed
+from lmforge.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from lmforge.spec import JobSpec
+
+
+def check_model(model: ModelConfig) -> None:
+    if model.dim % model.n_heads:
+        raise ValueError(f"model.n_heads: dim {model.dim} is not divisible by n_heads {model.n_heads}")
+    if model.n_heads % model.n_kv_heads:
+        raise ValueError(f"model.n_kv_heads: n_heads {model.n_heads} is not divisible by n_kv_heads {model.n_kv_heads}")
+    if model.head_dim % 2:
+        raise ValueError(f"model.dim: head_dim {model.head_dim} must be even for rotary embeddings")
+
+
+def check_engine(spec: "JobSpec") -> None:
+    if spec.engine == "native":
+        if spec.deepspeed is not None:
+            raise ValueError("deepspeed: set engine: deepspeed to use a DeepSpeed config")
+        if spec.train.precision == "fp16":
+            raise ValueError("train.precision: fp16 needs engine: deepspeed (the native engine trains in fp32 or bf16)")
+        return
+    if spec.deepspeed is None:
+        raise ValueError("deepspeed: engine: deepspeed needs a deepspeed.config (a mapping or a JSON file)")
+    p = spec.parallel
+    if p.tp > 1 or p.pp > 1:
+        raise ValueError("parallel.tp: the deepspeed engine runs data parallelism only; use engine: native for tp or pp")
+    for field in ("zero", "dp_replicate", "cpu_offload", "compile"):
+        if field in p.model_fields_set:
+            raise ValueError(f"parallel.{field}: a native-engine setting; with deepspeed it belongs in deepspeed.config")
+    if isinstance(spec.deepspeed.config, str):
+        raise ValueError(f"deepspeed.config: {spec.deepspeed.config} was not read; load the job with load_spec or spec_from_dict")
+    spec.deepspeed.config = reconcile_deepspeed(spec)
+
+
+def check_elastic(spec: "JobSpec") -> None:
+    """Every dp the job may shrink or grow to must keep the global batch whole."""
+    e, p, train = spec.elastic, spec.parallel, spec.train
+    if e is None:
+        return
+    if spec.engine != "native":
+        raise ValueError("elastic: resizing is supported with engine: native only (so far)")
+    if e.min_dp > e.max_dp:
+        raise ValueError(f"elastic.min_dp: {e.min_dp} is larger than elastic.max_dp {e.max_dp}")
+    if not e.min_dp <= p.dp <= e.max_dp:
+        raise ValueError(f"parallel.dp: {p.dp} is outside elastic.min_dp..max_dp = {e.min_dp}..{e.max_dp}")
+    if p.dp_replicate > 1:
+        raise ValueError("elastic: not combined with parallel.dp_replicate (HSDP) yet")
+    for dp in range(e.min_dp, e.max_dp + 1):
+        if train.global_batch % (train.micro_batch * dp):
+            raise ValueError(
+                f"elastic.max_dp: at dp {dp} train.global_batch {train.global_batch} is not divisible by "
+                f"micro_batch x dp = {train.micro_batch} x {dp}; every dp in {e.min_dp}..{e.max_dp} must keep it whole"
+            )
+        accum = train.global_batch // (train.micro_batch * dp)
+        if p.pp > 1 and p.schedule != "gpipe" and accum < p.pp:
+            raise ValueError(f"elastic.max_dp: at dp {dp} there are {accum} micro-batches per step, fewer than pp {p.pp}")
+
+
+def check_sharding(spec: "JobSpec") -> None:
+    p = spec.parallel
+    if p.dp % p.dp_replicate:
+        raise ValueError(f"parallel.dp_replicate: {p.dp_replicate} does not divide dp {p.dp}")
+    if p.dp_replicate > 1 and p.zero == 0:
+        raise ValueError("parallel.dp_replicate: zero 0 already replicates every DP rank; use zero 2 or 3 for HSDP")
+    if p.cpu_offload and spec.resources.gpus_per_worker == 0:
+        raise ValueError("parallel.cpu_offload: offloads from GPU memory; it needs resources.gpus_per_worker > 0")
+
+
+def check_tensor_parallel(spec: "JobSpec", model: ModelConfig) -> None:
+    tp = spec.parallel.tp
+    if tp == 1:
+        return
+    for field, value in (("n_heads", model.n_heads), ("n_kv_heads", model.n_kv_heads), ("ffn_hidden", model.ffn_hidden), ("vocab_size", model.vocab_size)):
+        if value % tp:
+            raise ValueError(f"model.{field}: {value} is not divisible by parallel.tp {tp}")
+    if model.tie_embeddings:
+        raise ValueError("model.tie_embeddings: not supported with parallel.tp > 1 (embedding and head are sharded differently)")
+    if spec.parallel.sequence_parallel and spec.train.seq_len % tp:
+        raise ValueError(f"train.seq_len: {spec.train.seq_len} is not divisible by parallel.tp {tp} (sequence parallel)")
+
+
+def check_pipeline(spec: "JobSpec", model: ModelConfig) -> None:
+    p = spec.parallel
+    looped = p.schedule in ("interleaved-1f1b", "zero-bubble")
+    if looped and p.pp == 1:
+        raise ValueError(f"parallel.schedule: {p.schedule} needs pp > 1")
+    if not looped and p.virtual_stages > 1:
+        raise ValueError(f"parallel.virtual_stages: {p.schedule} runs one stage per rank; use interleaved-1f1b or zero-bubble")
+    if p.schedule == "interleaved-1f1b" and p.virtual_stages < 2:
+        raise ValueError("parallel.virtual_stages: interleaved-1f1b needs at least 2 stages per rank")
+    if p.schedule == "zero-bubble" and p.virtual_stages != 2:
+        raise ValueError("parallel.virtual_stages: zero-bubble (ZBV) runs exactly 2 stages per rank")
+    if p.pp == 1:
+        return
+    stages = p.pp * p.virtual_stages
+    if model.n_layers < stages:
+        raise ValueError(f"model.n_layers: {model.n_layers} layers cannot fill pp x virtual_stages = {stages} stages")
+    micro = spec.grad_accum
+    if p.schedule != "gpipe" and micro < p.pp:
+        raise ValueError(f"train.micro_batch: {micro} micro-batches per step are fewer than the {p.pp} pipeline stages ({p.schedule})")
+    if looped and micro % p.pp:
+        raise ValueError(f"train.micro_batch: {micro} micro-batches per step must be a multiple of pp {p.pp} for {p.schedule}")
+
+
+def check_spares(spec: "JobSpec") -> None:
+    spares, tp = spec.fault_tolerance.spares, spec.parallel.tp
+    if spares and spares % tp:
+        raise ValueError(f"fault_tolerance.spares: {spares} is not a multiple of parallel.tp {tp} (a spare replaces a whole tensor-parallel group)")
+    if spares and spec.fault_tolerance.max_failures == 0:
+        raise ValueError("fault_tolerance.spares: spares only serve a restart; set fault_tolerance.max_failures too")

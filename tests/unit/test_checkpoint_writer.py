@@ -1,0 +1,86 @@
+"""The background checkpoint writer on one gloo rank: a save commits with checksums
+while the caller goes on, its copy is taken at save time, failed writes are counted
+and tolerated up to `max_failed_writes`, and retention keeps every M-th step."""
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from lmforge.checkpoint.store import CheckpointStore
+from lmforge.checkpoint.writer import CheckpointWriter
+from lmforge.engines.base import Engine
+from lmforge.errors import CheckpointWritesFailing
+from lmforge.spec import CheckpointSpec
+
+
+class OneTensor(Engine):
+    """The smallest engine: one weight vector, so the test sees what was saved."""
+
+    def __init__(self):
+        self.weight = torch.zeros(1000)
+
+    def train_step(self, micro_batches, before_update=lambda: None):
+        before_update()
+        self.weight += 1
+
+    def state_dict(self):
+        return {"model": {"weight": self.weight}}, {"scheduler": {}}
+
+
+@pytest.fixture(scope="module")
+def group(tmp_path_factory):
+    store = tmp_path_factory.mktemp("pg") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield dist.new_group(backend="gloo")
+    dist.destroy_process_group()
+
+
+def _writer(root, group, events, **options):
+    return CheckpointWriter(CheckpointStore(str(root)), CheckpointSpec(**options), group, events.append)
+
+
+def test_a_save_commits_the_state_as_it_was_at_save_time(tmp_path, group):
+    engine, events = OneTensor(), []
+    writer = _writer(tmp_path, group, events)
+    engine.train_step(None)
+    writer.save(1, engine, {"step": 1})
+    engine.train_step(None, before_update=writer.staged)  # changes the weight while the write may still run
+    writer.close()
+    (event,) = events
+    assert event["event"] == "checkpoint" and event["step"] == 1 and event["stall_seconds"] <= event["seconds"]
+    store = CheckpointStore(str(tmp_path))
+    assert store.committed() == [1] and store.mismatches(1, sorted(store.manifest(1))) == []
+    assert json.loads((tmp_path / "step_00000001" / "state.json").read_text())["format"] == "dcp"
+    loaded = {"model": {"weight": torch.empty(1000)}}
+    dcp.load(loaded, checkpoint_id=str(tmp_path / "step_00000001"), no_dist=True)
+    assert torch.equal(loaded["model"]["weight"], torch.ones(1000)) and torch.equal(engine.weight, torch.full((1000,), 2.0))
+
+
+def test_failed_writes_are_reported_until_too_many_in_a_row(tmp_path, group):
+    engine, events = OneTensor(), []
+    writer = _writer(tmp_path, group, events, max_failed_writes=2)
+    for step in (2, 3):
+        (tmp_path / f"step_{step:08d}").write_text("in the way")  # a file where the step's directory goes
+    writer.save(1, engine, {"step": 1})
+    writer.save(2, engine, {"step": 2})
+    writer.save(4, engine, {"step": 4})  # waits for 2 (failed: 1 in a row), then writes 4
+    writer.save(3, engine, {"step": 3})  # waits for 4 (committed: the count resets)
+    writer.wait()  # 3 failed: 1 in a row, still tolerated
+    assert [(e["event"], e["step"]) for e in events] == [("checkpoint", 1), ("checkpoint_failed", 2), ("checkpoint", 4), ("checkpoint_failed", 3)]
+    assert "step_00000002" in events[1]["error"] and events[1]["failed_in_a_row"] == 1
+    (tmp_path / "step_00000005").write_text("in the way")
+    writer.save(5, engine, {"step": 5})
+    with pytest.raises(CheckpointWritesFailing, match="2 checkpoints in a row could not be written"):
+        writer.close()
+
+
+def test_retention_keeps_the_newest_and_every_mth(tmp_path, group):
+    engine, events = OneTensor(), []
+    writer = _writer(tmp_path, group, events, keep=2, keep_every=4)
+    for step in range(1, 9):
+        writer.save(step, engine, {"step": step})
+    writer.close()
+    assert CheckpointStore(str(tmp_path)).committed() == [4, 7, 8]
