@@ -37,7 +37,9 @@ os.environ.setdefault("RAY_TMPDIR", tempfile.mkdtemp(prefix="lmf-bench-", dir="/
 import ray
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+TESTS = Path(__file__).resolve().parents[1] / "tests"
+sys.path[:0] = [str(TESTS), str(TESTS / "chaos")]
+from chaos import wait_until  # noqa: E402
 from multinode import free_port, start_cluster  # noqa: E402
 
 from lmforge import sdk  # noqa: E402
@@ -62,14 +64,6 @@ def lmforge_job(out: Path, data: Path) -> dict:
     }
 
 
-def wait_for(condition, timeout_s: float = 300.0) -> None:
-    deadline = time.time() + timeout_s
-    while not condition():
-        if time.time() > deadline:
-            raise TimeoutError("training never got there")
-        time.sleep(0.02)
-
-
 def jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
@@ -86,7 +80,7 @@ def lose_a_node(cluster, node, train, reached) -> float:
 
     thread = threading.Thread(target=run)
     thread.start()
-    wait_for(reached)
+    wait_until(reached)
     killed_at = time.time()
     cluster.remove_node(node, allow_graceful=False)  # Ray changes nodes from the main thread only
     thread.join()

@@ -99,3 +99,26 @@ def tiny_job(tmp_path: Path, data_path: Path, **sections) -> dict:
         else:
             job[section] = values
     return job
+
+
+MULTINODE_STEPS = 200  # at dp 1 enough steps (~10 s) remain for a node to join and the job to grow
+
+
+@pytest.fixture(scope="session")
+def multinode(tiny_dataset, tmp_path_factory):
+    """(each scenario's summary, the runs directory) from tests/multinode_scenarios.py:
+    one multi-node cluster for the placement and node-loss tests."""
+    from multinode import run_script
+
+    tmp_path = tmp_path_factory.mktemp("multinode")
+    placement = tiny_job(tmp_path, tiny_dataset, name="placement", parallel={"dp": 2, "tp": 2}, train={"max_steps": 3}, checkpoint={"interval": 3})
+    elastic = tiny_job(
+        tmp_path, tiny_dataset, train={"max_steps": MULTINODE_STEPS}, optim={"decay_steps": MULTINODE_STEPS}, checkpoint={"interval": 10},
+        data={"path": str(tiny_dataset), "prefetch_steps": 4, "record_sample_ids": True},
+        resources={"cpus_per_worker": 2},
+        # A loaded machine may notice a node's death late, so a first restart can land on it and fail too.
+        fault_tolerance={"max_failures": 3, "backoff_s": 0.1},
+        elastic={"min_dp": 1, "max_dp": 2},
+    )
+    results = run_script(REPO / "tests" / "multinode_scenarios.py", {"placement": placement, "elastic": elastic}, tmp_path, timeout_s=900)
+    return results, tmp_path / "runs"

@@ -18,6 +18,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from rich.console import Console
 
+from lmforge.cluster import placement
 from lmforge.cluster.controller import Controller
 from lmforge.cluster.runtime import check_capacity, connect
 from lmforge.data.corpus import list_files, source_kind
@@ -25,6 +26,7 @@ from lmforge.data.prepare import PrepareOptions, prepare_dataset, read_manifest
 from lmforge.errors import TrainingFailed, UserError
 from lmforge.plan import Plan, check_dataset, preflight
 from lmforge.spec import JobSpec, load_spec
+from lmforge.tracking import events
 from lmforge.tracking.progress import ProgressView
 from lmforge.tracking.run_dir import RunDir
 
@@ -40,6 +42,17 @@ def prepare(opts: PrepareOptions, address: Optional[str] = None) -> dict:
     finally:
         if started:
             ray.shutdown()
+
+
+def _check_capacity(spec: JobSpec) -> None:
+    """The job's ranks and spares must fit; an elastic job's smallest layout must."""
+    res, spares = spec.resources, spec.fault_tolerance.spares
+    if spec.elastic is None:
+        check_capacity(spec.world_size + spares, res.cpus_per_worker, res.gpus_per_worker)
+        return
+    smallest = spec.parallel.pp * spec.parallel.tp * spec.elastic.min_dp
+    check_capacity(smallest + spares, res.cpus_per_worker, res.gpus_per_worker, field="elastic.min_dp",
+                   hint=f"even dp {spec.elastic.min_dp}{' with ' + str(spares) + ' spares' if spares else ''} does not fit; lower elastic.min_dp or join a larger cluster")
 
 
 def _ensure_dataset(plan: Plan, console: Console, show_progress: bool) -> dict:
@@ -65,7 +78,7 @@ def train(spec: JobSpec, address: Optional[str] = None, show_progress: bool = Tr
     plan = preflight(spec)
     started_ray = connect(address)
     try:
-        check_capacity(spec.world_size + spec.fault_tolerance.spares, spec.resources.cpus_per_worker, spec.resources.gpus_per_worker)
+        _check_capacity(spec)
         manifest = _ensure_dataset(plan, console, show_progress)
         return _run(plan, manifest, console, show_progress)
     finally:
@@ -100,7 +113,9 @@ def _run(plan: Plan, manifest: dict, console: Console, show_progress: bool) -> d
                     break
                 except ray.exceptions.RayActorError as err:
                     # The controller itself died: its ranks went with it (Ray's owner
-                    # fate-sharing); a new one resumes from the latest checkpoint.
+                    # fate-sharing), its placement groups did not; a new one resumes
+                    # from the latest checkpoint.
+                    placement.release_orphans(placement.owner_prefix(spec.name, controller._actor_id.hex()))
                     if seen.failures >= budget.max_failures:
                         raise TrainingFailed(f"the controller died ({_first_line(err)}); fault_tolerance.max_failures {budget.max_failures} is used up") from None
                     step = seen.last.get("step", plan.start_step)
@@ -233,54 +248,16 @@ def _handle(event: dict, view: ProgressView, run_dir: RunDir, tracker) -> Option
         view.step(event)
         if tracker:
             tracker.log_step(event)
+        return None
+    if kind == "start":
+        run_dir.rewind(event["step"])
     elif kind == "layout":
         view.layout(event["ranks"])
+    if kind in events.MESSAGES:
+        view.print(events.MESSAGES[kind](event))
+    if kind in events.RECORDED:
         run_dir.append_event(event)
-    elif kind == "spares":
-        view.print(f"spare ranks ready: {event['ready']} of {event['wanted']}")
-        run_dir.append_event(event)
-    elif kind == "checkpoint":
-        view.print(f"checkpoint step {event['step']} -> {event['path']} ({event['seconds']:.1f}s, training paused {event['stall_seconds']:.2f}s)")
-        if tracker:
-            tracker.log_metric("checkpoint_seconds", event["seconds"], event["step"])
-            tracker.log_metric("checkpoint_stall_seconds", event["stall_seconds"], event["step"])
-        return event["path"]
-    elif kind == "checkpoint_failed":
-        view.print(
-            f"checkpoint step {event['step']} failed ({event['failed_in_a_row']}/{event['max_failed_writes']} in a row): "
-            f"{event['error']}; training goes on"
-        )
-        run_dir.append_event(event)
-        if tracker:
-            tracker.log_metric("checkpoint_failed_in_a_row", event["failed_in_a_row"], event["step"])
-    elif kind == "grow_pending":
-        view.print(f"room for dp {event['to_dp']} (now {event['dp']}): growing at the next checkpoint")
-        run_dir.append_event(event)
-    elif kind == "resized":
-        view.print(f"resized from dp {event['from_dp']} to dp {event['dp']} at step {event['step']} in {event['seconds']:.1f}s")
-        run_dir.append_event(event)
-        if tracker:
-            tracker.log_metric("dp", event["dp"], event["step"])
-    elif kind == "checkpoint_corrupt":
-        view.print(f"checkpoint {event['path']} is corrupt ({event['reason']}); restoring an earlier one")
-        run_dir.append_event(event)
-    elif kind == "restored":
-        view.print(f"restored step {event['step']} from {event['path']}")
-        run_dir.append_event(event)
-    elif kind == "start":
-        run_dir.rewind(event["step"])
-    elif kind == "failure":
-        view.print(
-            f"failure {event['attempt']}/{event['max_failures']} at step {event['step']}: {event['cause']} "
-            f"(rank {event['rank']}, nodes lost: {', '.join(event['nodes_lost']) or 'none'}); restarting from the latest checkpoint"
-        )
-        run_dir.append_event(event)
-        if tracker:
-            tracker.log_metric("failures", event["attempt"], event["step"])
-    elif kind == "recovered":
-        lost = f", nodes lost: {', '.join(event['nodes_lost'])}" if event["nodes_lost"] else ""
-        view.print(f"recovered in {event['seconds']:.1f}s on dp {event['dp']}, {event['steps_redone']} steps redone{lost}")
-        run_dir.append_event(event)
-        if tracker:
-            tracker.log_metric("recovery_seconds", event["seconds"], event["step"])
-    return None
+    if tracker and kind in events.METRICS:
+        for key, value in events.METRICS[kind](event).items():
+            tracker.log_metric(key, value, event["step"])
+    return event["path"] if kind == "checkpoint" else None

@@ -5,32 +5,12 @@ spare rank instead, it restarts at dp 2 at once. Each trains exactly the samples
 and (within 1e-4 after a resize, 1e-5 otherwise) the losses of the run that lost
 nothing."""
 
-from pathlib import Path
-
 import pytest
 
 from chaos import events, step_rows
-from conftest import tiny_job
-from multinode import run_script
+from conftest import MULTINODE_STEPS as STEPS
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
-SCRIPT = Path(__file__).with_name("node_loss_run.py")
-STEPS = 200  # at dp 1 enough steps (~10 s) remain for a node to join and the job to grow
-
-
-@pytest.fixture(scope="module")
-def node_loss(tiny_dataset, tmp_path_factory):
-    """(the script's summaries, the runs directory): one multi-node session for both tests."""
-    tmp_path = tmp_path_factory.mktemp("nodes")
-    job = tiny_job(
-        tmp_path, tiny_dataset, train={"max_steps": STEPS}, optim={"decay_steps": STEPS}, checkpoint={"interval": 10},
-        data={"path": str(tiny_dataset), "prefetch_steps": 4, "record_sample_ids": True},
-        resources={"cpus_per_worker": 2},
-        # A loaded machine may notice the node's death late, so a first restart can land on it and fail too.
-        fault_tolerance={"max_failures": 3, "backoff_s": 0.1},
-        elastic={"min_dp": 1, "max_dp": 2},
-    )
-    return run_script(SCRIPT, job, tmp_path), tmp_path / "runs"
 
 
 def _same_as_whole(runs, name, rel):
@@ -42,8 +22,8 @@ def _same_as_whole(runs, name, rel):
     assert ids(name) == ids("whole")
 
 
-def test_node_loss_shrinks_then_grows_back_and_trains_exactly(node_loss):
-    result, runs = node_loss
+def test_node_loss_shrinks_then_grows_back_and_trains_exactly(multinode):
+    result, runs = multinode
     assert result["whole"]["dp"] == 2
     shrunk = result["shrunk"]
     assert shrunk["final_step"] == STEPS and shrunk["failures"] >= 1 and shrunk["dp"] == 2
@@ -58,9 +38,9 @@ def test_node_loss_shrinks_then_grows_back_and_trains_exactly(node_loss):
     _same_as_whole(runs, "tiny", rel=1e-4)
 
 
-def test_a_spare_rank_replaces_a_lost_node_without_shrinking(node_loss):
+def test_a_spare_rank_replaces_a_lost_node_without_shrinking(multinode):
     """No `elastic` here: without the spare's capacity the restart could not place dp 2."""
-    result, runs = node_loss
+    result, runs = multinode
     spared = result["spared"]
     assert spared["final_step"] == STEPS and spared["failures"] >= 1 and spared["dp"] == 2
     history = events(runs / "spared")

@@ -107,6 +107,15 @@ def test_world_larger_than_cluster_says_so_with_numbers(tmp_path, tiny_dataset):
 
 
 @pytest.mark.ray
+def test_elastic_bounds_larger_than_cluster_name_min_dp(tmp_path, tiny_dataset):
+    job = tiny_job(tmp_path, tiny_dataset, parallel={"dp": 8}, train={"global_batch": 16}, elastic={"min_dp": 8, "max_dp": 8},
+                   fault_tolerance={"max_failures": 1})
+    result = run_cli("train", str(write_job(tmp_path, job)), cwd=tmp_path)
+    assert_clean_error(result, "elastic.min_dp: 8 workers", "need 9 CPUs", "even dp 8 does not fit")
+    assert nothing_written(tmp_path)
+
+
+@pytest.mark.ray
 def test_empty_corpus_leaves_nothing_behind(tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()

@@ -46,11 +46,13 @@ def test_activation_checkpointing_does_not_change_the_numbers(reference, tmp_pat
     assert got == pytest.approx(reference, rel=1e-6)
 
 
+# Whole compiled blocks under FSDP, and per-block attention/MLP under TP with SP,
+# pipelining and AC all at once (pp2, tp2 without SP and fsdp2 x tp2 passed on
+# their own too; they were cut to keep the suite's time).
 @pytest.mark.parametrize(
     "nproc, layout",
-    [(2, []), (2, ["parallel.pp=2"]), (2, ["parallel.tp=2", "parallel.sequence_parallel=false"]),
-     (4, ["parallel.tp=2"]), (8, ["parallel.tp=2", "parallel.pp=2", "parallel.activation_checkpointing=full"])],
-    ids=["fsdp-dp2", "pp2", "tp2-no-sp", "fsdp2-x-tp2-sp", "3d-ac"],
+    [(2, []), (8, ["parallel.tp=2", "parallel.pp=2", "parallel.activation_checkpointing=full"])],
+    ids=["fsdp-dp2", "3d-ac"],
 )
 def test_compile_gives_the_same_losses(reference, tmp_path, nproc, layout):
     got, ran = losses(tmp_path, nproc, "parallel.compile=true", *layout, describe=True)

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from lmforge.checkpoint.sharded import load_checkpoint, restore_point
 from lmforge.checkpoint.store import CheckpointStore
 from lmforge.checkpoint.writer import CheckpointWriter
 from lmforge.engines.base import Engine
@@ -28,6 +29,9 @@ class OneTensor(Engine):
 
     def state_dict(self):
         return {"model": {"weight": self.weight}}, {"scheduler": {}}
+
+    def load_state_dict(self, tensors, plain):
+        self.weight.copy_(tensors["model"]["weight"])
 
 
 @pytest.fixture(scope="module")
@@ -84,3 +88,24 @@ def test_retention_keeps_the_newest_and_every_mth(tmp_path, group):
         writer.save(step, engine, {"step": step})
     writer.close()
     assert CheckpointStore(str(tmp_path)).committed() == [4, 7, 8]
+
+
+def test_an_fsspec_uri_saves_verifies_and_restores(group):
+    """DCP's fsspec writer and reader, through an in-memory filesystem (one process)."""
+    engine, events = OneTensor(), []
+    root = "memory://lmforge-test/ck"
+    writer = _writer(root, group, events)
+    for step in (1, 2):
+        engine.train_step(None, before_update=writer.staged)
+        writer.save(step, engine, {"step": step})
+    writer.close()
+    store = CheckpointStore(root)
+    assert store.is_uri and store.committed() == [1, 2]
+    with store.fs.open(store.fs_path(root + "/step_00000002/rng/rank_00000.safetensors"), "wb") as f:
+        f.write(b"not what was committed")
+    reported = []
+    ckpt = restore_point(store, group, reported.append)
+    assert ckpt.step == 1 and [e["step"] for e in reported] == [2] and "rng/rank_00000.safetensors" in reported[0]["reason"]
+    restored = OneTensor()
+    load_checkpoint(store, ckpt, restored)
+    assert torch.equal(restored.weight, torch.ones(1000))

@@ -19,7 +19,7 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from lmforge.cluster import placement
-from lmforge.cluster.runtime import DATA_CPUS, WORKER_ENV
+from lmforge.cluster.runtime import DATA_CPUS, WORKER_ENV, fits
 from lmforge.cluster.spares import SparePool
 from lmforge.cluster.worker import Worker
 from lmforge.errors import CheckpointWritesFailing, UserError
@@ -97,7 +97,10 @@ class Controller:
         spec = JobSpec.model_validate(self.spec_dict)
         budget = spec.fault_tolerance
         failures = self._failures
-        current = self._resized(spec) if failures else spec
+        # After a failure, or when an elastic job's first dp does not fit: the largest that does.
+        res = spec.resources
+        crowded = spec.elastic is not None and not fits(spec.world_size + spec.fault_tolerance.spares, res.cpus_per_worker, res.gpus_per_worker)
+        current = self._resized(spec) if failures or crowded else spec
         while True:
             try:
                 result = self._run_once(current)
@@ -133,6 +136,10 @@ class Controller:
             if failed:
                 self._failed_at, self._failed_layout = time.time(), self._layout
 
+    def _pg_name(self, role: str) -> str:
+        job = self.spec_dict["name"]
+        return placement.owner_prefix(job, ray.get_runtime_context().get_actor_id()) + role
+
     def grow_pending(self) -> bool:
         """Asked by rank 0 at each checkpoint: stop there, so the job can grow?"""
         return self._growth_pg is not None
@@ -152,7 +159,7 @@ class Controller:
             if extra * res.cpus_per_worker > free:
                 continue
             try:
-                self._growth_pg = placement.reserve(extra, p.tp, res.cpus_per_worker, res.gpus_per_worker, 1.0)
+                self._growth_pg = placement.reserve(extra, p.tp, res.cpus_per_worker, res.gpus_per_worker, 1.0, self._pg_name("growth"))
             except UserError:
                 continue
             self.report({"event": "grow_pending", "step": self._last_step, "dp": self._dp, "to_dp": dp})
@@ -165,7 +172,7 @@ class Controller:
             return
         res = spec.resources
         if self._spares is None:
-            self._spares = SparePool(wanted, spec.parallel.tp, res.cpus_per_worker, res.gpus_per_worker)
+            self._spares = SparePool(wanted, spec.parallel.tp, res.cpus_per_worker, res.gpus_per_worker, self._pg_name("spare"))
         ready = self._spares.fill(self.placement_timeout_s if first else 1.0)
         if first and ready < wanted:
             self._spares.release()
@@ -192,7 +199,7 @@ class Controller:
         world, tp, res = spec.world_size, spec.parallel.tp, spec.resources
         self._dp = spec.parallel.dp
         if self._pg is None:
-            self._pg = placement.reserve(world, tp, res.cpus_per_worker, res.gpus_per_worker, self.placement_timeout_s)
+            self._pg = placement.reserve(world, tp, res.cpus_per_worker, res.gpus_per_worker, self.placement_timeout_s, self._pg_name("ranks"))
         self._fill_spares(spec, first=self._attempt == 0)
         spec_dict = spec.model_dump(mode="json", exclude_unset=True)
         self._progress_at = None
@@ -224,7 +231,7 @@ class Controller:
             if world * res.cpus_per_worker + DATA_CPUS > ray.cluster_resources().get("CPU", 0):
                 continue
             try:
-                self._pg = placement.reserve(world, p.tp, res.cpus_per_worker, res.gpus_per_worker, RESIZE_PROBE_S)
+                self._pg = placement.reserve(world, p.tp, res.cpus_per_worker, res.gpus_per_worker, RESIZE_PROBE_S, self._pg_name("ranks"))
             except UserError:
                 continue
             return spec.with_dp(dp)

@@ -41,7 +41,7 @@ def connect(address: str | None = None) -> bool:
     return True
 
 
-def check_capacity(workers: int, cpus_per_worker: float, gpus_per_worker: float) -> None:
+def check_capacity(workers: int, cpus_per_worker: float, gpus_per_worker: float, field: str = "resources", hint: str = "") -> None:
     """Refuse a world size the cluster cannot hold, with CPUs left for reading data,
     instead of waiting forever."""
     total = ray.cluster_resources()
@@ -49,7 +49,15 @@ def check_capacity(workers: int, cpus_per_worker: float, gpus_per_worker: float)
     need_cpus, need_gpus = workers * cpus_per_worker + DATA_CPUS, workers * gpus_per_worker
     if need_cpus > cpus or need_gpus > gpus:
         raise UserError(
-            f"resources: {workers} workers x ({cpus_per_worker:g} CPU, {gpus_per_worker:g} GPU), plus "
+            f"{field}: {workers} workers x ({cpus_per_worker:g} CPU, {gpus_per_worker:g} GPU), plus "
             f"{DATA_CPUS} CPU for reading data, need {need_cpus:g} CPUs and {need_gpus:g} GPUs; the cluster has "
-            f"{cpus:g} CPUs and {gpus:g} GPUs (lower parallel.dp or resources.cpus_per_worker, or join a larger cluster)"
+            f"{cpus:g} CPUs and {gpus:g} GPUs ({hint or 'lower parallel.dp or resources.cpus_per_worker, or join a larger cluster'})"
         )
+
+
+def fits(workers: int, cpus_per_worker: float, gpus_per_worker: float) -> bool:
+    try:
+        check_capacity(workers, cpus_per_worker, gpus_per_worker)
+    except UserError:
+        return False
+    return True

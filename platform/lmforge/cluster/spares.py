@@ -19,8 +19,8 @@ from lmforge.errors import UserError
 
 
 class SparePool:
-    def __init__(self, wanted: int, group_size: int, cpus: float, gpus: float):
-        self.wanted, self.group_size, self.cpus, self.gpus = wanted, group_size, cpus, gpus
+    def __init__(self, wanted: int, group_size: int, cpus: float, gpus: float, name: str):
+        self.wanted, self.group_size, self.cpus, self.gpus, self.name = wanted, group_size, cpus, gpus, name
         self._groups: list[tuple] = []  # (placement group, idle actors)
 
     @property
@@ -34,7 +34,7 @@ class SparePool:
             if ray.available_resources().get("CPU", 0) - DATA_CPUS < self.group_size * self.cpus:
                 break  # clearly no room: skip the placement attempt's wait
             try:
-                pg = placement.reserve(self.group_size, self.group_size, self.cpus, self.gpus, timeout_s)
+                pg = placement.reserve(self.group_size, self.group_size, self.cpus, self.gpus, timeout_s, self.name)
             except UserError:
                 break
             strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=0)

@@ -1,0 +1,89 @@
+"""Every multi-node scenario, on one cluster (a 1-CPU head and two 2-CPU worker
+nodes, all on this machine; starting one is slow), in this order:
+
+1. placement: a tp=2 x dp=2 job; each worker node can hold one TP group;
+2. whole: the elastic dp=2 job, one rank per worker node, uninterrupted;
+3. shrunk: the same job, losing a worker node abruptly mid-run, then getting a
+   node back once it has recovered on dp 1 (it should grow back to dp 2);
+4. spared: the same job at a fixed dp 2 with one spare rank on a third worker
+   node, losing a rank's node.
+
+Writes each run's summary to RESULT.json. Launched by the `multinode` fixture.
+
+    python multinode_scenarios.py JOBS.json RESULT.json   # {"placement": job, "elastic": job}
+"""
+
+import json
+import sys
+import threading
+from pathlib import Path
+
+import ray
+
+TESTS = Path(__file__).parent
+sys.path[:0] = [str(TESTS), str(TESTS / "chaos")]
+from chaos import events, reached_step, recorded_event, wait_until  # noqa: E402
+from multinode import start_cluster  # noqa: E402
+
+from lmforge import sdk  # noqa: E402
+from lmforge.spec import spec_from_dict  # noqa: E402
+
+
+def in_background(job: dict) -> tuple[threading.Thread, dict]:
+    """Train in a thread: Ray adds and removes nodes only from the main thread."""
+    outcome: dict = {}
+    thread = threading.Thread(target=lambda: outcome.update(summary=sdk.train(spec_from_dict(job), show_progress=False)))
+    thread.start()
+    return thread, outcome
+
+
+def placement(job: dict) -> dict:
+    summary = sdk.train(spec_from_dict(job), show_progress=False)
+    summary["nodes"] = sorted(n["NodeID"][:12] for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU") == 2)
+    return summary
+
+
+def shrink_then_grow(cluster, job: dict, node) -> dict:
+    run_dir = Path(job["output_dir"]) / job["name"]
+    thread, outcome = in_background(job)
+    wait_until(reached_step(run_dir, 5))
+    cluster.remove_node(node, allow_graceful=False)
+    wait_until(recorded_event(run_dir, "recovered"))
+    cluster.add_node(num_cpus=2)
+    thread.join()
+    return outcome["summary"]
+
+
+def spared(cluster, job: dict) -> dict:
+    """No `elastic`: without the spare's capacity the restart could not place dp 2."""
+    cluster.add_node(num_cpus=2)
+    cluster.wait_for_nodes()
+    job = job | {"name": "spared", "fault_tolerance": job["fault_tolerance"] | {"spares": 1}}
+    job.pop("elastic")
+    run_dir = Path(job["output_dir"]) / job["name"]
+    thread, outcome = in_background(job)
+    wait_until(reached_step(run_dir, 5))
+    layout = next(e for e in events(run_dir) if e["event"] == "layout")
+    rank_1_node = next(n for n in cluster.list_all_nodes() if n.node_id.startswith(layout["ranks"][1]["node"]))
+    cluster.remove_node(rank_1_node, allow_graceful=False)
+    thread.join()
+    return outcome["summary"]
+
+
+def main() -> None:
+    jobs = json.loads(open(sys.argv[1]).read())
+    cluster, workers = start_cluster(worker_nodes=2, cpus_per_node=2)
+    try:
+        results = {"placement": placement(jobs["placement"])}
+        elastic = jobs["elastic"]
+        results["whole"] = sdk.train(spec_from_dict(elastic | {"name": "whole"}), show_progress=False)
+        results["shrunk"] = shrink_then_grow(cluster, elastic, workers[1])
+        results["spared"] = spared(cluster, elastic)
+        Path(sys.argv[2]).write_text(json.dumps(results))
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+if __name__ == "__main__":
+    main()
