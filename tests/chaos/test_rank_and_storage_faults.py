@@ -45,27 +45,6 @@ def uninterrupted(ray_session, tiny_dataset, tmp_path_factory):
     return step_rows(run_dir), step_rows(run_dir, "samples.jsonl")
 
 
-def test_killed_rank_restarts_from_checkpoint_with_identical_losses_and_samples(uninterrupted, ray_session, tiny_dataset, tmp_path):
-    run_dir = tmp_path / "runs" / "tiny"
-    killed = []
-    watcher = when_step_reached(run_dir, 15, lambda: killed.append(kill_one_rank_process()))
-    summary = sdk.train(spec_from_dict(chaos_job(tmp_path, tiny_dataset)), show_progress=False)
-    watcher.join(timeout=5)
-    assert killed, "the rank was never killed"
-    assert summary["final_step"] == STEPS and summary["failures"] == 1
-    (failure,), (recovered,) = _events(run_dir, "failure"), _events(run_dir, "recovered")
-    restored = _restored_steps(run_dir)
-    assert len(restored) == 1 and restored[0] >= 10
-    assert failure["step"] >= 5 and "ActorDiedError" in failure["cause"]
-    assert recovered["seconds"] > 0 and recovered["steps_redone"] >= 0
-    same_as_uninterrupted(run_dir, uninterrupted)
-    # ... which is the order GlobalOrder defines, whatever dp read it.
-    samples = {step: row["ids"] for step, row in step_rows(run_dir, "samples.jsonl").items()}
-    manifest = read_manifest(tiny_dataset)
-    order = GlobalOrder(manifest["num_samples"], seed=1, block=manifest["shard_samples"], window=16)
-    assert samples == {step: order.ids((step - 1) * 8, 8).tolist() for step in range(1, STEPS + 1)}
-
-
 def test_hung_rank_is_detected_and_the_run_restarts(uninterrupted, ray_session, tiny_dataset, tmp_path):
     """SIGSTOP one rank: its peers block in their next collective; with
     fault_tolerance.step_timeout_s the controller calls it a hang, kills the group
@@ -125,10 +104,11 @@ def test_rank_killed_while_a_checkpoint_is_written_restores_the_one_before(unint
     same_as_uninterrupted(run_dir, uninterrupted)
 
 
-def test_corrupt_latest_checkpoint_is_passed_over_for_the_one_before(uninterrupted, ray_session, tiny_dataset, tmp_path):
-    """A byte of a shard of the newest committed checkpoint flips, and a rank dies at
-    once: the restart finds that checkpoint's checksums wrong, says so, and restores
-    the one before it."""
+def test_killed_rank_with_a_corrupt_latest_checkpoint_restores_the_one_before(uninterrupted, ray_session, tiny_dataset, tmp_path):
+    """A byte of a shard of the newest committed checkpoint flips, and a rank's
+    process is killed at once: the controller tears the group down, the restart
+    finds that checkpoint's checksums wrong, says so, restores the one before it,
+    and the run ends as if nothing had happened."""
     run_dir = tmp_path / "runs" / "tiny"
     ckpt = run_dir / "checkpoints"
     corrupted = []
@@ -147,10 +127,18 @@ def test_corrupt_latest_checkpoint_is_passed_over_for_the_one_before(uninterrupt
     summary = sdk.train(spec_from_dict(chaos_job(tmp_path, tiny_dataset)), show_progress=False)
     watcher.join(timeout=5)
     assert corrupted and summary["final_step"] == STEPS and summary["failures"] == 1
+    (failure,), (recovered,) = _events(run_dir, "failure"), _events(run_dir, "recovered")
+    assert failure["step"] >= 21 and "ActorDiedError" in failure["cause"]
+    assert recovered["seconds"] > 0 and recovered["steps_redone"] >= 1
     corrupt = _events(run_dir, "checkpoint_corrupt")
     assert [event["step"] for event in corrupt] == corrupted and ".distcp" in corrupt[0]["reason"]
     assert _restored_steps(run_dir) == ([corrupted[0] - 10] if corrupted[0] > 10 else [])  # none before step 10
     same_as_uninterrupted(run_dir, uninterrupted)
+    # ... which is the order GlobalOrder defines, whatever dp read it.
+    samples = {step: row["ids"] for step, row in step_rows(run_dir, "samples.jsonl").items()}
+    manifest = read_manifest(tiny_dataset)
+    order = GlobalOrder(manifest["num_samples"], seed=1, block=manifest["shard_samples"], window=16)
+    assert samples == {step: order.ids((step - 1) * 8, 8).tolist() for step in range(1, STEPS + 1)}
 
 
 def _block_steps(run_dir, *steps):

@@ -28,8 +28,8 @@ def test_hsdp_replicate2_x_shard2_matches_one_process(reference, tmp_path):
     assert got == pytest.approx(reference, rel=1e-5)
 
 
-@pytest.mark.parametrize("ac", ["none", "full"])
-@pytest.mark.parametrize("sp", [True, False], ids=["sp", "no-sp"])
+# SP with and without AC; the other two combinations passed too, cut for suite time.
+@pytest.mark.parametrize("sp, ac", [(True, "none"), (False, "full")], ids=["sp", "no-sp-ac"])
 def test_tp2_matches_one_process(reference, tmp_path, sp, ac):
     got = losses(tmp_path, 2, "parallel.tp=2", f"parallel.sequence_parallel={sp}", f"parallel.activation_checkpointing={ac}")
     assert got == pytest.approx(reference, rel=1e-4)
@@ -82,9 +82,10 @@ def test_pp2_schedules_match_one_process(reference, tmp_path, schedule, ac):
     assert got == pytest.approx(reference, rel=1e-4)
 
 
-@pytest.mark.parametrize("ac", ["none", "full"])
-def test_3d_pp2_dp2_tp2_on_8_ranks(reference, tmp_path, ac):
-    got = losses(tmp_path, 8, "parallel.pp=2", "parallel.tp=2", f"parallel.activation_checkpointing={ac}")
+def test_3d_pp2_dp2_tp2_on_8_ranks_with_full_ac(reference, tmp_path):
+    """Without AC, 3D is checked by `checkpoint_3d` below: its saved state continues
+    on four other layouts with the reference's losses."""
+    got = losses(tmp_path, 8, "parallel.pp=2", "parallel.tp=2", "parallel.activation_checkpointing=full")
     assert got == pytest.approx(reference, rel=1e-4)
 
 
