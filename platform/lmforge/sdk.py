@@ -113,9 +113,7 @@ def _run(plan: Plan, manifest: dict, console: Console, show_progress: bool) -> d
                     break
                 except ray.exceptions.RayActorError as err:
                     # The controller itself died: its ranks went with it (Ray's owner
-                    # fate-sharing), its placement groups did not; a new one resumes
-                    # from the latest checkpoint.
-                    placement.release_orphans(placement.owner_prefix(spec.name, controller._actor_id.hex()))
+                    # fate-sharing); a new one resumes from the latest checkpoint.
                     if seen.failures >= budget.max_failures:
                         raise TrainingFailed(f"the controller died ({_first_line(err)}); fault_tolerance.max_failures {budget.max_failures} is used up") from None
                     step = seen.last.get("step", plan.start_step)
@@ -125,6 +123,9 @@ def _run(plan: Plan, manifest: dict, console: Console, show_progress: bool) -> d
                     time.sleep(min(60.0, budget.backoff_s * 2 ** (seen.failures - 1)))
                 finally:
                     ray.kill(controller)
+                    # Its placement groups belong to the job, not to it: whatever it
+                    # did not release (it died, or failed mid-reservation) goes now.
+                    placement.release_orphans(placement.owner_prefix(spec.name, controller._actor_id.hex()))
         status = "FINISHED"
     except ray.exceptions.RayTaskError as err:
         raise _failure(err, run_dir) from None
