@@ -40,11 +40,16 @@ def test_node_loss_shrinks_then_grows_back_and_trains_exactly(multinode):
 
 
 def test_a_spare_rank_replaces_a_lost_node_without_shrinking(multinode):
-    """No `elastic` here: without the spare's capacity the restart could not place dp 2."""
+    """No `elastic` here: the restart must place dp 2 again, on the spare's capacity.
+    Nothing else competes for capacity on this cluster, so this checks the mechanism
+    (spares held, given up for the restart, dp kept), not protection from rivals."""
     result, runs = multinode
     spared = result["spared"]
     assert spared["final_step"] == STEPS and spared["failures"] >= 1 and spared["dp"] == 2
     history = events(runs / "spared")
-    assert [event["ready"] for event in history if event["event"] == "spares"][:2] == [1, 0]  # used up by the restart
+    # Ready from the start; the restart then used its capacity (the refill can briefly
+    # land on the lost node before Ray has declared it dead, so later counts vary).
+    assert [event["ready"] for event in history if event["event"] == "spares"][0] == 1
+    assert not [event for event in history if event["event"] == "resized"]
     assert all(event["dp"] == 2 for event in history if event["event"] == "recovered")
     _same_as_whole(runs, "spared", rel=1e-5)
