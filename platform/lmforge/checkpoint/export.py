@@ -8,7 +8,6 @@ commit record, since DeepSpeed's files are pickles.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -16,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from lmforge.checkpoint.store import COMMIT, STATE
+from lmforge.checkpoint.store import COMMIT, STATE, CheckpointStore
 from lmforge.errors import UserError
 from lmforge.models import ModelConfig, Transformer
 from lmforge.models.weights import clean_name, save_weights, weight_names
@@ -61,12 +60,14 @@ def _read_dcp(step_dir: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
 
 
 def _verify(step_dir: Path, subdir: str) -> None:
-    files = json.loads((step_dir / COMMIT).read_text())["files"]
-    for rel, meta in files.items():
-        if rel.startswith(subdir + "/"):
-            digest = hashlib.sha256((step_dir / rel).read_bytes()).hexdigest()
-            if digest != meta["sha256"]:
-                raise UserError(f"{step_dir / rel}: does not match its checksum in {COMMIT}; refusing to unpickle it")
+    """The commit record's checksums, as a restore checks them (same store code)."""
+    store = CheckpointStore(str(step_dir.parent))
+    step = int(json.loads((step_dir / STATE).read_text())["step"])
+    if store.step_path(step) != str(step_dir).rstrip("/"):
+        raise UserError(f"{step_dir}: its state.json is for step {step}; pass the step_XXXXXXXX directory as written")
+    bad = store.mismatches(step, [rel for rel in store.manifest(step) if rel.startswith(subdir + "/")])
+    if bad:
+        raise UserError(f"{step_dir / bad[0]}: does not match its checksum in {COMMIT}; refusing to unpickle it")
 
 
 def _read_deepspeed(step_dir: Path) -> dict[str, torch.Tensor]:
