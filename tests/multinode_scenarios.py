@@ -6,7 +6,7 @@ nodes, all on this machine; starting one is slow), in this order:
 3. shrunk: the same job, losing a worker node abruptly mid-run, then getting a
    node back once it has recovered on dp 1 (it should grow back to dp 2);
 4. spared: the same job at a fixed dp 2 with one spare rank on a third worker
-   node, losing a rank's node.
+   node, losing a rank's node while a rival placement group waits for a node.
 
 Writes each run's summary to RESULT.json. Launched by the `multinode` fixture.
 
@@ -19,6 +19,7 @@ import threading
 from pathlib import Path
 
 import ray
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
 TESTS = Path(__file__).parent
 sys.path[:0] = [str(TESTS), str(TESTS / "chaos")]
@@ -55,7 +56,9 @@ def shrink_then_grow(cluster, job: dict, node) -> dict:
 
 
 def spared(cluster, job: dict) -> dict:
-    """No `elastic`: without the spare's capacity the restart could not place dp 2."""
+    """No `elastic`: without the spare's capacity the restart could not place dp 2.
+    A rival asks for a whole node before the loss: if the spare's capacity were
+    ever free during the restart, the rival would take it and dp 2 would not fit."""
     cluster.add_node(num_cpus=2)
     cluster.wait_for_nodes()
     job = job | {"name": "spared", "fault_tolerance": job["fault_tolerance"] | {"spares": 1}}
@@ -65,9 +68,13 @@ def spared(cluster, job: dict) -> dict:
     wait_until(reached_step(run_dir, 5))
     layout = next(e for e in events(run_dir) if e["event"] == "layout")
     rank_1_node = next(n for n in cluster.list_all_nodes() if n.node_id.startswith(layout["ranks"][1]["node"]))
+    rival = placement_group([{"CPU": 2}], name="rival")
     cluster.remove_node(rank_1_node, allow_graceful=False)
+    wait_until(recorded_event(run_dir, "recovered"))
+    rival_at_recovery = placement_group_table(rival)["state"]
     thread.join()
-    return outcome["summary"]
+    remove_placement_group(rival)
+    return outcome["summary"] | {"rival_at_recovery": rival_at_recovery}
 
 
 def main() -> None:

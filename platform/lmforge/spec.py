@@ -146,7 +146,7 @@ class FaultToleranceSpec(_Section):
     step_timeout_s: Optional[float] = Field(
         None, gt=0, description="no step for this long (after an attempt's first step) counts as a hang: a failure"
     )
-    spares: int = Field(0, ge=0, description="idle ranks kept started on capacity of their own, so a lost rank is replaced without shrinking")
+    spares: int = Field(0, ge=0, description="ranks' worth of capacity held beyond the layout, so a lost rank is replaced without shrinking")
 
 
 class ElasticSpec(_Section):

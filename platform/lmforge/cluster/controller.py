@@ -1,12 +1,12 @@
-"""The Controller actor: reserves the placement group, starts one Worker per rank,
-hands out the rendezvous, runs the group and relays rank 0's events to the driver.
+"""The Controller actor: starts one Worker per rank in the slots that `Capacity`
+holds, hands out the rendezvous, runs the group and relays rank 0's events to the driver.
 
 A failing rank (it raises, its actor or its node dies) tears the whole group down
-so no survivor stays blocked in a collective. A job that shrank looks for room to
-grow back; when there is, its ranks stop at their next checkpoint and it restarts
-larger from there. Within `fault_tolerance.max_failures`
+so no survivor stays blocked in a collective. Within `fault_tolerance.max_failures`
 the controller then starts again from the latest committed checkpoint, after a
-backoff, and with `elastic` on the largest data-parallel size that still fits.
+backoff: in the slots on live nodes (spare slots take lost ones' place), or, with
+`elastic`, on the largest data-parallel size they hold. A job that shrank looks for room to grow back;
+when there is, its ranks stop at their next checkpoint and it restarts larger.
 Bad input and a checkpoint directory that keeps refusing writes are not retried.
 """
 
@@ -16,18 +16,14 @@ import threading
 import time
 
 import ray
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from lmforge.cluster import placement
-from lmforge.cluster.runtime import DATA_CPUS, WORKER_ENV, fits
-from lmforge.cluster.spares import SparePool
+from lmforge.cluster.capacity import Capacity
+from lmforge.cluster.runtime import WORKER_ENV
 from lmforge.cluster.worker import Worker
 from lmforge.errors import CheckpointWritesFailing, UserError
 from lmforge.parallel.mesh import MeshShape
 from lmforge.spec import JobSpec
-
-RESIZE_PROBE_S = 5.0  # how long to try each smaller layout after a failure
-GROW_PROBE_S = 2.0  # how often a shrunk job looks for room to grow back
 
 
 class RankHung(RuntimeError):
@@ -44,7 +40,8 @@ class Controller:
         self._events: list[dict] = []
         self._lock = threading.Lock()
         self._workers: list = []
-        self._pg = None
+        self._capacity: Capacity | None = None  # created by run()
+        self._rank_nodes: list[str] = []
         self._layout: list[dict] = []
         self._failed_layout: list[dict] = []
         self._dp = 0
@@ -54,12 +51,7 @@ class Controller:
         self._failed_at: float | None = None  # set from a failure until the first step after it
         self._progress_at: float | None = None  # when this attempt last reported a step
         self._redone = 0
-        self._growth_pg = None  # capacity held for growing back, while shrunk
-        self._grow_probed_at = 0.0
         self._resize_from: tuple[int, float] | None = None  # (dp, when) of a planned resize
-        self._spares: SparePool | None = None
-        self._spares_reported = 0
-        self._spares_probed_at = 0.0
         self._failures = 0
         if after_failure:
             self._failures = self._attempt = after_failure["failures"]
@@ -78,7 +70,6 @@ class Controller:
                 self._events.append({
                     "event": "recovered", "step": event["step"], "dp": self._dp,
                     "seconds": round(time.time() - self._failed_at, 2), "steps_redone": self._redone,
-                    # By now Ray has noticed a dead node, which it may not have at the failure.
                     "nodes_lost": self._nodes_lost(self._failed_layout), "time": time.time(),
                 })
                 self._failed_at = None
@@ -97,38 +88,35 @@ class Controller:
         spec = JobSpec.model_validate(self.spec_dict)
         budget = spec.fault_tolerance
         failures = self._failures
-        # After a failure, or when an elastic job's first dp does not fit: the largest that does.
-        res = spec.resources
-        crowded = spec.elastic is not None and not fits(spec.world_size + spec.fault_tolerance.spares, res.cpus_per_worker, res.gpus_per_worker)
-        current = self._resized(spec) if failures or crowded else spec
-        while True:
-            try:
-                result = self._run_once(current)
-            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, RankHung) as err:
-                cause = err.cause if isinstance(err, ray.exceptions.RayTaskError) else err
-                if isinstance(cause, (UserError, CheckpointWritesFailing)) or failures >= budget.max_failures:
-                    raise
-                failures += 1
-                self._new_attempt(failed=True)
-                self.report({
-                    "event": "failure", "attempt": failures, "max_failures": budget.max_failures,
-                    "step": self._last_step, "cause": f"{type(cause).__name__}: {_first_line(cause)}",
-                    "rank": self._failed_rank, "nodes_lost": self._nodes_lost(self._layout),
-                })
-                time.sleep(min(60.0, budget.backoff_s * 2 ** (failures - 1)))
-                if self._spares is not None:
-                    self._spares.release()  # their capacity goes to the restarted group first
-                current = self._resized(spec)
-                continue
-            if not result.get("stopped"):
-                if self._spares is not None:
-                    self._spares.release()
-                return result
-            # Stopped at a committed checkpoint because more ranks fit now: grow.
-            self._release_growth()
-            self._new_attempt(failed=False)
-            self._resize_from = (self._dp, time.time())
-            current = self._resized(spec)
+        capacity = self._capacity = Capacity(spec, self._pg_name("slot/"), lambda event: self.report({"step": self._last_step} | event), self.placement_timeout_s)
+        try:
+            current = capacity.initial(spares_optional=bool(failures))
+            while True:
+                try:
+                    result = self._run_once(current)
+                except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, RankHung) as err:
+                    cause = err.cause if isinstance(err, ray.exceptions.RayTaskError) else err
+                    if isinstance(cause, (UserError, CheckpointWritesFailing)) or failures >= budget.max_failures:
+                        raise
+                    failures += 1
+                    self._new_attempt(failed=True)
+                    capacity.find_lost(self._rank_nodes)
+                    self.report({
+                        "event": "failure", "attempt": failures, "max_failures": budget.max_failures,
+                        "step": self._last_step, "cause": f"{type(cause).__name__}: {_first_line(cause)}",
+                        "rank": self._failed_rank, "nodes_lost": self._nodes_lost(self._layout),
+                    })
+                    time.sleep(min(60.0, budget.backoff_s * 2 ** (failures - 1)))
+                    current = capacity.fit(current)
+                    continue
+                if not result.get("stopped"):
+                    return result
+                # Stopped at a committed checkpoint because more ranks fit now: grow.
+                self._new_attempt(failed=False)
+                self._resize_from = (self._dp, time.time())
+                current = capacity.fit(spec)
+        finally:
+            capacity.release()
 
     def _new_attempt(self, failed: bool) -> None:
         with self._lock:  # from here on, reports of the previous attempt are dropped
@@ -142,65 +130,12 @@ class Controller:
 
     def grow_pending(self) -> bool:
         """Asked by rank 0 at each checkpoint: stop there, so the job can grow?"""
-        return self._growth_pg is not None
-
-    def _probe_growth(self, spec: JobSpec) -> None:
-        """While shrunk, look now and then for room for more replicas; hold it when found
-        (the ranks stop at their next checkpoint, then the job restarts larger)."""
-        if spec.elastic is None or self._growth_pg is not None or self._dp >= spec.elastic.max_dp:
-            return
-        if time.time() - self._grow_probed_at < GROW_PROBE_S:
-            return
-        self._grow_probed_at = time.time()
-        res, p = spec.resources, spec.parallel
-        free = ray.available_resources().get("CPU", 0) - DATA_CPUS
-        for dp in range(spec.elastic.max_dp, self._dp, -1):
-            extra = p.pp * (dp - self._dp) * p.tp
-            if extra * res.cpus_per_worker > free:
-                continue
-            try:
-                self._growth_pg = placement.reserve(extra, p.tp, res.cpus_per_worker, res.gpus_per_worker, 1.0, self._pg_name("growth"))
-            except UserError:
-                continue
-            self.report({"event": "grow_pending", "step": self._last_step, "dp": self._dp, "to_dp": dp})
-            return
-
-    def _fill_spares(self, spec: JobSpec, first: bool) -> None:
-        """Start the spare ranks: on the first launch they must fit, later as many as do."""
-        wanted = spec.fault_tolerance.spares
-        if not wanted:
-            return
-        res = spec.resources
-        if self._spares is None:
-            self._spares = SparePool(wanted, spec.parallel.tp, res.cpus_per_worker, res.gpus_per_worker, self._pg_name("spare"))
-        ready = self._spares.fill(self.placement_timeout_s if first else 1.0)
-        if first and ready < wanted:
-            self._spares.release()
-            raise UserError(f"fault_tolerance.spares: the cluster cannot hold {wanted} spare ranks beside the job's {spec.world_size}")
-        if ready != self._spares_reported:
-            self._spares_reported = ready
-            self.report({"event": "spares", "step": self._last_step, "ready": ready, "wanted": wanted})
-
-    def _probe_spares(self, spec: JobSpec) -> None:
-        """Refill spares used up by a restart, now and then, once capacity returns."""
-        if self._spares is None or self._spares.ready >= self._spares.wanted:
-            return
-        if time.time() - self._spares_probed_at >= GROW_PROBE_S:
-            self._spares_probed_at = time.time()
-            self._fill_spares(spec, first=False)
-
-    def _release_growth(self) -> None:
-        if self._growth_pg is not None:
-            placement.release(self._growth_pg)
-            self._growth_pg = None
+        return self._capacity is not None and self._capacity.growth_pending
 
     def _run_once(self, spec: JobSpec) -> dict:
         controller_handle = ray.get_runtime_context().current_actor
         world, tp, res = spec.world_size, spec.parallel.tp, spec.resources
         self._dp = spec.parallel.dp
-        if self._pg is None:
-            self._pg = placement.reserve(world, tp, res.cpus_per_worker, res.gpus_per_worker, self.placement_timeout_s, self._pg_name("ranks"))
-        self._fill_spares(spec, first=self._attempt == 0)
         spec_dict = spec.model_dump(mode="json", exclude_unset=True)
         self._progress_at = None
         results: list = []
@@ -217,32 +152,9 @@ class Controller:
             return results[0] | {"world_size": world, "dp": spec.parallel.dp}
         finally:
             self._teardown()
-            if self._growth_pg is not None and not (results and results[0].get("stopped")):
-                self._release_growth()  # a failure or the end came first
 
-    def _resized(self, spec: JobSpec) -> JobSpec:
-        """Elastic: the largest dp in range whose placement group can be reserved now
-        (it is kept for the next attempt). Without `elastic`, the same job."""
-        if spec.elastic is None:
-            return spec
-        res, p = spec.resources, spec.parallel
-        for dp in range(spec.elastic.max_dp, spec.elastic.min_dp - 1, -1):
-            world = p.pp * dp * p.tp
-            if world * res.cpus_per_worker + DATA_CPUS > ray.cluster_resources().get("CPU", 0):
-                continue
-            try:
-                self._pg = placement.reserve(world, p.tp, res.cpus_per_worker, res.gpus_per_worker, RESIZE_PROBE_S, self._pg_name("ranks"))
-            except UserError:
-                continue
-            return spec.with_dp(dp)
-        raise UserError(
-            f"elastic.min_dp: after a failure the cluster cannot hold even dp {spec.elastic.min_dp} "
-            f"(pp {p.pp} x tp {p.tp} ranks of {res.cpus_per_worker:g} CPU, {res.gpus_per_worker:g} GPU each)"
-        )
-
-    @staticmethod
-    def _nodes_lost(layout: list[dict]) -> list[str]:
-        alive = {node["NodeID"][:12] for node in ray.nodes() if node["Alive"]}
+    def _nodes_lost(self, layout: list[dict]) -> list[str]:
+        alive = {node[:12] for node in self._capacity.alive_nodes()}
         return sorted({rank["node"] for rank in layout} - alive)
 
     def _wait_all(self, refs: list, spec: JobSpec) -> list:
@@ -255,8 +167,7 @@ class Controller:
         while pending:
             done, pending = ray.wait(pending, num_returns=1, timeout=1.0)
             if not done:
-                self._probe_growth(spec)
-                self._probe_spares(spec)
+                self._capacity.probe(spec)
                 stalled = time.time() - self._progress_at if self._progress_at else 0.0
                 if step_timeout_s and stalled > step_timeout_s:
                     raise RankHung(f"no step for {stalled:.0f}s after step {self._last_step} (fault_tolerance.step_timeout_s {step_timeout_s:g})")
@@ -289,16 +200,16 @@ class Controller:
 
     def _start_workers(self, world: int, tp: int, cpus: float, gpus: float) -> None:
         for rank in range(world):
-            strategy = PlacementGroupSchedulingStrategy(placement_group=self._pg, placement_group_bundle_index=placement.bundle_of(rank, tp))
             self._workers.append(
                 Worker.options(
-                    num_cpus=cpus, num_gpus=gpus, scheduling_strategy=strategy,
+                    num_cpus=cpus, num_gpus=gpus, scheduling_strategy=self._capacity.slots.strategy(rank // tp),
                     runtime_env={"env_vars": WORKER_ENV}, name=None,
                 ).remote(rank, world)
             )
 
     def _rendezvous(self, shape: MeshShape) -> list[dict]:
         addresses = ray.get([w.address.remote() for w in self._workers])
+        self._rank_nodes = [node for _, _, node in addresses]
         master_addr, master_port, _ = addresses[0]
         ray.get([w.setup.remote(master_addr, master_port) for w in self._workers])
         return [{"rank": r, **shape.coordinates(r), "ip": ip, "node": node[:12]} for r, (ip, _, node) in enumerate(addresses)]
@@ -307,10 +218,6 @@ class Controller:
         for worker in self._workers:
             ray.kill(worker, no_restart=True)
         self._workers = []
-        if self._pg is not None:
-            placement.release(self._pg)
-            self._pg = None
-
 
 
 def _first_line(err: BaseException) -> str:

@@ -1,42 +1,95 @@
-"""Placement of rank actors: one placement-group bundle per tensor-parallel group.
+"""Capacity for the job's ranks, held in slots: one single-bundle placement group
+per tensor-parallel group. A bundle lies on one node, so a TP group never spans two.
 
-A bundle always lies on one node, so a TP group (consecutive ranks, sharing one
-bundle) never spans two nodes; bundles are packed so that groups fill a node
-before spilling to the next, which keeps the stages of a pipeline close.
+Separate slots let a restart keep the capacity that survived a node loss and put
+spare slots in the lost ones' place without giving anything back (a request
+waiting for capacity could take it), and let a lost slot go at once: Ray keeps
+retrying to place a multi-bundle group's lost bundle, and in Ray 2.60 that retry
+loop spins the GCS for as long as no capacity is free.
 """
 
 from __future__ import annotations
 
 import ray
 from ray._raylet import PlacementGroupID
-from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
+from ray.util.placement_group import NODE_ID_LABEL_KEY, PlacementGroup, placement_group, placement_group_table, remove_placement_group
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from lmforge.errors import UserError
 
 
-def bundle_of(rank: int, group_size: int) -> int:
-    return rank // group_size
+class Slots:
+    """The slots one controller holds, in rank order: those of the running layout's
+    TP groups first, then spares and capacity reserved for growing."""
+
+    def __init__(self, group_size: int, cpus: float, gpus: float, name: str):
+        self.group_size, self.name = group_size, name
+        self.bundle = {"CPU": cpus * group_size} | ({"GPU": gpus * group_size} if gpus else {})
+        self._held: list[PlacementGroup] = []
+        self._made = 0  # Ray wants unique names: slot 0, 1, ... of this controller
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def strategy(self, index: int) -> PlacementGroupSchedulingStrategy:
+        return PlacementGroupSchedulingStrategy(placement_group=self._held[index], placement_group_bundle_index=0)
+
+    def add(self, count: int, timeout_s: float, avoid: frozenset[str] = frozenset()) -> None:
+        """Reserve `count` more slots, all or none within `timeout_s` (UserError).
+        `avoid`: nodes known lost that Ray may not have declared dead yet, and would
+        otherwise place on."""
+        selector = [{NODE_ID_LABEL_KEY: f"!in({','.join(sorted(avoid))})"}] if avoid else None
+        new = [placement_group([dict(self.bundle)], name=f"{self.name}{self._made + i}", bundle_label_selector=selector) for i in range(count)]
+        self._made += count
+        try:
+            ray.get([pg.ready() for pg in new], timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            for pg in new:
+                remove_placement_group(pg)
+            raise UserError(
+                f"resources: could not place {count} more groups of {self.group_size} workers ({self.bundle} each) "
+                f"within {timeout_s:.0f}s; a tensor-parallel group must fit on one node; "
+                f"the cluster has {ray.available_resources()} free"
+            ) from None
+        self._held += new
+
+    def nodes(self) -> list[str]:
+        """The node of each slot ("" while Ray has it nowhere)."""
+        table = placement_group_table()  # one call for all
+        return [table.get(pg.id.hex(), {}).get("bundles_to_node_id", {}).get(0, "") for pg in self._held]
+
+    def drop_lost(self, lost: set[str]) -> int:
+        """Release the slots on lost nodes (keeping the others' order); how many."""
+        kept = []
+        for pg, node in zip(self._held, self.nodes()):
+            if node and node not in lost:
+                kept.append(pg)
+            else:
+                remove_placement_group(pg)
+        dropped, self._held = len(self._held) - len(kept), kept
+        return dropped
+
+    def keep(self, count: int) -> None:
+        """Release the slots past the first `count`."""
+        for pg in self._held[count:]:
+            remove_placement_group(pg)
+        self._held = self._held[:count]
 
 
-def reserve(workers: int, group_size: int, cpus: float, gpus: float, timeout_s: float, name: str = "") -> PlacementGroup:
-    """One bundle of `group_size` ranks' resources per TP group. `name` lets the
-    driver find and remove the groups of a controller that died."""
-    bundle = {"CPU": cpus * group_size} | ({"GPU": gpus * group_size} if gpus else {})
-    pg = placement_group([dict(bundle) for _ in range(workers // group_size)], strategy="PACK", name=name)
-    try:
-        ray.get(pg.ready(), timeout=timeout_s)
-    except ray.exceptions.GetTimeoutError:
-        remove_placement_group(pg)
-        raise UserError(
-            f"resources: could not place {workers // group_size} groups of {group_size} workers ({bundle} each) "
-            f"within {timeout_s:.0f}s; a tensor-parallel group must fit on one node; "
-            f"the cluster has {ray.available_resources()} free"
-        ) from None
-    return pg
+@ray.remote(num_cpus=0)
+def _answer() -> bool:
+    return True
 
 
-def release(pg: PlacementGroup) -> None:
-    remove_placement_group(pg)
+def unresponsive(nodes: set[str], timeout_s: float) -> set[str]:
+    """The nodes among `nodes` that do not run a no-op task within `timeout_s`. A node
+    that vanished abruptly is declared dead only after Ray's health checks time out
+    (tens of seconds), and until then Ray keeps placing work on it: ask the nodes."""
+    pings = {node: _answer.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote() for node in nodes}
+    answered, _ = ray.wait(list(pings.values()), num_returns=len(pings), timeout=timeout_s)
+    for ref in set(pings.values()) - set(answered):
+        ray.cancel(ref)
+    return {node for node, ref in pings.items() if ref not in answered}
 
 
 def owner_prefix(job: str, controller_id: str) -> str:

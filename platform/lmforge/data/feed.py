@@ -94,8 +94,11 @@ class BatchFeed:
     """The trainer's side: yields (step, ids, micro-batches, seconds waited)."""
 
     def __init__(self, data_path: str, manifest: dict, order: GlobalOrder, layout: BatchLayout, dp_rank: int, start_step: int, prefetch_steps: int):
+        # On this rank's node, strictly: a soft affinity lets Ray move a reader to a node
+        # it still counts as free, such as one that vanished moments ago and is not yet
+        # declared dead (seen after a node loss: the restarted rank failed again).
         node = ray.get_runtime_context().get_node_id()
-        affinity = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(node, soft=True)
+        affinity = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(node, soft=False)
         self.reader = FeedReader.options(scheduling_strategy=affinity).remote(data_path, manifest, order, layout, dp_rank)
         self.layout, self.prefetch_steps = layout, prefetch_steps
         self._next_step = self._next_request = start_step

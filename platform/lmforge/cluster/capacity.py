@@ -1,0 +1,139 @@
+"""How large each attempt of a job runs, and the slots it runs in.
+
+The controller asks for a layout at the start, after a failure and after a stop
+to grow; this decides it from the slots held (placement.Slots), reserving more
+only when the layout needs them. After a failure the slots on lost nodes are
+dropped and the survivors kept, spares included, so a spare takes a lost group's
+place with no capacity given back. While running it looks now and then for room
+to grow an elastic job (the ranks then stop at their next checkpoint) and to
+refill the spares.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import ray
+
+from lmforge.cluster.placement import Slots, unresponsive
+from lmforge.cluster.runtime import DATA_CPUS, fits
+from lmforge.errors import UserError
+from lmforge.spec import JobSpec
+
+RESIZE_PROBE_S = 5.0  # how long an elastic start tries each larger layout before a smaller one
+PROBE_EVERY_S = 2.0  # how often a running job looks for room to grow or for its spares
+NODE_PROBE_S = 3.0  # after a failure, a node that does not run a no-op task in this long is lost
+
+
+class Capacity:
+    def __init__(self, spec: JobSpec, name: str, report: Callable[[dict], None], placement_timeout_s: float):
+        p, res = spec.parallel, spec.resources
+        self.spec, self.report, self.placement_timeout_s = spec, report, placement_timeout_s
+        self.slots = Slots(p.tp, res.cpus_per_worker, res.gpus_per_worker, name)
+        self.spare_groups = spec.fault_tolerance.spares // p.tp
+        self.lost: set[str] = set()  # nodes found gone, perhaps not yet declared dead by Ray
+        self.growth_pending = False
+        self._spares_ready = 0
+        self._probed_at = 0.0
+
+    def groups(self, dp: int) -> int:
+        return self.spec.parallel.pp * dp
+
+    def initial(self, spares_optional: bool) -> JobSpec:
+        """The first layout: the job's dp (elastic: the largest in range that can be
+        placed, waiting only for the smallest) and its spares, which must fit unless
+        `spares_optional` (a controller replacing one that died)."""
+        spec, elastic = self.spec, self.spec.elastic
+        dps = [spec.parallel.dp] if elastic is None else [dp for dp in range(elastic.max_dp, elastic.min_dp - 1, -1) if self._fits(dp, 0)]
+        error: UserError | None = None
+        for i, dp in enumerate(dps):
+            timeout_s = self.placement_timeout_s if i == len(dps) - 1 else RESIZE_PROBE_S
+            for spares in (self.spare_groups, 0) if spares_optional and self.spare_groups else (self.spare_groups,):
+                try:
+                    self.slots.add(self.groups(dp) + spares, timeout_s)
+                except UserError as err:
+                    error = err
+                    continue
+                self._report_spares(spares)
+                return spec if elastic is None else spec.with_dp(dp)
+        if self.spare_groups and not spares_optional and error is not None:
+            raise UserError(f"fault_tolerance.spares: with {spec.fault_tolerance.spares} spare ranks beside the job's: {error}")
+        raise error or UserError(f"elastic.min_dp: the cluster cannot hold even dp {elastic.min_dp}")
+
+    def find_lost(self, rank_nodes: list[str]) -> None:
+        """After a failure: which of the job's nodes are gone, dead to Ray or silent;
+        their slots are released (the rest kept)."""
+        nodes = (set(self.slots.nodes()) | set(rank_nodes)) - {""}
+        alive = self.alive_nodes()
+        self.lost |= (nodes - alive) | unresponsive(nodes & alive, NODE_PROBE_S)
+        self.slots.drop_lost(self.lost)
+
+    def fit(self, current: JobSpec) -> JobSpec:
+        """The layout to restart on, in the slots held: the same dp when they hold it
+        (spares taking lost groups' place). Otherwise an elastic job takes the largest
+        dp they hold, and the missing slots are reserved, avoiding lost nodes, for
+        a fixed dp or elastic.min_dp (UserError when they cannot be)."""
+        self.growth_pending = False
+        spec, elastic, held = self.spec, self.spec.elastic, len(self.slots)
+        if elastic is None:
+            dp = current.parallel.dp
+        else:
+            dp = max((d for d in range(elastic.min_dp, elastic.max_dp + 1) if self.groups(d) <= held), default=elastic.min_dp)
+        if held < self.groups(dp):
+            try:
+                self.slots.add(self.groups(dp) - held, self.placement_timeout_s, frozenset(self.lost))
+            except UserError as err:
+                field = "elastic.min_dp" if elastic else "resources"
+                raise UserError(f"{field}: after a failure the cluster cannot hold dp {dp} again: {err}") from None
+        self.slots.keep(self.groups(dp) + self.spare_groups)
+        self._report_spares(len(self.slots) - self.groups(dp))
+        return current if elastic is None else spec.with_dp(dp)
+
+    def probe(self, current: JobSpec) -> None:
+        """Now and then while running: reserve room to grow (elastic, below max_dp),
+        then refill missing spares, one slot at a time."""
+        if time.time() - self._probed_at < PROBE_EVERY_S or self.growth_pending:
+            return
+        self._probed_at = time.time()
+        dp, elastic, held = current.parallel.dp, self.spec.elastic, len(self.slots)
+        for larger in range(elastic.max_dp, dp, -1) if elastic else ():
+            extra = self.groups(larger) - held
+            if extra <= 0 or self._room_for(extra):
+                if extra > 0 and not self._try_add(extra):
+                    continue
+                self.growth_pending = True
+                self.report({"event": "grow_pending", "dp": dp, "to_dp": larger})
+                return
+        spares = held - self.groups(dp)
+        if spares < self.spare_groups and self._room_for(1) and self._try_add(1):
+            spares += 1
+        self._report_spares(spares)
+
+    def release(self) -> None:
+        self.slots.keep(0)
+
+    def alive_nodes(self) -> set[str]:
+        return {node["NodeID"] for node in ray.nodes() if node["Alive"]} - self.lost
+
+    def _fits(self, dp: int, spares: int) -> bool:
+        res = self.spec.resources
+        return fits((self.groups(dp) + spares) * self.spec.parallel.tp, res.cpus_per_worker, res.gpus_per_worker)
+
+    def _room_for(self, groups: int) -> bool:
+        """Clearly enough free CPUs for `groups` more slots (skips a placement's wait)."""
+        free = ray.available_resources().get("CPU", 0) - DATA_CPUS
+        return groups * self.slots.bundle["CPU"] <= free
+
+    def _try_add(self, groups: int) -> bool:
+        try:
+            self.slots.add(groups, 1.0, frozenset(self.lost))
+        except UserError:
+            return False
+        return True
+
+    def _report_spares(self, groups: int) -> None:
+        ready = min(groups, self.spare_groups) * self.spec.parallel.tp
+        if self.spare_groups and ready != self._spares_ready:
+            self._spares_ready = ready
+            self.report({"event": "spares", "ready": ready, "wanted": self.spec.fault_tolerance.spares})

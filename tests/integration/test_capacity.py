@@ -1,0 +1,97 @@
+"""Slots and the layout decisions built on them, on the session's one-node Ray
+cluster (6 CPUs): what is reserved, kept, released, and the errors when it does
+not fit. Node loss itself is in tests/chaos/test_node_loss.py."""
+
+import time
+
+import pytest
+import ray
+
+from lmforge.cluster.capacity import Capacity
+from lmforge.cluster.placement import Slots
+from lmforge.errors import UserError
+from lmforge.spec import JobSpec, spec_from_dict
+
+pytestmark = pytest.mark.ray
+
+
+def job(**sections) -> JobSpec:
+    tree = {
+        "name": "capacity", "model": {"preset": "tiny", "vocab_size": 512}, "parallel": {"dp": 2},
+        "train": {"global_batch": 12, "micro_batch": 1, "seq_len": 32}, "data": {"path": "unused"},
+        "resources": {"cpus_per_worker": 1}, "fault_tolerance": {"max_failures": 1},
+    }
+    for section, values in sections.items():
+        tree[section] = tree.get(section, {}) | values
+    return spec_from_dict(tree)
+
+
+def free_cpus() -> float:
+    return ray.available_resources().get("CPU", 0)
+
+
+def settles_at(cpus: float, timeout_s: float = 10) -> bool:
+    """Ray frees a removed placement group's resources asynchronously."""
+    deadline = time.time() + timeout_s
+    while free_cpus() != cpus and time.time() < deadline:
+        time.sleep(0.05)
+    return free_cpus() == cpus
+
+
+def test_slots_are_reserved_all_or_none_and_dropped_by_node(ray_session):
+    before = ray.cluster_resources()["CPU"]  # nothing else holds any
+    assert settles_at(before)
+    slots = Slots(group_size=2, cpus=1, gpus=0, name="test/slots/")
+    slots.add(2, timeout_s=30)
+    assert len(slots) == 2 and free_cpus() == before - 4
+    (node,) = set(slots.nodes())
+    assert node == ray.get_runtime_context().get_node_id()
+    with pytest.raises(UserError, match="could not place 2 more groups of 2 workers"):
+        slots.add(2, timeout_s=2)  # 4 more CPUs than are free: none of the two is kept
+    assert len(slots) == 2 and settles_at(before - 4)
+    assert slots.drop_lost({"some-other-node"}) == 0 and len(slots) == 2
+    assert slots.drop_lost({node}) == 2 and len(slots) == 0
+    assert settles_at(before)
+
+
+def test_an_elastic_restart_takes_the_largest_dp_the_kept_slots_hold(ray_session):
+    events = []
+    spec = job(elastic={"min_dp": 1, "max_dp": 3})
+    capacity = Capacity(spec, "test/elastic/", events.append, placement_timeout_s=10)
+    try:
+        first = capacity.initial(spares_optional=False)
+        assert first.parallel.dp == 3 and len(capacity.slots) == 3
+        capacity.slots.keep(2)  # as if the third slot's node were lost
+        resized = capacity.fit(first)
+        assert (resized.parallel.dp, resized.grad_accum) == (2, 6) and len(capacity.slots) == 2  # 3 x 4 before
+    finally:
+        capacity.release()
+    assert len(capacity.slots) == 0
+
+
+def test_spares_take_a_lost_slots_place_and_the_surplus_is_released(ray_session):
+    events = []
+    spec = job(fault_tolerance={"max_failures": 1, "spares": 1})
+    capacity = Capacity(spec, "test/spares/", events.append, placement_timeout_s=10)
+    try:
+        current = capacity.initial(spares_optional=False)
+        assert len(capacity.slots) == 3 and events == [{"event": "spares", "ready": 1, "wanted": 1}]
+        capacity.slots.keep(2)  # a rank's slot lost: the spare's slot completes the layout
+        assert capacity.fit(current).parallel.dp == 2 and len(capacity.slots) == 2
+        assert events[-1] == {"event": "spares", "ready": 0, "wanted": 1}
+        assert settles_at(ray.cluster_resources()["CPU"] - 2)
+        capacity.probe(current)  # room is free again: the spare comes back
+        assert len(capacity.slots) == 3 and events[-1]["ready"] == 1
+    finally:
+        capacity.release()
+
+
+def test_spares_that_do_not_fit_are_refused_naming_the_field(ray_session):
+    spec = job(parallel={"dp": 2}, fault_tolerance={"max_failures": 1, "spares": 8})
+    capacity = Capacity(spec, "test/too-many/", lambda event: None, placement_timeout_s=2)
+    before = ray.cluster_resources()["CPU"]  # nothing else holds any
+    with pytest.raises(UserError, match="fault_tolerance.spares: with 8 spare ranks"):
+        capacity.initial(spares_optional=False)
+    assert len(capacity.slots) == 0 and settles_at(before)
+    assert capacity.initial(spares_optional=True).parallel.dp == 2  # a replacement controller runs without them
+    capacity.release()
