@@ -42,6 +42,12 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("checkpoint", help="a committed step directory, e.g. runs/NAME/checkpoints/step_00000100")
     export.add_argument("--out", required=True, help="new directory to write (usable as model.init_from)")
 
+    plan = sub.add_parser("plan", help="per-rank memory breakdown of a job, before launch")
+    plan.add_argument("job", help="job YAML file")
+    plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    plan.add_argument("--cluster", help='devices to check against, e.g. "nodes=4,gpus_per_node=8,gpu_mem=80GB"')
+    plan.add_argument("--json", action="store_true", help="print the breakdown as JSON")
+
     sub.add_parser("version", help="print the version")
     return parser
 
@@ -122,6 +128,26 @@ def _cmd_export(args) -> int:
     return 0
 
 
+def _cmd_plan(args) -> int:
+    from rich.console import Console
+
+    from lmforge.memory.estimate import worst_rank
+    from lmforge.memory.report import fits, parse_cluster, render
+    from lmforge.spec import load_spec
+
+    cluster = parse_cluster(args.cluster) if args.cluster else None
+    spec = load_spec(args.job, args.overrides)
+    breakdown = worst_rank(spec)
+    if args.json:
+        out = {"job": spec.name, "world_size": spec.world_size, "worst_rank": breakdown.as_dict()}
+        if cluster is not None:
+            out["cluster"] = {"nodes": cluster.nodes, "gpus_per_node": cluster.gpus_per_node, "gpu_mem": cluster.gpu_mem, "fits": fits(breakdown, cluster)}
+        print(json.dumps(out, indent=2))
+    else:
+        render(spec.name, breakdown, spec.world_size, cluster, Console())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     # Ray Data logs every dataset execution at INFO; the CLI shows its own progress.
@@ -132,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
 
             print(__version__)
             return 0
-        commands = {"data": _cmd_prepare, "export": _cmd_export, "train": _cmd_train}
+        commands = {"data": _cmd_prepare, "export": _cmd_export, "plan": _cmd_plan, "train": _cmd_train}
         return commands[args.command](args)
     except UserError as err:
         print(f"lmforge: error: {err}", file=sys.stderr)

@@ -14,6 +14,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from lmforge.checkpoint.sharded import load_checkpoint
 from lmforge.checkpoint.store import CheckpointStore
@@ -45,6 +46,21 @@ def describe(engine) -> dict:
             optimizer=type(ds.basic_optimizer).__name__,
         )
     return info
+
+
+def state_bytes(engine) -> dict | None:
+    """This rank's model-state bytes as allocated (local shards), taken just before
+    the optimizer step, when gradients exist; native engine only."""
+    if not hasattr(engine, "parts"):
+        return None
+    params = list({id(p): p for part in engine.parts for p in part.parameters()}.values())
+    size = lambda t: _local(t).numel() * _local(t).element_size()  # noqa: E731
+    moments = [v for opt in engine.optimizers for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    return {"params": sum(map(size, params)), "grads": sum(size(p.grad) for p in params if p.grad is not None), "optimizer": sum(map(size, moments))}
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def main() -> None:
@@ -86,7 +102,7 @@ def main() -> None:
         load_checkpoint(store, ckpt, engine)
         start = ckpt.step
     gen = torch.Generator().manual_seed(0)
-    losses = []
+    losses, states = [], {}
     for step in range(args.steps):
         # Learnable sequences (arithmetic progressions) so the loss visibly falls.
         start_tok = torch.randint(0, 256, (8, 1), generator=gen)
@@ -95,15 +111,17 @@ def main() -> None:
             continue  # the batch was drawn so the generator stays in step
         global_batch = (start_tok + stride * torch.arange(17)) % 256
         share = global_batch.view(dp, -1, 17)[dims.dp_rank]
-        stats = engine.train_step(share.view(spec.grad_accum, spec.train.micro_batch, 17))
+        stats = engine.train_step(share.view(spec.grad_accum, spec.train.micro_batch, 17), before_update=lambda: states.update(measured=state_bytes(engine)))
         losses.append(stats.loss)
         if args.save and step + 1 == args.save_at:
             writer = CheckpointWriter(CheckpointStore(args.save), CheckpointSpec(keep=1, async_save=False), dist.new_group(backend="gloo"), lambda event: None)
             writer.save(step + 1, engine, {"step": step + 1, "dp": p.dp, "model": spec.model_arch.as_dict()})
             writer.close()
+    per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, states.get("measured"))
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
-            json.dump({"losses": losses, "engine": describe(engine)}, f)
+            json.dump({"losses": losses, "engine": describe(engine), "states": per_rank, "spec": spec.model_dump(mode="json")}, f)
     dist.barrier()  # results are written; no rank leaves while a peer still sends
     # Exit without destroy_process_group: under heavy load gloo's teardown has
     # aborted a rank now and then ("terminate called without an active exception")

@@ -56,7 +56,7 @@ class NativeEngine(Engine):
         self.dims, self.device, self.spec = dims, device, spec
         self.tensor_parallel = dims.shape.tp > 1
         self.pipelined = dims.shape.pp > 1
-        self.sharded = needs_wrapping(dims, spec.train.precision)
+        self.sharded = needs_wrapping(dims.shape, spec.train.precision)
         with torch.device("meta"):
             whole = Transformer(spec.model_arch)
         weights = spec.model.init_from

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from lmforge.parallel.mesh import ParallelDims
+from lmforge.parallel.mesh import MeshShape, ParallelDims
 
 
 def apply_fsdp(model: nn.Module, dims: ParallelDims, zero: int, precision: str, cpu_offload: bool = False) -> nn.Module:
@@ -28,7 +28,7 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, zero: int, precision: str, 
     return model
 
 
-def needs_wrapping(dims: ParallelDims, precision: str) -> bool:
+def needs_wrapping(shape: MeshShape, precision: str) -> bool:
     """One fp32 data-parallel rank needs no FSDP at all (with or without TP); bf16
     still uses FSDP2's mixed precision."""
-    return dims.shape.dp > 1 or precision != "fp32"
+    return shape.dp > 1 or precision != "fp32"

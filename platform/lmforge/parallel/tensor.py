@@ -20,6 +20,25 @@ from torch.distributed.tensor.parallel import (
 )
 
 
+# The Megatron split of a block, declared once: the engine applies it and the memory
+# estimator reads which dim of each weight it cuts (colwise: dim 0, rowwise: dim 1).
+COLWISE = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")
+ROWWISE = ("attention.wo", "feed_forward.w2")
+
+
+def shard_dim(param_name: str) -> int | None:
+    """The dim of a parameter that tensor parallelism splits; None: replicated.
+    The embedding and the output head are both split over the vocabulary."""
+    module = param_name.removesuffix(".weight")
+    if module in ("tok_embeddings", "output"):
+        return 0
+    if module.endswith(COLWISE):
+        return 0
+    if module.endswith(ROWWISE):
+        return 1
+    return None
+
+
 def _replicate(module: nn.Module, mesh: DeviceMesh) -> None:
     """Parameters as replicated DTensors, plain tensors in and out: keeps every
     parameter on the TP mesh (one mesh for grad clipping and FSDP) without SP."""
@@ -48,15 +67,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
         plan = {
             # cos and sin (the 2nd and 3rd inputs) are plain tensors, the same on every rank.
             "attention": PrepareModuleInput(input_layouts=(residual, None, None), desired_input_layouts=(Replicate(), None, None)),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=residual),
             "feed_forward": PrepareModuleInput(input_layouts=(residual,), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=residual),
-            "feed_forward.w3": ColwiseParallel(),
         }
+        plan |= {name: ColwiseParallel() for name in COLWISE} | {name: RowwiseParallel(output_layouts=residual) for name in ROWWISE}
         if sequence_parallel:
             plan |= {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()}
         else:

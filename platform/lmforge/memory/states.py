@@ -1,0 +1,150 @@
+"""Model-state bytes on one rank: parameters, gradients and optimizer states.
+
+Native engine: counted from the real parameter shapes (the model built on the meta
+device and cut into the rank's pipeline stages by the engine's own functions), each
+split as the engine splits it: tensor parallelism per `parallel.tensor.shard_dim`,
+then FSDP2 along dim 0 of the TP-local tensor over `dp_shard` ranks (torch.chunk
+sizes: ceil(n / k) rows, the last ranks fewer or none). Weights, gradients and
+AdamW's two moments are fp32 (FSDP2 keeps fp32 shards and reduces in fp32 under
+bf16); AdamW adds a 4-byte `step` tensor per parameter.
+
+DeepSpeed engine: the ZeRO paper's accounting (Rajbhandari et al. 2020, section 3:
+2 + 2 + K bytes per parameter for mixed-precision Adam, K = 12), split the way
+DeepSpeed's own estimators split it (`estimate_zero2_model_states_mem_needs`,
+`estimate_zero3_model_states_mem_needs`): 16-bit weights, fp32 gradients and the
+fp32 master copy with both moments partitioned by stage.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from lmforge.models.config import ModelConfig
+from lmforge.parallel.fsdp import needs_wrapping
+from lmforge.parallel.mesh import MeshShape
+from lmforge.parallel.pipeline import cut_stage, split_layers, stage_indices
+from lmforge.parallel.tensor import shard_dim
+from lmforge.spec import JobSpec
+
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    params: int
+    grads: int
+    optimizer: int
+    host: int = 0  # offloaded to CPU memory instead (not in the three above)
+    largest_unit: int = 0  # unsharded parameters of the biggest FSDP/ZeRO-3 unit (a block)
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+def chunk_size(n: int, parts: int, index: int) -> int:
+    """Rows of `n` that part `index` of `parts` holds, as torch.chunk (and DTensor
+    Shard, and FSDP2) split them."""
+    step = math.ceil(n / parts)
+    return max(0, min(step, n - index * step))
+
+
+def local_numel(name: str, shape: tuple[int, ...], tp: int, tp_rank: int, dp_shard: int, dp_shard_rank: int) -> int:
+    """Elements of a parameter on one rank after TP and then FSDP2 sharding."""
+    local = list(shape)
+    dim = shard_dim(name) if tp > 1 else None
+    if dim is not None:
+        local[dim] = chunk_size(local[dim], tp, tp_rank)
+    if local:
+        local[0] = chunk_size(local[0], dp_shard, dp_shard_rank)
+    return math.prod(local)
+
+
+@lru_cache(maxsize=64)
+def stage_parameters(cfg: ModelConfig, seq_len: int, pp: int, virtual: int, schedule: str, pp_rank: int) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """(name, shape) of each distinct parameter of the stages `pp_rank` runs, cut as
+    the engine cuts them (FLOP-balanced ranges, embedding first, head last)."""
+    from lmforge.models.llama import Transformer
+
+    with torch.device("meta"):
+        whole = Transformer(cfg)
+    if pp == 1:
+        stages = [whole]
+    else:
+        ranges = split_layers(cfg, seq_len, pp * virtual)
+        last = pp * virtual - 1
+        stages = [cut_stage(whole, ranges[i], first=i == 0, last=i == last) for i in stage_indices(pp_rank, pp, virtual, schedule)]
+    seen, params = set(), []
+    for stage in stages:
+        for name, param in stage.named_parameters():  # a tied weight is listed once
+            if id(param) not in seen:
+                seen.add(id(param))
+                params.append((name, tuple(param.shape)))
+    return tuple(params)
+
+
+def native_states(spec: JobSpec, rank: int) -> StateBytes:
+    """Bytes of the model states of global `rank` under the native engine."""
+    p = spec.parallel
+    shape = MeshShape.for_spec(p)
+    coords = shape.coordinates(rank)
+    shard_rank = coords["dp"] % shape.dp_shard
+    params = stage_parameters(spec.model_arch, spec.train.seq_len, p.pp, p.virtual_stages, p.schedule, coords["pp"])
+    numel = sum(local_numel(name, dims, p.tp, coords["tp"], shape.dp_shard, shard_rank) for name, dims in params)
+    grad_numel = numel
+    if p.tp > 1 and not needs_wrapping(shape, spec.train.precision):
+        # Measured (torch 2.13): without FSDP to reduce-scatter it, the vocabulary-split
+        # embedding's gradient comes back whole (Replicate) on every TP rank.
+        grad_numel += sum(math.prod(dims) - local_numel(name, dims, p.tp, coords["tp"], 1, 0) for name, dims in params if name == "tok_embeddings.weight")
+    weights, grads = numel * FP32, grad_numel * FP32
+    optimizer = 2 * numel * FP32 + len(params) * FP32  # exp_avg, exp_avg_sq, and a step scalar each
+    unit = max(_block_numel(params, p.tp, coords["tp"], block) for block in _blocks(params)) if _blocks(params) else 0
+    state = StateBytes(weights, grads, optimizer, largest_unit=unit * (2 if spec.train.precision == "bf16" else FP32))
+    if p.cpu_offload:
+        return StateBytes(0, 0, 0, host=state.total, largest_unit=state.largest_unit)
+    return state
+
+
+def deepspeed_states(cfg: ModelConfig, dp: int, precision: str, stage: int, offload_optimizer: bool = False, offload_params: bool = False) -> StateBytes:
+    """Bytes per rank under DeepSpeed ZeRO `stage` (1, 2 or 3) over `dp` ranks."""
+    n, psi = dp, cfg.num_params()
+    half = 2 if precision in ("bf16", "fp16") else FP32
+    params = half * psi if stage < 3 else _ceil(half * psi, n)
+    grads16 = half * psi if stage == 1 else (_ceil(half * psi, n) if stage == 2 else 0)
+    grads32 = _ceil(FP32 * psi, n)  # the fp32 gradient partition
+    optimizer = _ceil(3 * FP32 * psi, n)  # fp32 master weights, exp_avg, exp_avg_sq
+    largest = 2 * half * largest_module_params(cfg) if stage == 3 else 0  # its gathered 16-bit weights and grads
+    if offload_params and stage == 3:
+        return StateBytes(0, 0, 0, host=params + grads32 + optimizer, largest_unit=largest)
+    if offload_optimizer:
+        return StateBytes(params, 0, 0, host=grads32 + optimizer, largest_unit=largest)
+    return StateBytes(params, grads16 + grads32, optimizer, largest_unit=largest)
+
+
+def _ceil(total: int, parts: int) -> int:
+    return int(total / parts)  # DeepSpeed's estimators truncate the same way
+
+
+def _blocks(params) -> set[str]:
+    return {name.split(".")[1] for name, _ in params if name.startswith("layers.")}
+
+
+def _block_numel(params, tp: int, tp_rank: int, block: str) -> int:
+    """A block's parameters gathered over FSDP (still split by TP): what one FSDP unit
+    holds unsharded during its forward and backward."""
+    return sum(local_numel(name, dims, tp, tp_rank, 1, 0) for name, dims in params if name.startswith(f"layers.{block}."))
+
+
+@lru_cache(maxsize=16)
+def largest_module_params(cfg: ModelConfig) -> int:
+    """Parameters of the largest single module (its own, not its children's): the
+    unit DeepSpeed ZeRO-3 gathers whole (its estimator's `largest_layer_params`)."""
+    from lmforge.models.llama import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    return max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
