@@ -18,10 +18,10 @@ def check_state_bytes(result: dict) -> None:
     from lmforge.memory.states import native_states
     from lmforge.spec import JobSpec
 
+    if all(measured is None for measured in result["states"]):
+        return  # DeepSpeed: compared with its own estimators in tests/unit
     spec = JobSpec.model_validate(result["spec"])
     for rank, measured in enumerate(result["states"]):
-        if measured is None:
-            continue  # DeepSpeed: compared with its own estimators in tests/unit
         estimated = native_states(spec, rank)
         if spec.parallel.cpu_offload:
             assert estimated.host == sum(measured.values()), (rank, measured, estimated)

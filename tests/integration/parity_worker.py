@@ -121,7 +121,7 @@ def main() -> None:
     dist.all_gather_object(per_rank, states.get("measured"))
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
-            json.dump({"losses": losses, "engine": describe(engine), "states": per_rank, "spec": spec.model_dump(mode="json")}, f)
+            json.dump({"losses": losses, "engine": describe(engine), "states": per_rank, "spec": spec.model_dump(mode="json", exclude_unset=True)}, f)
     dist.barrier()  # results are written; no rank leaves while a peer still sends
     # Exit without destroy_process_group: under heavy load gloo's teardown has
     # aborted a rank now and then ("terminate called without an active exception")

@@ -3,6 +3,7 @@ cluster (6 CPUs): what is reserved, kept, released, and the errors when it does
 not fit. Node loss itself is in tests/chaos/test_node_loss.py."""
 
 import time
+from contextlib import contextmanager
 
 import pytest
 import ray
@@ -54,27 +55,28 @@ def test_slots_are_reserved_all_or_none_and_dropped_by_node(ray_session):
     assert settles_at(before)
 
 
-def test_an_elastic_restart_takes_the_largest_dp_the_kept_slots_hold(ray_session):
+@contextmanager
+def started(spec: JobSpec):
+    """(capacity, its events, the first layout); everything released afterwards."""
     events = []
-    spec = job(elastic={"min_dp": 1, "max_dp": 3})
-    capacity = Capacity(spec, "test/elastic/", events.append, placement_timeout_s=10)
+    capacity = Capacity(spec, f"test/{id(spec)}/", events.append, placement_timeout_s=10)
     try:
-        first = capacity.initial(spares_optional=False)
-        assert first.parallel.dp == 3 and len(capacity.slots) == 3
-        capacity.slots.keep(2)  # as if the third slot's node were lost
-        resized = capacity.fit(first)
-        assert (resized.parallel.dp, resized.grad_accum) == (2, 6) and len(capacity.slots) == 2  # 3 x 4 before
+        yield capacity, events, capacity.initial(spares_optional=False)
     finally:
         capacity.release()
     assert len(capacity.slots) == 0
 
 
+def test_an_elastic_restart_takes_the_largest_dp_the_kept_slots_hold(ray_session):
+    with started(job(elastic={"min_dp": 1, "max_dp": 3})) as (capacity, _, first):
+        assert first.parallel.dp == 3 and len(capacity.slots) == 3
+        capacity.slots.keep(2)  # as if the third slot's node were lost
+        resized = capacity.fit(first)
+        assert (resized.parallel.dp, resized.grad_accum) == (2, 6) and len(capacity.slots) == 2  # 3 x 4 before
+
+
 def test_spares_take_a_lost_slots_place_and_the_surplus_is_released(ray_session):
-    events = []
-    spec = job(fault_tolerance={"max_failures": 1, "spares": 1})
-    capacity = Capacity(spec, "test/spares/", events.append, placement_timeout_s=10)
-    try:
-        current = capacity.initial(spares_optional=False)
+    with started(job(fault_tolerance={"max_failures": 1, "spares": 1})) as (capacity, events, current):
         assert len(capacity.slots) == 3 and events == [{"event": "spares", "ready": 1, "wanted": 1}]
         capacity.slots.keep(2)  # a rank's slot lost: the spare's slot completes the layout
         assert capacity.fit(current).parallel.dp == 2 and len(capacity.slots) == 2
@@ -82,8 +84,6 @@ def test_spares_take_a_lost_slots_place_and_the_surplus_is_released(ray_session)
         assert settles_at(ray.cluster_resources()["CPU"] - 2)
         capacity.probe(current)  # room is free again: the spare comes back
         assert len(capacity.slots) == 3 and events[-1]["ready"] == 1
-    finally:
-        capacity.release()
 
 
 def test_spares_that_do_not_fit_are_refused_naming_the_field(ray_session):
