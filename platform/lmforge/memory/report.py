@@ -70,7 +70,7 @@ def render(job: str, breakdown: Breakdown, world: int, cluster: Cluster | None, 
         table.add_row("offloaded to host memory", gib(breakdown.host))
     console.print(table)
     if cluster is not None:
-        verdict = "fits" if breakdown.device_total <= cluster.gpu_mem else "does NOT fit"
+        verdict = "fits" if fits(breakdown, cluster) else "does NOT fit"
         console.print(f"{verdict} in {gib(cluster.gpu_mem)} per device ({cluster.gpus} devices; the job uses {world})")
 
 
