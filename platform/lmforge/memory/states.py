@@ -102,7 +102,7 @@ def native_states(spec: JobSpec, rank: int) -> StateBytes:
         grad_numel += sum(math.prod(dims) - local_numel(name, dims, p.tp, coords["tp"], 1, 0) for name, dims in params if name == "tok_embeddings.weight")
     weights, grads = numel * FP32, grad_numel * FP32
     optimizer = 2 * numel * FP32 + len(params) * FP32  # exp_avg, exp_avg_sq, and a step scalar each
-    unit = max(_block_numel(params, p.tp, coords["tp"], block) for block in _blocks(params)) if _blocks(params) else 0
+    unit = max((_block_numel(params, p.tp, coords["tp"], block) for block in _blocks(params)), default=0)
     state = StateBytes(weights, grads, optimizer, largest_unit=unit * (2 if spec.train.precision == "bf16" else FP32))
     if p.cpu_offload:
         return StateBytes(0, 0, 0, host=state.total, largest_unit=state.largest_unit)
@@ -113,10 +113,10 @@ def deepspeed_states(cfg: ModelConfig, dp: int, precision: str, stage: int, offl
     """Bytes per rank under DeepSpeed ZeRO `stage` (1, 2 or 3) over `dp` ranks."""
     n, psi = dp, cfg.num_params()
     half = 2 if precision in ("bf16", "fp16") else FP32
-    params = half * psi if stage < 3 else _ceil(half * psi, n)
-    grads16 = half * psi if stage == 1 else (_ceil(half * psi, n) if stage == 2 else 0)
-    grads32 = _ceil(FP32 * psi, n)  # the fp32 gradient partition
-    optimizer = _ceil(3 * FP32 * psi, n)  # fp32 master weights, exp_avg, exp_avg_sq
+    params = half * psi if stage < 3 else _share(half * psi, n)
+    grads16 = half * psi if stage == 1 else (_share(half * psi, n) if stage == 2 else 0)
+    grads32 = _share(FP32 * psi, n)  # the fp32 gradient partition
+    optimizer = _share(3 * FP32 * psi, n)  # fp32 master weights, exp_avg, exp_avg_sq
     largest = 2 * half * largest_module_params(cfg) if stage == 3 else 0  # its gathered 16-bit weights and grads
     if offload_params and stage == 3:
         return StateBytes(0, 0, 0, host=params + grads32 + optimizer, largest_unit=largest)
@@ -125,7 +125,7 @@ def deepspeed_states(cfg: ModelConfig, dp: int, precision: str, stage: int, offl
     return StateBytes(params, grads16 + grads32, optimizer, largest_unit=largest)
 
 
-def _ceil(total: int, parts: int) -> int:
+def _share(total: int, parts: int) -> int:
     return int(total / parts)  # DeepSpeed's estimators truncate the same way
 
 
