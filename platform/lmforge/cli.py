@@ -42,11 +42,15 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("checkpoint", help="a committed step directory, e.g. runs/NAME/checkpoints/step_00000100")
     export.add_argument("--out", required=True, help="new directory to write (usable as model.init_from)")
 
-    plan = sub.add_parser("plan", help="per-rank memory breakdown of a job, before launch")
+    plan = sub.add_parser("plan", help="per-rank memory breakdown of a job, and the layouts that fit a cluster")
     plan.add_argument("job", help="job YAML file")
     plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    plan.add_argument("--cluster", help='devices to check against, e.g. "nodes=4,gpus_per_node=8,gpu_mem=80GB"')
-    plan.add_argument("--json", action="store_true", help="print the breakdown as JSON")
+    plan.add_argument("--cluster", help='devices to plan for, e.g. "nodes=4,gpus_per_node=8,gpu_mem=80GB" (--search: default, the job\'s world size in 8 x 80 GB nodes)')
+    plan.add_argument("--search", action="store_true", help="rank the layouts that fit the cluster by a step-time model")
+    plan.add_argument("--top", type=int, default=5, help="--search: how many layouts to show (default 5)")
+    plan.add_argument("--chart", help="PNG bar chart to write (default <output_dir>/<name>/memory-plan.png)")
+    plan.add_argument("--no-chart", action="store_true", help="write no chart")
+    plan.add_argument("--json", action="store_true", help="print the result as JSON")
 
     sub.add_parser("version", help="print the version")
     return parser
@@ -129,23 +133,9 @@ def _cmd_export(args) -> int:
 
 
 def _cmd_plan(args) -> int:
-    from rich.console import Console
+    from lmforge.planner.command import plan
 
-    from lmforge.memory.estimate import worst_rank
-    from lmforge.memory.report import fits, parse_cluster, render
-    from lmforge.spec import load_spec
-
-    cluster = parse_cluster(args.cluster) if args.cluster else None
-    spec = load_spec(args.job, args.overrides)
-    breakdown = worst_rank(spec)
-    if args.json:
-        out = {"job": spec.name, "world_size": spec.world_size, "worst_rank": breakdown.as_dict()}
-        if cluster is not None:
-            out["cluster"] = {"nodes": cluster.nodes, "gpus_per_node": cluster.gpus_per_node, "gpu_mem": cluster.gpu_mem, "fits": fits(breakdown, cluster)}
-        print(json.dumps(out, indent=2))
-    else:
-        render(spec.name, breakdown, spec.world_size, cluster, Console())
-    return 0
+    return plan(args)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,6 @@
-"""`lmforge plan` through the real CLI: the breakdown as JSON, whether it fits, and
-one clear error for a bad --cluster string, a device memory of zero or an unknown
-model preset."""
+"""`lmforge plan` through the real CLI: the breakdown as JSON, whether it fits, the
+PNG chart, the ranked layouts of `--search` for a 32-GPU cluster, and one clear
+error for a bad --cluster string, a device memory of zero or an unknown model preset."""
 
 import json
 
@@ -24,9 +24,38 @@ def test_plan_json_matches_the_estimator_and_judges_the_fit(tmp_path):
     assert json.loads(tight.stdout)["cluster"]["fits"] is False
 
 
-def test_plan_prints_a_table(tmp_path):
-    result = run_cli("plan", SEVEN_B, "--cluster", "nodes=4,gpus_per_node=8,gpu_mem=80GB", cwd=tmp_path)
-    assert result.returncode == 0 and "optimizer states" in result.stdout and "fits in" in result.stdout
+def test_plan_prints_a_table_and_draws_a_chart(tmp_path):
+    result = run_cli("plan", SEVEN_B, "--cluster", "nodes=4,gpus_per_node=8,gpu_mem=80GB", "--chart", "chart.png", cwd=tmp_path)
+    assert result.returncode == 0 and "optimizer states" in result.stdout and "fits:" in result.stdout
+    assert_png(tmp_path / "chart.png")
+
+
+def test_search_ranks_layouts_for_32_gpus(tmp_path):
+    result = run_cli("plan", SEVEN_B, "--search", "--json", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    assert plan["cluster"]["nodes"] * plan["cluster"]["gpus_per_node"] == 32 and "assumed from the job's 32 ranks" in result.stderr
+    best = plan["best"]
+    assert len(best) == 5 and plan["layouts_that_fit"] >= 5
+    assert [b["step_seconds"] for b in best] == sorted(b["step_seconds"] for b in best)
+    for layout in best:
+        assert layout["tp"] * layout["pp"] * layout["dp"] == 32 and 8 % layout["tp"] == 0
+        assert layout["peak_bytes"] <= plan["cluster"]["usable"]
+    # The job's own layout (tp 8 within a node, pp 2) fits but is slower than the best.
+    assert plan["job_layout"]["fits"] and plan["job_layout"]["rank"] > 1 and plan["job_layout"]["slower_than_best"] > 0
+    assert_png(tmp_path / "runs" / "pretrain-7b" / "memory-search.png")
+    text = run_cli("plan", SEVEN_B, "--search", "--top", "3", "--no-chart", "--cluster", "nodes=4,gpus_per_node=8,gpu_mem=80GB", cwd=tmp_path)
+    assert text.returncode == 0 and "best 3 of" in text.stdout and "best: tp" in text.stdout and "the job's own layout" in text.stdout
+
+
+def test_search_with_no_layout_that_fits(tmp_path):
+    result = run_cli("plan", SEVEN_B, "--search", "--cluster", "nodes=1,gpus_per_node=2,gpu_mem=8GB", cwd=tmp_path)
+    assert_clean_error(result, "--cluster: no layout of pretrain-7b fits")
+
+
+def assert_png(path):
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
 
 
 @pytest.mark.parametrize("cluster,fragment", [

@@ -1,6 +1,8 @@
 """The per-rank breakdown: pipeline in-flight counts, which rank is the worst, and
 how layout choices move the figures the way they must."""
 
+import pytest
+
 from lmforge.memory.estimate import estimate, in_flight, worst_rank
 from lmforge.spec import spec_from_dict
 
@@ -34,3 +36,17 @@ def test_sharding_and_checkpointing_move_the_right_terms():
     assert full_ac.activations < base.activations / 5 and full_ac.optimizer == base.optimizer
     tp = estimate(job(dp=1, tp=8, zero=3), 0)
     assert tp.activations < base.activations / 4 and tp.temporary < base.temporary
+
+
+@pytest.mark.parametrize("parallel", [
+    {"pp": 2, "dp": 2, "tp": 2, "zero": 3},
+    {"pp": 1, "dp": 3, "tp": 1, "zero": 2},  # uneven FSDP chunks
+    {"pp": 4, "dp": 1, "tp": 2, "zero": 0, "schedule": "interleaved-1f1b", "virtual_stages": 2},
+])
+def test_worst_rank_checks_one_rank_per_stage_yet_finds_the_maximum(parallel):
+    spec = spec_from_dict({
+        "name": "m", "model": {"preset": "small", "n_layers": 8}, "parallel": parallel,
+        "train": {"global_batch": 24, "micro_batch": 1, "seq_len": 64}, "data": {"path": "unused"},
+    })
+    every = max((estimate(spec, rank) for rank in range(spec.world_size)), key=lambda b: b.device_total)
+    assert worst_rank(spec).device_total == every.device_total

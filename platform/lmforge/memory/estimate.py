@@ -61,8 +61,16 @@ def estimate(spec: JobSpec, rank: int) -> Breakdown:
 
 
 def worst_rank(spec: JobSpec) -> Breakdown:
-    """The rank with the most device memory: the one that decides whether a job fits."""
-    return max((estimate(spec, rank) for rank in range(spec.world_size)), key=lambda b: b.device_total)
+    """The rank with the most device memory: the one that decides whether a job fits.
+    Only the pipeline stages differ much; within one, the first TP and DP rank holds
+    the most (torch.chunk gives the first parts the rounded-up share)."""
+    return max(stage_peaks(spec), key=lambda b: b.device_total)
+
+
+def stage_peaks(spec: JobSpec) -> list[Breakdown]:
+    """The largest rank of each pipeline stage (tp and dp coordinates 0)."""
+    shape = MeshShape.for_spec(spec.parallel)
+    return [estimate(spec, pp_rank * shape.dp * shape.tp) for pp_rank in range(shape.pp)]
 
 
 def in_flight(schedule: str, pp: int, virtual: int, microbatches: int, pp_rank: int) -> int:

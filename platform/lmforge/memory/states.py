@@ -64,7 +64,7 @@ def local_numel(name: str, shape: tuple[int, ...], tp: int, tp_rank: int, dp_sha
     return math.prod(local)
 
 
-@lru_cache(maxsize=64)
+@lru_cache(maxsize=512)
 def stage_parameters(cfg: ModelConfig, seq_len: int, pp: int, virtual: int, schedule: str, pp_rank: int) -> tuple[tuple[str, tuple[int, ...]], ...]:
     """(name, shape) of each distinct parameter of the stages `pp_rank` runs, cut as
     the engine cuts them (FLOP-balanced ranges, embedding first, head last)."""

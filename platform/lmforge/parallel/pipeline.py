@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import time
 from contextlib import contextmanager
+from functools import lru_cache
 
 import torch
 from torch import nn
@@ -101,9 +102,11 @@ def layer_costs(cfg: ModelConfig, seq_len: int) -> tuple[float, float]:
     return block, 2 * d * cfg.vocab_size
 
 
-def split_layers(cfg: ModelConfig, seq_len: int, num_stages: int) -> list[list[int]]:
+@lru_cache(maxsize=256)
+def split_layers(cfg: ModelConfig, seq_len: int, num_stages: int) -> tuple[tuple[int, ...], ...]:
     """Contiguous block ranges per stage minimizing the costliest stage (the head
-    counts towards the last stage); every stage gets at least one block."""
+    counts towards the last stage); every stage gets at least one block. Cached:
+    the memory planner asks for the same split for every layout it weighs."""
     block, head = layer_costs(cfg, seq_len)
     n = cfg.n_layers
     # best[s][i]: least max-cost of putting the first i blocks into s stages.
@@ -121,9 +124,9 @@ def split_layers(cfg: ModelConfig, seq_len: int, num_stages: int) -> list[list[i
     ranges, i = [], n
     for s in range(num_stages, 0, -1):
         j = cut[s][i]
-        ranges.append(list(range(j, i)))
+        ranges.append(tuple(range(j, i)))
         i = j
-    return ranges[::-1]
+    return tuple(ranges[::-1])
 
 
 def stage_indices(pp_rank: int, pp: int, virtual: int, schedule: str) -> list[int]:

@@ -1,0 +1,89 @@
+"""The cluster a plan is for, read from "nodes=4,gpus_per_node=8,gpu_mem=80GB".
+
+Beyond the three required fields, the throughput model's hardware figures can be
+given too (defaults: an H100/H200 SXM node): `peak_tflops` (dense bf16 per GPU;
+fp32 runs at half, TF32), `efficiency` (the share of peak the matmuls reach),
+`intra_gbps` and `inter_gbps` (GB/s per GPU that a ring collective achieves inside
+a node, NVLink, and between nodes, one 400 Gb/s NIC per GPU).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from lmforge.errors import UserError
+
+UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+REQUIRED = ("nodes", "gpus_per_node", "gpu_mem")
+HARDWARE = {"peak_tflops": 989.0, "efficiency": 0.5, "intra_gbps": 300.0, "inter_gbps": 40.0}
+# Kept free of the estimate: CUDA context, NCCL buffers and allocator fragmentation.
+RESERVED_FRACTION = 0.1
+FORMAT = "expected nodes=N,gpus_per_node=G,gpu_mem=80GB"
+
+
+@dataclass(frozen=True)
+class Cluster:
+    nodes: int
+    gpus_per_node: int
+    gpu_mem: int  # bytes
+    peak_tflops: float = HARDWARE["peak_tflops"]
+    efficiency: float = HARDWARE["efficiency"]
+    intra_gbps: float = HARDWARE["intra_gbps"]
+    inter_gbps: float = HARDWARE["inter_gbps"]
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def usable(self) -> int:
+        """Device bytes a job's estimate may take."""
+        return int(self.gpu_mem * (1 - RESERVED_FRACTION))
+
+    def describe(self) -> str:
+        return f"{self.nodes} node(s) x {self.gpus_per_node} GPUs x {self.gpu_mem / 1e9:g} GB"
+
+
+def parse_size(text: str, field: str) -> int:
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([A-Za-z]*)", text.strip())
+    if not match or match.group(2).upper() not in UNITS:
+        raise UserError(f"{field} {text!r} is not a size such as 80GB or 141GiB")
+    size = int(float(match.group(1)) * UNITS[match.group(2).upper()])
+    if size <= 0:
+        raise UserError(f"{field} must be above 0, got {text!r}")
+    return size
+
+
+def parse_cluster(text: str) -> Cluster:
+    """"nodes=4,gpus_per_node=8,gpu_mem=80GB" -> Cluster; UserError naming --cluster."""
+    fields = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = (s.strip() for s in item.partition("="))
+        if not sep or key not in REQUIRED + tuple(HARDWARE):
+            raise UserError(f"--cluster: cannot read {item!r}; {FORMAT} (optional: {', '.join(HARDWARE)})")
+        fields[key] = value
+    missing = [key for key in REQUIRED if key not in fields]
+    if missing:
+        raise UserError(f"--cluster: {', '.join(missing)} missing; {FORMAT}")
+    counts = {}
+    for key in ("nodes", "gpus_per_node"):
+        if not fields[key].isdigit() or int(fields[key]) == 0:
+            raise UserError(f"--cluster: {key} must be a whole number above 0, got {fields[key]!r}")
+        counts[key] = int(fields[key])
+    hardware = {}
+    for key in HARDWARE:
+        if key in fields:
+            try:
+                hardware[key] = float(fields[key])
+            except ValueError:
+                hardware[key] = 0.0
+            if not hardware[key] > 0 or (key == "efficiency" and hardware[key] > 1):
+                raise UserError(f"--cluster: {key} must be a number above 0{' and at most 1' if key == 'efficiency' else ''}, got {fields[key]!r}")
+    return Cluster(counts["nodes"], counts["gpus_per_node"], parse_size(fields["gpu_mem"], "--cluster: gpu_mem"), **hardware)
+
+
+def assumed_cluster(world_size: int, gpus_per_node: int = 8, gpu_mem: int = 80 * 10**9) -> Cluster:
+    """The cluster a job's own world size suggests: whole nodes of 8 80 GB GPUs."""
+    per_node = min(gpus_per_node, world_size)
+    return Cluster(-(-world_size // per_node), per_node, gpu_mem)

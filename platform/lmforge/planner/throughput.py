@@ -1,0 +1,123 @@
+"""A step-time model, for ranking the layouts of one job on one cluster (not for
+predicting absolute speed). Per optimizer step and rank, with W ranks, T tokens per
+step, m micro-batches of b x s tokens, t/p/d the tp/pp/dp sizes:
+
+- compute: (6N + attention) FLOPs per token (PaLM, appendix B) x T / W at
+  `peak_tflops x efficiency`; fp32 at half the bf16 peak (TF32).
+- recompute: full checkpointing runs each block's forward again, +1/3 of its FLOPs
+  (Korthikanti et al. 2022, section 5); every k-th block, 1/(3k); op-level (matmul
+  outputs kept) only norms, RoPE and SiLU: counted as 2%.
+- pipeline bubble: (p - 1) / (v m) of the compute (Narayanan et al. 2021, section
+  2.2; v virtual stages per rank). Zero-bubble is counted as interleaved with v = 2.
+- tensor parallel: per block and micro-batch, 2 all-reduces forward and 2 backward
+  of the b x s x dim activations (Megatron-LM; with sequence parallelism the same
+  volume as all-gather + reduce-scatter pairs), 2 more when full recomputation
+  repeats the forward; a ring moves 2 (t - 1) / t of the buffer per rank, over the
+  node's links (tp stays inside a node). On the critical path, not overlapped.
+- data parallel: gradients reduced in fp32, all-reduce 2 (d - 1) / d G with zero 0,
+  reduce-scatter (d - 1) / d G plus the updated parameters' all-gather (d - 1) / d P
+  with zero 2, and zero 3 gathering the parameters again for the forward and the
+  backward of each micro-batch, 2 m (d - 1) / d P (the ZeRO paper, section 7: 1.5x
+  DDP's volume at m = 1). Between nodes when the DP group spans them. It overlaps
+  the backward (bucketed reduce-scatter, prefetched all-gathers): only what exceeds
+  the backward's compute, 2/3 of the step's, is exposed.
+- pipeline point-to-point: each stage boundary sends the b x s x dim activation
+  forward and its gradient back per micro-batch, between nodes when a stage spans one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from lmforge.planner.cluster import Cluster
+from lmforge.spec import JobSpec
+
+OP_RECOMPUTE = 0.02
+COSTS = ("compute", "recompute", "bubble", "tp_comm", "dp_comm", "pp_comm")
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds per optimizer step, by cause."""
+
+    compute: float
+    recompute: float
+    bubble: float
+    tp_comm: float
+    dp_comm: float  # exposed only
+    pp_comm: float
+    dp_hidden: float = 0.0  # DP traffic that overlaps the backward (not in the total)
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, f.name) for f in fields(self) if f.name in COSTS)
+
+    def overheads(self) -> dict[str, float]:
+        """Each cost beyond the model's own compute, as a share of the step."""
+        return {name: getattr(self, name) / self.total for name in COSTS if name != "compute"}
+
+
+def recompute_share(mode: str, every: int | str) -> float:
+    if mode == "full":
+        return 1 / 3
+    if mode == "selective":
+        return OP_RECOMPUTE if every == "op" else 1 / (3 * every)
+    return 0.0
+
+
+def step_time(spec: JobSpec, cluster: Cluster) -> StepTime:
+    p, train, cfg = spec.parallel, spec.train, spec.model_arch
+    world, m = spec.world_size, spec.grad_accum
+    act_bytes = 4 if train.precision == "fp32" else 2
+    flops = cfg.flops_per_token(train.seq_len) * train.global_batch * train.seq_len / world
+    rate = cluster.peak_tflops * 1e12 * cluster.efficiency * (0.5 if train.precision == "fp32" else 1.0)
+    compute = flops / rate
+    recompute = compute * recompute_share(p.activation_checkpointing, p.ac_every)
+    bubble = (compute + recompute) * (p.pp - 1) / (_virtual(spec) * m) if p.pp > 1 else 0.0
+
+    activation = train.micro_batch * train.seq_len * cfg.dim * act_bytes
+    blocks = cfg.n_layers / p.pp
+    collectives = 4 + (2 if p.activation_checkpointing == "full" else 0)
+    tp_bytes = collectives * blocks * m * activation * 2 * (p.tp - 1) / p.tp
+    tp_comm = tp_bytes / (cluster.intra_gbps * 1e9)
+
+    params = cfg.num_params() / (p.pp * p.tp)
+    stage_ranks = p.tp * p.dp  # consecutive ranks: one pipeline stage's, as placed
+    dp_comm = _dp_bytes(p.zero, p.dp, m, params, act_bytes) / _bandwidth(cluster, stage_ranks > cluster.gpus_per_node)
+    dp_exposed = max(0.0, dp_comm - 2 / 3 * (compute + recompute))
+
+    pp_bytes = 2 * m * activation / (p.tp if p.sequence_parallel else 1) if p.pp > 1 else 0.0
+    pp_comm = pp_bytes / _bandwidth(cluster, stage_ranks >= cluster.gpus_per_node)
+    return StepTime(compute, recompute, bubble, tp_comm, dp_exposed, pp_comm, dp_hidden=dp_comm - dp_exposed)
+
+
+def tokens_per_second_per_gpu(spec: JobSpec, time: StepTime) -> float:
+    return spec.train.global_batch * spec.train.seq_len / time.total / spec.world_size
+
+
+def model_flops_utilization(spec: JobSpec, time: StepTime, cluster: Cluster) -> float:
+    """The step's model FLOPs over the peak of the GPUs it uses (what `mfu` reports
+    during training)."""
+    peak = cluster.peak_tflops * 1e12 * (0.5 if spec.train.precision == "fp32" else 1.0)
+    return tokens_per_second_per_gpu(spec, time) * spec.model_arch.flops_per_token(spec.train.seq_len) / peak
+
+
+def _virtual(spec: JobSpec) -> int:
+    return 2 if spec.parallel.schedule == "zero-bubble" else spec.parallel.virtual_stages
+
+
+def _dp_bytes(zero: int, dp: int, microbatches: int, params: float, param_bytes: int) -> float:
+    if dp == 1:
+        return 0.0
+    ring = (dp - 1) / dp
+    grads = 4 * params  # reduced in fp32
+    if zero == 0:
+        return 2 * ring * grads
+    gathered = ring * param_bytes * params
+    return ring * grads + gathered * (2 * microbatches if zero == 3 else 1)
+
+
+def _bandwidth(cluster: Cluster, between_nodes: bool) -> float:
+    """Bytes per second per rank: a DP group spans nodes when a stage's ranks do not
+    fit in one; a stage boundary crosses nodes when a stage fills its node."""
+    return 1e9 * (cluster.inter_gbps if cluster.nodes > 1 and between_nodes else cluster.intra_gbps)

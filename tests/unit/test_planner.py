@@ -1,0 +1,82 @@
+"""The layout planner: the cluster string, the step-time model's terms moving the
+way their formulas say, and a search that only returns valid layouts that fit."""
+
+import pytest
+
+from lmforge.errors import UserError
+from lmforge.planner.cluster import Cluster, assumed_cluster, parse_cluster
+from lmforge.planner.search import search
+from lmforge.planner.throughput import step_time
+from lmforge.memory.estimate import worst_rank
+from lmforge.spec import spec_from_dict
+
+CLUSTER = Cluster(nodes=2, gpus_per_node=4, gpu_mem=80 * 10**9)
+
+
+def job(parallel=None, **train):
+    return spec_from_dict({
+        "name": "p", "model": {"preset": "1b", "tie_embeddings": False}, "parallel": parallel or {},
+        "train": {"global_batch": 32, "micro_batch": 1, "seq_len": 2048, "precision": "bf16"} | train, "data": {"path": "unused"},
+    })
+
+
+def test_cluster_string_with_hardware_figures():
+    c = parse_cluster("nodes=2, gpus_per_node=8, gpu_mem=141GB, peak_tflops=989, efficiency=0.4, inter_gbps=25")
+    assert (c.gpus, c.gpu_mem, c.efficiency, c.inter_gbps, c.intra_gbps) == (16, 141 * 10**9, 0.4, 25.0, 300.0)
+    assert c.usable < c.gpu_mem
+    with pytest.raises(UserError, match="efficiency must be a number above 0 and at most 1"):
+        parse_cluster("nodes=1,gpus_per_node=8,gpu_mem=80GB,efficiency=2")
+    assert assumed_cluster(32) == Cluster(4, 8, 80 * 10**9) and assumed_cluster(2).gpus == 2
+
+
+def test_bubble_follows_the_schedule_formula():
+    for pp, micro in ((2, 8), (4, 8), (4, 16)):
+        t = step_time(job({"pp": pp, "dp": 8 // pp}, global_batch=micro * (8 // pp)), CLUSTER)
+        assert t.bubble == pytest.approx((t.compute + t.recompute) * (pp - 1) / micro)
+    interleaved = step_time(job({"pp": 2, "dp": 4, "schedule": "interleaved-1f1b", "virtual_stages": 2}, global_batch=32), CLUSTER)
+    plain = step_time(job({"pp": 2, "dp": 4}, global_batch=32), CLUSTER)
+    assert interleaved.bubble == pytest.approx(plain.bubble / 2)
+
+
+def test_recompute_and_tensor_parallel_costs():
+    base = step_time(job({"dp": 8}), CLUSTER)
+    assert base.recompute == 0 and base.tp_comm == 0 and base.bubble == 0
+    full = step_time(job({"dp": 8, "activation_checkpointing": "full"}), CLUSTER)
+    assert full.recompute == pytest.approx(base.compute / 3)
+    tp2, tp4 = (step_time(job({"dp": 8 // t, "tp": t}), CLUSTER) for t in (2, 4))
+    assert 0 < tp2.tp_comm < tp4.tp_comm  # the ring's 2 (t-1)/t grows with t
+    assert tp2.compute == pytest.approx(base.compute)  # the same work, spread differently
+
+
+def test_data_parallel_traffic_grows_with_sharding_and_shows_when_compute_is_short():
+    # A short step (small batch) cannot hide the gradient traffic of a 1B model. Two
+    # micro-batches: ZeRO-3 gathers the weights twice for each.
+    short = {z: step_time(job({"dp": 8, "zero": z}, global_batch=16, seq_len=256), CLUSTER) for z in (0, 2, 3)}
+    assert all(t.dp_comm > 0 for t in short.values())
+    assert short[0].dp_comm < short[3].dp_comm and short[2].dp_comm < short[3].dp_comm
+    long = step_time(job({"dp": 8, "zero": 2}, global_batch=256, seq_len=2048), CLUSTER)
+    assert long.dp_comm == 0 and long.dp_hidden > 0
+
+
+def test_search_returns_only_valid_layouts_that_fit_fastest_first():
+    spec = job({"dp": 8})
+    found = search(spec, CLUSTER)
+    assert found
+    times = [c.time.total for c in found]
+    assert times == sorted(times)
+    for c in found:
+        p = c.spec.parallel
+        assert c.spec.world_size == CLUSTER.gpus and CLUSTER.gpus_per_node % p.tp == 0
+        assert c.memory.device_total <= CLUSTER.usable and c.memory == worst_rank(c.spec)
+        assert c.spec.train.global_batch == 32 and c.spec.train.seq_len == 2048
+    assert len({(c.spec.parallel.tp, c.spec.parallel.pp) for c in found}) > 3  # a real range was weighed
+    small = search(spec, Cluster(2, 4, 10 * 10**9))
+    assert 0 < len(small) < len(found) and all(c.memory.device_total <= Cluster(2, 4, 10 * 10**9).usable for c in small)
+    assert search(spec, Cluster(2, 4, 10**8)) == []
+
+
+def test_search_refuses_deepspeed_jobs():
+    spec = spec_from_dict({"name": "d", "engine": "deepspeed", "deepspeed": {"config": {"zero_optimization": {"stage": 2}}},
+                           "data": {"path": "unused"}})
+    with pytest.raises(UserError, match="--search: plans layouts for engine: native"):
+        search(spec, CLUSTER)
