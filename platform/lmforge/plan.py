@@ -1,7 +1,8 @@
 """Pre-flight: everything about a job that can be checked before any cluster work.
 
 The dataset (prepared, or a source to prepare), vocabulary and sequence length
-against the model, the checkpoint directory and what it already holds. A job
+against the model, the estimated memory against `resources.memory_per_worker`, the
+checkpoint directory and what it already holds. A job
 that cannot run stops here with one message naming the field or file.
 """
 
@@ -16,6 +17,7 @@ from lmforge.data.corpus import list_files, source_kind
 from lmforge.data.prepare import MANIFEST, read_manifest
 from lmforge.errors import UserError
 from lmforge.models.weights import read_config
+from lmforge.planner.fit import check_fits
 from lmforge.spec import JobSpec
 
 
@@ -103,6 +105,8 @@ def preflight(spec: JobSpec) -> Plan:
             )
     if spec.engine == "deepspeed":
         check_deepspeed(spec)
+    if spec.resources.memory_per_worker:
+        check_fits(spec, spec.resources.memory_per_worker, "resources.memory_per_worker")
     if spec.model.init_from:
         check_init_from(spec)
     store = CheckpointStore(spec.checkpoint_dir)

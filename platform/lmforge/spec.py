@@ -19,6 +19,7 @@ from lmforge import spec_rules as rules
 from lmforge.deepspeed_config import inline_config_file
 from lmforge.errors import UserError
 from lmforge.models.config import PRESETS, ModelConfig
+from lmforge.sizes import parse_size
 
 
 class _Section(BaseModel):
@@ -138,6 +139,14 @@ class ResourcesSpec(_Section):
     workers: Optional[int] = Field(None, gt=0, description="worker actors; must equal pp x dp x tp")
     cpus_per_worker: float = Field(1.0, gt=0)
     gpus_per_worker: float = Field(0.0, ge=0)
+    memory_per_worker: Optional[Union[int, str]] = Field(
+        None, description="device memory of one worker (\"24GiB\"; on CPU, what a rank may use): a job whose estimate exceeds it is refused"
+    )
+
+    @field_validator("memory_per_worker")
+    @classmethod
+    def _size(cls, value):
+        return None if value is None else parse_size(value)
 
 
 class FaultToleranceSpec(_Section):

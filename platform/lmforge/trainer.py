@@ -21,6 +21,7 @@ from lmforge.data.feed import BatchFeed
 from lmforge.data.order import BatchLayout, GlobalOrder
 from lmforge.engines import create_engine
 from lmforge.parallel.mesh import MeshShape, build_mesh
+from lmforge.planner.fit import check_fits
 from lmforge.spec import JobSpec
 from lmforge.tracking.flops import mfu, peak_flops
 
@@ -58,6 +59,8 @@ class Trainer:
             start_step=self.start_step,
             prefetch_steps=spec.data.prefetch_steps,
         )
+        if self.device.type == "cuda" and not spec.resources.memory_per_worker:
+            check_fits(spec, torch.cuda.get_device_properties(self.device).total_memory, f"{torch.cuda.get_device_name(self.device)} memory")
         self.engine = create_engine(spec, self.dims, self.device)
         self.peak_flops = peak_flops(self.device, spec.train.precision)
         self.flops_per_step = spec.model_arch.flops_per_token(spec.train.seq_len) * spec.train.global_batch * spec.train.seq_len

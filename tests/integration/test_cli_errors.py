@@ -159,3 +159,23 @@ def test_init_from_a_directory_that_is_not_an_export(tmp_path, tiny_dataset):
     result = run_cli("train", str(write_job(tmp_path, job)), cwd=tmp_path)
     assert_clean_error(result, "model.init_from:", "is not an exported model (needs config.json and model.safetensors)")
     assert nothing_written(tmp_path)
+
+
+def test_job_larger_than_memory_per_worker_is_refused_with_an_alternative(tmp_path, tiny_dataset):
+    from lmforge.memory.estimate import worst_rank
+    from lmforge.planner.cluster import assumed_cluster
+    from lmforge.planner.search import search
+    from lmforge.spec import spec_from_dict
+
+    job = tiny_job(tmp_path, tiny_dataset)
+    spec = spec_from_dict(job)
+    needs = worst_rank(spec).device_total
+    smallest = min(c.memory.device_total for c in search(spec, assumed_cluster(2, gpu_mem=10**12)))
+    limit = int((needs + smallest) / 2 / 0.9)  # the job does not fit, a leaner layout does
+    best = search(spec, assumed_cluster(2, gpu_mem=limit))[0]
+    job["resources"]["memory_per_worker"] = limit
+    result = run_cli("train", str(write_job(tmp_path, job)), cwd=tmp_path)
+    assert_clean_error(result, "resources.memory_per_worker: rank 0 needs an estimated", "activations", f"the best layout that fits: {best.layout}")
+    assert nothing_written(tmp_path)
+    job["resources"]["memory_per_worker"] = "1KiB"
+    assert_clean_error(run_cli("train", str(write_job(tmp_path, job)), cwd=tmp_path), "no layout of 2 workers fits")

@@ -9,12 +9,11 @@ a node, NVLink, and between nodes, one 400 Gb/s NIC per GPU).
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from lmforge.errors import UserError
+from lmforge.sizes import parse_size
 
-UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 REQUIRED = ("nodes", "gpus_per_node", "gpu_mem")
 HARDWARE = {"peak_tflops": 989.0, "efficiency": 0.5, "intra_gbps": 300.0, "inter_gbps": 40.0}
 # Kept free of the estimate: CUDA context, NCCL buffers and allocator fragmentation.
@@ -45,16 +44,6 @@ class Cluster:
         return f"{self.nodes} node(s) x {self.gpus_per_node} GPUs x {self.gpu_mem / 1e9:g} GB"
 
 
-def parse_size(text: str, field: str) -> int:
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([A-Za-z]*)", text.strip())
-    if not match or match.group(2).upper() not in UNITS:
-        raise UserError(f"{field} {text!r} is not a size such as 80GB or 141GiB")
-    size = int(float(match.group(1)) * UNITS[match.group(2).upper()])
-    if size <= 0:
-        raise UserError(f"{field} must be above 0, got {text!r}")
-    return size
-
-
 def parse_cluster(text: str) -> Cluster:
     """"nodes=4,gpus_per_node=8,gpu_mem=80GB" -> Cluster; UserError naming --cluster."""
     fields = {}
@@ -80,7 +69,11 @@ def parse_cluster(text: str) -> Cluster:
                 hardware[key] = 0.0
             if not hardware[key] > 0 or (key == "efficiency" and hardware[key] > 1):
                 raise UserError(f"--cluster: {key} must be a number above 0{' and at most 1' if key == 'efficiency' else ''}, got {fields[key]!r}")
-    return Cluster(counts["nodes"], counts["gpus_per_node"], parse_size(fields["gpu_mem"], "--cluster: gpu_mem"), **hardware)
+    try:
+        gpu_mem = parse_size(fields["gpu_mem"])
+    except ValueError as err:
+        raise UserError(f"--cluster: gpu_mem {err}") from None
+    return Cluster(counts["nodes"], counts["gpus_per_node"], gpu_mem, **hardware)
 
 
 def assumed_cluster(world_size: int, gpus_per_node: int = 8, gpu_mem: int = 80 * 10**9) -> Cluster:
