@@ -21,3 +21,27 @@ class TrainingFailed(RuntimeError):
 class CheckpointWritesFailing(RuntimeError):
     """`checkpoint.max_failed_writes` checkpoints in a row could not be written:
     restarting would not help, so the controller does not retry it."""
+
+
+class Diverged(RuntimeError):
+    """`guards.nonfinite_in_a_row` steps in a row had a non-finite loss or gradient
+    norm: the controller rolls back to the latest checkpoint and skips their batches."""
+
+    def __init__(self, steps: list[int]):
+        super().__init__(steps)  # the only argument, so the exception pickles across actors
+        self.steps = steps
+
+    def __str__(self) -> str:
+        return f"non-finite loss or gradient norm at steps {', '.join(map(str, self.steps))}"
+
+
+class OutOfMemory(RuntimeError):
+    """A rank ran out of device memory in a step; `report` says where the memory went.
+    The controller retries with a smaller micro-batch down to a floor."""
+
+    def __init__(self, step: int, rank: int, micro_batch: int, report: str):
+        super().__init__(step, rank, micro_batch, report)
+        self.step, self.rank, self.micro_batch, self.report = step, rank, micro_batch, report
+
+    def __str__(self) -> str:
+        return f"out of memory at step {self.step} on rank {self.rank} with micro-batch {self.micro_batch}"

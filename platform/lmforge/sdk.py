@@ -90,6 +90,9 @@ def _run(plan: Plan, manifest: dict, console: Console, show_progress: bool) -> d
     spec = plan.spec
     run_dir = RunDir(spec.run_dir)
     run_dir.rewind(plan.start_step)
+    skipped = sorted(set(run_dir.skip_batches()) | set(spec.guards.skip_batches)) if plan.resume_from else []
+    if skipped:
+        spec = spec.with_changes("guards", skip_batches=skipped)  # what earlier rollbacks of this run skipped
     tracker = None
     if spec.tracking.enabled:
         from lmforge.tracking.mlflow_run import MlflowRun
@@ -212,7 +215,7 @@ def _drain(controller) -> list[dict]:
 
 def _failure(err: ray.exceptions.RayTaskError, run_dir: RunDir) -> Exception:
     cause = err.cause if isinstance(err.cause, BaseException) else err
-    if isinstance(cause, UserError):
+    if isinstance(cause, (UserError, TrainingFailed)):
         return cause
     path = run_dir.path / "error.txt"
     path.write_text(str(err))
@@ -250,8 +253,15 @@ def _handle(event: dict, view: ProgressView, run_dir: RunDir, tracker) -> Option
         if tracker:
             tracker.log_step(event)
         return None
+    if "report" in event:  # a memory report: a file in the run directory, and an MLflow artifact
+        path = run_dir.write_report(event.pop("report_name"), event.pop("report"))
+        event["report_path"] = str(path)
+        if tracker:
+            tracker.log_artifact(path)
     if kind == "start":
         run_dir.rewind(event["step"])
+    elif kind == "rollback":
+        run_dir.record_skip_batches(event["skip_batches"])
     elif kind == "layout":
         view.layout(event["ranks"])
     if kind in events.MESSAGES:

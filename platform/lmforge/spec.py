@@ -158,6 +158,25 @@ class FaultToleranceSpec(_Section):
     spares: int = Field(0, ge=0, description="ranks' worth of capacity held beyond the layout, so a lost rank is replaced without shrinking")
 
 
+class GuardSpec(_Section):
+    nonfinite_in_a_row: int = Field(3, ge=1, description="non-finite losses or grad norms in a row (each skips its update) before rolling back to the latest checkpoint and skipping those batches")
+    max_rollbacks: int = Field(3, ge=0, description="rollbacks for non-finite steps before the job fails")
+    spike_window: int = Field(50, ge=5, description="steps of loss history that a spike is measured against")
+    spike_zscore: float = Field(6.0, gt=0, description="a loss this many standard deviations above the window's mean is logged as a spike")
+    oom_min_micro_batch: int = Field(1, ge=1, description="on out-of-memory, retry with half the micro-batch (twice the accumulation) down to this, then fail")
+    skip_batches: list[int] = Field([], description="steps whose batch is read but not trained on (a rollback adds the offending ones)")
+    leak_check: bool = Field(False, description="debug: report tensors that stay alive across steps, and their growth per step")
+
+
+class DebugSpec(_Section):
+    """Fault injection, to see the guards work (tests, drills)."""
+
+    nan_at_steps: list[int] = Field([], description="make these steps' loss NaN")
+    oom_at_step: Optional[int] = Field(None, gt=0, description="raise torch.OutOfMemoryError on rank 0 at this step ...")
+    oom_above_micro_batch: int = Field(0, ge=0, description="... while train.micro_batch is larger than this")
+    leak_per_step: bool = Field(False, description="keep one small tensor alive per step (a leak for guards.leak_check to find)")
+
+
 class ElasticSpec(_Section):
     min_dp: int = Field(..., ge=1, description="fewest data-parallel replicas to continue with after a loss")
     max_dp: int = Field(..., ge=1, description="most data-parallel replicas to use when capacity allows")
@@ -183,6 +202,8 @@ class JobSpec(_Section):
     resources: ResourcesSpec = ResourcesSpec()
     fault_tolerance: FaultToleranceSpec = FaultToleranceSpec()
     elastic: Optional[ElasticSpec] = None
+    guards: GuardSpec = GuardSpec()
+    debug: DebugSpec = DebugSpec()
 
     @model_validator(mode="after")
     def _consistent(self) -> "JobSpec":
@@ -224,9 +245,13 @@ class JobSpec(_Section):
     def with_dp(self, dp: int) -> "JobSpec":
         """The same job on another data-parallel size (elastic resizing), validated."""
         tree = self.model_dump(mode="json", exclude_unset=True)
-        tree.setdefault("parallel", {})["dp"] = dp
         tree.get("resources", {}).pop("workers", None)
-        return JobSpec.model_validate(tree)
+        return JobSpec.model_validate(tree | {"parallel": tree.get("parallel", {}) | {"dp": dp}})
+
+    def with_changes(self, section: str, **values) -> "JobSpec":
+        """The same job with some fields of one section changed, validated."""
+        tree = self.model_dump(mode="json", exclude_unset=True)
+        return JobSpec.model_validate(tree | {section: tree.get(section, {}) | values})
 
     # Derived values used across the job; kept here so every module agrees.
     @property

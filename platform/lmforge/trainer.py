@@ -20,6 +20,11 @@ from lmforge.checkpoint.writer import CheckpointWriter
 from lmforge.data.feed import BatchFeed
 from lmforge.data.order import BatchLayout, GlobalOrder
 from lmforge.engines import create_engine
+from lmforge.errors import OutOfMemory
+from lmforge.guards.divergence import DivergenceGuard
+from lmforge.guards.inject import FaultInjector
+from lmforge.guards.leaks import LeakCheck
+from lmforge.guards.oom import memory_report
 from lmforge.parallel.mesh import MeshShape, build_mesh
 from lmforge.planner.fit import check_fits
 from lmforge.spec import JobSpec
@@ -67,6 +72,10 @@ class Trainer:
         if resume_from is not None:
             load_checkpoint(self.store, resume_from, self.engine)
             self._event({"event": "restored", "step": resume_from.step, "path": resume_from.path})
+        self.skip_batches = set(spec.guards.skip_batches)
+        self.divergence = DivergenceGuard(spec.guards)
+        self.leaks = LeakCheck() if spec.guards.leak_check else None
+        self.faults = FaultInjector(spec, self.engine, self.rank)
         # Steps after this one are (re)trained now: whoever records them drops later ones.
         self._event({"event": "start", "step": self.start_step})
 
@@ -87,7 +96,6 @@ class Trainer:
 
     def run(self) -> dict:
         train = self.spec.train
-        tokens_per_step = train.global_batch * train.seq_len
         step = self.start_step
         last = None
         stopped = False
@@ -96,28 +104,11 @@ class Trainer:
                 began = time.perf_counter()
                 feed_step, ids, tokens, waited = self.feed.next()
                 assert feed_step == step
-                # A checkpoint started at the last step may still be copying the weights.
-                stats = self.engine.train_step(torch.from_numpy(tokens.astype(np.int64)), before_update=self.writer.staged)
                 step += 1
-                elapsed = time.perf_counter() - began
-                last = {
-                    "event": "step",
-                    "step": step,
-                    "loss": stats.loss,
-                    "lr": stats.lr,
-                    "grad_norm": stats.grad_norm,
-                    "step_time": elapsed,
-                    "data_wait": waited,
-                    "tokens_per_s": tokens_per_step / elapsed,
-                    "mfu": mfu(self.flops_per_step, elapsed, self.peak_flops, dist.get_world_size()),
-                    "tokens": step * tokens_per_step,
-                    "samples_consumed": step * train.global_batch,
-                }
-                if self.spec.data.record_sample_ids:
-                    last["sample_ids"] = self._global_ids(ids)
-                if stats.bubble is not None:
-                    last.update(bubble=stats.bubble, bubble_theory=stats.bubble_theory)
-                self._event(last)
+                if step in self.skip_batches:
+                    self._event({"event": "batch_skipped", "step": step})
+                else:
+                    last = self._train_step(step, tokens, ids, began, waited) or last
                 if step % self.spec.checkpoint.interval == 0 or step == train.max_steps:
                     self.writer.save(step, self.engine, self._trainer_state(step))
                     if step < train.max_steps and self._stop_requested():
@@ -127,6 +118,44 @@ class Trainer:
         finally:
             self.feed.close()
         return {"step": step, "loss": last["loss"] if last else None, "start_step": self.start_step, "stopped": stopped}
+
+    def _train_step(self, step: int, tokens, ids, began: float, waited: float) -> dict | None:
+        """One optimizer step; its metrics (None when the step was not finite)."""
+        train = self.spec.train
+        try:
+            self.faults.before_step(step)
+            # A checkpoint started at the last step may still be copying the weights.
+            stats = self.engine.train_step(torch.from_numpy(tokens.astype(np.int64)), before_update=self.writer.staged)
+        except torch.OutOfMemoryError as err:
+            raise OutOfMemory(step, self.rank, train.micro_batch, memory_report(self.spec, self.rank, step, self.device, err)) from None
+        self.faults.after_step()
+        elapsed = time.perf_counter() - began
+        tokens_per_step = train.global_batch * train.seq_len
+        for event in self.divergence.observe(step, stats):  # raises Diverged at the limit
+            self._event(event)
+        for event in self.leaks.after_step(step) if self.leaks else ():
+            self._event(event)
+        if not stats.finite:
+            return None
+        row = {
+            "event": "step",
+            "step": step,
+            "loss": stats.loss,
+            "lr": stats.lr,
+            "grad_norm": stats.grad_norm,
+            "step_time": elapsed,
+            "data_wait": waited,
+            "tokens_per_s": tokens_per_step / elapsed,
+            "mfu": mfu(self.flops_per_step, elapsed, self.peak_flops, dist.get_world_size()),
+            "tokens": step * tokens_per_step,
+            "samples_consumed": step * train.global_batch,
+        }
+        if self.spec.data.record_sample_ids:
+            row["sample_ids"] = self._global_ids(ids)
+        if stats.bubble is not None:
+            row.update(bubble=stats.bubble, bubble_theory=stats.bubble_theory)
+        self._event(row)
+        return row
 
     def _stop_requested(self) -> bool:
         """Rank 0 asks; every rank gets the same answer."""

@@ -8,6 +8,9 @@ backoff: in the slots on live nodes (spare slots take lost ones' place), or, wit
 `elastic`, on the largest data-parallel size they hold. A job that shrank looks for room to grow back;
 when there is, its ranks stop at their next checkpoint and it restarts larger.
 Bad input and a checkpoint directory that keeps refusing writes are not retried.
+Numerical and memory trouble is not a failure: non-finite steps roll back to the
+latest checkpoint skipping their batches, and out-of-memory restarts from it with
+a smaller micro-batch (both in `lmforge.guards`).
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from lmforge.cluster import placement
 from lmforge.cluster.capacity import Capacity
 from lmforge.cluster.runtime import WORKER_ENV
 from lmforge.cluster.worker import Worker
-from lmforge.errors import CheckpointWritesFailing, UserError
+from lmforge.errors import CheckpointWritesFailing, Diverged, OutOfMemory, TrainingFailed, UserError
+from lmforge.guards.oom import with_smaller_micro_batch
 from lmforge.parallel.mesh import MeshShape
 from lmforge.spec import JobSpec
 
@@ -53,6 +57,7 @@ class Controller:
         self._redone = 0
         self._resize_from: tuple[int, float] | None = None  # (dp, when) of a planned resize
         self._failures = 0
+        self._rollbacks = 0
         if after_failure:
             self._failures = self._attempt = after_failure["failures"]
             self._last_step, self._failed_at = after_failure["step"], after_failure["time"]
@@ -96,6 +101,10 @@ class Controller:
                     result = self._run_once(current)
                 except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, RankHung) as err:
                     cause = err.cause if isinstance(err, ray.exceptions.RayTaskError) else err
+                    if isinstance(cause, (Diverged, OutOfMemory)):
+                        self._new_attempt(failed=False)
+                        current = self._roll_back(current, cause) if isinstance(cause, Diverged) else self._shrink_micro_batch(current, cause)
+                        continue
                     if isinstance(cause, (UserError, CheckpointWritesFailing)) or failures >= budget.max_failures:
                         raise
                     failures += 1
@@ -117,6 +126,29 @@ class Controller:
                 current = capacity.fit(spec)
         finally:
             capacity.release()
+
+    def _roll_back(self, spec: JobSpec, cause: Diverged) -> JobSpec:
+        """Restart from the latest checkpoint, skipping the non-finite steps' batches."""
+        self._rollbacks += 1
+        if self._rollbacks > spec.guards.max_rollbacks:
+            raise TrainingFailed(f"{cause}; guards.max_rollbacks {spec.guards.max_rollbacks} rollbacks are used up")
+        skip = sorted(set(spec.guards.skip_batches) | set(cause.steps))
+        self.report({"event": "rollback", "step": self._last_step, "steps": cause.steps, "skip_batches": skip,
+                     "rollback": self._rollbacks, "max_rollbacks": spec.guards.max_rollbacks})
+        return spec.with_changes("guards", skip_batches=skip)
+
+    def _shrink_micro_batch(self, spec: JobSpec, cause: OutOfMemory) -> JobSpec:
+        """Retry from the latest checkpoint with a smaller micro-batch (more accumulation,
+        the same global batch), or fail with the memory report once at the floor."""
+        smaller = with_smaller_micro_batch(spec)
+        report_name = f"memory-oom-step{cause.step}-rank{cause.rank}.txt"
+        self.report({"event": "out_of_memory", "step": cause.step, "rank": cause.rank, "micro_batch": cause.micro_batch,
+                     "retry_micro_batch": smaller.train.micro_batch if smaller else None,
+                     "report": cause.report, "report_name": report_name})
+        if smaller is None:
+            raise TrainingFailed(f"{cause}, and no smaller micro-batch is left (guards.oom_min_micro_batch "
+                                 f"{spec.guards.oom_min_micro_batch}); the memory report is {report_name} in the run directory")
+        return smaller
 
     def _new_attempt(self, failed: bool) -> None:
         with self._lock:  # from here on, reports of the previous attempt are dropped

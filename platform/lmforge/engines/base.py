@@ -21,6 +21,8 @@ class StepStats:
     lr: float  # learning rate used for this step
     bubble: Optional[float] = None  # pipelines: measured share of idle time per rank
     bubble_theory: Optional[float] = None  # pipelines: the schedule's (p-1)/(v*m+p-1)
+    finite: bool = True  # loss and gradient norm both finite
+    update_skipped: bool = False  # the engine left the weights as they were (non-finite)
 
 
 class Engine(ABC):
@@ -33,6 +35,10 @@ class Engine(ABC):
         """One optimizer step over this rank's micro-batches [accum, micro, seq_len+1].
         `before_update` runs after the backward passes, before any weight or optimizer
         state changes (a checkpoint's background copy must have finished by then)."""
+
+    def modules(self) -> list[torch.nn.Module]:
+        """The model's modules on this rank (pipeline stages, or the one model)."""
+        raise NotImplementedError(f"{type(self).__name__} does not expose its modules")
 
     # One pair of these, by `checkpoint_format`:
     def state_dict(self) -> tuple[dict, dict]:

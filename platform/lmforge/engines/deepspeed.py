@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import math
 import os
 import sys
 import tempfile
@@ -94,7 +95,14 @@ class DeepSpeedEngine(Engine):
         if self.dims.shape.dp > 1:
             dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.dims.dp_group)
         norm = self.engine.get_global_grad_norm()
-        return StepStats(loss=loss.item(), grad_norm=float(norm) if norm is not None else float("nan"), lr=lr)
+        grad_norm = float(norm) if norm is not None else float("nan")
+        # DeepSpeed has already stepped (fp16's loss scaler skips overflowing steps itself);
+        # a non-finite step still counts towards the guard's rollback.
+        finite = math.isfinite(loss.item()) and (norm is None or math.isfinite(grad_norm))
+        return StepStats(loss=loss.item(), grad_norm=grad_norm, lr=lr, finite=finite)
+
+    def modules(self) -> list[torch.nn.Module]:
+        return [self.engine.module]
 
     # Checkpoints: DeepSpeed's files (sharded per rank and stage) under `<step dir>/deepspeed`.
     def save(self, directory: str) -> None:

@@ -123,15 +123,19 @@ class NativeEngine(Engine):
             part.train()
         loss, bubble = self._pipeline_step(micro_batches) if self.pipelined else (self._accumulate(micro_batches), None)
         lr = self.schedulers[0].get_last_lr()[0]
-        grad_norm = self._clip_gradients()
-        before_update()
-        for optimizer, scheduler in zip(self.optimizers, self.schedulers):
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
         if self.dims.shape.dp > 1:
             dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.dims.dp_group)
-        stats = StepStats(loss=loss.item(), grad_norm=grad_norm.item(), lr=lr)
+        grad_norm = self._clip_gradients()
+        # Loss and norm are reduced over every rank, so all ranks decide alike.
+        finite = bool(torch.isfinite(loss) and torch.isfinite(grad_norm))
+        if finite:
+            before_update()
+        for optimizer, scheduler in zip(self.optimizers, self.schedulers):
+            if finite:  # a non-finite step leaves weights, moments and the LR schedule as they were
+                optimizer.step()
+                scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+        stats = StepStats(loss=loss.item(), grad_norm=grad_norm.item(), lr=lr, finite=finite, update_skipped=not finite)
         if bubble is not None:
             stats.bubble, stats.bubble_theory = bubble, self.bubble_theory
         return stats
@@ -179,6 +183,9 @@ class NativeEngine(Engine):
         if self.grad_clip:
             torch.nn.utils.clip_grads_with_norm_(params, self.grad_clip, norm)
         return norm
+
+    def modules(self) -> list[torch.nn.Module]:
+        return list(self.parts)
 
     def state_dict(self) -> tuple[dict, dict]:
         # Two nested dicts, not hundreds of top-level keys: DCP's async save does

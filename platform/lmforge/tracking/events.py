@@ -29,10 +29,29 @@ MESSAGES: dict[str, Callable[[dict], str]] = {
         f"(rank {e['rank']}, nodes lost: {_lost(e)}); restarting from the latest checkpoint"
     ),
     "recovered": lambda e: f"recovered in {e['seconds']:.1f}s on dp {e['dp']}, {e['steps_redone']} steps redone, nodes lost: {_lost(e)}",
+    "nonfinite": lambda e: (
+        f"step {e['step']}: loss {e['loss']}, grad norm {e['grad_norm']}: not finite, update "
+        f"{'skipped' if e['update_skipped'] else 'applied by DeepSpeed'} ({e['in_a_row']}/{e['limit']} in a row)"
+    ),
+    "rollback": lambda e: (
+        f"rollback {e['rollback']}/{e['max_rollbacks']}: steps {e['steps']} were not finite; restarting from the latest "
+        f"checkpoint, skipping the batches of steps {e['skip_batches']}"
+    ),
+    "batch_skipped": lambda e: f"step {e['step']}: batch skipped (guards.skip_batches)",
+    "loss_spike": lambda e: f"step {e['step']}: loss spike {e['loss']:.4f}, {e['zscore']} standard deviations above the recent mean {e['window_mean']:.4f}",
+    "out_of_memory": lambda e: (
+        f"out of memory at step {e['step']} on rank {e['rank']} with micro-batch {e['micro_batch']}; report: {e['report_path']}; "
+        + (f"retrying from the latest checkpoint with micro-batch {e['retry_micro_batch']}" if e["retry_micro_batch"] else "no smaller micro-batch is left")
+    ),
+    "leak": lambda e: (
+        f"step {e['step']}: {e['tensors']} live tensors of {e['kind']}, +{e['per_step']} per step "
+        f"(+{e['bytes_per_step']:,} bytes per step): something keeps them across steps"
+    ),
 }
 
 # Kept in metrics.jsonl as history (commits are in the checkpoint directory itself).
-RECORDED = {"layout", "spares", "checkpoint_failed", "checkpoint_corrupt", "restored", "grow_pending", "resized", "failure", "recovered"}
+RECORDED = {"layout", "spares", "checkpoint_failed", "checkpoint_corrupt", "restored", "grow_pending", "resized", "failure", "recovered",
+            "nonfinite", "rollback", "batch_skipped", "loss_spike", "out_of_memory", "leak"}
 
 METRICS: dict[str, Callable[[dict], dict[str, float]]] = {
     "checkpoint": lambda e: {"checkpoint_seconds": e["seconds"], "checkpoint_stall_seconds": e["stall_seconds"]},
@@ -40,4 +59,9 @@ METRICS: dict[str, Callable[[dict], dict[str, float]]] = {
     "resized": lambda e: {"dp": e["dp"]},
     "failure": lambda e: {"failures": e["attempt"]},
     "recovered": lambda e: {"recovery_seconds": e["seconds"]},
+    "nonfinite": lambda e: {"nonfinite_in_a_row": e["in_a_row"]},
+    "rollback": lambda e: {"rollbacks": e["rollback"]},
+    "loss_spike": lambda e: {"loss_spike_zscore": e["zscore"]},
+    "out_of_memory": lambda e: {"oom_micro_batch": e["micro_batch"]},
+    "leak": lambda e: {"leak_bytes_per_step": e["bytes_per_step"]},
 }

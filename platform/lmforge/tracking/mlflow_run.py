@@ -88,6 +88,9 @@ class MlflowRun:
 
         self._pending.append(Metric(key, float(value), int(time.time() * 1000), step))
 
+    def log_artifact(self, path) -> None:
+        self.client.log_artifact(self.run_id, str(path))
+
     def flush(self) -> None:
         for i in range(0, len(self._pending), 1000):
             self.client.log_batch(self.run_id, metrics=self._pending[i : i + 1000])

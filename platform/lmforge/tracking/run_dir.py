@@ -1,6 +1,7 @@
 """The run directory's machine-readable files: metrics.jsonl (one JSON object per
-optimizer step, plus failure and recovery events), samples.jsonl (the sample ids
-of every step, when recorded) and summary.json (written when the job ends)."""
+optimizer step, plus failure, recovery and guard events), samples.jsonl (the sample
+ids of every step, when recorded), skip_batches.json (the batches rollbacks skip),
+memory reports of out-of-memory steps, and summary.json (written when the job ends)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ class RunDir:
         self.metrics_path = self.path / "metrics.jsonl"
         self.samples_path = self.path / "samples.jsonl"
         self.summary_path = self.path / "summary.json"
+        self.skip_path = self.path / "skip_batches.json"
 
     def rewind(self, step: int) -> None:
         """Drop step lines after `step`: those steps are about to be trained again, so
@@ -45,6 +47,20 @@ class RunDir:
 
     def append_event(self, event: dict) -> None:
         _append(self.metrics_path, event)
+
+    def write_report(self, name: str, text: str) -> Path:
+        path = self.path / name
+        path.write_text(text)
+        return path
+
+    def skip_batches(self) -> list[int]:
+        """Steps whose batches earlier rollbacks of this run skipped."""
+        return json.loads(self.skip_path.read_text()) if self.skip_path.exists() else []
+
+    def record_skip_batches(self, steps: list[int]) -> None:
+        tmp = self.skip_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(sorted(set(steps))) + "\n")
+        os.replace(tmp, self.skip_path)
 
     def write_summary(self, summary: dict) -> None:
         tmp = self.summary_path.with_suffix(".tmp")

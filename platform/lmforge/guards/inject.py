@@ -1,0 +1,34 @@
+"""Fault injection from the job's `debug` section, to see the guards act: a NaN
+loss at chosen steps, an out-of-memory error while the micro-batch is above a
+size, one tensor leaked per step."""
+
+from __future__ import annotations
+
+import torch
+
+from lmforge.engines.base import Engine
+from lmforge.spec import JobSpec
+
+
+class FaultInjector:
+    def __init__(self, spec: JobSpec, engine: Engine, rank: int):
+        self.debug, self.rank, self.micro_batch = spec.debug, rank, spec.train.micro_batch
+        self.poison = False
+        self.leaked: list[torch.Tensor] = []
+        if self.debug.nan_at_steps:
+            for module in engine.modules():
+                module.register_forward_hook(self._poison_output)
+
+    def before_step(self, step: int) -> None:
+        """`step`: the number the step about to run will report."""
+        d = self.debug
+        if d.oom_at_step == step and self.rank == 0 and self.micro_batch > d.oom_above_micro_batch:
+            raise torch.OutOfMemoryError(f"injected by debug.oom_at_step={step} (micro-batch {self.micro_batch} > {d.oom_above_micro_batch})")
+        self.poison = step in d.nan_at_steps
+
+    def after_step(self) -> None:
+        if self.debug.leak_per_step:
+            self.leaked.append(torch.ones(256))
+
+    def _poison_output(self, module, args, output):
+        return output * float("nan") if self.poison and isinstance(output, torch.Tensor) else None
