@@ -103,6 +103,10 @@ def check_pipeline(spec: "JobSpec", model: ModelConfig) -> None:
         raise ValueError("parallel.virtual_stages: zero-bubble (ZBV) runs exactly 2 stages per rank")
     if p.pp == 1:
         return
+    if model.tie_embeddings:
+        # Each stage is its own module: the first stage's embedding and the last's head
+        # would train as two separate weights, silently untied.
+        raise ValueError("model.tie_embeddings: not supported with parallel.pp > 1 (the embedding and the head are on different stages); set it to false")
     stages = p.pp * p.virtual_stages
     if model.n_layers < stages:
         raise ValueError(f"model.n_layers: {model.n_layers} layers cannot fill pp x virtual_stages = {stages} stages")

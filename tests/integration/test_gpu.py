@@ -1,6 +1,7 @@
 """Paths that need a GPU: FSDP2 CPU offload (pinned host memory needs an
-accelerator; on CPU torch refuses) and DeepSpeed fp16 with loss scaling (refused on
-CPUs without AVX512-FP16). Skipped, with that reason, where no GPU is visible;
+accelerator; on CPU torch refuses), DeepSpeed fp16 with loss scaling (refused on
+CPUs without AVX512-FP16), the pre-flight check against a GPU's own memory and the
+allocator's summary in an out-of-memory report. Skipped, with that reason, where no GPU is visible;
 run on a GPU machine with `pytest tests/integration/test_gpu.py`."""
 
 import pytest
@@ -36,3 +37,27 @@ def test_deepspeed_zero3_param_offload_matches_one_gpu(reference, tmp_path):
                  "deepspeed.config.zero_optimization.offload_param.device=cpu",
                  "deepspeed.config.zero_optimization.offload_optimizer.device=cpu", extra=GPU)
     assert got == pytest.approx(reference, rel=1e-4)
+
+
+def test_preflight_refuses_a_job_larger_than_this_gpu():
+    from lmforge.errors import UserError
+    from lmforge.planner.fit import check_fits
+    from lmforge.spec import spec_from_dict
+
+    spec = spec_from_dict({"name": "big", "model": {"preset": "70b"}, "parallel": {"dp": 1, "zero": 0},
+                           "train": {"global_batch": 1, "micro_batch": 1, "seq_len": 4096, "precision": "bf16"},
+                           "resources": {"gpus_per_worker": 1}, "data": {"path": "unused"}})
+    total = torch.cuda.get_device_properties(0).total_memory
+    with pytest.raises(UserError, match=f"{torch.cuda.get_device_name(0)} memory: rank 0 needs an estimated"):
+        check_fits(spec, total, f"{torch.cuda.get_device_name(0)} memory")
+
+
+def test_out_of_memory_report_has_the_allocators_summary():
+    from lmforge.guards.oom import memory_report
+    from lmforge.spec import spec_from_dict
+
+    spec = spec_from_dict({"name": "r", "data": {"path": "unused"}})
+    held = torch.empty(64 * 2**20, dtype=torch.uint8, device="cuda")
+    report = memory_report(spec, 0, 7, torch.device("cuda", 0), torch.OutOfMemoryError("CUDA out of memory. Tried to allocate"))
+    assert "out of memory at step 7 on rank 0: CUDA out of memory" in report and "PyTorch CUDA memory summary" in report
+    del held

@@ -70,6 +70,8 @@ def test_search_returns_only_valid_layouts_that_fit_fastest_first():
         assert c.memory.device_total <= CLUSTER.usable and c.memory == worst_rank(c.spec)
         assert c.spec.train.global_batch == 32 and c.spec.train.seq_len == 2048
     assert len({(c.spec.parallel.tp, c.spec.parallel.pp) for c in found}) > 3  # a real range was weighed
+    layouts = [(c.spec.parallel.tp, c.spec.parallel.pp, c.spec.parallel.zero, c.spec.parallel.activation_checkpointing, c.spec.parallel.ac_every) for c in found]
+    assert len(layouts) == len(set(layouts))  # each layout once, with its best micro-batch
     small = search(spec, Cluster(2, 4, 10 * 10**9))
     assert 0 < len(small) < len(found) and all(c.memory.device_total <= Cluster(2, 4, 10 * 10**9).usable for c in small)
     assert search(spec, Cluster(2, 4, 10**8)) == []
@@ -80,3 +82,11 @@ def test_search_refuses_deepspeed_jobs():
                            "data": {"path": "unused"}})
     with pytest.raises(UserError, match="--search: plans layouts for engine: native"):
         search(spec, CLUSTER)
+
+
+def test_a_layouts_overrides_give_the_job_that_layout():
+    spec = job({"dp": 8})
+    found = search(spec, CLUSTER)
+    for c in (found[0], next(c for c in found if c.spec.parallel.pp > 1), next(c for c in found if c.spec.parallel.activation_checkpointing == "selective")):
+        applied = spec_from_dict(spec.model_dump(mode="json", exclude_unset=True), c.overrides())
+        assert applied.parallel == c.spec.parallel and applied.train == c.spec.train

@@ -40,6 +40,7 @@ def test_overrides_are_parsed_as_yaml_values():
         (["parallel.tp=8"], "model.n_heads: 4 is not divisible by parallel.tp 8"),
         (["parallel.tp=2", "train.seq_len=33"], "train.seq_len: 33 is not divisible by parallel.tp 2"),
         (["parallel.tp=2", "model.tie_embeddings=true"], "model.tie_embeddings"),
+        (["parallel.pp=2", "model.tie_embeddings=true"], "model.tie_embeddings: not supported with parallel.pp > 1"),
         (["parallel.pp=4", "model.n_layers=2"], "model.n_layers: 2 layers cannot fill pp x virtual_stages = 4"),
         (["parallel.pp=2", "parallel.schedule=interleaved-1f1b"], "parallel.virtual_stages: interleaved-1f1b needs at least 2"),
         (["parallel.schedule=zero-bubble", "parallel.virtual_stages=2"], "parallel.schedule: zero-bubble needs pp > 1"),

@@ -1,7 +1,7 @@
 """Model-state bytes on one rank: parameters, gradients and optimizer states.
 
 Native engine: counted from the real parameter shapes (the model built on the meta
-device and cut into the rank's pipeline stages by the engine's own functions), each
+device and cut into the rank's pipeline stages by the engine's own rule), each
 split as the engine splits it: tensor parallelism per `parallel.tensor.shard_dim`,
 then FSDP2 along dim 0 of the TP-local tensor over `dp_shard` ranks (torch.chunk
 sizes: ceil(n / k) rows, the last ranks fewer or none). Weights, gradients and
@@ -26,7 +26,7 @@ import torch
 from lmforge.models.config import ModelConfig
 from lmforge.parallel.fsdp import needs_wrapping
 from lmforge.parallel.mesh import MeshShape
-from lmforge.parallel.pipeline import cut_stage, split_layers, stage_indices
+from lmforge.parallel.pipeline import in_stage, split_layers, stage_indices
 from lmforge.parallel.tensor import shard_dim
 from lmforge.spec import JobSpec
 
@@ -64,27 +64,42 @@ def local_numel(name: str, shape: tuple[int, ...], tp: int, tp_rank: int, dp_sha
     return math.prod(local)
 
 
-@lru_cache(maxsize=512)
-def stage_parameters(cfg: ModelConfig, seq_len: int, pp: int, virtual: int, schedule: str, pp_rank: int) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    """(name, shape) of each distinct parameter of the stages `pp_rank` runs, cut as
-    the engine cuts them (FLOP-balanced ranges, embedding first, head last)."""
+@lru_cache(maxsize=16)
+def model_parameters(cfg: ModelConfig) -> tuple[tuple[str, int, tuple[int, ...]], ...]:
+    """(name, identity, shape) of every parameter name of the model built on the meta
+    device; a tied weight appears under each of its names with one identity."""
     from lmforge.models.llama import Transformer
 
     with torch.device("meta"):
         whole = Transformer(cfg)
+    identity: dict[int, int] = {}
+    return tuple((name, identity.setdefault(id(param), len(identity)), tuple(param.shape))
+                 for name, param in whole.named_parameters(remove_duplicate=False))
+
+
+@lru_cache(maxsize=512)
+def stage_parameters(cfg: ModelConfig, seq_len: int, pp: int, virtual: int, schedule: str, pp_rank: int) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """(name, shape) of each distinct parameter of the stages `pp_rank` runs, kept as
+    the engine's `cut_stage` keeps them (FLOP-balanced ranges, embedding first, head
+    last): a tied weight counts once, under the first name its stages give it."""
     if pp == 1:
-        stages = [whole]
+        stages = [(range(cfg.n_layers), True, True)]
     else:
-        ranges = split_layers(cfg, seq_len, pp * virtual)
-        last = pp * virtual - 1
-        stages = [cut_stage(whole, ranges[i], first=i == 0, last=i == last) for i in stage_indices(pp_rank, pp, virtual, schedule)]
+        ranges, last = split_layers(cfg, seq_len, pp * virtual), pp * virtual - 1
+        stages = [(ranges[i], i == 0, i == last) for i in stage_indices(pp_rank, pp, virtual, schedule)]
     seen, params = set(), []
-    for stage in stages:
-        for name, param in stage.named_parameters():  # a tied weight is listed once
-            if id(param) not in seen:
-                seen.add(id(param))
-                params.append((name, tuple(param.shape)))
+    for layers, first, last in stages:
+        for name, identity, shape in model_parameters(cfg):
+            if identity not in seen and in_stage(_part(name), layers, first, last):
+                seen.add(identity)
+                params.append((name, shape))
     return tuple(params)
+
+
+def _part(name: str) -> str:
+    """The top-level part a parameter belongs to: "layers.3.attention.wq.weight" -> "layers.3"."""
+    head, _, rest = name.partition(".")
+    return f"{head}.{rest.partition('.')[0]}" if head == "layers" else head
 
 
 def native_states(spec: JobSpec, rank: int) -> StateBytes:
@@ -94,7 +109,7 @@ def native_states(spec: JobSpec, rank: int) -> StateBytes:
     coords = shape.coordinates(rank)
     shard_rank = coords["dp"] % shape.dp_shard
     params = stage_parameters(spec.model_arch, spec.train.seq_len, p.pp, p.virtual_stages, p.schedule, coords["pp"])
-    numel = sum(local_numel(name, dims, p.tp, coords["tp"], shape.dp_shard, shard_rank) for name, dims in params)
+    numel = _rank_numel(params, p.tp, coords["tp"], shape.dp_shard, shard_rank)
     grad_numel = numel
     if p.tp > 1 and not needs_wrapping(shape, spec.train.precision):
         # Measured (torch 2.13): without FSDP to reduce-scatter it, the vocabulary-split
@@ -102,7 +117,7 @@ def native_states(spec: JobSpec, rank: int) -> StateBytes:
         grad_numel += sum(math.prod(dims) - local_numel(name, dims, p.tp, coords["tp"], 1, 0) for name, dims in params if name == "tok_embeddings.weight")
     weights, grads = numel * FP32, grad_numel * FP32
     optimizer = 2 * numel * FP32 + len(params) * FP32  # exp_avg, exp_avg_sq, and a step scalar each
-    unit = max((_block_numel(params, p.tp, coords["tp"], block) for block in _blocks(params)), default=0)
+    unit = _largest_block_numel(params, p.tp, coords["tp"])
     state = StateBytes(weights, grads, optimizer, largest_unit=unit * (2 if spec.train.precision == "bf16" else FP32))
     if p.cpu_offload:
         return StateBytes(0, 0, 0, host=state.total, largest_unit=state.largest_unit)
@@ -129,14 +144,22 @@ def _share(total: int, parts: int) -> int:
     return int(total / parts)  # DeepSpeed's estimators truncate the same way
 
 
-def _blocks(params) -> set[str]:
-    return {name.split(".")[1] for name, _ in params if name.startswith("layers.")}
+# Cached: a planner search asks for the same stages' sums under hundreds of layouts.
+@lru_cache(maxsize=4096)
+def _rank_numel(params, tp: int, tp_rank: int, dp_shard: int, shard_rank: int) -> int:
+    return sum(local_numel(name, dims, tp, tp_rank, dp_shard, shard_rank) for name, dims in params)
 
 
-def _block_numel(params, tp: int, tp_rank: int, block: str) -> int:
-    """A block's parameters gathered over FSDP (still split by TP): what one FSDP unit
-    holds unsharded during its forward and backward."""
-    return sum(local_numel(name, dims, tp, tp_rank, 1, 0) for name, dims in params if name.startswith(f"layers.{block}."))
+@lru_cache(maxsize=1024)
+def _largest_block_numel(params, tp: int, tp_rank: int) -> int:
+    """The largest block's parameters gathered over FSDP (still split by TP): what one
+    FSDP unit holds unsharded during its forward and backward."""
+    blocks: dict[str, int] = {}
+    for name, dims in params:
+        if name.startswith("layers."):
+            block = name.split(".")[1]
+            blocks[block] = blocks.get(block, 0) + local_numel(name, dims, tp, tp_rank, 1, 0)
+    return max(blocks.values(), default=0)
 
 
 @lru_cache(maxsize=16)

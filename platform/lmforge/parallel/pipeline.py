@@ -136,18 +136,28 @@ def stage_indices(pp_rank: int, pp: int, virtual: int, schedule: str) -> list[in
     return [pp_rank + k * pp for k in range(virtual)]
 
 
+FIRST_STAGE_PARTS, LAST_STAGE_PARTS = ("tok_embeddings",), ("norm", "output")
+
+
+def in_stage(part: str, layers, first: bool, last: bool) -> bool:
+    """Whether a stage keeps the model's top-level `part` ("layers.3", "norm", ...):
+    its own blocks, the embedding on the first stage, the norm and head on the last."""
+    if part.startswith("layers."):
+        return int(part.split(".")[1]) in layers
+    if part in FIRST_STAGE_PARTS:
+        return first
+    return last if part in LAST_STAGE_PARTS else True
+
+
 def cut_stage(model: nn.Module, layers: list[int], first: bool, last: bool) -> nn.Module:
     """A copy of a meta-device model holding only `layers` (and embedding/head if owned)."""
     stage = copy.deepcopy(model)
-    keep = {str(i) for i in layers}
     for name in list(stage.layers.keys()):
-        if name not in keep:
+        if not in_stage(f"layers.{name}", layers, first, last):
             del stage.layers[name]
-    if not first:
-        stage.tok_embeddings = None
-    if not last:
-        stage.norm = None
-        stage.output = None
+    for part in FIRST_STAGE_PARTS + LAST_STAGE_PARTS:
+        if not in_stage(part, layers, first, last):
+            setattr(stage, part, None)
     return stage
 
 

@@ -12,7 +12,7 @@ from lmforge.errors import UserError
 from lmforge.memory.chart import bar_chart
 from lmforge.memory.estimate import stage_peaks, worst_rank
 from lmforge.planner.cluster import Cluster, assumed_cluster, parse_cluster
-from lmforge.planner.report import fits, render, search_table
+from lmforge.planner.report import fits, render, search_reasons, search_table
 from lmforge.planner.search import Candidate, search
 from lmforge.planner.throughput import step_time
 from lmforge.spec import JobSpec, load_spec
@@ -64,7 +64,10 @@ def _search(spec: JobSpec, cluster: Cluster, args, assumed: bool) -> int:
                           "best": [c.as_dict() for c in candidates[:args.top]], "job_layout": own, "chart": str(chart) if chart else None}, indent=2))
         return 0
     console.print(search_table(candidates, cluster, args.top))
-    console.print(f"best: {candidates[0].layout} ({candidates[0].reason(cluster)})")
+    for line in search_reasons(candidates, cluster, args.top):
+        console.print(line)
+    console.print(f"best: {candidates[0].layout}; to train with it: " + " ".join(f"--set {item}" for item in candidates[0].overrides()),
+                  soft_wrap=True)  # one line, to copy whole
     console.print(_own_line(own))
     if chart:
         console.print(f"chart: {chart}")

@@ -47,12 +47,19 @@ def render(job: str, breakdown: Breakdown, world: int, cluster: Cluster | None, 
 
 
 def search_table(candidates: list[Candidate], cluster: Cluster, top: int) -> Table:
+    """The best `top` layouts; their reasons go below it (`search_reasons`), where a
+    narrow terminal cannot squeeze them to nothing."""
     best = candidates[0].time.total
     table = Table(title=f"best {min(top, len(candidates))} of {len(candidates)} layouts that fit {cluster.describe()}")
-    for column in ("#", "layout", "peak", "step", "tok/s/GPU", "MFU", "why (share of the step)"):
-        table.add_column(column, justify="left" if column in ("layout", "why (share of the step)") else "right", no_wrap=column != "why (share of the step)")
+    for column in ("#", "layout", "peak", "step", "tok/s/GPU", "MFU"):
+        table.add_column(column, justify="left" if column == "layout" else "right", no_wrap=True)
     for rank, c in enumerate(candidates[:top], 1):
         slower = "" if rank == 1 else f" (+{c.time.total / best - 1:.0%})"
         table.add_row(str(rank), c.short, gib(c.memory.device_total), f"{c.time.total:.2f} s{slower}",
-                      f"{c.tokens_per_s_per_gpu:,.0f}", f"{c.mfu:.0%}", c.reason(cluster))
+                      f"{c.tokens_per_s_per_gpu:,.0f}", f"{c.mfu:.0%}")
     return table
+
+
+def search_reasons(candidates: list[Candidate], cluster: Cluster, top: int) -> list[str]:
+    """Why each of the best `top` costs what it does (shares of its step)."""
+    return [f"#{rank} {c.short}: {c.reason(cluster)}" for rank, c in enumerate(candidates[:top], 1)]

@@ -57,6 +57,16 @@ class Candidate:
         memory = f"{1 - self.memory.device_total / cluster.usable:.0%} memory to spare"
         return ", ".join(shown or ["no modelled overhead"]) + f"; {memory}"
 
+    def overrides(self) -> list[str]:
+        """The `--set` items that give the job this layout."""
+        p = self.spec.parallel
+        items = [f"parallel.{k}={getattr(p, k)}" for k in ("tp", "pp", "dp", "zero", "activation_checkpointing")]
+        if p.activation_checkpointing == "selective":
+            items.append(f"parallel.ac_every={p.ac_every}")
+        if p.pp > 1:
+            items += [f"parallel.schedule={p.schedule}", f"parallel.virtual_stages={p.virtual_stages}"]
+        return items + [f"parallel.sequence_parallel={str(p.sequence_parallel).lower()}", f"train.micro_batch={self.spec.train.micro_batch}"]
+
     def as_dict(self) -> dict:
         p = self.spec.parallel
         return {
@@ -64,23 +74,37 @@ class Candidate:
             "activation_checkpointing": p.activation_checkpointing, "ac_every": p.ac_every,
             "micro_batch": self.spec.train.micro_batch, "peak_bytes": self.memory.device_total,
             "step_seconds": self.time.total, "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu, "mfu": self.mfu,
-            "overheads": self.time.overheads(), "dp_comm_hidden_seconds": self.time.dp_hidden,
+            "overheads": self.time.overheads(), "dp_comm_hidden_seconds": self.time.dp_hidden, "overrides": self.overrides(),
         }
 
 
 def search(spec: JobSpec, cluster: Cluster) -> list[Candidate]:
-    """Every layout that fits, fastest first (ties: less memory first)."""
+    """Every layout that fits, fastest first (ties: less memory first), each with its
+    best micro-batch: where the model finds micro-batches equally fast, the smallest
+    footprint, so the ranking shows distinct layouts rather than one layout many times."""
     if spec.engine != "native":
         raise UserError("--search: plans layouts for engine: native (the deepspeed engine runs data parallelism only)")
-    found = []
+    best: dict[tuple, Candidate] = {}
     for candidate in _layouts(spec, cluster):
         memory = worst_rank(candidate)
         if memory.device_total > cluster.usable:
             continue
         time = step_time(candidate, cluster)
-        found.append(Candidate(candidate, memory, time, tokens_per_second_per_gpu(candidate, time),
-                               model_flops_utilization(candidate, time, cluster)))
-    return sorted(found, key=lambda c: (c.time.total, c.memory.device_total))
+        found = Candidate(candidate, memory, time, tokens_per_second_per_gpu(candidate, time),
+                          model_flops_utilization(candidate, time, cluster))
+        key = _layout_key(candidate)
+        if key not in best or _order(found) < _order(best[key]):
+            best[key] = found
+    return sorted(best.values(), key=_order)
+
+
+def _order(c: Candidate) -> tuple[float, int]:
+    return c.time.total, c.memory.device_total
+
+
+def _layout_key(spec: JobSpec) -> tuple:
+    p = spec.parallel
+    return p.tp, p.pp, p.dp, p.zero, p.activation_checkpointing, p.ac_every, p.schedule, p.virtual_stages
 
 
 def _layouts(spec: JobSpec, cluster: Cluster) -> Iterator[JobSpec]:
