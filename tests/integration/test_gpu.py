@@ -4,6 +4,8 @@ CPUs without AVX512-FP16), the pre-flight check against a GPU's own memory and t
 allocator's summary in an out-of-memory report. Skipped, with that reason, where no GPU is visible;
 run on a GPU machine with `pytest tests/integration/test_gpu.py`."""
 
+import re
+
 import pytest
 import torch
 
@@ -47,9 +49,9 @@ def test_preflight_refuses_a_job_larger_than_this_gpu():
     spec = spec_from_dict({"name": "big", "model": {"preset": "70b"}, "parallel": {"dp": 1, "zero": 0},
                            "train": {"global_batch": 1, "micro_batch": 1, "seq_len": 4096, "precision": "bf16"},
                            "resources": {"gpus_per_worker": 1}, "data": {"path": "unused"}})
-    total = torch.cuda.get_device_properties(0).total_memory
-    with pytest.raises(UserError, match=f"{torch.cuda.get_device_name(0)} memory: rank 0 needs an estimated"):
-        check_fits(spec, total, f"{torch.cuda.get_device_name(0)} memory")
+    total, name = torch.cuda.get_device_properties(0).total_memory, torch.cuda.get_device_name(0)
+    with pytest.raises(UserError, match=re.escape(f"{name} memory: rank 0 needs an estimated")):
+        check_fits(spec, total, f"{name} memory")
 
 
 def test_out_of_memory_report_has_the_allocators_summary():
