@@ -4,11 +4,14 @@ steps on fixed batches with the native engine and (rank 0) writes the losses.
     torchrun --nproc-per-node 2 parity_worker.py --out losses.json --set parallel.zero=2
     torchrun --nproc-per-node 4 parity_worker.py --out a.json --set parallel.tp=2 --save ck --save-at 3
     torchrun --nproc-per-node 1 parity_worker.py --out b.json --load ck   # steps 4.. only
+    torchrun --nproc-per-node 2 parity_worker.py --cases cases.json   # [{"out": ..., "overrides": [...]}, ...]
 """
 
 import argparse
+import gc
 import json
 import os
+from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -65,7 +68,7 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", help="where rank 0 writes the result")
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--save", help="checkpoint directory to save into after --save-at steps")
     parser.add_argument("--save-at", type=int, default=0)
@@ -73,6 +76,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--skip-steps", type=int, default=0, help="skip this many steps' batches (with model.init_from)")
+    parser.add_argument("--cases", help="a JSON list of runs, each a dict of the options above: run one after another in this launch")
     args = parser.parse_args()
     torch.set_num_threads(1)
     cuda = args.device == "cuda"
@@ -80,6 +84,21 @@ def main() -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if cuda else "gloo")
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    defaults = {k: v for k, v in vars(args).items() if k not in ("cases", "device")}
+    cases = json.loads(Path(args.cases).read_text()) if args.cases else [{}]
+    for case in cases:
+        # One launch runs many cases: the interpreter and torch start once, not per case.
+        run_case(argparse.Namespace(**(defaults | case)), device)
+        dist.barrier()
+        torch._dynamo.reset()  # compiled cases leave their graphs behind
+        gc.collect()
+    # Exit without destroy_process_group: under heavy load gloo's teardown has
+    # aborted a rank now and then ("terminate called without an active exception")
+    # after all work was done, which would fail a correct run.
+    os._exit(0)
+
+
+def run_case(args: argparse.Namespace, device: torch.device) -> None:
     world = dist.get_world_size()
     base = {
         "name": "parity",
@@ -123,10 +142,6 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump({"losses": losses, "engine": describe(engine), "states": per_rank, "spec": spec.model_dump(mode="json", exclude_unset=True)}, f)
     dist.barrier()  # results are written; no rank leaves while a peer still sends
-    # Exit without destroy_process_group: under heavy load gloo's teardown has
-    # aborted a rank now and then ("terminate called without an active exception")
-    # after all work was done, which would fail a correct run.
-    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -8,25 +8,42 @@ silently ignored setting fails the test.
 
 import pytest
 
-from parity import losses
+from parity import losses, run_cases
 
 STEPS = ["--steps", "10"]
 OFFLOAD_OPT = "deepspeed.config.zero_optimization.offload_optimizer.device=cpu"
 OFFLOAD_PARAM = "deepspeed.config.zero_optimization.offload_param.device=cpu"
 
 
+STAGES = {
+    "zero0": (0, []), "zero1": (1, []), "zero2": (2, []), "zero3": (3, []),
+    "zero1-offload": (1, [OFFLOAD_OPT]), "zero2-offload": (2, [OFFLOAD_OPT]), "zero3-offload-all": (3, [OFFLOAD_OPT, OFFLOAD_PARAM]),
+}
+ZERO = "deepspeed.config.zero_optimization.stage"
+# One launch for every 2-rank comparison: starting torch and DeepSpeed in each rank
+# costs more than these runs.
+CASES = {
+    "native": [],
+    **{name: ["engine=deepspeed", f"{ZERO}={stage}", *offload] for name, (stage, offload) in STAGES.items()},
+    "zero3-ac": ["engine=deepspeed", f"{ZERO}=3", "parallel.activation_checkpointing=full"],
+    "zero2-bf16": ["engine=deepspeed", f"{ZERO}=2", "train.precision=bf16"],
+}
+
+
 @pytest.fixture(scope="module")
-def native_dp2(tmp_path_factory):
-    return losses(tmp_path_factory.mktemp("native"), 2, extra=STEPS)
+def runs(tmp_path_factory):
+    return run_cases(tmp_path_factory.mktemp("ds"), 2, {name: {"overrides": items, "steps": 10} for name, items in CASES.items()})
 
 
-@pytest.mark.parametrize(
-    "stage, offload",
-    [(0, []), (1, []), (2, []), (3, []), (1, [OFFLOAD_OPT]), (2, [OFFLOAD_OPT]), (3, [OFFLOAD_OPT, OFFLOAD_PARAM])],
-    ids=["zero0", "zero1", "zero2", "zero3", "zero1-offload", "zero2-offload", "zero3-offload-all"],
-)
-def test_zero_stages_match_native_data_parallel(native_dp2, tmp_path, stage, offload):
-    got, ran = losses(tmp_path, 2, "engine=deepspeed", f"deepspeed.config.zero_optimization.stage={stage}", *offload, extra=STEPS, describe=True)
+@pytest.fixture(scope="module")
+def native_dp2(runs):
+    return runs["native"]["losses"]
+
+
+@pytest.mark.parametrize("name", STAGES)
+def test_zero_stages_match_native_data_parallel(native_dp2, runs, name):
+    stage, offload = STAGES[name]
+    got, ran = runs[name]["losses"], runs[name]["engine"]
     assert ran["class"] == "DeepSpeedEngine" and ran["zero_stage"] == stage
     assert ran["offload_optimizer"] in (("cpu",) if offload else (None, "none"))
     assert ran["offload_param"] in (("cpu",) if OFFLOAD_PARAM in offload else (None, "none"))
@@ -35,9 +52,8 @@ def test_zero_stages_match_native_data_parallel(native_dp2, tmp_path, stage, off
     assert got[-1] < got[0]
 
 
-def test_activation_checkpointing_under_zero3(native_dp2, tmp_path):
-    got = losses(tmp_path, 2, "engine=deepspeed", "deepspeed.config.zero_optimization.stage=3", "parallel.activation_checkpointing=full", extra=STEPS)
-    assert got == pytest.approx(native_dp2, rel=1e-4)
+def test_activation_checkpointing_under_zero3(native_dp2, runs):
+    assert runs["zero3-ac"]["losses"] == pytest.approx(native_dp2, rel=1e-4)
 
 
 def _cpu_adam_build_cached() -> bool:
@@ -62,8 +78,8 @@ def test_compiled_cpu_adam_with_offload(native_dp2, tmp_path):
     assert got == pytest.approx(native_dp2, rel=1e-4)
 
 
-def test_bf16_is_close_to_fp32(native_dp2, tmp_path):
-    got = losses(tmp_path, 2, "engine=deepspeed", "deepspeed.config.zero_optimization.stage=2", "train.precision=bf16", extra=STEPS)
+def test_bf16_is_close_to_fp32(native_dp2, runs):
+    got = runs["zero2-bf16"]["losses"]
     assert got == pytest.approx(native_dp2, rel=2e-2)
     assert got != pytest.approx(native_dp2, rel=1e-7), "bf16 produced fp32 numbers"
 

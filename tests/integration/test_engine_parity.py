@@ -1,104 +1,154 @@
 """Parallel layouts of the native engine train like one process.
 
-Each case is a real torchrun launch with gloo process groups (no Ray: parity is
-about the engine). fp32 must match one process within 1e-5 relative for data
-parallelism, 1e-4 with tensor parallelism (its partial sums add in another order); bf16
-(FSDP2 mixed precision, fp32 reduction) within 2e-2.
+Each case is a real torchrun run with gloo process groups (no Ray: parity is about
+the engine); the cases of one world size share a launch (`CASES`), since starting
+torch in every rank costs more than a tiny run. fp32 must match one process within
+1e-5 relative for data parallelism, 1e-4 with tensor parallelism (its partial sums
+add in another order); bf16 (FSDP2 mixed precision, fp32 reduction) within 2e-2.
 """
 
 import pytest
 
-from parity import losses
+from parity import run_cases
+
+PP2 = ["parallel.pp=2"]
+SCHEDULES = {
+    "gpipe": ["parallel.schedule=gpipe"], "1f1b": ["parallel.schedule=1f1b"],
+    "interleaved-1f1b": ["parallel.schedule=interleaved-1f1b", "parallel.virtual_stages=2"],
+    "zero-bubble": ["parallel.schedule=zero-bubble", "parallel.virtual_stages=2"],
+}
+FSDP_TP_AC = {"none": ("none", 1), "every-block": ("selective", 1), "op-level": ("selective", "op")}
+THREE_D = ["parallel.pp=2", "parallel.tp=2"]
+
+# name: (ranks, --set items, options); "load" names the case whose checkpoint is loaded.
+CASES = {
+    "reference": (1, [], {}),
+    "ac-full": (1, ["parallel.activation_checkpointing=full"], {}),
+    **{f"dp2-zero{z}": (2, [f"parallel.zero={z}"], {}) for z in (3, 2, 0)},
+    "hsdp": (4, ["parallel.dp_replicate=2"], {}),
+    # SP with and without AC; the other two combinations passed too, cut for suite time.
+    "tp2-sp": (2, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.activation_checkpointing=none"], {}),
+    "tp2-no-sp-ac": (2, ["parallel.tp=2", "parallel.sequence_parallel=false", "parallel.activation_checkpointing=full"], {}),
+    **{f"fsdp-tp2-{k}": (4, ["parallel.tp=2", f"parallel.activation_checkpointing={ac}", f"parallel.ac_every={every}"], {})
+       for k, (ac, every) in FSDP_TP_AC.items()},
+    # Whole compiled blocks under FSDP, and per-block attention/MLP under TP with SP,
+    # pipelining and AC all at once (pp2, tp2 without SP and fsdp2 x tp2 passed on
+    # their own too; they were cut to keep the suite's time).
+    "compile-fsdp-dp2": (2, ["parallel.compile=true"], {}),
+    "compile-3d-ac": (8, ["parallel.compile=true", *THREE_D, "parallel.activation_checkpointing=full"], {}),
+    **{f"bf16-{name}": (2, ["train.precision=bf16", *layout], {}) for name, layout in (("dp2", []), ("tp2", ["parallel.tp=2"]), ("pp2", PP2))},
+    **{f"pp2-{s}-{ac}": (2, [*PP2, *items, f"parallel.activation_checkpointing={ac}"], {}) for s, items in SCHEDULES.items() for ac in ("none", "full")},
+    "3d-ac": (8, [*THREE_D, "parallel.activation_checkpointing=full"], {}),
+    # Saved after 3 steps by pp 2 x dp 2 x tp 2 (pipeline stages of FSDP2 over DTensor TP shards).
+    "3d-save": (8, THREE_D, {"save_at": 3, "save": "3d"}),
+    **{f"load-{name}": (n, layout, {"load": "3d-save"}) for name, n, layout in
+       (("dp4", 4, []), ("tp2", 2, ["parallel.tp=2"]), ("pp2", 2, PP2), ("one-rank", 1, []))},
+}
+
+
+class Launches:
+    """Runs each world size's cases in one launch, when a test first asks for one."""
+
+    def __init__(self, tmp):
+        self.tmp, self.results, self.failed = tmp, {}, {}
+
+    def __call__(self, name: str) -> dict:
+        nproc = CASES[name][0]
+        if nproc in self.failed:
+            raise AssertionError(f"the {nproc}-rank launch failed earlier: {self.failed[nproc]}")
+        if nproc not in self.results:
+            self._launch(nproc)
+        return self.results[nproc][name]
+
+    def _launch(self, nproc: int) -> None:
+        group = {name: case for name, case in CASES.items() if case[0] == nproc}
+        for loaded in {opts["load"] for _, _, opts in group.values() if "load" in opts}:
+            self(loaded)  # its checkpoint first
+        cases = {name: {"overrides": overrides, **self._paths(opts)} for name, (_, overrides, opts) in group.items()}
+        try:
+            self.results[nproc] = run_cases(self.tmp, nproc, cases)
+        except AssertionError as err:
+            self.failed[nproc] = str(err)[-3000:]
+            raise
+
+    def _paths(self, opts: dict) -> dict:
+        out = dict(opts)
+        if "save" in opts:
+            out["save"] = str(self.tmp / opts["save"])
+        if "load" in opts:
+            out["load"] = str(self.tmp / CASES[opts["load"]][2]["save"])
+        return out
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return losses(tmp_path_factory.mktemp("ref"), 1)
+def run(tmp_path_factory):
+    return Launches(tmp_path_factory.mktemp("parity"))
+
+
+def losses(run, name):
+    return run(name)["losses"]
+
+
+@pytest.fixture(scope="module")
+def reference(run):
+    return losses(run, "reference")
 
 
 @pytest.mark.parametrize("zero", [3, 2, 0])
-def test_dp2_matches_one_process(reference, tmp_path, zero):
-    got = losses(tmp_path, 2, f"parallel.zero={zero}")
+def test_dp2_matches_one_process(reference, run, zero):
+    got = losses(run, f"dp2-zero{zero}")
     assert got == pytest.approx(reference, rel=1e-5)
     assert got[-1] < got[0]
 
 
-def test_hsdp_replicate2_x_shard2_matches_one_process(reference, tmp_path):
-    got = losses(tmp_path, 4, "parallel.dp_replicate=2")
-    assert got == pytest.approx(reference, rel=1e-5)
+def test_hsdp_replicate2_x_shard2_matches_one_process(reference, run):
+    assert losses(run, "hsdp") == pytest.approx(reference, rel=1e-5)
 
 
-# SP with and without AC; the other two combinations passed too, cut for suite time.
-@pytest.mark.parametrize("sp, ac", [(True, "none"), (False, "full")], ids=["sp", "no-sp-ac"])
-def test_tp2_matches_one_process(reference, tmp_path, sp, ac):
-    got = losses(tmp_path, 2, "parallel.tp=2", f"parallel.sequence_parallel={sp}", f"parallel.activation_checkpointing={ac}")
-    assert got == pytest.approx(reference, rel=1e-4)
+@pytest.mark.parametrize("case", ["tp2-sp", "tp2-no-sp-ac"])
+def test_tp2_matches_one_process(reference, run, case):
+    assert losses(run, case) == pytest.approx(reference, rel=1e-4)
 
 
-@pytest.mark.parametrize("ac, every", [("none", 1), ("selective", 1), ("selective", "op")], ids=["none", "every-block", "op-level"])
-def test_fsdp2_x_tp2_matches_one_process(reference, tmp_path, ac, every):
-    got = losses(tmp_path, 4, "parallel.tp=2", f"parallel.activation_checkpointing={ac}", f"parallel.ac_every={every}")
-    assert got == pytest.approx(reference, rel=1e-4)
+@pytest.mark.parametrize("ac", FSDP_TP_AC)
+def test_fsdp2_x_tp2_matches_one_process(reference, run, ac):
+    assert losses(run, f"fsdp-tp2-{ac}") == pytest.approx(reference, rel=1e-4)
 
 
-def test_activation_checkpointing_does_not_change_the_numbers(reference, tmp_path):
-    got = losses(tmp_path, 1, "parallel.activation_checkpointing=full")
-    assert got == pytest.approx(reference, rel=1e-6)
+def test_activation_checkpointing_does_not_change_the_numbers(reference, run):
+    assert losses(run, "ac-full") == pytest.approx(reference, rel=1e-6)
 
 
-# Whole compiled blocks under FSDP, and per-block attention/MLP under TP with SP,
-# pipelining and AC all at once (pp2, tp2 without SP and fsdp2 x tp2 passed on
-# their own too; they were cut to keep the suite's time).
-@pytest.mark.parametrize(
-    "nproc, layout",
-    [(2, []), (8, ["parallel.tp=2", "parallel.pp=2", "parallel.activation_checkpointing=full"])],
-    ids=["fsdp-dp2", "3d-ac"],
-)
-def test_compile_gives_the_same_losses(reference, tmp_path, nproc, layout):
-    got, ran = losses(tmp_path, nproc, "parallel.compile=true", *layout, describe=True)
-    # 4 blocks on this rank's stages: whole blocks, or attention and MLP under TP
-    blocks = 4 // (2 if "parallel.pp=2" in layout else 1)
-    assert ran["compiled_modules"] == blocks * (2 if any("tp=2" in item for item in layout) else 1)
-    assert got == pytest.approx(reference, rel=1e-4)
+@pytest.mark.parametrize("case, blocks", [("compile-fsdp-dp2", 4), ("compile-3d-ac", 2 * 2)])
+def test_compile_gives_the_same_losses(reference, run, case, blocks):
+    result = run(case)
+    # 4 blocks on this rank's stages (2 with pp2): whole blocks, or attention and MLP under TP
+    assert result["engine"]["compiled_modules"] == blocks
+    assert result["losses"] == pytest.approx(reference, rel=1e-4)
 
 
-@pytest.mark.parametrize("layout", [[], ["parallel.tp=2"], ["parallel.pp=2"]], ids=["dp2", "tp2", "pp2"])
-def test_bf16_is_close_to_fp32(reference, tmp_path, layout):
-    got = losses(tmp_path, 2, "train.precision=bf16", *layout)
+@pytest.mark.parametrize("layout", ["dp2", "tp2", "pp2"])
+def test_bf16_is_close_to_fp32(reference, run, layout):
+    got = losses(run, f"bf16-{layout}")
     assert got == pytest.approx(reference, rel=2e-2)
     assert got != pytest.approx(reference, rel=1e-7), "bf16 produced fp32 numbers: mixed precision is not applied"
 
 
-@pytest.mark.parametrize(
-    "schedule",
-    [["parallel.schedule=gpipe"], ["parallel.schedule=1f1b"],
-     ["parallel.schedule=interleaved-1f1b", "parallel.virtual_stages=2"],
-     ["parallel.schedule=zero-bubble", "parallel.virtual_stages=2"]],
-    ids=["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"],
-)
+@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("ac", ["none", "full"])
-def test_pp2_schedules_match_one_process(reference, tmp_path, schedule, ac):
-    got = losses(tmp_path, 2, "parallel.pp=2", *schedule, f"parallel.activation_checkpointing={ac}")
-    assert got == pytest.approx(reference, rel=1e-4)
+def test_pp2_schedules_match_one_process(reference, run, schedule, ac):
+    assert losses(run, f"pp2-{schedule}-{ac}") == pytest.approx(reference, rel=1e-4)
 
 
-def test_3d_pp2_dp2_tp2_on_8_ranks_with_full_ac(reference, tmp_path):
-    """Without AC, 3D is checked by `checkpoint_3d` below: its saved state continues
+def test_3d_pp2_dp2_tp2_on_8_ranks_with_full_ac(reference, run):
+    """Without AC, 3D is checked by the `3d-save` case: its saved state continues
     on four other layouts with the reference's losses."""
-    got = losses(tmp_path, 8, "parallel.pp=2", "parallel.tp=2", "parallel.activation_checkpointing=full")
-    assert got == pytest.approx(reference, rel=1e-4)
+    assert losses(run, "3d-ac") == pytest.approx(reference, rel=1e-4)
 
 
-@pytest.fixture(scope="module")
-def checkpoint_3d(tmp_path_factory):
-    """Saved after 3 steps by pp 2 x dp 2 x tp 2 (pipeline stages of FSDP2 over DTensor TP shards)."""
-    ckpt = tmp_path_factory.mktemp("ckpt")
-    losses(ckpt, 8, "parallel.pp=2", "parallel.tp=2", extra=["--save", str(ckpt / "ck"), "--save-at", "3"])
-    return ckpt / "ck"
-
-
-@pytest.mark.parametrize("nproc, layout", [(4, []), (2, ["parallel.tp=2"]), (2, ["parallel.pp=2"]), (1, [])], ids=["dp4", "tp2", "pp2", "one-rank"])
-def test_checkpoint_reshards_to_any_layout(reference, checkpoint_3d, tmp_path, nproc, layout):
-    got = losses(tmp_path, nproc, *layout, extra=["--load", str(checkpoint_3d)])
+@pytest.mark.parametrize("layout", ["dp4", "tp2", "pp2", "one-rank"])
+def test_checkpoint_reshards_to_any_layout(reference, run, layout):
+    assert losses(run, "3d-save") == pytest.approx(reference, rel=1e-4)
+    got = losses(run, f"load-{layout}")
     assert len(got) == 3
     assert got == pytest.approx(reference[3:], rel=1e-4)
