@@ -9,7 +9,7 @@ import pytest
 import ray
 
 from lmforge.cluster.capacity import Capacity
-from lmforge.cluster.placement import Slots
+from lmforge.cluster.placement import NodeWatch, Slots
 from lmforge.errors import UserError
 from lmforge.spec import JobSpec, spec_from_dict
 
@@ -95,3 +95,14 @@ def test_spares_that_do_not_fit_are_refused_naming_the_field(ray_session):
     assert len(capacity.slots) == 0 and settles_at(before)
     assert capacity.initial(spares_optional=True).parallel.dp == 2  # a replacement controller runs without them
     capacity.release()
+
+
+def test_node_watch_answers_for_live_nodes_and_names_the_others(ray_session):
+    here = ray.get_runtime_context().get_node_id()
+    watch = NodeWatch()
+    watch.watch([here, ""])  # "": a slot Ray has placed nowhere yet
+    assert watch.unresponsive({here}, timeout_s=30) == set()
+    gone = "ab" * 28  # a node id no node has: its ping cannot be placed, so it never answers
+    assert watch.unresponsive({here, gone}, timeout_s=3) == {gone}
+    with started(job()) as (capacity, _, _first):  # placing a layout watches its nodes
+        assert set(capacity.watch._pingers) == {here}

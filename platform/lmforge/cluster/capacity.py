@@ -16,7 +16,7 @@ from typing import Callable
 
 import ray
 
-from lmforge.cluster.placement import Slots, unresponsive
+from lmforge.cluster.placement import NodeWatch, Slots
 from lmforge.cluster.runtime import DATA_CPUS, fits
 from lmforge.errors import UserError
 from lmforge.spec import JobSpec
@@ -33,6 +33,7 @@ class Capacity:
         self.slots = Slots(p.tp, res.cpus_per_worker, res.gpus_per_worker, name)
         self.spare_groups = spec.fault_tolerance.spares // p.tp
         self.lost: set[str] = set()  # nodes found gone, perhaps not yet declared dead by Ray
+        self.watch = NodeWatch()
         self.growth_pending = False
         self._spares_ready = 0
         self._probed_at = 0.0
@@ -56,6 +57,7 @@ class Capacity:
                     error = err
                     continue
                 self._report_spares(spares)
+                self.watch.watch(self.slots.nodes())
                 return spec if elastic is None else spec.with_dp(dp)
         if self.spare_groups and not spares_optional and error is not None:
             raise UserError(f"fault_tolerance.spares: with {spec.fault_tolerance.spares} spare ranks beside the job's: {error}")
@@ -66,7 +68,7 @@ class Capacity:
         their slots are released (the rest kept)."""
         nodes = (set(self.slots.nodes()) | set(rank_nodes)) - {""}
         alive = self.alive_nodes()
-        self.lost |= (nodes - alive) | unresponsive(nodes & alive, NODE_PROBE_S)
+        self.lost |= (nodes - alive) | self.watch.unresponsive(nodes & alive, NODE_PROBE_S)
         self.slots.drop_lost(self.lost)
 
     def fit(self, current: JobSpec) -> JobSpec:
@@ -88,6 +90,7 @@ class Capacity:
                 raise UserError(f"{field}: after a failure the cluster cannot hold dp {dp} again: {err}") from None
         self.slots.keep(self.groups(dp) + self.spare_groups)
         self._report_spares(len(self.slots) - self.groups(dp))
+        self.watch.watch(self.slots.nodes())
         return current if elastic is None else spec.with_dp(dp)
 
     def probe(self, current: JobSpec) -> None:
@@ -130,6 +133,7 @@ class Capacity:
             self.slots.add(groups, 1.0, frozenset(self.lost))
         except UserError:
             return False
+        self.watch.watch(self.slots.nodes())
         return True
 
     def _report_spares(self, groups: int) -> None:

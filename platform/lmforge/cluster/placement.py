@@ -81,15 +81,55 @@ def _answer() -> bool:
     return True
 
 
-def unresponsive(nodes: set[str], timeout_s: float) -> set[str]:
-    """The nodes among `nodes` that do not run a no-op task within `timeout_s`. A node
-    that vanished abruptly is declared dead only after Ray's health checks time out
-    (tens of seconds), and until then Ray keeps placing work on it: ask the nodes."""
-    pings = {node: _answer.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote() for node in nodes}
-    answered, _ = ray.wait(list(pings.values()), num_returns=len(pings), timeout=timeout_s)
-    for ref in set(pings.values()) - set(answered):
-        ray.cancel(ref)
-    return {node for node, ref in pings.items() if ref not in answered}
+@ray.remote(num_cpus=0)
+class _Pinger:
+    def ping(self) -> bool:
+        return True
+
+
+class NodeWatch:
+    """Which of the job's nodes still answer. A node that vanished abruptly is
+    declared dead only after Ray's health checks time out (tens of seconds), and
+    until then Ray keeps placing work on it: ask the nodes. Each node of the job gets
+    an idle zero-CPU actor ahead of time, because a fresh task would first wait for
+    a worker process to start there, which takes seconds on a loaded node (seen: a
+    live node judged lost, and a restart that found no room without it)."""
+
+    def __init__(self):
+        self._pingers: dict[str, ray.actor.ActorHandle] = {}
+
+    def watch(self, nodes) -> None:
+        """Start a pinger on each node not yet watched (returns at once)."""
+        for node in set(nodes) - set(self._pingers) - {""}:
+            self._pingers[node] = _Pinger.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+
+    def unresponsive(self, nodes: set[str], timeout_s: float) -> set[str]:
+        """The nodes among `nodes` that do not answer within `timeout_s`."""
+        pings = {node: self._ping(node) for node in nodes}
+        answered, _ = ray.wait(list(pings.values()), num_returns=len(pings), timeout=timeout_s)
+        silent = set()
+        for node, ref in pings.items():
+            if ref not in answered or not _succeeded(ref):
+                silent.add(node)
+                self._pingers.pop(node, None)  # it goes with its node
+                try:
+                    ray.cancel(ref)
+                except Exception:  # noqa: BLE001 - already failed or finished: nothing to cancel
+                    pass
+        return silent
+
+    def _ping(self, node: str) -> ray.ObjectRef:
+        pinger = self._pingers.get(node)
+        if pinger is not None:
+            return pinger.ping.remote()
+        return _answer.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+
+
+def _succeeded(ref: ray.ObjectRef) -> bool:
+    try:
+        return ray.get(ref, timeout=0) is True
+    except ray.exceptions.RayError:  # its actor or node died: the node is not answering
+        return False
 
 
 def owner_prefix(job: str, controller_id: str) -> str:
