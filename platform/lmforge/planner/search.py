@@ -67,6 +67,11 @@ class Candidate:
             items += [f"parallel.schedule={p.schedule}", f"parallel.virtual_stages={p.virtual_stages}"]
         return items + [f"parallel.sequence_parallel={str(p.sequence_parallel).lower()}", f"train.micro_batch={self.spec.train.micro_batch}"]
 
+    @property
+    def layout_key(self) -> tuple[str, ...]:
+        """The layout without its micro-batch: what the ranking lists once."""
+        return tuple(item for item in self.overrides() if not item.startswith("train.micro_batch="))
+
     def as_dict(self) -> dict:
         p = self.spec.parallel
         return {
@@ -92,7 +97,7 @@ def search(spec: JobSpec, cluster: Cluster) -> list[Candidate]:
         time = step_time(candidate, cluster)
         found = Candidate(candidate, memory, time, tokens_per_second_per_gpu(candidate, time),
                           model_flops_utilization(candidate, time, cluster))
-        key = _layout_key(candidate)
+        key = found.layout_key
         if key not in best or _order(found) < _order(best[key]):
             best[key] = found
     return sorted(best.values(), key=_order)
@@ -100,11 +105,6 @@ def search(spec: JobSpec, cluster: Cluster) -> list[Candidate]:
 
 def _order(c: Candidate) -> tuple[float, int]:
     return c.time.total, c.memory.device_total
-
-
-def _layout_key(spec: JobSpec) -> tuple:
-    p = spec.parallel
-    return p.tp, p.pp, p.dp, p.zero, p.activation_checkpointing, p.ac_every, p.schedule, p.virtual_stages
 
 
 def _layouts(spec: JobSpec, cluster: Cluster) -> Iterator[JobSpec]:
