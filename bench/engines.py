@@ -27,7 +27,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lmforge.engines import create_engine
-from lmforge.parallel.mesh import MeshShape, build_mesh
+from lmforge.parallel.mesh import build_mesh
+from lmforge.parallel.shape import MeshShape
 from lmforge.spec import spec_from_dict
 
 WORLD = 2

@@ -162,7 +162,8 @@ def save_stall(dim: int, layers: int, saves: int) -> dict[str, float]:
     from lmforge.checkpoint.store import CheckpointStore
     from lmforge.checkpoint.writer import CheckpointWriter
     from lmforge.engines import create_engine
-    from lmforge.parallel.mesh import MeshShape, build_mesh
+    from lmforge.parallel.mesh import build_mesh
+    from lmforge.parallel.shape import MeshShape
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     spec = spec_from_dict({

@@ -24,8 +24,9 @@ from lmforge.errors import OutOfMemory
 from lmforge.guards.divergence import DivergenceGuard
 from lmforge.guards.inject import FaultInjector
 from lmforge.guards.leaks import LeakCheck
-from lmforge.guards.oom import memory_report
-from lmforge.parallel.mesh import MeshShape, build_mesh
+from lmforge.guards.memory_report import memory_report
+from lmforge.parallel.mesh import build_mesh
+from lmforge.parallel.shape import MeshShape
 from lmforge.planner.fit import check_fits
 from lmforge.spec import JobSpec
 from lmforge.tracking.flops import mfu, peak_flops

@@ -11,6 +11,7 @@ import argparse
 import gc
 import json
 import os
+import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -23,7 +24,8 @@ from lmforge.checkpoint.sharded import load_checkpoint
 from lmforge.checkpoint.store import CheckpointStore
 from lmforge.checkpoint.writer import CheckpointWriter
 from lmforge.engines import create_engine
-from lmforge.parallel.mesh import MeshShape, build_mesh
+from lmforge.parallel.mesh import build_mesh
+from lmforge.parallel.shape import MeshShape
 from lmforge.spec import CheckpointSpec, spec_from_dict
 
 STEPS = 6
@@ -99,6 +101,7 @@ def main() -> None:
 
 
 def run_case(args: argparse.Namespace, device: torch.device) -> None:
+    began = time.perf_counter()
     world = dist.get_world_size()
     base = {
         "name": "parity",
@@ -140,7 +143,8 @@ def run_case(args: argparse.Namespace, device: torch.device) -> None:
     dist.all_gather_object(per_rank, states.get("measured"))
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
-            json.dump({"losses": losses, "engine": describe(engine), "states": per_rank, "spec": spec.model_dump(mode="json", exclude_unset=True)}, f)
+            json.dump({"losses": losses, "engine": describe(engine), "states": per_rank, "spec": spec.model_dump(mode="json", exclude_unset=True),
+                       "seconds": round(time.perf_counter() - began, 2)}, f)
     dist.barrier()  # results are written; no rank leaves while a peer still sends
 
 

@@ -55,7 +55,7 @@ def test_preflight_refuses_a_job_larger_than_this_gpu():
 
 
 def test_out_of_memory_report_has_the_allocators_summary():
-    from lmforge.guards.oom import memory_report
+    from lmforge.guards.memory_report import memory_report
     from lmforge.spec import spec_from_dict
 
     spec = spec_from_dict({"name": "r", "data": {"path": "unused"}})

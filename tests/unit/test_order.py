@@ -56,7 +56,7 @@ def test_accumulation_count():
 
 
 def test_mesh_coordinates_put_tp_innermost():
-    from lmforge.parallel.mesh import MeshShape
+    from lmforge.parallel.shape import MeshShape
 
     shape = MeshShape.for_layout(pp=2, dp=2, tp=2, zero=3)
     coords = [shape.coordinates(r) for r in range(8)]
@@ -88,7 +88,7 @@ def test_stage_assignment_per_schedule():
 
 
 def test_hsdp_mesh_splits_dp_into_replicate_and_shard():
-    from lmforge.parallel.mesh import MeshShape
+    from lmforge.parallel.shape import MeshShape
 
     assert MeshShape.for_layout(pp=1, dp=8, tp=1, zero=3, replicate=2).dims == (1, 2, 4, 1)
     assert MeshShape.for_layout(pp=1, dp=8, tp=1, zero=0).dims == (1, 8, 1, 1)

@@ -26,7 +26,7 @@ from lmforge.cluster.runtime import WORKER_ENV
 from lmforge.cluster.worker import Worker
 from lmforge.errors import CheckpointWritesFailing, Diverged, OutOfMemory, TrainingFailed, UserError
 from lmforge.guards.oom import with_smaller_micro_batch
-from lmforge.parallel.mesh import MeshShape
+from lmforge.parallel.shape import MeshShape
 from lmforge.spec import JobSpec
 
 

@@ -18,9 +18,10 @@ class Worker:
     def __init__(self, rank: int, world_size: int):
         import torch
 
+        import lmforge.trainer  # noqa: F401 - loaded while the other ranks start, not after the rendezvous
+
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         self.rank, self.world_size = rank, world_size
-        ray.data.DataContext.get_current().enable_progress_bars = False
 
     def address(self) -> tuple[str, int, str]:
         """(ip, a free port, node id): rank 0's answer is the rendezvous."""

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from lmforge.memory import activations as act
 from lmforge.memory.states import FP32, StateBytes, deepspeed_states, native_states
 from lmforge.parallel.fsdp import needs_wrapping
-from lmforge.parallel.mesh import MeshShape
+from lmforge.parallel.shape import MeshShape
 from lmforge.parallel.pipeline import split_layers, stage_indices
 from lmforge.spec import JobSpec
 

@@ -25,7 +25,7 @@ import torch
 
 from lmforge.models.config import ModelConfig
 from lmforge.parallel.fsdp import needs_wrapping
-from lmforge.parallel.mesh import MeshShape
+from lmforge.parallel.shape import MeshShape
 from lmforge.parallel.pipeline import in_stage, split_layers, stage_indices
 from lmforge.parallel.tensor import shard_dim
 from lmforge.spec import JobSpec

@@ -1,9 +1,18 @@
 """Models: plain `nn.Module`s with no parallelism code inside.
 
-`build_model` makes one on the meta device and materializes it where asked.
+`build_model` makes one on the meta device and materializes it where asked. The
+module itself is imported on first use, so `lmforge.models.config` (the shapes the
+job file and the controller read) costs no torch import.
 """
 
 from lmforge.models.config import PRESETS, ModelConfig
-from lmforge.models.llama import Transformer, build_model, materialize
 
 __all__ = ["PRESETS", "ModelConfig", "Transformer", "build_model", "materialize"]
+
+
+def __getattr__(name: str):
+    if name in ("Transformer", "build_model", "materialize"):
+        from lmforge.models import llama
+
+        return getattr(llama, name)
+    raise AttributeError(f"module 'lmforge.models' has no attribute {name!r}")

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from lmforge.parallel.mesh import MeshShape, ParallelDims
+from lmforge.parallel.mesh import ParallelDims
+from lmforge.parallel.shape import MeshShape
 
 
 def apply_fsdp(model: nn.Module, dims: ParallelDims, zero: int, precision: str, cpu_offload: bool = False) -> nn.Module:
