@@ -84,10 +84,10 @@ def _prepare_options(args):
 def _cmd_prepare(args) -> int:
     from pathlib import Path
 
+    opts = _prepare_options(args)
     from lmforge import sdk
     from lmforge.data.prepare import MANIFEST, read_manifest
 
-    opts = _prepare_options(args)
     if (Path(opts.out) / MANIFEST).exists():
         manifest = read_manifest(opts.out)
         print(f"{opts.out}: already prepared ({manifest['num_samples']} samples); nothing to do", file=sys.stderr)
@@ -102,10 +102,11 @@ def _cmd_prepare(args) -> int:
 
 
 def _cmd_train(args) -> int:
-    from lmforge import sdk
     from lmforge.spec import load_spec
 
-    spec = load_spec(args.job, args.overrides)
+    spec = load_spec(args.job, args.overrides)  # a bad job file fails before torch and Ray load
+    from lmforge import sdk
+
     summary = sdk.train(spec, address=args.address, show_progress=not args.no_progress)
     if args.json:
         print(json.dumps(summary, indent=2))

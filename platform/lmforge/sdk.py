@@ -20,7 +20,7 @@ from rich.console import Console
 
 from lmforge.cluster import placement
 from lmforge.cluster.controller import Controller
-from lmforge.cluster.runtime import check_capacity, connect
+from lmforge.cluster.runtime import check_capacity, connect, embedded_resources
 from lmforge.data.corpus import list_files, source_kind
 from lmforge.data.prepare import PrepareOptions, prepare_dataset, read_manifest
 from lmforge.errors import TrainingFailed, UserError
@@ -44,14 +44,15 @@ def prepare(opts: PrepareOptions, address: Optional[str] = None) -> dict:
             ray.shutdown()
 
 
-def _check_capacity(spec: JobSpec) -> None:
-    """The job's ranks and spares must fit; an elastic job's smallest layout must."""
+def _check_capacity(spec: JobSpec, total: Optional[dict] = None) -> None:
+    """The job's ranks and spares must fit (`total`: the resources of a cluster not
+    started yet); an elastic job's smallest layout must."""
     res, spares = spec.resources, spec.fault_tolerance.spares
     if spec.elastic is None:
-        check_capacity(spec.world_size + spares, res.cpus_per_worker, res.gpus_per_worker)
+        check_capacity(spec.world_size + spares, res.cpus_per_worker, res.gpus_per_worker, total=total)
         return
     smallest = spec.parallel.pp * spec.parallel.tp * spec.elastic.min_dp
-    check_capacity(smallest + spares, res.cpus_per_worker, res.gpus_per_worker, field="elastic.min_dp",
+    check_capacity(smallest + spares, res.cpus_per_worker, res.gpus_per_worker, field="elastic.min_dp", total=total,
                    hint=f"even dp {spec.elastic.min_dp}{' with ' + str(spares) + ' spares' if spares else ''} does not fit; lower elastic.min_dp or join a larger cluster")
 
 
@@ -76,6 +77,9 @@ def train(spec: JobSpec, address: Optional[str] = None, show_progress: bool = Tr
     console = console or Console(stderr=True)
     spec = spec.with_absolute_paths()
     plan = preflight(spec)
+    embedded = embedded_resources(address)
+    if embedded is not None:
+        _check_capacity(spec, embedded)  # before starting a cluster it would not fit
     started_ray = connect(address)
     try:
         _check_capacity(spec)

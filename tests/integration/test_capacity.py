@@ -99,10 +99,14 @@ def test_spares_that_do_not_fit_are_refused_naming_the_field(ray_session):
 
 def test_node_watch_answers_for_live_nodes_and_names_the_others(ray_session):
     here = ray.get_runtime_context().get_node_id()
-    watch = NodeWatch()
+    watch = NodeWatch(home="")  # no home node: this one is pinged like any other
     watch.watch([here, ""])  # "": a slot Ray has placed nowhere yet
+    assert set(watch._pingers) == {here}
     assert watch.unresponsive({here}, timeout_s=30) == set()
     gone = "ab" * 28  # a node id no node has: its ping cannot be placed, so it never answers
     assert watch.unresponsive({here, gone}, timeout_s=3) == {gone}
-    with started(job()) as (capacity, _, _first):  # placing a layout watches its nodes
-        assert set(capacity.watch._pingers) == {here}
+    with started(job()) as (capacity, _, _first):
+        # Placing a layout watches its nodes, but the controller's own answers by itself
+        # (other nodes' pingers: the multinode scenarios, where a lost node is found).
+        assert capacity.watch.home == here and not capacity.watch._pingers
+        assert capacity.watch.unresponsive({here}, timeout_s=0.01) == set()

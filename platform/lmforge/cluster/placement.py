@@ -93,19 +93,24 @@ class NodeWatch:
     until then Ray keeps placing work on it: ask the nodes. Each node of the job gets
     an idle zero-CPU actor ahead of time, because a fresh task would first wait for
     a worker process to start there, which takes seconds on a loaded node (seen: a
-    live node judged lost, and a restart that found no room without it)."""
+    live node judged lost, and a restart that found no room without it). The watch's
+    own node (`home`, by default the node it runs on) answers by itself: code that
+    asks is running there."""
 
-    def __init__(self):
+    def __init__(self, home: str | None = None):
+        self.home = ray.get_runtime_context().get_node_id() if home is None else home
         self._pingers: dict[str, ray.actor.ActorHandle] = {}
 
     def watch(self, nodes) -> None:
         """Start a pinger on each node not yet watched (returns at once)."""
-        for node in set(nodes) - set(self._pingers) - {""}:
+        for node in set(nodes) - set(self._pingers) - {"", self.home}:
             self._pingers[node] = _Pinger.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
 
     def unresponsive(self, nodes: set[str], timeout_s: float) -> set[str]:
         """The nodes among `nodes` that do not answer within `timeout_s`."""
-        pings = {node: self._ping(node) for node in nodes}
+        pings = {node: self._ping(node) for node in set(nodes) - {self.home}}
+        if not pings:
+            return set()
         answered, _ = ray.wait(list(pings.values()), num_returns=len(pings), timeout=timeout_s)
         silent = set()
         for node, ref in pings.items():

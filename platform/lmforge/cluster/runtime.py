@@ -22,29 +22,42 @@ WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALL
 DATA_CPUS = 1
 
 
+def embedded_resources(address: str | None = None) -> dict | None:
+    """What `connect` would start, {"CPU": n, "GPU": n}, or None when it would join a
+    cluster (or Ray is up already): at least 4 logical CPUs for ranks (they run one
+    thread each, so more than the cores is safe), plus Ray Data's reserve, and the
+    GPUs torch sees. Known before anything starts, so a job too large for it is
+    refused without starting one."""
+    if ray.is_initialized() or address or os.environ.get("RAY_ADDRESS"):
+        return None
+    import torch
+
+    return {"CPU": float(max(4, os.cpu_count() or 1) + DATA_CPUS), "GPU": float(torch.cuda.device_count())}
+
+
 def connect(address: str | None = None) -> bool:
-    """Initialize Ray once. Returns True when this call started an embedded cluster:
-    at least 4 logical CPUs for ranks (they run one thread each, so more than the
-    cores is safe), plus Ray Data's reserve."""
+    """Initialize Ray once. Returns True when this call started an embedded cluster
+    (sized by `embedded_resources`)."""
     if ray.is_initialized():
         return False
-    address = address or os.environ.get("RAY_ADDRESS")
     quiet = {"log_to_driver": False, "logging_level": logging.WARNING, "configure_logging": True}
-    if address:
+    embedded = embedded_resources(address)
+    if embedded is None:
+        address = address or os.environ["RAY_ADDRESS"]
         try:
             ray.init(address=address, **quiet)
         except ConnectionError as err:
             raise UserError(f"cannot reach the Ray cluster at {address} ({err})") from None
         return False
-    num_cpus = max(4, os.cpu_count() or 1) + DATA_CPUS
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **quiet)
+    ray.init(address="local", num_cpus=int(embedded["CPU"]), num_gpus=int(embedded["GPU"]), include_dashboard=False, **quiet)
     return True
 
 
-def check_capacity(workers: int, cpus_per_worker: float, gpus_per_worker: float, field: str = "resources", hint: str = "") -> None:
-    """Refuse a world size the cluster cannot hold, with CPUs left for reading data,
-    instead of waiting forever."""
-    total = ray.cluster_resources()
+def check_capacity(workers: int, cpus_per_worker: float, gpus_per_worker: float, field: str = "resources", hint: str = "",
+                   total: dict | None = None) -> None:
+    """Refuse a world size the cluster (`total`, by default the one Ray is connected
+    to) cannot hold, with CPUs left for reading data, instead of waiting forever."""
+    total = ray.cluster_resources() if total is None else total
     cpus, gpus = total.get("CPU", 0.0), total.get("GPU", 0.0)
     need_cpus, need_gpus = workers * cpus_per_worker + DATA_CPUS, workers * gpus_per_worker
     if need_cpus > cpus or need_gpus > gpus:

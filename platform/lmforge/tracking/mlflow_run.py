@@ -21,6 +21,14 @@ for _noisy in ("alembic", "mlflow"):
     logging.getLogger(_noisy).setLevel(logging.WARNING)
 
 
+def artifact_root(tracking_uri: str) -> str | None:
+    """Beside a local SQLite store (`<its folder>/mlartifacts`); MLflow's own default
+    is `./mlruns` under whatever directory the driver happens to run in."""
+    if not tracking_uri.startswith("sqlite:///"):
+        return None
+    return os.path.join(os.path.dirname(os.path.abspath(tracking_uri.removeprefix("sqlite:///"))), "mlartifacts")
+
+
 def job_key(spec: JobSpec) -> str:
     """Identity of a job across resubmissions: its name and where its checkpoints live."""
     where = spec.checkpoint_dir if "://" in spec.checkpoint_dir else os.path.abspath(spec.checkpoint_dir)
@@ -39,7 +47,7 @@ class MlflowRun:
 
     def _open_run(self) -> tuple[str, bool]:
         exp = self.client.get_experiment_by_name(self.spec.tracking.experiment)
-        exp_id = exp.experiment_id if exp else self.client.create_experiment(self.spec.tracking.experiment)
+        exp_id = exp.experiment_id if exp else self.client.create_experiment(self.spec.tracking.experiment, artifact_location=artifact_root(self.spec.tracking_uri))
         key = job_key(self.spec)
         if self.spec.checkpoint.resume:
             found = self.client.search_runs([exp_id], filter_string=f"tags.`{JOB_TAG}` = '{key}'", max_results=1, order_by=["attributes.start_time DESC"])
