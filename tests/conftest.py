@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+pytest_plugins = ["suite_timing"]
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
@@ -36,6 +37,12 @@ def _private_ray_env() -> dict:
 
 PRIVATE_RAY_ENV = _private_ray_env()
 atexit.register(shutil.rmtree, PRIVATE_RAY_ENV["root"], True)
+
+
+# One MLflow store for the session's runs: a new SQLite store costs each run 1.5 s of
+# schema migrations. Runs stay apart: a job's run is found by its name and checkpoint
+# directory, and every test has its own.
+SESSION_MLFLOW = f"sqlite:///{PRIVATE_RAY_ENV['root']}/mlflow.db"
 
 
 @pytest.fixture(scope="session")
@@ -90,9 +97,14 @@ def tiny_job(tmp_path: Path, data_path: Path, **sections) -> dict:
         "train": {"global_batch": 8, "micro_batch": 2, "seq_len": 32, "max_steps": 8, "seed": 1},
         "data": {"path": str(data_path), "prefetch_steps": 4},
         "checkpoint": {"interval": 4, "keep": 3},
-        "tracking": {"experiment": "tests"},
+        "tracking": {"experiment": "tests", "uri": SESSION_MLFLOW},
         "resources": {"cpus_per_worker": 1},
     }
+    return with_sections(job, sections)
+
+
+def with_sections(job: dict, sections: dict) -> dict:
+    """`job` with each section's given keys replaced (a non-dict value replaces the section)."""
     for section, values in sections.items():
         if isinstance(values, dict):
             job.setdefault(section, {}).update(values)
@@ -101,7 +113,34 @@ def tiny_job(tmp_path: Path, data_path: Path, **sections) -> dict:
     return job
 
 
+REFERENCE_STEPS = 60  # tiny steps take ~40 ms: enough of them that a fault lands mid-run
+
+
+def reference_job(tmp_path: Path, data_path: Path, **sections) -> dict:
+    """The end-to-end tests' job: the tiny job over 60 steps, a checkpoint every 10,
+    sample ids recorded, two restarts allowed. A run of it with other settings that
+    leave the numbers alone (a fault, a resume, a layout, fewer steps) must give
+    `reference_run`'s losses."""
+    job = tiny_job(
+        tmp_path, data_path, train={"max_steps": REFERENCE_STEPS}, optim={"decay_steps": REFERENCE_STEPS}, checkpoint={"interval": 10},
+        data={"path": str(data_path), "prefetch_steps": 4, "record_sample_ids": True}, fault_tolerance={"max_failures": 2, "backoff_s": 0.1},
+    )
+    return with_sections(job, sections)
+
+
+@pytest.fixture(scope="session")
+def reference_run(ray_session, tiny_dataset, tmp_path_factory) -> dict:
+    """The summary of `reference_job` run straight through, once per session."""
+    from lmforge import sdk
+    from lmforge.spec import spec_from_dict
+
+    return sdk.train(spec_from_dict(reference_job(tmp_path_factory.mktemp("reference"), tiny_dataset)), show_progress=False)
+
+
 MULTINODE_STEPS = 200  # at dp 1 enough steps (~10 s) remain for a node to join and the job to grow
+SPARED_STEPS = 60  # the spared run waits for no node: the first steps of the same schedule
+MULTINODE_SCRIPT_S = 900  # the scenarios' own bound: the script is killed, with its output in the error
+MULTINODE_TIMEOUT_S = MULTINODE_SCRIPT_S + 300  # pytest-timeout of the tests whose setup runs them
 
 
 @pytest.fixture(scope="session")
@@ -120,5 +159,6 @@ def multinode(tiny_dataset, tmp_path_factory):
         fault_tolerance={"max_failures": 3, "backoff_s": 0.1},
         elastic={"min_dp": 1, "max_dp": 2},
     )
-    results = run_script(REPO / "tests" / "multinode_scenarios.py", {"placement": placement, "elastic": elastic}, tmp_path, timeout_s=900)
+    results = run_script(REPO / "tests" / "multinode_scenarios.py", {"placement": placement, "elastic": elastic, "spared_steps": SPARED_STEPS}, tmp_path, timeout_s=MULTINODE_SCRIPT_S)
     return results, tmp_path / "runs"
+

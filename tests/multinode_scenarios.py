@@ -10,7 +10,7 @@ nodes, all on this machine; starting one is slow), in this order:
 
 Writes each run's summary to RESULT.json. Launched by the `multinode` fixture.
 
-    python multinode_scenarios.py JOBS.json RESULT.json   # {"placement": job, "elastic": job}
+    python multinode_scenarios.py JOBS.json RESULT.json   # {"placement": job, "elastic": job, "spared_steps": n}
 """
 
 import json
@@ -55,13 +55,14 @@ def shrink_then_grow(cluster, job: dict, node) -> dict:
     return outcome["summary"]
 
 
-def spared(cluster, job: dict) -> dict:
+def spared(cluster, job: dict, steps: int) -> dict:
     """No `elastic`: without the spare's capacity the restart could not place dp 2.
     A rival asks for a whole node before the loss: if the spare's capacity were
     ever free during the restart, the rival would take it and dp 2 would not fit."""
     cluster.add_node(num_cpus=2)
     cluster.wait_for_nodes()
-    job = job | {"name": "spared", "fault_tolerance": job["fault_tolerance"] | {"spares": 1}}
+    # A shorter run of the same schedule: no node comes back here, so it need not wait for one.
+    job = job | {"name": "spared", "fault_tolerance": job["fault_tolerance"] | {"spares": 1}, "train": job["train"] | {"max_steps": steps}}
     job.pop("elastic")
     run_dir = Path(job["output_dir"]) / job["name"]
     thread, outcome = in_background(job)
@@ -85,7 +86,7 @@ def main() -> None:
         elastic = jobs["elastic"]
         results["whole"] = sdk.train(spec_from_dict(elastic | {"name": "whole"}), show_progress=False)
         results["shrunk"] = shrink_then_grow(cluster, elastic, workers[1])
-        results["spared"] = spared(cluster, elastic)
+        results["spared"] = spared(cluster, elastic, jobs["spared_steps"])
         Path(sys.argv[2]).write_text(json.dumps(results))
     finally:
         ray.shutdown()

@@ -21,31 +21,56 @@ def steps_done(run_dir: Path) -> int:
     return max((row["step"] for row in rows if "event" not in row), default=0)
 
 
-def reached_step(run_dir: Path, step: int):
-    return lambda: steps_done(run_dir) >= step
+class Condition:
+    """A test for progress, with words for the error when it never holds."""
+
+    def __init__(self, test, what: str):
+        self.test, self.what = test, what
+
+    def __call__(self) -> bool:
+        return self.test()
+
+    def __and__(self, other: "Condition") -> "Condition":
+        return Condition(lambda: self() and other(), f"{self.what} and {other.what}")
 
 
-def recorded_event(run_dir: Path, kind: str):
-    return lambda: (run_dir / "metrics.jsonl").exists() and any(e["event"] == kind for e in events(run_dir))
+def reached_step(run_dir: Path, step: int) -> Condition:
+    return Condition(lambda: steps_done(run_dir) >= step, f"step {step} in {run_dir.name}/metrics.jsonl")
+
+
+def recorded_event(run_dir: Path, kind: str) -> Condition:
+    return Condition(lambda: (run_dir / "metrics.jsonl").exists() and any(e["event"] == kind for e in events(run_dir)),
+                     f"a {kind!r} event in {run_dir.name}/metrics.jsonl")
+
+
+def committed(run_dir: Path, step: int) -> Condition:
+    return Condition(lambda: (run_dir / "checkpoints" / f"step_{step:08d}" / "commit.json").exists(), f"step {step}'s commit.json")
 
 
 def wait_until(condition, timeout_s: float = 300) -> None:
     deadline = time.time() + timeout_s
     while not condition():
         if time.time() > deadline:
-            raise TimeoutError("the awaited training progress never came")
+            raise TimeoutError(f"waited {timeout_s:.0f}s for {getattr(condition, 'what', 'training progress')}, which never came")
         time.sleep(0.05)
 
 
-def when_step_reached(run_dir: Path, step: int, action, timeout_s: float = 300) -> threading.Thread:
-    """Run `action()` once training has reported `step` (in a background thread)."""
+def when(condition, action, timeout_s: float = 300) -> threading.Thread:
+    """Run `action()` once `condition()` holds (in a background thread)."""
     def watch():
-        wait_until(reached_step(run_dir, step), timeout_s)
+        wait_until(condition, timeout_s)
         action()
 
     thread = threading.Thread(target=watch, daemon=True)
     thread.start()
     return thread
+
+
+def when_step_reached(run_dir: Path, step: int, action, timeout_s: float = 300) -> threading.Thread:
+    """Run `action()` once training has reported `step`: the driver writes steps to
+    metrics.jsonl as it drains them, so training may be a few steps further by then.
+    `when(committed(...))` acts within moments of a checkpoint's commit instead."""
+    return when(reached_step(run_dir, step), action, timeout_s)
 
 
 def kill_one_rank_process(rank_index: int = 1, sig: int = signal.SIGKILL) -> int:

@@ -1,6 +1,8 @@
 """Faults on one node, each against the run that nothing interrupted: a rank's
 process killed or hung, a rank killed while a checkpoint is being written, a
-committed shard corrupted, a checkpoint directory refusing writes for a while.
+committed shard corrupted, a checkpoint directory refusing writes for a while, the
+controller or the driver killed. Scenarios that do not get in each other's way
+share a run (each run is seconds of start-up for a second of training).
 Each run must end as if nothing had happened: the same losses and every sample
 exactly once, in the uninterrupted order."""
 
@@ -8,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -20,41 +23,36 @@ from lmforge.data.prepare import read_manifest
 from lmforge.errors import TrainingFailed
 from lmforge.spec import spec_from_dict
 
-from chaos import actor_processes, events, kill_one_rank_process, reached_step, same_as_uninterrupted, step_rows, wait_until, when_step_reached
-from conftest import tiny_job
+from chaos import Condition, actor_processes, committed, events, kill_one_rank_process, reached_step, same_as_uninterrupted, step_rows, wait_until, when, when_step_reached
+from conftest import REFERENCE_STEPS, reference_job
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
-STEPS = 60  # tiny steps take ~40 ms: enough of them that a fault lands mid-run
+STEPS = REFERENCE_STEPS
 
 
 def chaos_job(tmp_path, tiny_dataset, **checkpoint):
-    return tiny_job(
-        tmp_path, tiny_dataset, train={"max_steps": STEPS}, optim={"decay_steps": STEPS},
-        checkpoint={"interval": 10, **checkpoint},
-        data={"path": str(tiny_dataset), "prefetch_steps": 4, "record_sample_ids": True},
-        fault_tolerance={"max_failures": 2, "backoff_s": 0.1},
-    )
+    return reference_job(tmp_path, tiny_dataset, checkpoint=checkpoint)
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(ray_session, tiny_dataset, tmp_path_factory):
+def uninterrupted(reference_run):
     """(losses by step, sample ids by step) of the job run straight through."""
-    tmp = tmp_path_factory.mktemp("whole")
-    sdk.train(spec_from_dict(chaos_job(tmp, tiny_dataset)), show_progress=False)
-    run_dir = tmp / "runs" / "tiny"
+    run_dir = Path(reference_run["run_dir"])
     return step_rows(run_dir), step_rows(run_dir, "samples.jsonl")
 
 
-def test_hung_rank_is_detected_and_the_run_restarts(uninterrupted, ray_session, tiny_dataset, tmp_path):
-    """SIGSTOP one rank: its peers block in their next collective; with
-    fault_tolerance.step_timeout_s the controller calls it a hang, kills the group
-    and restarts from the latest checkpoint."""
+def test_refused_writes_are_logged_then_a_hung_rank_is_detected_and_the_run_restarts(uninterrupted, ray_session, tiny_dataset, tmp_path):
+    """The checkpoint directory refuses the writes of steps 10 and 20: each is
+    logged and training goes on. When step 30 is committed, one rank is SIGSTOPped:
+    its peers block in their next collective; with fault_tolerance.step_timeout_s the
+    controller calls it a hang, kills the group and restarts from step 30."""
     import signal
 
     run_dir = tmp_path / "runs" / "tiny"
+    _block_steps(run_dir, 10, 20)
     stopped = []
-    watcher = when_step_reached(run_dir, 5, lambda: stopped.append(kill_one_rank_process(sig=signal.SIGSTOP)))
-    spec = spec_from_dict(chaos_job(tmp_path, tiny_dataset), ["fault_tolerance.step_timeout_s=3"])
+    watcher = when(committed(run_dir, 30), lambda: stopped.append(kill_one_rank_process(sig=signal.SIGSTOP)))
+    spec = spec_from_dict(chaos_job(tmp_path, tiny_dataset, max_failed_writes=3), ["fault_tolerance.step_timeout_s=3"])
     try:
         summary = sdk.train(spec, show_progress=False)
     finally:
@@ -65,8 +63,13 @@ def test_hung_rank_is_detected_and_the_run_restarts(uninterrupted, ray_session, 
             except ProcessLookupError:
                 pass
     assert stopped and summary["final_step"] == STEPS and summary["failures"] == 1
+    failed = _events(run_dir, "checkpoint_failed")
+    assert [(event["step"], event["failed_in_a_row"]) for event in failed] == [(10, 1), (20, 2)]
+    assert "step_00000010" in failed[0]["error"]
     (failure,) = _events(run_dir, "failure")
-    assert failure["cause"].startswith("RankHung: no step for")
+    assert failure["cause"].startswith("RankHung: no step for") and failure["step"] >= 30
+    assert _restored_steps(run_dir) == [30]
+    assert CheckpointStore(str(run_dir / "checkpoints")).committed() == [40, 50, 60]
     same_as_uninterrupted(run_dir, uninterrupted)
 
 
@@ -100,45 +103,11 @@ def test_rank_killed_while_a_checkpoint_is_written_restores_the_one_before(unint
     for watcher in watchers:
         watcher.join(timeout=5)
     assert killed and summary["final_step"] == STEPS and summary["failures"] == 1
+    (failure,), (recovered,) = _events(run_dir, "failure"), _events(run_dir, "recovered")
+    assert failure["step"] >= 24 and "ActorDiedError" in failure["cause"]
+    assert recovered["seconds"] > 0 and recovered["steps_redone"] >= 14
     assert _restored_steps(run_dir) == [10]
     same_as_uninterrupted(run_dir, uninterrupted)
-
-
-def test_killed_rank_with_a_corrupt_latest_checkpoint_restores_the_one_before(uninterrupted, ray_session, tiny_dataset, tmp_path):
-    """A byte of a shard of the newest committed checkpoint flips, and a rank's
-    process is killed at once: the controller tears the group down, the restart
-    finds that checkpoint's checksums wrong, says so, restores the one before it,
-    and the run ends as if nothing had happened."""
-    run_dir = tmp_path / "runs" / "tiny"
-    ckpt = run_dir / "checkpoints"
-    corrupted = []
-
-    def corrupt_and_kill():
-        victim = actor_processes("Worker")[1]  # found first: the kill follows the corruption at once
-        newest = max(path for path in ckpt.glob("step_*") if (path / "commit.json").exists())
-        shard = sorted(newest.glob("__*_*.distcp"))[0]
-        data = bytearray(shard.read_bytes())
-        data[len(data) // 2] ^= 0xFF
-        shard.write_bytes(bytes(data))
-        victim.kill()
-        corrupted.append(int(newest.name.split("_")[1]))
-
-    watcher = when_step_reached(run_dir, 21, corrupt_and_kill)
-    summary = sdk.train(spec_from_dict(chaos_job(tmp_path, tiny_dataset)), show_progress=False)
-    watcher.join(timeout=5)
-    assert corrupted and summary["final_step"] == STEPS and summary["failures"] == 1
-    (failure,), (recovered,) = _events(run_dir, "failure"), _events(run_dir, "recovered")
-    assert failure["step"] >= 21 and "ActorDiedError" in failure["cause"]
-    assert recovered["seconds"] > 0 and recovered["steps_redone"] >= 1
-    corrupt = _events(run_dir, "checkpoint_corrupt")
-    assert [event["step"] for event in corrupt] == corrupted and ".distcp" in corrupt[0]["reason"]
-    assert _restored_steps(run_dir) == ([corrupted[0] - 10] if corrupted[0] > 10 else [])  # none before step 10
-    same_as_uninterrupted(run_dir, uninterrupted)
-    # ... which is the order GlobalOrder defines, whatever dp read it.
-    samples = {step: row["ids"] for step, row in step_rows(run_dir, "samples.jsonl").items()}
-    manifest = read_manifest(tiny_dataset)
-    order = GlobalOrder(manifest["num_samples"], seed=1, block=manifest["shard_samples"], window=16)
-    assert samples == {step: order.ids((step - 1) * 8, 8).tolist() for step in range(1, STEPS + 1)}
 
 
 def _block_steps(run_dir, *steps):
@@ -150,18 +119,6 @@ def _block_steps(run_dir, *steps):
         (ckpt / f"step_{step:08d}").write_text("in the way\n")
 
 
-def test_failed_checkpoint_writes_are_logged_and_training_goes_on(uninterrupted, ray_session, tiny_dataset, tmp_path):
-    run_dir = tmp_path / "runs" / "tiny"
-    _block_steps(run_dir, 20, 30)
-    summary = sdk.train(spec_from_dict(chaos_job(tmp_path, tiny_dataset, max_failed_writes=3)), show_progress=False)
-    assert summary["final_step"] == STEPS and summary["failures"] == 0
-    failed = _events(run_dir, "checkpoint_failed")
-    assert [(event["step"], event["failed_in_a_row"]) for event in failed] == [(20, 1), (30, 2)]
-    assert "step_00000020" in failed[0]["error"]
-    assert CheckpointStore(str(run_dir / "checkpoints")).committed() == [40, 50, 60]
-    same_as_uninterrupted(run_dir, uninterrupted)
-
-
 def test_too_many_failed_writes_in_a_row_fail_the_job_without_a_restart(ray_session, tiny_dataset, tmp_path):
     run_dir = tmp_path / "runs" / "tiny"
     _block_steps(run_dir, 10, 20)
@@ -170,20 +127,45 @@ def test_too_many_failed_writes_in_a_row_fail_the_job_without_a_restart(ray_sess
     assert not _events(run_dir, "failure")
 
 
-def test_killed_controller_is_replaced_and_the_run_continues(uninterrupted, ray_session, tiny_dataset, tmp_path):
-    """The controller's process dies: its ranks go with it (Ray fate-shares actors
-    with their owner), and the driver starts a new controller that resumes."""
+def test_killed_controller_is_replaced_and_a_corrupt_latest_checkpoint_is_passed_over(uninterrupted, ray_session, tiny_dataset, tmp_path):
+    """Past step 20's commit, a byte of a shard of the newest committed checkpoint
+    flips and the controller's process dies at once: its ranks go with it (Ray
+    fate-shares actors with their owner), and the driver starts a new controller.
+    Its restart finds that checkpoint's checksums wrong, says so, restores the one
+    before it, and the run ends as if nothing had happened."""
     run_dir = tmp_path / "runs" / "tiny"
-    killed = []
-    watcher = when_step_reached(run_dir, 15, lambda: killed.append(actor_processes("Controller")[0].kill()))
+    ckpt = run_dir / "checkpoints"
+    corrupted = []
+
+    def corrupt_and_kill():
+        controller = actor_processes("Controller")[0]  # found first: the kill follows the corruption at once
+        newest = max(path for path in ckpt.glob("step_*") if (path / "commit.json").exists())
+        shard = sorted(newest.glob("__*_*.distcp"))[0]
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+        controller.kill()
+        corrupted.append(int(newest.name.split("_")[1]))
+
+    # The driver has seen step 20 too: what it has not drained dies with the controller.
+    watcher = when(committed(run_dir, 20) & reached_step(run_dir, 20), corrupt_and_kill)
     summary = sdk.train(spec_from_dict(chaos_job(tmp_path, tiny_dataset)), show_progress=False)
     watcher.join(timeout=5)
-    assert killed and summary["final_step"] == STEPS and summary["failures"] == 1
-    (failure,) = _events(run_dir, "failure")
-    assert failure["cause"].startswith("the controller died") and failure["step"] >= 15
-    (recovered,) = _events(run_dir, "recovered")
-    assert recovered["seconds"] > 0 and _restored_steps(run_dir)[0] >= 10
+    assert corrupted and summary["final_step"] == STEPS and summary["failures"] == 1
+    restored = _restored_steps(run_dir)
+    assert restored == [corrupted[0] - 10]
+    (failure,), (recovered,) = _events(run_dir, "failure"), _events(run_dir, "recovered")
+    assert failure["cause"].startswith("the controller died") and failure["step"] >= 20
+    # The replacement counts what it redoes from the last step the driver saw.
+    assert recovered["seconds"] > 0 and recovered["steps_redone"] == max(0, failure["step"] - restored[0])
+    corrupt = _events(run_dir, "checkpoint_corrupt")
+    assert [event["step"] for event in corrupt] == corrupted and ".distcp" in corrupt[0]["reason"]
     same_as_uninterrupted(run_dir, uninterrupted)
+    # ... which is the order GlobalOrder defines, whatever dp read it.
+    samples = {step: row["ids"] for step, row in step_rows(run_dir, "samples.jsonl").items()}
+    manifest = read_manifest(tiny_dataset)
+    order = GlobalOrder(manifest["num_samples"], seed=1, block=manifest["shard_samples"], window=16)
+    assert samples == {step: order.ids((step - 1) * 8, 8).tolist() for step in range(1, STEPS + 1)}
     # The dead controller's placement group was removed (Ray would keep it until the job ends).
     live = [pg["name"] for pg in placement_group_table().values() if pg["state"] != "REMOVED"]
     assert not [name for name in live if name.startswith("lmforge/")], live
@@ -196,7 +178,7 @@ def test_resubmitted_job_resumes_after_its_driver_was_killed(uninterrupted, ray_
     from mlflow.tracking import MlflowClient
 
     job_file, run_dir = tmp_path / "job.yaml", tmp_path / "runs" / "tiny"
-    job_file.write_text(yaml.safe_dump(chaos_job(tmp_path, tiny_dataset)))
+    job_file.write_text(yaml.safe_dump(reference_job(tmp_path, tiny_dataset, tracking={"experiment": "resubmitted"})))
     command = [sys.executable, "-m", "lmforge", "train", str(job_file), "--no-progress", "--address", ray_session.get_runtime_context().gcs_address]
     driver = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -204,13 +186,13 @@ def test_resubmitted_job_resumes_after_its_driver_was_killed(uninterrupted, ray_
     finally:
         driver.kill()
         driver.wait()
-    wait_until(lambda: not actor_processes("Worker") and not actor_processes("Controller"), timeout_s=60)
+    wait_until(Condition(lambda: not actor_processes("Worker") and not actor_processes("Controller"), "the killed driver's actors to exit"), timeout_s=60)
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["start_step"] >= 10 and summary["start_step"] % 10 == 0 and summary["final_step"] == STEPS
     same_as_uninterrupted(run_dir, uninterrupted)
     client = MlflowClient(summary["mlflow_tracking_uri"])
-    (run,) = client.search_runs([client.get_experiment_by_name("tests").experiment_id])
+    (run,) = client.search_runs([client.get_experiment_by_name("resubmitted").experiment_id])
     assert run.info.run_id == summary["mlflow_run_id"] and run.info.status == "FINISHED"
     assert {m.step for m in client.get_metric_history(run.info.run_id, "loss")} == set(range(1, STEPS + 1))

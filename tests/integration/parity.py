@@ -42,18 +42,95 @@ def losses(tmp_path, nproc, *overrides, extra=(), describe=False):
     return (result["losses"], result["engine"]) if describe else result["losses"]
 
 
-def run_cases(tmp_path, nproc, cases: dict[str, dict]) -> dict[str, dict]:
+def run_cases(tmp_path, nproc, cases: dict[str, dict], tag: str = "") -> dict[str, dict]:
     """Several runs in one torchrun launch (the start-up of torch in every rank is
     most of a tiny run's time): {name: {"overrides": [...], "save": ..., "load": ...}}
     -> {name: result}, each state-checked. A failing case fails the launch."""
     listed = [case | {"out": str(tmp_path / f"{name}.json")} for name, case in cases.items()]
-    path = tmp_path / f"cases-{nproc}.json"
+    path = tmp_path / f"cases-{tag or nproc}.json"
     path.write_text(json.dumps(listed))
     _launch([*_torchrun(nproc), "--cases", str(path)], timeout_s=120 + 60 * len(cases))
     results = {name: json.loads(Path(case["out"]).read_text()) for name, case in zip(cases, listed)}
     for result in results.values():
         check_state_bytes(result)
     return results
+
+
+class Launches:
+    """A table of cases, {name: (ranks, --set items, options)}, run in as few torchrun
+    launches as their dependencies allow, each launch when a test first asks for one
+    of its cases. Options: `steps`, `save_at` (save a checkpoint after that step),
+    `load` (continue from the named case's checkpoint), `export` (start from the named
+    case's checkpoint exported by the real `lmforge export` CLI; with `skip_steps`).
+    The cases of one world size share a launch, except that a case which needs
+    another case's checkpoint runs in a launch after the one that saves it."""
+
+    def __init__(self, table: dict, tmp: Path):
+        self.table, self.tmp = table, tmp
+        self.results: dict[str, dict] = {}
+        self.failed: dict[tuple, str] = {}
+        self.exported: dict[str, Path] = {}
+        self._running: set[tuple] = set()
+
+    def __call__(self, name: str) -> dict:
+        launch = self._launch_of(name)
+        if launch in self.failed:
+            raise AssertionError(f"the launch of {launch[0]} ranks holding {name} failed earlier: {self.failed[launch]}")
+        if name not in self.results:
+            self._launch(launch)
+        return self.results[name]
+
+    def checkpoint(self, name: str) -> Path:
+        return self.tmp / f"{name}-ckpt"
+
+    def _needs(self, name: str) -> str | None:
+        options = self.table[name][2]
+        return options.get("load") or options.get("export")
+
+    def _launch_of(self, name: str) -> tuple[int, int]:
+        """(ranks, level): a case goes one level above the cases of its own world size
+        that it needs, directly or not, so it never waits on its own launch."""
+        ranks, level, need = self.table[name][0], 0, self._needs(name)
+        while need:
+            if self.table[need][0] == ranks:
+                level = max(level, self._launch_of(need)[1] + 1)
+            need = self._needs(need)
+        return ranks, level
+
+    def _launch(self, launch: tuple[int, int]) -> None:
+        if launch in self._running:
+            raise RuntimeError(f"the {launch[0]}-rank launch {launch[1]} waits on itself through another launch: give a case its own level")
+        self._running.add(launch)
+        group = [name for name in self.table if self._launch_of(name) == launch]
+        for needed in {self._needs(name) for name in group} - {None}:
+            self(needed)  # its checkpoint first
+        cases = {name: self._case(name) for name in group}
+        try:
+            self.results.update(run_cases(self.tmp, launch[0], cases, tag=f"{launch[0]}-{launch[1]}"))
+        except AssertionError as err:
+            self.failed[launch] = str(err)[-3000:]
+            raise
+
+    def _case(self, name: str) -> dict:
+        _, overrides, options = self.table[name]
+        case = {"overrides": list(overrides)} | {k: options[k] for k in ("steps", "save_at", "skip_steps") if k in options}
+        if "save_at" in options:
+            case["save"] = str(self.checkpoint(name))
+        if "load" in options:
+            case["load"] = str(self.checkpoint(options["load"]))
+        if "export" in options:
+            case["overrides"].append(f"model.init_from={self._export(options['export'])}")
+        return case
+
+    def _export(self, name: str) -> Path:
+        if name not in self.exported:
+            step = self.table[name][2]["save_at"]
+            out = self.tmp / f"{name}-export"
+            result = subprocess.run([sys.executable, "-m", "lmforge", "export", str(self.checkpoint(name) / f"step_{step:08d}"), "--out", str(out)],
+                                    capture_output=True, text=True, timeout=300)
+            assert result.returncode == 0, result.stderr
+            self.exported[name] = out
+        return self.exported[name]
 
 
 def _torchrun(nproc: int) -> list[str]:
@@ -70,5 +147,6 @@ def _launch(cmd: list[str], timeout_s: float) -> None:
         _, stderr = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)  # torchrun and every rank it started
-        raise
+        _, stderr = proc.communicate()
+        raise AssertionError(f"the torchrun launch did not finish within {timeout_s:.0f}s ({' '.join(cmd[-4:])}); the end of its stderr:\n{stderr[-3000:]}") from None
     assert proc.returncode == 0, stderr[-3000:]

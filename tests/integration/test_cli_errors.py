@@ -1,30 +1,15 @@
-"""Bad input through the real `lmforge` CLI: one line naming the field or file,
-exit code 2, no traceback, nothing written."""
+"""Bad input through the `lmforge` CLI: one line naming the field or file, exit
+code 2, no traceback, nothing written. Commands run through the CLI's entry point
+in the test's process; those that start Ray, and one more, as real processes."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
+from cli import assert_clean_error, run_cli, run_cli_process
 from conftest import tiny_job
-
-
-def run_cli(*args, cwd):
-    env = os.environ | {"OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "lmforge", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
-
-
-def assert_clean_error(result, *fragments):
-    assert result.returncode == 2, result.stderr + result.stdout
-    assert "Traceback" not in result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.startswith("lmforge: error:")]
-    assert len(lines) == 1, result.stderr
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
 
 
 def write_job(tmp_path: Path, job: dict) -> Path:
@@ -52,7 +37,7 @@ def test_bad_override(tmp_path):
 
 
 def test_missing_job_file(tmp_path):
-    assert_clean_error(run_cli("train", "nope.yaml", cwd=tmp_path), "nope.yaml: cannot read job file")
+    assert_clean_error(run_cli_process("train", "nope.yaml", cwd=tmp_path), "nope.yaml: cannot read job file")
 
 
 def test_data_path_without_dataset_or_source(tmp_path):
@@ -101,13 +86,15 @@ def test_unusable_checkpoint_dir(tmp_path, tiny_dataset):
 @pytest.mark.ray
 def test_world_larger_than_cluster_says_so_with_numbers(tmp_path, tiny_dataset):
     job = tiny_job(tmp_path, tiny_dataset, parallel={"dp": 16}, train={"global_batch": 32})
-    result = run_cli("train", str(write_job(tmp_path, job)), cwd=tmp_path)
+    result = run_cli_process("train", str(write_job(tmp_path, job)), cwd=tmp_path)
+    # The embedded cluster it would start (max(4, cores) + 1 CPUs), refused before starting it.
     assert_clean_error(result, "resources: 16 workers", "1 CPU for reading data", "need 17 CPUs", "the cluster has 5 CPUs")
     assert nothing_written(tmp_path)
 
 
 @pytest.mark.ray
-def test_elastic_bounds_larger_than_cluster_name_min_dp(tmp_path, tiny_dataset):
+def test_world_larger_than_a_joined_cluster_names_elastic_min_dp(ray_session, tmp_path, tiny_dataset):
+    """In this process the CLI joins the session's cluster (6 CPUs) instead of starting one."""
     job = tiny_job(tmp_path, tiny_dataset, parallel={"dp": 8}, train={"global_batch": 16}, elastic={"min_dp": 8, "max_dp": 8},
                    fault_tolerance={"max_failures": 1})
     result = run_cli("train", str(write_job(tmp_path, job)), cwd=tmp_path)
@@ -116,7 +103,7 @@ def test_elastic_bounds_larger_than_cluster_name_min_dp(tmp_path, tiny_dataset):
 
 
 @pytest.mark.ray
-def test_empty_corpus_leaves_nothing_behind(tmp_path):
+def test_empty_corpus_leaves_nothing_behind(ray_session, tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     for name in ("a.txt", "b.txt"):

@@ -8,7 +8,7 @@ silently ignored setting fails the test.
 
 import pytest
 
-from parity import losses, run_cases
+from parity import Launches, losses
 
 STEPS = ["--steps", "10"]
 OFFLOAD_OPT = "deepspeed.config.zero_optimization.offload_optimizer.device=cpu"
@@ -20,30 +20,47 @@ STAGES = {
     "zero1-offload": (1, [OFFLOAD_OPT]), "zero2-offload": (2, [OFFLOAD_OPT]), "zero3-offload-all": (3, [OFFLOAD_OPT, OFFLOAD_PARAM]),
 }
 ZERO = "deepspeed.config.zero_optimization.stage"
-# One launch for every 2-rank comparison: starting torch and DeepSpeed in each rank
-# costs more than these runs.
+
+
+def zero(stage: int) -> list[str]:
+    return ["engine=deepspeed", f"{ZERO}={stage}"]
+
+
+# name: (ranks, --set items, options): see parity.Launches. Starting torch and
+# DeepSpeed in each rank costs more than these runs, so all 2-rank runs that need no
+# checkpoint share one launch, and the runs that continue them share a few more.
+TEN = {"steps": 10}
+ENGINES = {"native": [], "deepspeed": zero(3)}
 CASES = {
-    "native": [],
-    **{name: ["engine=deepspeed", f"{ZERO}={stage}", *offload] for name, (stage, offload) in STAGES.items()},
-    "zero3-ac": ["engine=deepspeed", f"{ZERO}=3", "parallel.activation_checkpointing=full"],
-    "zero2-bf16": ["engine=deepspeed", f"{ZERO}=2", "train.precision=bf16"],
+    "native": (2, [], TEN),
+    **{name: (2, [*zero(stage), *offload], TEN) for name, (stage, offload) in STAGES.items()},
+    "zero3-ac": (2, [*zero(3), "parallel.activation_checkpointing=full"], TEN),
+    "zero2-bf16": (2, [*zero(2), "train.precision=bf16"], TEN),
+    # Saved by dp 2 after 3 of 6 steps ...
+    "native-save": (2, ENGINES["native"], {"save_at": 3}),
+    **{f"zero{stage}-save": (2, zero(stage), {"save_at": 3}) for stage in (0, 2, 3)},
+    # ... continued on another dp size (ZeRO partitions through DeepSpeed's universal checkpoint) ...
+    **{f"zero{stage}-on-dp{dp}": (dp, zero(stage), {"load": f"zero{stage}-save"}) for stage, dp in ((0, 1), (2, 1), (3, 4))},
+    # ... or exported by the CLI, and the other engine started from the export on step 4's batch.
+    "deepspeed-from-native": (2, ENGINES["deepspeed"], {"export": "native-save", "skip_steps": 3}),
+    "native-from-deepspeed": (2, ENGINES["native"], {"export": "zero3-save", "skip_steps": 3}),
 }
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return run_cases(tmp_path_factory.mktemp("ds"), 2, {name: {"overrides": items, "steps": 10} for name, items in CASES.items()})
+    return Launches(CASES, tmp_path_factory.mktemp("ds"))
 
 
 @pytest.fixture(scope="module")
 def native_dp2(runs):
-    return runs["native"]["losses"]
+    return runs("native")["losses"]
 
 
 @pytest.mark.parametrize("name", STAGES)
 def test_zero_stages_match_native_data_parallel(native_dp2, runs, name):
     stage, offload = STAGES[name]
-    got, ran = runs[name]["losses"], runs[name]["engine"]
+    got, ran = runs(name)["losses"], runs(name)["engine"]
     assert ran["class"] == "DeepSpeedEngine" and ran["zero_stage"] == stage
     assert ran["offload_optimizer"] in (("cpu",) if offload else (None, "none"))
     assert ran["offload_param"] in (("cpu",) if OFFLOAD_PARAM in offload else (None, "none"))
@@ -53,7 +70,7 @@ def test_zero_stages_match_native_data_parallel(native_dp2, runs, name):
 
 
 def test_activation_checkpointing_under_zero3(native_dp2, runs):
-    assert runs["zero3-ac"]["losses"] == pytest.approx(native_dp2, rel=1e-4)
+    assert runs("zero3-ac")["losses"] == pytest.approx(native_dp2, rel=1e-4)
 
 
 def _cpu_adam_build_cached() -> bool:
@@ -79,36 +96,25 @@ def test_compiled_cpu_adam_with_offload(native_dp2, tmp_path):
 
 
 def test_bf16_is_close_to_fp32(native_dp2, runs):
-    got = runs["zero2-bf16"]["losses"]
+    got = runs("zero2-bf16")["losses"]
     assert got == pytest.approx(native_dp2, rel=2e-2)
     assert got != pytest.approx(native_dp2, rel=1e-7), "bf16 produced fp32 numbers"
 
 
 @pytest.mark.parametrize("source, target", [("native", "deepspeed"), ("deepspeed", "native")])
-def test_exported_weights_move_between_engines(tmp_path, source, target):
-    """Train 6 steps saving at 3; export step 3 with the CLI; the other engine started
-    from the export on step 4's batch computes step 4's loss."""
-    import subprocess
-    import sys
-
-    engine_args = {"native": [], "deepspeed": ["engine=deepspeed", "deepspeed.config.zero_optimization.stage=3"]}
-    ckpt, exported = tmp_path / "ckpt", tmp_path / "exported"
-    trained = losses(tmp_path, 2, *engine_args[source], extra=["--save", str(ckpt), "--save-at", "3"])
-    result = subprocess.run([sys.executable, "-m", "lmforge", "export", str(ckpt / "step_00000003"), "--out", str(exported)],
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    assert sorted(p.name for p in exported.iterdir()) == ["config.json", "model.safetensors"]
-    continued = losses(tmp_path, 2, *engine_args[target], f"model.init_from={exported}", extra=["--skip-steps", "3"])
-    assert continued[0] == pytest.approx(trained[3], rel=1e-5)
+def test_exported_weights_move_between_engines(runs, source, target):
+    """Trained 6 steps saving at 3; step 3 exported with the CLI; the other engine
+    started from the export on step 4's batch computes step 4's loss."""
+    saved = "native-save" if source == "native" else "zero3-save"
+    continued = runs(f"{target}-from-{source}")["losses"]
+    assert sorted(p.name for p in runs.exported[saved].iterdir()) == ["config.json", "model.safetensors"]
+    assert continued[0] == pytest.approx(runs(saved)["losses"][3], rel=1e-5)
 
 
-@pytest.mark.parametrize("stage, nproc", [(0, 1), (2, 1), (3, 4)])
-def test_resume_on_another_dp_size(tmp_path, stage, nproc):
-    """Saved on dp 2 after 3 steps, continued on dp 1 or 4 (ZeRO partitions through
-    DeepSpeed's universal checkpoint): the remaining steps' losses are those of dp 2."""
-    ds = ["engine=deepspeed", f"deepspeed.config.zero_optimization.stage={stage}"]
-    ckpt = tmp_path / "ckpt"
-    trained = losses(tmp_path, 2, *ds, extra=["--save", str(ckpt), "--save-at", "3"])
-    continued = losses(tmp_path, nproc, *ds, extra=["--load", str(ckpt)])
-    assert continued == pytest.approx(trained[3:], rel=1e-4)
-    assert (ckpt / "step_00000003" / "universal").is_dir() == (stage > 0)
+@pytest.mark.parametrize("stage, dp", [(0, 1), (2, 1), (3, 4)])
+def test_resume_on_another_dp_size(runs, stage, dp):
+    """Saved on dp 2 after 3 steps, continued on dp 1 or 4: the remaining steps'
+    losses are those of dp 2."""
+    continued = runs(f"zero{stage}-on-dp{dp}")["losses"]
+    assert continued == pytest.approx(runs(f"zero{stage}-save")["losses"][3:], rel=1e-4)
+    assert (runs.checkpoint(f"zero{stage}-save") / "step_00000003" / "universal").is_dir() == (stage > 0)

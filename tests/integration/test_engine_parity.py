@@ -9,7 +9,7 @@ add in another order); bf16 (FSDP2 mixed precision, fp32 reduction) within 2e-2.
 
 import pytest
 
-from parity import run_cases
+from parity import Launches
 
 PP2 = ["parallel.pp=2"]
 SCHEDULES = {
@@ -20,7 +20,7 @@ SCHEDULES = {
 FSDP_TP_AC = {"none": ("none", 1), "every-block": ("selective", 1), "op-level": ("selective", "op")}
 THREE_D = ["parallel.pp=2", "parallel.tp=2"]
 
-# name: (ranks, --set items, options); "load" names the case whose checkpoint is loaded.
+# name: (ranks, --set items, options): see parity.Launches.
 CASES = {
     "reference": (1, [], {}),
     "ac-full": (1, ["parallel.activation_checkpointing=full"], {}),
@@ -40,49 +40,15 @@ CASES = {
     **{f"pp2-{s}-{ac}": (2, [*PP2, *items, f"parallel.activation_checkpointing={ac}"], {}) for s, items in SCHEDULES.items() for ac in ("none", "full")},
     "3d-ac": (8, [*THREE_D, "parallel.activation_checkpointing=full"], {}),
     # Saved after 3 steps by pp 2 x dp 2 x tp 2 (pipeline stages of FSDP2 over DTensor TP shards).
-    "3d-save": (8, THREE_D, {"save_at": 3, "save": "3d"}),
+    "3d-save": (8, THREE_D, {"save_at": 3}),
     **{f"load-{name}": (n, layout, {"load": "3d-save"}) for name, n, layout in
        (("dp4", 4, []), ("tp2", 2, ["parallel.tp=2"]), ("pp2", 2, PP2), ("one-rank", 1, []))},
 }
 
 
-class Launches:
-    """Runs each world size's cases in one launch, when a test first asks for one."""
-
-    def __init__(self, tmp):
-        self.tmp, self.results, self.failed = tmp, {}, {}
-
-    def __call__(self, name: str) -> dict:
-        nproc = CASES[name][0]
-        if nproc in self.failed:
-            raise AssertionError(f"the {nproc}-rank launch failed earlier: {self.failed[nproc]}")
-        if nproc not in self.results:
-            self._launch(nproc)
-        return self.results[nproc][name]
-
-    def _launch(self, nproc: int) -> None:
-        group = {name: case for name, case in CASES.items() if case[0] == nproc}
-        for loaded in {opts["load"] for _, _, opts in group.values() if "load" in opts}:
-            self(loaded)  # its checkpoint first
-        cases = {name: {"overrides": overrides, **self._paths(opts)} for name, (_, overrides, opts) in group.items()}
-        try:
-            self.results[nproc] = run_cases(self.tmp, nproc, cases)
-        except AssertionError as err:
-            self.failed[nproc] = str(err)[-3000:]
-            raise
-
-    def _paths(self, opts: dict) -> dict:
-        out = dict(opts)
-        if "save" in opts:
-            out["save"] = str(self.tmp / opts["save"])
-        if "load" in opts:
-            out["load"] = str(self.tmp / CASES[opts["load"]][2]["save"])
-        return out
-
-
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    return Launches(tmp_path_factory.mktemp("parity"))
+    return Launches(CASES, tmp_path_factory.mktemp("parity"))
 
 
 def losses(run, name):

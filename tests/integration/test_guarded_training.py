@@ -35,8 +35,15 @@ def train(tmp_path, tiny_dataset, train=None, **sections):
     return sdk.train(spec_from_dict(job), show_progress=False), tmp_path / "runs" / "tiny"
 
 
-def test_one_nan_step_skips_its_update_and_training_goes_on(ray_session, tiny_dataset, tmp_path):
-    summary, run_dir = train(tmp_path, tiny_dataset, debug={"nan_at_steps": [5]})
+@pytest.fixture(scope="module")
+def one_nan_and_a_leak(ray_session, tiny_dataset, tmp_path_factory):
+    """One run for two guards that do not meet: a NaN loss at step 5, and a tensor
+    leaked every step under the leak check."""
+    return train(tmp_path_factory.mktemp("nan-leak"), tiny_dataset, guards={"leak_check": True}, debug={"nan_at_steps": [5], "leak_per_step": True})
+
+
+def test_one_nan_step_skips_its_update_and_training_goes_on(one_nan_and_a_leak):
+    summary, run_dir = one_nan_and_a_leak
     [nonfinite] = events(run_dir, "nonfinite")
     assert nonfinite["step"] == 5 and nonfinite["loss"] == "nan" and nonfinite["update_skipped"] and nonfinite["in_a_row"] == 1
     got = losses(run_dir)
@@ -70,8 +77,8 @@ def test_leak_check_is_quiet_without_a_leak(skipped_by_hand):
     assert not events(skipped_by_hand, "leak")
 
 
-def test_leak_check_reports_a_tensor_kept_every_step(ray_session, tiny_dataset, tmp_path):
-    _, run_dir = train(tmp_path, tiny_dataset, guards={"leak_check": True}, debug={"leak_per_step": True})
+def test_leak_check_reports_a_tensor_kept_every_step(one_nan_and_a_leak):
+    _, run_dir = one_nan_and_a_leak
     leaks = events(run_dir, "leak")
     assert leaks and leaks[0]["kind"] == "float32 [256] on cpu" and leaks[0]["per_step"] == 1.0
     assert leaks[0]["bytes_per_step"] == 256 * 4
@@ -93,7 +100,8 @@ def test_out_of_memory_retries_with_half_the_micro_batch(ray_session, tiny_datas
 
 
 def test_out_of_memory_at_the_floor_fails_with_the_report(ray_session, tiny_dataset, tmp_path):
+    # Already at the floor: no retry (the retries down to it are the test above).
     with pytest.raises(TrainingFailed, match="no smaller micro-batch is left .guards.oom_min_micro_batch 2.; the memory report is memory-oom-step3-rank0.txt"):
-        train(tmp_path, tiny_dataset, train={"micro_batch": 4}, guards={"oom_min_micro_batch": 2},
+        train(tmp_path, tiny_dataset, train={"micro_batch": 2}, guards={"oom_min_micro_batch": 2},
               debug={"oom_at_step": 3, "oom_above_micro_batch": 1})
     assert (tmp_path / "runs" / "tiny" / "memory-oom-step3-rank0.txt").exists()

@@ -3,7 +3,9 @@ a tensor-parallel group never spans two nodes, and the driver reports the layout
 
 import pytest
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+from conftest import MULTINODE_TIMEOUT_S
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(MULTINODE_TIMEOUT_S)]
 
 
 def test_tp_groups_stay_on_one_node(multinode):

@@ -9,7 +9,7 @@ import pytest
 from lmforge.memory.estimate import worst_rank
 from lmforge.spec import load_spec
 from conftest import REPO
-from test_cli_errors import assert_clean_error, run_cli
+from cli import assert_clean_error, run_cli
 
 SEVEN_B = str(REPO / "jobs" / "pretrain-7b.yaml")
 

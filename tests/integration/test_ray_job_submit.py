@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -56,23 +57,32 @@ def ray_head(tmp_path):
     head = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=open(tmp_path / "head.log", "w"), stderr=subprocess.STDOUT)
     address = f"http://127.0.0.1:{dash}"
     try:
-        deadline = time.time() + 120
-        while True:
-            probe = subprocess.run([str(BIN / "ray"), "job", "list", "--address", address], env=env, capture_output=True, text=True)
-            if probe.returncode == 0:
-                break
-            assert head.poll() is None, (tmp_path / "head.log").read_text()
-            assert time.time() < deadline, probe.stderr[-2000:]
-            time.sleep(2)
+        wait_for_job_api(address, token.read_text(), head, tmp_path / "head.log")
         yield address, env
     finally:
-        os.killpg(head.pid, signal.SIGTERM)
-        try:
-            head.wait(timeout=5)  # `ray start --block` often lingers on SIGTERM; nothing of it is needed
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
-            head.wait()
+        # The head's whole process group (GCS, raylet, dashboard, workers): nothing of
+        # it is needed now, and `ray start --block` lingers on SIGTERM.
+        os.killpg(head.pid, signal.SIGKILL)
+        head.wait()
         subprocess.run(["rm", "-rf", str(temp_dir)])
+
+
+def wait_for_job_api(address: str, token: str, head: subprocess.Popen, log: Path, timeout_s: float = 120) -> None:
+    """Until the head's job API answers (an HTTP request with the cluster's token,
+    not a `ray job list` process per try: each of those costs a second of CPU)."""
+    request = urllib.request.Request(f"{address}/api/jobs/", headers={"Authorization": f"Bearer {token}"})
+    deadline, last = time.time() + timeout_s, None
+    while True:
+        try:
+            with urllib.request.urlopen(request, timeout=5) as response:
+                if response.status == 200:
+                    return
+                last = f"HTTP {response.status}"
+        except OSError as err:  # refused while starting, or an HTTP error
+            last = err
+        assert head.poll() is None, log.read_text()
+        assert time.time() < deadline, f"the job API at {address} did not answer within {timeout_s:.0f}s: {last}"
+        time.sleep(0.25)
 
 
 def test_quickstart_through_ray_job_submit(ray_head, tiny_dataset, tmp_path):

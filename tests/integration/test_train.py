@@ -2,6 +2,7 @@
 Parquet shards, DCP checkpoints, a real MLflow SQLite store."""
 
 import json
+from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -9,7 +10,8 @@ from mlflow.tracking import MlflowClient
 from lmforge import sdk
 from lmforge.spec import spec_from_dict
 
-from conftest import tiny_job
+from conftest import REFERENCE_STEPS as STEPS
+from conftest import reference_job, tiny_job
 
 pytestmark = pytest.mark.ray
 
@@ -25,74 +27,68 @@ def _losses(run_dir):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(ray_session, tiny_dataset, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("full")
-    spec = spec_from_dict(tiny_job(tmp, tiny_dataset))
-    summary = sdk.train(spec, show_progress=False)
-    return tmp, spec, summary
+def uninterrupted(reference_run):
+    """(run directory, summary) of the reference job run straight through."""
+    return Path(reference_run["run_dir"]), reference_run
 
 
 def test_two_workers_train_and_loss_decreases(uninterrupted):
-    tmp, spec, summary = uninterrupted
-    losses = _losses(tmp / "runs" / "tiny")
-    assert sorted(losses) == list(range(1, 9))
-    assert (losses[7] + losses[8]) / 2 < losses[1] - 0.3, losses
-    assert summary["final_step"] == 8 and summary["world_size"] == 2
-    assert summary["final_loss"] == pytest.approx(losses[8])
+    run_dir, summary = uninterrupted
+    losses = _losses(run_dir)
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    assert (losses[STEPS - 1] + losses[STEPS]) / 2 < losses[1] - 0.3, losses
+    assert summary["final_step"] == STEPS and summary["world_size"] == 2
+    assert summary["final_loss"] == pytest.approx(losses[STEPS])
     assert 0 <= summary["data_wait_fraction"] < 0.5
 
 
 def test_run_dir_files_and_checkpoints(uninterrupted):
-    tmp, spec, summary = uninterrupted
-    on_disk = json.loads((tmp / "runs" / "tiny" / "summary.json").read_text())
+    run_dir, summary = uninterrupted
+    on_disk = json.loads((run_dir / "summary.json").read_text())
     assert on_disk == summary
-    assert summary["tokens"] == 8 * 8 * 32
-    ckpt = tmp / "runs" / "tiny" / "checkpoints" / "step_00000008"
+    assert summary["tokens"] == STEPS * 8 * 32
+    ckpt = run_dir / "checkpoints" / f"step_{STEPS:08d}"
     assert summary["latest_checkpoint"] == str(ckpt)
     files = json.loads((ckpt / "commit.json").read_text())["files"]
     assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "state.json"} <= set(files)
     state = json.loads((ckpt / "state.json").read_text())
-    assert state["step"] == 8 and state["samples_consumed"] == 64
-    row = json.loads((tmp / "runs" / "tiny" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert state["step"] == STEPS and state["samples_consumed"] == STEPS * 8
+    row = _step_rows(run_dir)[-1]
     assert {"loss", "lr", "grad_norm", "tokens_per_s", "mfu", "step_time", "data_wait"} <= set(row)
     assert 0 < row["mfu"] < 1
 
 
 def test_mlflow_run_has_params_metrics_and_spec(uninterrupted):
-    tmp, spec, summary = uninterrupted
+    _, summary = uninterrupted
     client = MlflowClient(tracking_uri=summary["mlflow_tracking_uri"])
     run = client.get_run(summary["mlflow_run_id"])
     assert run.info.status == "FINISHED"
     assert run.data.params["train.global_batch"] == "8"
     assert run.data.params["parallel.dp"] == "2"
     history = client.get_metric_history(run.info.run_id, "loss")
-    assert sorted(m.step for m in history) == list(range(1, 9))
+    assert sorted(m.step for m in history) == list(range(1, STEPS + 1))
     for key in ("lr", "grad_norm", "tokens_per_s", "mfu", "step_time", "data_wait"):
-        assert len(client.get_metric_history(run.info.run_id, key)) == 8
+        assert len(client.get_metric_history(run.info.run_id, key)) == STEPS
     assert "job.yaml" in [a.path for a in client.list_artifacts(run.info.run_id)]
+    # Artifacts beside the SQLite store, not in the driver's working directory.
+    store_dir = Path(summary["mlflow_tracking_uri"].removeprefix("sqlite:///")).parent
+    assert run.info.artifact_uri.removeprefix("file://").startswith(str(store_dir / "mlartifacts"))
 
 
 def test_resume_continues_with_identical_losses(uninterrupted, ray_session, tiny_dataset, tmp_path):
-    _, _, full = uninterrupted
-    reference = _losses(full_run_dir(full))
-    job = tiny_job(tmp_path, tiny_dataset)
-    first = sdk.train(spec_from_dict(job, ["train.max_steps=4"]), show_progress=False)
-    assert first["final_step"] == 4
+    reference = _losses(uninterrupted[0])
+    job = reference_job(tmp_path, tiny_dataset, train={"max_steps": 20})
+    first = sdk.train(spec_from_dict(job, ["train.max_steps=10"]), show_progress=False)
+    assert first["final_step"] == 10
     second = sdk.train(spec_from_dict(job), show_progress=False)
-    assert second["start_step"] == 4 and second["final_step"] == 8
+    assert second["start_step"] == 10 and second["final_step"] == 20
     assert second["mlflow_run_id"] == first["mlflow_run_id"]
     resumed = _losses(tmp_path / "runs" / "tiny")
-    assert sorted(resumed) == list(range(1, 9))
-    for step in range(1, 9):
+    assert sorted(resumed) == list(range(1, 21))
+    for step in range(1, 21):
         assert resumed[step] == pytest.approx(reference[step], rel=1e-6, abs=1e-7), step
     client = MlflowClient(tracking_uri=second["mlflow_tracking_uri"])
-    assert sorted(m.step for m in client.get_metric_history(second["mlflow_run_id"], "loss")) == list(range(1, 9))
-
-
-def full_run_dir(summary):
-    from pathlib import Path
-
-    return Path(summary["run_dir"])
+    assert sorted(m.step for m in client.get_metric_history(second["mlflow_run_id"], "loss")) == list(range(1, 21))
 
 
 def test_a_failing_rank_tears_the_group_down_with_one_message(ray_session, tiny_dataset, tmp_path):
@@ -112,9 +108,8 @@ def test_a_failing_rank_tears_the_group_down_with_one_message(ray_session, tiny_
 
 
 def test_3d_run_through_the_controller_matches_data_parallel(uninterrupted, ray_session, tiny_dataset, tmp_path):
-    _, _, full = uninterrupted
-    reference = _losses(full_run_dir(full))
-    job = tiny_job(
+    reference = _losses(uninterrupted[0])
+    job = reference_job(
         tmp_path, tiny_dataset,
         parallel={"dp": 2, "tp": 2, "pp": 2}, train={"max_steps": 3},
         checkpoint={"interval": 3}, resources={"cpus_per_worker": 0.5},
@@ -136,12 +131,9 @@ def test_deepspeed_documentation_config_trains_resumes_and_matches_native(uninte
     """jobs/zero3-offload.json as written (ZeRO-3, optimizer offloaded to CPU) with the
     batch and learning rate overridden to the tiny job's: 4 steps, then a resume to
     8, equal to the native engine's uninterrupted run."""
-    from pathlib import Path
-
-    _, _, full = uninterrupted
-    reference = _losses(full_run_dir(full))
+    reference = _losses(uninterrupted[0])
     config = Path(__file__).parents[2] / "jobs" / "zero3-offload.json"
-    job = tiny_job(tmp_path, tiny_dataset, engine="deepspeed", deepspeed={"config": str(config)})
+    job = reference_job(tmp_path, tiny_dataset, engine="deepspeed", deepspeed={"config": str(config)}, train={"max_steps": 8}, checkpoint={"interval": 4})
     del job["optim"]["lr"]  # the config sets it: the job must not say otherwise
     overrides = ["deepspeed.config.train_batch_size=8", "deepspeed.config.optimizer.params.lr=0.003"]
     first = sdk.train(spec_from_dict(job, [*overrides, "train.max_steps=4"]), show_progress=False)
