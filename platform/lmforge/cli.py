@@ -33,7 +33,7 @@ def _parser() -> argparse.ArgumentParser:
     prep.add_argument("--seq-len", type=int)
     prep.add_argument("--tokenizer", help="tokenizer.json (default: train a byte-level BPE)")
     prep.add_argument("--vocab-size", type=int, default=8192)
-    prep.add_argument("--text-column", default="text")
+    prep.add_argument("--text-column", help="JSONL/Parquet field holding the text (default: text)")
     prep.add_argument("--shard-samples", type=int, default=2048)
     prep.add_argument("--address")
     prep.add_argument("--no-progress", action="store_true")
@@ -65,20 +65,26 @@ def _prepare_options(args):
         spec = load_spec(args.job, args.overrides)
         if not spec.data.source:
             raise UserError(f"{args.job}: data.source is not set; nothing to prepare")
-        return PrepareOptions(
-            source=args.source or spec.data.source, out=args.out or spec.data.path,
-            seq_len=args.seq_len or spec.train.seq_len, tokenizer=args.tokenizer or spec.data.tokenizer,
-            vocab_size=spec.data.vocab_size, text_column=spec.data.text_column,
-            shard_samples=spec.data.shard_samples, show_progress=not args.no_progress,
+        return PrepareOptions.for_job(
+            spec, source=args.source, out=args.out, seq_len=args.seq_len, tokenizer=args.tokenizer, text_column=args.text_column,
+            show_progress=not args.no_progress, names=_typed_flags(args),
         )
-    missing = [flag for flag, value in (("--source", args.source), ("--out", args.out), ("--seq-len", args.seq_len)) if not value]
+    missing = [flag for flag, value in (("--source", args.source), ("--out", args.out), ("--seq-len", args.seq_len)) if value is None]
     if missing:
         raise UserError(f"data prepare: give a job file or {', '.join(missing)}")
     return PrepareOptions(
         source=args.source, out=args.out, seq_len=args.seq_len, tokenizer=args.tokenizer,
-        vocab_size=args.vocab_size, text_column=args.text_column, shard_samples=args.shard_samples,
-        show_progress=not args.no_progress,
+        vocab_size=args.vocab_size, text_column=args.text_column or "text", shard_samples=args.shard_samples,
+        show_progress=not args.no_progress, names=_typed_flags(args, every=True),
     )
+
+
+def _typed_flags(args, every: bool = False) -> dict:
+    """The options given as flags (`every`: all of them, there being no job file), so
+    a message names the flag rather than a job field."""
+    from lmforge.data.precheck import FLAGS
+
+    return {key: flag for key, flag in FLAGS.items() if every or getattr(args, key) is not None}
 
 
 def _cmd_prepare(args) -> int:

@@ -25,14 +25,15 @@ class CheckpointWritesFailing(RuntimeError):
 
 class Diverged(RuntimeError):
     """`guards.nonfinite_in_a_row` steps in a row had a non-finite loss or gradient
-    norm: the controller rolls back to the latest checkpoint and skips their batches."""
+    norm, or (with `guards.on_spike: rollback`) a step's loss spiked: the controller
+    rolls back to the latest checkpoint and skips their batches."""
 
-    def __init__(self, steps: list[int]):
-        super().__init__(steps)  # the only argument, so the exception pickles across actors
-        self.steps = steps
+    def __init__(self, steps: list[int], reason: str | None = None):
+        super().__init__(steps, reason)  # all the arguments, so the exception pickles across actors
+        self.steps, self.reason = steps, reason
 
     def __str__(self) -> str:
-        return f"non-finite loss or gradient norm at steps {', '.join(map(str, self.steps))}"
+        return self.reason or f"non-finite loss or gradient norm at steps {', '.join(map(str, self.steps))}"
 
 
 class OutOfMemory(RuntimeError):

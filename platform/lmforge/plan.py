@@ -2,19 +2,21 @@
 
 The dataset (prepared, or a source to prepare), vocabulary and sequence length
 against the model, the estimated memory against `resources.memory_per_worker`, the
-checkpoint directory and what it already holds. A job
+checkpoint directory and what it already holds (a resume must continue the same
+model, batch, engine and data order). A job
 that cannot run stops here with one message naming the field or file.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 from lmforge.checkpoint.store import CheckpointStore, CommittedCheckpoint
-from lmforge.data.corpus import list_files, source_kind
-from lmforge.data.prepare import MANIFEST, read_manifest
+from lmforge.data.precheck import check_before_ray
+from lmforge.data.identity import describe, order_changes, order_inputs
+from lmforge.data.prepare import MANIFEST, PrepareOptions, read_manifest
 from lmforge.errors import UserError
 from lmforge.models.weights import read_config
 from lmforge.planner.fit import check_fits
@@ -26,6 +28,7 @@ class Plan:
     spec: JobSpec
     manifest: Optional[dict]  # None: the dataset must be prepared from data.source first
     resume_from: Optional[CommittedCheckpoint]
+    order_changes: dict = field(default_factory=dict)  # allowed by checkpoint.allow_data_change
 
     @property
     def start_step(self) -> int:
@@ -60,6 +63,18 @@ def check_resume(spec: JobSpec, ckpt: CommittedCheckpoint) -> None:
         raise UserError(f"engine: {spec.engine} cannot resume {ckpt.path}, a {saved_format} checkpoint of the other engine")
     if ckpt.step > spec.train.max_steps:
         raise UserError(f"train.max_steps: {spec.train.max_steps} is before the latest checkpoint's step {ckpt.step}")
+
+
+def check_resume_order(spec: JobSpec, manifest: dict, ckpt: CommittedCheckpoint) -> dict[str, list]:
+    """The order inputs that changed since the checkpoint ({input: [saved, now]}),
+    allowed only by `checkpoint.allow_data_change`: otherwise "exactly where it
+    stopped" would go on in a different order without a word."""
+    changes = order_changes(ckpt.state.get("order", {}), order_inputs(spec, manifest))
+    if changes and not spec.checkpoint.allow_data_change:
+        key, (saved, now) = next(iter(changes.items()))
+        raise UserError(f"{describe(key, saved, now)} ({ckpt.path}); the data order would not continue exactly "
+                        "(checkpoint.allow_data_change: true resumes on the new order)")
+    return changes
 
 
 def check_init_from(spec: JobSpec) -> None:
@@ -98,7 +113,7 @@ def preflight(spec: JobSpec) -> Plan:
     elif spec.data.source is None:
         raise UserError(f"data.path: {spec.data.path} holds no prepared dataset and data.source is not set")
     else:
-        source_kind(list_files(spec.data.source))  # fails on a missing, empty or unsupported source
+        check_before_ray(PrepareOptions.for_job(spec))  # the source and tokenizer, before a cluster starts
         if spec.data.tokenizer is None and spec.data.vocab_size > spec.model_arch.vocab_size:
             raise UserError(
                 f"data.vocab_size: {spec.data.vocab_size} is larger than model.vocab_size {spec.model_arch.vocab_size}"
@@ -112,6 +127,9 @@ def preflight(spec: JobSpec) -> Plan:
     store = CheckpointStore(spec.checkpoint_dir)
     store.check_usable()
     ckpt = store.latest() if spec.checkpoint.resume else None
+    changes = {}
     if ckpt is not None:
         check_resume(spec, ckpt)
-    return Plan(spec=spec, manifest=manifest, resume_from=ckpt)
+        if manifest is not None:
+            changes = check_resume_order(spec, manifest, ckpt)
+    return Plan(spec=spec, manifest=manifest, resume_from=ckpt, order_changes=changes)

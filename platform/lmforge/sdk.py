@@ -21,10 +21,11 @@ from rich.console import Console
 from lmforge.cluster import placement
 from lmforge.cluster.controller import Controller
 from lmforge.cluster.runtime import check_capacity, connect, embedded_resources
-from lmforge.data.corpus import list_files, source_kind
+from lmforge.data.precheck import check_before_ray
 from lmforge.data.prepare import PrepareOptions, prepare_dataset, read_manifest
 from lmforge.errors import TrainingFailed, UserError
-from lmforge.plan import Plan, check_dataset, preflight
+from lmforge.lease import JobLease
+from lmforge.plan import Plan, check_dataset, check_resume_order, preflight
 from lmforge.spec import JobSpec, load_spec
 from lmforge.tracking import events
 from lmforge.tracking.progress import ProgressView
@@ -35,7 +36,7 @@ load = load_spec
 
 def prepare(opts: PrepareOptions, address: Optional[str] = None) -> dict:
     """Tokenize and pack a corpus into Parquet shards; returns the manifest."""
-    source_kind(list_files(opts.source))  # bad sources fail before Ray starts
+    check_before_ray(opts)
     started = connect(address)
     try:
         return prepare_dataset(opts)
@@ -61,14 +62,11 @@ def _ensure_dataset(plan: Plan, console: Console, show_progress: bool) -> dict:
         return plan.manifest
     spec = plan.spec
     console.print(f"preparing {spec.data.source} into {spec.data.path}", highlight=False)
-    prepare_dataset(PrepareOptions(
-        source=spec.data.source, out=spec.data.path, seq_len=spec.train.seq_len,
-        tokenizer=spec.data.tokenizer, vocab_size=spec.data.vocab_size,
-        text_column=spec.data.text_column, shard_samples=spec.data.shard_samples,
-        show_progress=show_progress,
-    ))
+    prepare_dataset(PrepareOptions.for_job(spec, show_progress=show_progress))
     manifest = read_manifest(spec.data.path)
     check_dataset(spec, manifest)
+    if plan.resume_from:
+        plan.order_changes = check_resume_order(spec, manifest, plan.resume_from)
     return manifest
 
 
@@ -80,14 +78,15 @@ def train(spec: JobSpec, address: Optional[str] = None, show_progress: bool = Tr
     embedded = embedded_resources(address)
     if embedded is not None:
         _check_capacity(spec, embedded)  # before starting a cluster it would not fit
-    started_ray = connect(address)
-    try:
-        _check_capacity(spec)
-        manifest = _ensure_dataset(plan, console, show_progress)
-        return _run(plan, manifest, console, show_progress)
-    finally:
-        if started_ray:
-            ray.shutdown()
+    with JobLease(spec.run_dir, spec.name):  # a second driver of this job is refused here
+        started_ray = connect(address)
+        try:
+            _check_capacity(spec)
+            manifest = _ensure_dataset(plan, console, show_progress)
+            return _run(plan, manifest, console, show_progress)
+        finally:
+            if started_ray:
+                ray.shutdown()
 
 
 def _run(plan: Plan, manifest: dict, console: Console, show_progress: bool) -> dict:
@@ -107,14 +106,16 @@ def _run(plan: Plan, manifest: dict, console: Console, show_progress: bool) -> d
     view = ProgressView(spec.train.max_steps, plan.start_step, console=console, enabled=show_progress)
     if plan.resume_from:
         view.print(f"resuming {spec.name} from step {plan.start_step} ({plan.resume_from.path})")
-    seen = Seen(latest_checkpoint=plan.resume_from.path if plan.resume_from else None)
+    seen = Seen(spec, latest_checkpoint=plan.resume_from.path if plan.resume_from else None)
     handle = lambda event: seen.add(event, _handle(event, view, run_dir, tracker))  # noqa: E731
+    if plan.order_changes:
+        handle({"event": "data_changed", "step": plan.start_step, "path": plan.resume_from.path, "changes": plan.order_changes})
     budget = spec.fault_tolerance
     status, after_failure = "FAILED", None
     try:
         with view:
             while True:
-                controller = _start_controller(spec, manifest, after_failure)
+                controller = _start_controller(seen.spec, manifest, after_failure)
                 try:
                     result = _follow(controller, handle)
                     break
@@ -124,7 +125,7 @@ def _run(plan: Plan, manifest: dict, console: Console, show_progress: bool) -> d
                     if seen.failures >= budget.max_failures:
                         raise TrainingFailed(f"the controller died ({_first_line(err)}); fault_tolerance.max_failures {budget.max_failures} is used up") from None
                     step = seen.last.get("step", plan.start_step)
-                    after_failure = {"failures": seen.failures + 1, "step": step, "time": time.time()}
+                    after_failure = seen.after_failure(step)
                     handle({"event": "failure", "attempt": seen.failures + 1, "max_failures": budget.max_failures, "step": step,
                             "cause": f"the controller died ({type(err).__name__})", "rank": None, "nodes_lost": []})
                     time.sleep(min(60.0, budget.backoff_s * 2 ** (seen.failures - 1)))
@@ -176,23 +177,37 @@ def _follow(controller, handle) -> dict:
 
 @dataclass
 class Seen:
-    """What the driver keeps from the events for the summary."""
+    """What the driver keeps from the events: the summary's figures, and the job as
+    the guards changed it (a replacement controller starts from that, not from the
+    job as submitted, or it would repeat the rollback or out-of-memory)."""
 
+    spec: JobSpec
     latest_checkpoint: Optional[str] = None
     last: dict = field(default_factory=dict)
     ranks: list = field(default_factory=list)
     failures: int = 0
+    rollbacks: int = 0
     waits: "WaitTally" = field(default_factory=lambda: WaitTally())
 
     def add(self, event: dict, checkpoint_path: Optional[str]) -> None:
         self.latest_checkpoint = checkpoint_path or self.latest_checkpoint
-        if event["event"] == "step":
+        kind = event["event"]
+        if kind == "step":
             self.last = event
             self.waits.add(event)
-        elif event["event"] == "layout":
+        elif kind == "layout":
             self.ranks = event["ranks"]
-        elif event["event"] == "failure":
+        elif kind == "failure":
             self.failures += 1
+        elif kind == "rollback":
+            self.rollbacks = event["rollback"]
+            self.spec = self.spec.with_changes("guards", skip_batches=event["skip_batches"])
+        elif kind == "out_of_memory" and event["retry_micro_batch"]:
+            self.spec = self.spec.with_micro_batch(event["retry_micro_batch"])
+
+    def after_failure(self, step: int) -> dict:
+        """What a replacement controller continues from."""
+        return {"failures": self.failures + 1, "rollbacks": self.rollbacks, "step": step, "time": time.time()}
 
 
 def _start_controller(spec: JobSpec, manifest: dict, after_failure: Optional[dict]):
@@ -275,4 +290,7 @@ def _handle(event: dict, view: ProgressView, run_dir: RunDir, tracker) -> Option
     if tracker and kind in events.METRICS:
         for key, value in events.METRICS[kind](event).items():
             tracker.log_metric(key, value, event["step"])
+    if tracker and kind in events.TAGS:
+        for key, value in events.TAGS[kind](event).items():
+            tracker.set_tag(key, value)
     return event["path"] if kind == "checkpoint" else None

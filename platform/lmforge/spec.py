@@ -127,6 +127,9 @@ class CheckpointSpec(_Section):
     async_save: bool = Field(True, description="write in the background; training pauses only to copy the state to CPU memory")
     max_failed_writes: int = Field(3, gt=0, description="checkpoint writes that may fail in a row (logged) before the job fails")
     resume: bool = True
+    allow_data_change: bool = Field(
+        False, description="resume although the seed, shuffle window or dataset changed (a new data order; recorded as a data_changed event)"
+    )
 
 
 class TrackingSpec(_Section):
@@ -160,9 +163,12 @@ class FaultToleranceSpec(_Section):
 
 class GuardSpec(_Section):
     nonfinite_in_a_row: int = Field(3, ge=1, description="non-finite losses or grad norms in a row (each skips its update) before rolling back to the latest checkpoint and skipping those batches")
-    max_rollbacks: int = Field(3, ge=0, description="rollbacks for non-finite steps before the job fails")
+    max_rollbacks: int = Field(3, ge=0, description="rollbacks (non-finite steps, or spikes under on_spike: rollback) before the job fails")
     spike_window: int = Field(50, ge=5, description="steps of loss history that a spike is measured against")
-    spike_zscore: float = Field(6.0, gt=0, description="a loss this many standard deviations above the window's mean is logged as a spike")
+    spike_zscore: float = Field(6.0, gt=0, description="a loss this many standard deviations above the window's mean is a spike")
+    on_spike: Literal["log", "rollback"] = Field(
+        "log", description="log: record the spike and go on; rollback: restart from the latest checkpoint skipping the spike's batch (as for non-finite steps)"
+    )
     oom_min_micro_batch: int = Field(1, ge=1, description="on out-of-memory, retry with half the micro-batch (twice the accumulation) down to this, then fail")
     skip_batches: list[int] = Field([], description="steps whose batch is read but not trained on (a rollback adds the offending ones)")
     leak_check: bool = Field(False, description="debug: report tensors that stay alive across steps, and their growth per step")
@@ -172,6 +178,7 @@ class DebugSpec(_Section):
     """Fault injection, to see the guards work (tests, drills)."""
 
     nan_at_steps: list[int] = Field([], description="make these steps' loss NaN")
+    spike_at_steps: list[int] = Field([], description="make these steps' loss spike (the logits scaled up)")
     oom_at_step: Optional[int] = Field(None, gt=0, description="raise torch.OutOfMemoryError on rank 0 at this step ...")
     oom_above_micro_batch: int = Field(0, ge=0, description="... while train.micro_batch is larger than this")
     leak_per_step: bool = Field(False, description="keep one small tensor alive per step (a leak for guards.leak_check to find)")
@@ -241,6 +248,17 @@ class JobSpec(_Section):
         if workers % (p.pp * p.tp):
             raise ValueError(f"parallel.dp: auto cannot split {workers} workers into groups of pp x tp = {p.pp * p.tp}")
         p.dp = workers // (p.pp * p.tp)
+
+    def with_micro_batch(self, micro: int) -> "JobSpec":
+        """The same job with another micro-batch (the out-of-memory retry), validated.
+        A DeepSpeed config, reconciled at load, pins the old micro-batch and its
+        accumulation: both move with it."""
+        tree = self.model_dump(mode="json", exclude_unset=True)
+        tree["train"] = tree.get("train", {}) | {"micro_batch": micro}
+        if self.deepspeed is not None:
+            config = tree["deepspeed"]["config"]
+            config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"] = micro, "auto"
+        return JobSpec.model_validate(tree)
 
     def with_dp(self, dp: int) -> "JobSpec":
         """The same job on another data-parallel size (elastic resizing), validated."""

@@ -56,6 +56,7 @@ def check_elastic(spec: "JobSpec") -> None:
         raise ValueError(f"parallel.dp: {p.dp} is outside elastic.min_dp..max_dp = {e.min_dp}..{e.max_dp}")
     if p.dp_replicate > 1:
         raise ValueError("elastic: not combined with parallel.dp_replicate (HSDP) yet")
+    _elastic_failure_budget(spec.fault_tolerance)
     for dp in range(e.min_dp, e.max_dp + 1):
         if train.global_batch % (train.micro_batch * dp):
             raise ValueError(
@@ -65,6 +66,21 @@ def check_elastic(spec: "JobSpec") -> None:
         accum = train.global_batch // (train.micro_batch * dp)
         if p.pp > 1 and p.schedule != "gpipe" and accum < p.pp:
             raise ValueError(f"elastic.max_dp: at dp {dp} there are {accum} micro-batches per step, fewer than pp {p.pp}")
+
+
+ELASTIC_MAX_FAILURES = 3
+
+
+def _elastic_failure_budget(budget) -> None:
+    """An elastic range is written to survive lost nodes: without restarts it could
+    not, so an elastic job gets a budget unless it sets one, and may not set none."""
+    if "max_failures" not in budget.model_fields_set:
+        budget.max_failures = ELASTIC_MAX_FAILURES
+    elif budget.max_failures == 0:
+        raise ValueError(
+            "fault_tolerance.max_failures: 0 with elastic fails the job at the first lost node instead of shrinking it; "
+            f"set at least 1, or leave it out (elastic jobs default to {ELASTIC_MAX_FAILURES})"
+        )
 
 
 def check_sharding(spec: "JobSpec") -> None:

@@ -18,6 +18,7 @@ from lmforge.checkpoint.sharded import load_checkpoint, restore_point
 from lmforge.checkpoint.store import CheckpointStore
 from lmforge.checkpoint.writer import CheckpointWriter
 from lmforge.data.feed import BatchFeed
+from lmforge.data.identity import order_inputs
 from lmforge.data.order import BatchLayout, GlobalOrder
 from lmforge.engines import create_engine
 from lmforge.errors import OutOfMemory
@@ -93,6 +94,7 @@ class Trainer:
             "dp": self.spec.parallel.dp,
             "model": self.spec.model_arch.as_dict(),
             "data_path": self.spec.data.path,
+            "order": order_inputs(self.spec, self.manifest),
         }
 
     def run(self) -> dict:

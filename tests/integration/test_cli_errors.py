@@ -103,16 +103,77 @@ def test_world_larger_than_a_joined_cluster_names_elastic_min_dp(ray_session, tm
 
 
 @pytest.mark.ray
-def test_empty_corpus_leaves_nothing_behind(ray_session, tmp_path):
+def test_a_corpus_too_small_once_tokenized_leaves_nothing_behind(ray_session, tmp_path):
+    """Enough bytes to pass the check before Ray, too few tokens once BPE merged them."""
     corpus = tmp_path / "corpus"
     corpus.mkdir()
-    for name in ("a.txt", "b.txt"):
-        (corpus / name).write_text("")
+    (corpus / "a.txt").write_text("a" * 40)
     out = tmp_path / "prepared"
     result = run_cli("data", "prepare", "--source", str(corpus), "--out", str(out), "--seq-len", "32", "--vocab-size", "300", "--no-progress", cwd=tmp_path)
     assert_clean_error(result, "data.source", "fewer than one sample")
     assert not out.exists()
     assert [p.name for p in tmp_path.iterdir()] == ["corpus"]
+
+
+def word_level_tokenizer(path: Path, words: int) -> Path:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({"<|endoftext|>": 0, "<unk>": 1} | {f"w{i}": i + 2 for i in range(words)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(path))
+    return path
+
+
+def corpus(tmp_path: Path, **files: str) -> str:
+    (tmp_path / "corpus").mkdir()
+    for name, text in files.items():
+        (tmp_path / "corpus" / name.replace("_", ".")).write_text(text)
+    return str(tmp_path / "corpus")
+
+
+def job_with_tokenizer(tmp_path: Path, tokenizer: Path, in_job: bool = True) -> None:
+    data = {"source": corpus(tmp_path, a_txt="x " * 100)} | ({"tokenizer": str(tokenizer)} if in_job else {})
+    write_job(tmp_path, tiny_job(tmp_path, tmp_path / "data", data=data))
+
+
+PREPARE = ["--out", "prepared", "--no-progress"]
+
+# Each is refused before Ray starts and before anything is written: (set-up, command, fragments).
+EARLY_REFUSALS = {
+    "corrupt tokenizer": (
+        lambda tmp: job_with_tokenizer(tmp, tmp / "tok.json") or (tmp / "tok.json").write_text("{not json"),
+        ["train", "job.yaml"], ["data.tokenizer:", "tok.json is not a tokenizer.json"]),
+    "tokenizer larger than the model": (
+        lambda tmp: job_with_tokenizer(tmp, word_level_tokenizer(tmp / "tok.json", 600)),
+        ["train", "job.yaml"], ["data.tokenizer:", "has a vocabulary of 602, larger than model.vocab_size 512"]),
+    "tokenizer larger than the job's model, given as a flag": (
+        lambda tmp: job_with_tokenizer(tmp, word_level_tokenizer(tmp / "tok.json", 600), in_job=False),
+        ["data", "prepare", "job.yaml", "--tokenizer", "tok.json", *PREPARE], ["--tokenizer: tok.json has a vocabulary of 602"]),
+    "negative sequence length": (
+        lambda tmp: corpus(tmp, a_txt="x " * 100),
+        ["data", "prepare", "--source", "corpus", "--seq-len", "-5", *PREPARE], ["--seq-len: must be > 0, got -5"]),
+    "JSONL without the text column": (
+        lambda tmp: corpus(tmp, a_jsonl=json.dumps({"body": "x " * 100}) + "\n"),
+        ["data", "prepare", "--source", "corpus", "--seq-len", "32", *PREPARE], ["--text-column: 'text' is not a field of", "a.jsonl", "['body']"]),
+    "corpus too small for one sample": (
+        lambda tmp: corpus(tmp, a_txt="", b_txt="tiny"),
+        ["data", "prepare", "--source", "corpus", "--seq-len", "32", *PREPARE], ["--source: the corpus holds 4 bytes", "fewer than one sample of seq_len+1 = 33"]),
+}
+
+
+@pytest.mark.parametrize("case", EARLY_REFUSALS)
+def test_refused_before_ray_starts(case, tmp_path, monkeypatch):
+    from lmforge import sdk
+
+    def no_cluster(*args, **kwargs):
+        raise AssertionError("Ray was started (or joined) before the refusal")
+
+    monkeypatch.setattr(sdk, "connect", no_cluster)
+    set_up, command, fragments = EARLY_REFUSALS[case]
+    set_up(tmp_path)
+    before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    assert_clean_error(run_cli(*command, cwd=tmp_path), *fragments)
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before  # nothing written
 
 
 def test_deepspeed_config_contradicting_the_job(tmp_path):

@@ -1,6 +1,6 @@
 """The guards on a real 2-rank Ray job, with faults injected through the job's
 `debug` section: NaN losses (a skipped update; K in a row roll back and skip those
-batches), out-of-memory (retried with a smaller micro-batch down to a floor, with a
+batches), a loss spike (rolled back when asked), out-of-memory (retried with a smaller micro-batch down to a floor, with a
 memory report in the run directory and MLflow), and a leaked tensor per step."""
 
 import json
@@ -84,16 +84,21 @@ def test_leak_check_reports_a_tensor_kept_every_step(one_nan_and_a_leak):
     assert leaks[0]["bytes_per_step"] == 256 * 4
 
 
-def test_out_of_memory_retries_with_half_the_micro_batch(ray_session, tiny_dataset, tmp_path):
-    # micro-batch 4 (one per rank and step) "does not fit"; 2 does not either; 1 does.
-    summary, run_dir = train(tmp_path, tiny_dataset, train={"micro_batch": 4},
-                             debug={"oom_at_step": 6, "oom_above_micro_batch": 1})
+def test_out_of_memory_retries_with_half_the_micro_batch_then_a_spike_rolls_back(ray_session, tiny_dataset, tmp_path):
+    """Micro-batch 4 (one per rank and step) "does not fit" at step 6; 2 does not
+    either; 1 does. Later, under `on_spike: rollback`, step 11's loss spikes: the run
+    restarts from step 8's checkpoint and skips that batch."""
+    summary, run_dir = train(tmp_path, tiny_dataset, train={"micro_batch": 4, "max_steps": 12}, guards={"on_spike": "rollback"},
+                             debug={"oom_at_step": 6, "oom_above_micro_batch": 1, "spike_at_steps": [11]})
     ooms = events(run_dir, "out_of_memory")
     assert [(e["micro_batch"], e["retry_micro_batch"]) for e in ooms] == [(4, 2), (2, 1)]
     report = (run_dir / "memory-oom-step6-rank0.txt").read_text()
     assert "micro-batch 2 x 2 accumulation" in report and "activations" in report and "injected by debug.oom_at_step" in report
-    assert summary["final_step"] == 10 and summary["failures"] == 0
-    assert sorted(losses(run_dir)) == list(range(1, 11))
+    assert summary["final_step"] == 12 and summary["failures"] == 0
+    [rollback] = events(run_dir, "rollback")
+    assert rollback["steps"] == [11] and rollback["skip_batches"] == [11] and rollback["cause"].startswith("loss spike at step 11:")
+    assert [e["step"] for e in events(run_dir, "restored")][-1] == 8 and [e["step"] for e in events(run_dir, "batch_skipped")] == [11]
+    assert sorted(losses(run_dir)) == [*range(1, 11), 12] and losses(run_dir)[12] < 2 * losses(run_dir)[10]
     assert all(row["samples_consumed"] == row["step"] * 8 for row in rows(run_dir) if "event" not in row)  # same global batch
     client = MlflowClient(summary["mlflow_tracking_uri"])
     assert "memory-oom-step6-rank0.txt" in {a.path for a in client.list_artifacts(summary["mlflow_run_id"])}

@@ -8,6 +8,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from lmforge import sdk
+from lmforge.errors import UserError
 from lmforge.spec import spec_from_dict
 
 from conftest import REFERENCE_STEPS as STEPS
@@ -16,10 +17,13 @@ from conftest import reference_job, tiny_job
 pytestmark = pytest.mark.ray
 
 
+def _rows(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 def _step_rows(run_dir):
     """metrics.jsonl's step lines (event lines, such as "restored", have an `event` key)."""
-    rows = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
-    return [row for row in rows if "event" not in row]
+    return [row for row in _rows(run_dir) if "event" not in row]
 
 
 def _losses(run_dir):
@@ -90,6 +94,17 @@ def test_resume_continues_with_identical_losses(uninterrupted, ray_session, tiny
     client = MlflowClient(tracking_uri=second["mlflow_tracking_uri"])
     assert sorted(m.step for m in client.get_metric_history(second["mlflow_run_id"], "loss")) == list(range(1, 21))
 
+    # Another seed would continue on another order: refused before anything starts,
+    # unless the job says so, and then it is on the record.
+    reseeded = ["train.max_steps=21", f"train.seed={job['train']['seed'] + 1}"]
+    with pytest.raises(UserError, match=r"^train.seed: \d+ differs from the \d+ the checkpoint was trained with .*checkpoint.allow_data_change"):
+        sdk.train(spec_from_dict(job, reseeded), show_progress=False)
+    third = sdk.train(spec_from_dict(job, [*reseeded, "checkpoint.allow_data_change=true"]), show_progress=False)
+    assert third["start_step"] == 20 and third["final_step"] == 21
+    [changed] = [row for row in _rows(tmp_path / "runs" / "tiny") if row.get("event") == "data_changed"]
+    assert changed["step"] == 20 and changed["changes"] == {"seed": [job["train"]["seed"], job["train"]["seed"] + 1]}
+    assert "seed" in client.get_run(third["mlflow_run_id"]).data.tags["lmforge.data_changed.step_20"]
+
 
 def test_a_failing_rank_tears_the_group_down_with_one_message(ray_session, tiny_dataset, tmp_path):
     import shutil
@@ -130,15 +145,19 @@ def test_3d_run_through_the_controller_matches_data_parallel(uninterrupted, ray_
 def test_deepspeed_documentation_config_trains_resumes_and_matches_native(uninterrupted, ray_session, tiny_dataset, tmp_path):
     """jobs/zero3-offload.json as written (ZeRO-3, optimizer offloaded to CPU) with the
     batch and learning rate overridden to the tiny job's: 4 steps, then a resume to
-    8, equal to the native engine's uninterrupted run."""
+    8, equal to the native engine's uninterrupted run. The resumed run runs out of
+    memory at step 6 (injected, as in the native guard's test) and goes on with half
+    the micro-batch: DeepSpeed's config moves with it."""
     reference = _losses(uninterrupted[0])
     config = Path(__file__).parents[2] / "jobs" / "zero3-offload.json"
     job = reference_job(tmp_path, tiny_dataset, engine="deepspeed", deepspeed={"config": str(config)}, train={"max_steps": 8}, checkpoint={"interval": 4})
     del job["optim"]["lr"]  # the config sets it: the job must not say otherwise
     overrides = ["deepspeed.config.train_batch_size=8", "deepspeed.config.optimizer.params.lr=0.003"]
     first = sdk.train(spec_from_dict(job, [*overrides, "train.max_steps=4"]), show_progress=False)
-    second = sdk.train(spec_from_dict(job, overrides), show_progress=False)
+    second = sdk.train(spec_from_dict(job, [*overrides, "debug.oom_at_step=6", "debug.oom_above_micro_batch=1"]), show_progress=False)
     assert first["final_step"] == 4 and second["start_step"] == 4 and second["final_step"] == 8
+    ooms = [row for row in _rows(tmp_path / "runs" / "tiny") if row.get("event") == "out_of_memory"]
+    assert [(e["micro_batch"], e["retry_micro_batch"]) for e in ooms] == [(2, 1)] and second["failures"] == 0
     losses = _losses(tmp_path / "runs" / "tiny")
     for step in range(1, 9):
         assert losses[step] == pytest.approx(reference[step], rel=1e-4), step

@@ -16,7 +16,23 @@ def test_flops_per_token_is_6n_plus_attention():
     assert cfg.flops_per_token(4096) == 6 * cfg.num_params() + 12 * 32 * 4096 * 4096
 
 
-def test_cpu_peak_is_measured_and_plausible():
+def test_cpu_peak_is_measured_in_the_jobs_precision_and_plausible():
     flops = measure_matmul_flops(torch.device("cpu"), size=256, seconds=0.05)
     assert 1e8 < flops < 1e14
     assert peak_flops(torch.device("cpu"), "fp32") > 1e8
+    assert 1e6 < measure_matmul_flops(torch.device("cpu"), torch.bfloat16, size=128, seconds=0.05) < 1e14
+
+
+@pytest.fixture
+def an_h100(monkeypatch):
+    """No GPU here: only the device's name is faked, which is all the datasheet lookup reads."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    yield torch.device("cuda")
+    torch.set_float32_matmul_precision("highest")
+
+
+def test_a_known_gpus_peak_is_the_datasheets_for_the_precision(an_h100):
+    assert peak_flops(an_h100, "bf16") == peak_flops(an_h100, "fp16") == pytest.approx(989.4e12)
+    assert peak_flops(an_h100, "fp32") == pytest.approx(66.9e12)  # no TF32: the plain fp32 figure
+    torch.set_float32_matmul_precision("high")  # matmuls may use TF32 tensor cores
+    assert peak_flops(an_h100, "fp32") == pytest.approx(494.7e12)

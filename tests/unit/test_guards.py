@@ -3,6 +3,7 @@ z-score, the smaller micro-batch an out-of-memory retry takes, and leaked tensor
 found by their growth per step."""
 
 import math
+import pickle
 
 import pytest
 import torch
@@ -43,6 +44,17 @@ def test_a_spike_is_judged_against_the_window():
     assert not DivergenceGuard(GuardSpec()).observe(1, finite(100.0))  # no history yet: nothing to judge against
 
 
+def test_a_spike_rolls_back_when_the_job_asks():
+    guard = DivergenceGuard(GuardSpec(spike_window=10, spike_zscore=4.0, on_spike="rollback"))
+    for step in range(1, 11):
+        assert not guard.observe(step, finite(3.0 + 0.01 * (-1) ** step))
+    with pytest.raises(Diverged) as err:
+        guard.observe(11, finite(4.0))
+    assert err.value.steps == [11] and str(err.value).startswith("loss spike at step 11: 4.0000,")
+    restored = pickle.loads(pickle.dumps(err.value))  # it crosses from a rank to the controller
+    assert restored.steps == [11] and str(restored) == str(err.value)
+
+
 def job(**train):
     return spec_from_dict({"name": "g", "parallel": {"dp": 2}, "data": {"path": "unused"},
                            "train": {"global_batch": 24, "micro_batch": 6} | train})
@@ -59,6 +71,21 @@ def test_smaller_micro_batch_keeps_the_global_batch_whole():
     assert with_smaller_micro_batch(odd).train.micro_batch == 5 and with_smaller_micro_batch(odd).grad_accum == 4
 
 
+@pytest.mark.parametrize("config", [
+    {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4},  # micro-batch pinned by the config
+    {"train_batch_size": 16, "gradient_accumulation_steps": 2},  # accumulation pinned, micro-batch derived
+    {},  # both filled in from the job
+])
+def test_the_retry_moves_a_deepspeed_configs_micro_batch_and_accumulation_along(config):
+    spec = spec_from_dict({"name": "g", "engine": "deepspeed", "parallel": {"dp": 2}, "data": {"path": "unused"},
+                           "train": {"global_batch": 16} | ({} if config else {"micro_batch": 4}), "deepspeed": {"config": config}})
+    assert spec.train.micro_batch == 4
+    smaller = with_smaller_micro_batch(spec)
+    assert smaller is not None and smaller.train.micro_batch == 2 and smaller.grad_accum == 4
+    ds = smaller.deepspeed.config
+    assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"], ds["train_batch_size"]) == (2, 4, 16)
+
+
 def test_leak_check_finds_what_grows_per_step():
     check, kept = LeakCheck(), []
     found = []
@@ -69,3 +96,15 @@ def test_leak_check_finds_what_grows_per_step():
     [leak] = [e for e in found if e["kind"] == "float64 [3, 7] on cpu"]
     assert leak["per_step"] == 1.0 and leak["bytes_per_step"] == 3 * 7 * 8
     assert not [e for e in found if "[5]" in e["kind"]]
+
+
+def test_the_driver_keeps_the_job_as_the_guards_changed_it():
+    """A replacement controller gets this job, not the one submitted."""
+    from lmforge.sdk import Seen
+
+    seen = Seen(spec_from_dict({"name": "g", "parallel": {"dp": 2}, "data": {"path": "unused"}, "train": {"global_batch": 16, "micro_batch": 4}}))
+    seen.add({"event": "rollback", "rollback": 1, "skip_batches": [5, 6]}, None)
+    seen.add({"event": "out_of_memory", "retry_micro_batch": 2}, None)
+    seen.add({"event": "out_of_memory", "retry_micro_batch": None}, None)  # at the floor: the job fails, nothing changes
+    assert seen.spec.guards.skip_batches == [5, 6] and seen.spec.train.micro_batch == 2 and seen.spec.grad_accum == 4
+    assert seen.after_failure(12) | {"time": 0} == {"failures": 1, "rollbacks": 1, "step": 12, "time": 0}

@@ -58,6 +58,8 @@ def test_overrides_are_parsed_as_yaml_values():
         (["parallel.dp=4", "elastic.min_dp=1", "elastic.max_dp=2"], "parallel.dp: 4 is outside elastic.min_dp..max_dp = 1..2"),
         (["parallel.dp=2", "elastic.min_dp=1", "elastic.max_dp=3"], "elastic.max_dp: at dp 3 train.global_batch 16 is not divisible by micro_batch x dp = 4 x 3"),
         (["parallel.dp=2", "elastic.min_dp=2"], "elastic.max_dp: Field required"),
+        (["parallel.dp=2", "elastic.min_dp=1", "elastic.max_dp=2", "fault_tolerance.max_failures=0"],
+         "fault_tolerance.max_failures: 0 with elastic fails the job at the first lost node"),
         (["parallel.tp=2", "fault_tolerance.max_failures=1", "fault_tolerance.spares=1"], "fault_tolerance.spares: 1 is not a multiple of parallel.tp 2"),
         (["fault_tolerance.spares=1"], "fault_tolerance.spares: spares only serve a restart"),
         (["checkpoint.keep_every=0"], "checkpoint.keep_every: Input should be greater than 0"),
@@ -121,3 +123,11 @@ def test_with_dp_resizes_and_keeps_the_global_batch():
     small = spec.with_dp(1)
     assert small.parallel.dp == 1 and small.train.global_batch == 16 and small.grad_accum == 8
     assert spec.grad_accum == 4 and small.elastic == spec.elastic
+
+
+def test_an_elastic_job_gets_a_failure_budget_unless_it_sets_one():
+    elastic = ["parallel.dp=2", "elastic.min_dp=1", "elastic.max_dp=2", "train.global_batch=16", "train.micro_batch=2"]
+    assert spec_from_dict(BASE, elastic).fault_tolerance.max_failures == 3
+    assert spec_from_dict(BASE, elastic).with_dp(1).fault_tolerance.max_failures == 3
+    assert spec_from_dict(BASE, [*elastic, "fault_tolerance.max_failures=1"]).fault_tolerance.max_failures == 1
+    assert spec_from_dict(BASE).fault_tolerance.max_failures == 0  # not elastic: unchanged

@@ -77,7 +77,7 @@ class Capacity:
         dp they hold, and the missing slots are reserved, avoiding lost nodes, for
         a fixed dp or elastic.min_dp (UserError when they cannot be)."""
         self.growth_pending = False
-        spec, elastic, held = self.spec, self.spec.elastic, len(self.slots)
+        elastic, held = self.spec.elastic, len(self.slots)
         if elastic is None:
             dp = current.parallel.dp
         else:
@@ -91,7 +91,7 @@ class Capacity:
         self.slots.keep(self.groups(dp) + self.spare_groups)
         self._report_spares(len(self.slots) - self.groups(dp))
         self.watch.watch(self.slots.nodes())
-        return current if elastic is None else spec.with_dp(dp)
+        return current if elastic is None else current.with_dp(dp)  # current: as the guards changed it
 
     def probe(self, current: JobSpec) -> None:
         """Now and then while running: reserve room to grow (elastic, below max_dp),

@@ -37,8 +37,9 @@ class RankHung(RuntimeError):
 @ray.remote(num_cpus=0, max_concurrency=8)
 class Controller:
     def __init__(self, spec_dict: dict, manifest: dict, placement_timeout_s: float = 120.0, after_failure: dict | None = None):
-        """`after_failure` ({"failures", "step", "time"}): this controller replaces one
-        that died; it continues the failure count and reports the recovery."""
+        """`after_failure` ({"failures", "rollbacks", "step", "time"}): this controller
+        replaces one that died; it continues the failure and rollback counts and
+        reports the recovery. `spec_dict` is then the job as the guards left it."""
         self.spec_dict, self.manifest = spec_dict, manifest
         self.placement_timeout_s = placement_timeout_s
         self._events: list[dict] = []
@@ -60,6 +61,7 @@ class Controller:
         self._rollbacks = 0
         if after_failure:
             self._failures = self._attempt = after_failure["failures"]
+            self._rollbacks = after_failure.get("rollbacks", 0)
             self._last_step, self._failed_at = after_failure["step"], after_failure["time"]
 
     def drain(self) -> list[dict]:
@@ -123,17 +125,18 @@ class Controller:
                 # Stopped at a committed checkpoint because more ranks fit now: grow.
                 self._new_attempt(failed=False)
                 self._resize_from = (self._dp, time.time())
-                current = capacity.fit(spec)
+                current = capacity.fit(current)
         finally:
             capacity.release()
 
     def _roll_back(self, spec: JobSpec, cause: Diverged) -> JobSpec:
-        """Restart from the latest checkpoint, skipping the non-finite steps' batches."""
+        """Restart from the latest checkpoint, skipping the batches of the steps that
+        were not finite or spiked."""
         self._rollbacks += 1
         if self._rollbacks > spec.guards.max_rollbacks:
             raise TrainingFailed(f"{cause}; guards.max_rollbacks {spec.guards.max_rollbacks} rollbacks are used up")
         skip = sorted(set(spec.guards.skip_batches) | set(cause.steps))
-        self.report({"event": "rollback", "step": self._last_step, "steps": cause.steps, "skip_batches": skip,
+        self.report({"event": "rollback", "step": self._last_step, "steps": cause.steps, "skip_batches": skip, "cause": str(cause),
                      "rollback": self._rollbacks, "max_rollbacks": spec.guards.max_rollbacks})
         return spec.with_changes("guards", skip_batches=skip)
 

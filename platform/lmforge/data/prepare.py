@@ -24,7 +24,8 @@ import ray
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from tokenizers import Tokenizer
 
-from lmforge.data.corpus import list_files, read_documents
+from lmforge.data.corpus import read_documents
+from lmforge.data.precheck import check_before_ray
 from lmforge.data.tokenizer import eos_id, load_tokenizer, tokenizer_sha256, train_bpe
 from lmforge.errors import UserError
 
@@ -42,7 +43,19 @@ class PrepareOptions:
     text_column: str = "text"
     shard_samples: int = 256
     show_progress: bool = True
+    model_vocab_size: Optional[int] = None  # the tokenizer's vocabulary must fit the model's
+    names: dict = field(default_factory=dict)  # option -> the flag the user typed, for messages
     skipped: int = field(default=0, init=False)
+
+    @classmethod
+    def for_job(cls, spec, **given) -> "PrepareOptions":
+        """The job's data section (and `given` values, e.g. from flags)."""
+        values = {
+            "source": spec.data.source, "out": spec.data.path, "seq_len": spec.train.seq_len, "tokenizer": spec.data.tokenizer,
+            "vocab_size": spec.data.vocab_size, "text_column": spec.data.text_column, "shard_samples": spec.data.shard_samples,
+            "model_vocab_size": spec.model_arch.vocab_size,
+        }
+        return cls(**values | {key: value for key, value in given.items() if value is not None})
 
 
 def _tokenize_batch(batch: dict, tokenizer_json: str) -> dict:
@@ -139,9 +152,7 @@ def _get_tokenizer(ds: ray.data.Dataset, opts: PrepareOptions) -> Tokenizer:
 
 def prepare_dataset(opts: PrepareOptions) -> dict:
     """Run the pipeline; returns the manifest. Requires an initialized Ray session."""
-    if opts.seq_len <= 0:
-        raise UserError(f"seq_len: must be > 0, got {opts.seq_len}")
-    files = list_files(opts.source)
+    files = check_before_ray(opts)
     out = Path(opts.out)
     if (out / MANIFEST).exists():
         raise UserError(f"{out}: already holds a prepared dataset; remove it or choose another --out")

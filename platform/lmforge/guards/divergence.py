@@ -5,7 +5,7 @@ in a row raise `Diverged`, and the controller rolls back to the latest checkpoin
 skipping those batches (PaLM, Chowdhery et al. 2022, section 5.1, restarted before
 a spike and skipped the batches around it). A spike is a loss more than
 `spike_zscore` standard deviations above the mean of the last `spike_window`
-finite losses: logged, not acted on.
+finite losses: logged, or with `on_spike: rollback` rolled back like non-finite steps.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ MIN_HISTORY = 5  # losses needed before a spike can be judged at all
 
 class DivergenceGuard:
     def __init__(self, guards: GuardSpec):
-        self.limit, self.zscore = guards.nonfinite_in_a_row, guards.spike_zscore
+        self.limit, self.zscore, self.roll_back_spikes = guards.nonfinite_in_a_row, guards.spike_zscore, guards.on_spike == "rollback"
         self.in_a_row: list[int] = []
         self.history: deque[float] = deque(maxlen=guards.spike_window)
 
@@ -42,9 +42,16 @@ class DivergenceGuard:
             mean, spread = statistics.fmean(self.history), statistics.pstdev(self.history)
             z = (stats.loss - mean) / spread if spread > 0 else 0.0
             if z > self.zscore:
-                events.append({"event": "loss_spike", "step": step, "loss": stats.loss, "zscore": round(z, 2), "window_mean": mean})
+                spike = {"event": "loss_spike", "step": step, "loss": stats.loss, "zscore": round(z, 2), "window_mean": mean}
+                if self.roll_back_spikes:
+                    raise Diverged([step], f"loss spike at step {step}: {_spike_text(spike)}")
+                events.append(spike)
         self.history.append(stats.loss)
         return events
+
+
+def _spike_text(spike: dict) -> str:
+    return f"{spike['loss']:.4f}, {spike['zscore']} standard deviations above the recent mean {spike['window_mean']:.4f}"
 
 
 def _json_number(value: float) -> float | str:

@@ -1,6 +1,6 @@
 """Fault injection from the job's `debug` section, to see the guards act: a NaN
-loss at chosen steps, an out-of-memory error while the micro-batch is above a
-size, one tensor leaked per step."""
+or spiking loss at chosen steps, an out-of-memory error while the micro-batch is
+above a size, one tensor leaked per step."""
 
 from __future__ import annotations
 
@@ -10,12 +10,15 @@ from lmforge.engines.base import Engine
 from lmforge.spec import JobSpec
 
 
+SPIKE_FACTOR = 30.0  # logits this much larger: a loss far above any recent one
+
+
 class FaultInjector:
     def __init__(self, spec: JobSpec, engine: Engine, rank: int):
         self.debug, self.rank, self.micro_batch = spec.debug, rank, spec.train.micro_batch
-        self.poison = False
+        self.poison: float | None = None  # what this step's outputs are multiplied by
         self.leaked: list[torch.Tensor] = []
-        if self.debug.nan_at_steps:
+        if self.debug.nan_at_steps or self.debug.spike_at_steps:
             for module in engine.modules():
                 module.register_forward_hook(self._poison_output)
 
@@ -24,11 +27,11 @@ class FaultInjector:
         d = self.debug
         if d.oom_at_step == step and self.rank == 0 and self.micro_batch > d.oom_above_micro_batch:
             raise torch.OutOfMemoryError(f"injected by debug.oom_at_step={step} (micro-batch {self.micro_batch} > {d.oom_above_micro_batch})")
-        self.poison = step in d.nan_at_steps
+        self.poison = float("nan") if step in d.nan_at_steps else SPIKE_FACTOR if step in d.spike_at_steps else None
 
     def after_step(self) -> None:
         if self.debug.leak_per_step:
             self.leaked.append(torch.ones(256))
 
     def _poison_output(self, module, args, output):
-        return output * float("nan") if self.poison and isinstance(output, torch.Tensor) else None
+        return output * self.poison if self.poison is not None and isinstance(output, torch.Tensor) else None

@@ -13,7 +13,7 @@ def with_smaller_micro_batch(spec: JobSpec) -> JobSpec | None:
     `guards.oom_min_micro_batch`; None when there is none."""
     for micro in range(spec.train.micro_batch // 2, max(1, spec.guards.oom_min_micro_batch) - 1, -1):
         try:
-            return spec.with_changes("train", micro_batch=micro)
+            return spec.with_micro_batch(micro)
         except ValueError:  # pydantic's ValidationError: this size breaks a rule
             continue
     return None

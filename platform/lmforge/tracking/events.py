@@ -1,8 +1,8 @@
-"""How the driver shows, records and tracks each kind of controller event.
+"""How the driver shows, records and tracks each kind of controller (or driver) event.
 
 Steps and launches are handled by the caller; every other kind is described here
 once: its line on the console, whether it goes into metrics.jsonl, and which
-MLflow metrics it sets.
+MLflow metrics or tags it sets.
 """
 
 from __future__ import annotations
@@ -14,6 +14,10 @@ def _lost(event: dict) -> str:
     return ", ".join(event.get("nodes_lost") or []) or "none"
 
 
+def _changes(event: dict) -> str:
+    return ", ".join(f"{key} {saved} -> {now}" for key, (saved, now) in event["changes"].items())
+
+
 MESSAGES: dict[str, Callable[[dict], str]] = {
     "spares": lambda e: f"spare ranks ready: {e['ready']} of {e['wanted']}",
     "checkpoint": lambda e: f"checkpoint step {e['step']} -> {e['path']} ({e['seconds']:.1f}s, training paused {e['stall_seconds']:.2f}s)",
@@ -21,6 +25,7 @@ MESSAGES: dict[str, Callable[[dict], str]] = {
         f"checkpoint step {e['step']} failed ({e['failed_in_a_row']}/{e['max_failed_writes']} in a row): {e['error']}; training goes on"
     ),
     "checkpoint_corrupt": lambda e: f"checkpoint {e['path']} is corrupt ({e['reason']}); restoring an earlier one",
+    "data_changed": lambda e: f"resuming step {e['step']} on a new data order (checkpoint.allow_data_change): {_changes(e)}",
     "restored": lambda e: f"restored step {e['step']} from {e['path']}",
     "grow_pending": lambda e: f"room for dp {e['to_dp']} (now {e['dp']}): growing at the next checkpoint",
     "resized": lambda e: f"resized from dp {e['from_dp']} to dp {e['dp']} at step {e['step']} in {e['seconds']:.1f}s",
@@ -34,7 +39,7 @@ MESSAGES: dict[str, Callable[[dict], str]] = {
         f"{'skipped' if e['update_skipped'] else 'applied by DeepSpeed'} ({e['in_a_row']}/{e['limit']} in a row)"
     ),
     "rollback": lambda e: (
-        f"rollback {e['rollback']}/{e['max_rollbacks']}: steps {e['steps']} were not finite; restarting from the latest "
+        f"rollback {e['rollback']}/{e['max_rollbacks']}: {e.get('cause') or 'steps ' + str(e['steps']) + ' were not finite'}; restarting from the latest "
         f"checkpoint, skipping the batches of steps {e['skip_batches']}"
     ),
     "batch_skipped": lambda e: f"step {e['step']}: batch skipped (guards.skip_batches)",
@@ -50,7 +55,7 @@ MESSAGES: dict[str, Callable[[dict], str]] = {
 }
 
 # Kept in metrics.jsonl as history (commits are in the checkpoint directory itself).
-RECORDED = {"layout", "spares", "checkpoint_failed", "checkpoint_corrupt", "restored", "grow_pending", "resized", "failure", "recovered",
+RECORDED = {"layout", "data_changed", "spares", "checkpoint_failed", "checkpoint_corrupt", "restored", "grow_pending", "resized", "failure", "recovered",
             "nonfinite", "rollback", "batch_skipped", "loss_spike", "out_of_memory", "leak"}
 
 METRICS: dict[str, Callable[[dict], dict[str, float]]] = {
@@ -64,4 +69,9 @@ METRICS: dict[str, Callable[[dict], dict[str, float]]] = {
     "loss_spike": lambda e: {"loss_spike_zscore": e["zscore"]},
     "out_of_memory": lambda e: {"oom_micro_batch": e["micro_batch"]},
     "leak": lambda e: {"leak_bytes_per_step": e["bytes_per_step"]},
+}
+
+# Set on the MLflow run as tags (text that no metric can hold).
+TAGS: dict[str, Callable[[dict], dict[str, str]]] = {
+    "data_changed": lambda e: {f"lmforge.data_changed.step_{e['step']}": _changes(e)},
 }

@@ -96,6 +96,9 @@ class MlflowRun:
 
         self._pending.append(Metric(key, float(value), int(time.time() * 1000), step))
 
+    def set_tag(self, key: str, value: str) -> None:
+        self.client.set_tag(self.run_id, key, value)
+
     def log_artifact(self, path) -> None:
         self.client.log_artifact(self.run_id, str(path))
 

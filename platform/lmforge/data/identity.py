@@ -1,0 +1,43 @@
+"""What decides a job's data order, kept in every checkpoint so a resume can tell
+whether it would continue on the same order: the seed, the shuffle window, the
+dataset's shard size, and the dataset itself (tokenizer, samples, shard contents).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+# Each input, the job field a user changes to change it.
+FIELDS = {
+    "seed": "train.seed",
+    "shuffle_window": "data.shuffle_window",
+    "shard_samples": "data.shard_samples",
+    "tokenizer_sha256": "data.path",
+    "num_samples": "data.path",
+    "shards_sha256": "data.path",
+}
+
+
+def order_inputs(spec, manifest: dict) -> dict:
+    shards = "\n".join(shard["sha256"] for shard in manifest["shards"])
+    return {
+        "seed": spec.train.seed,
+        "shuffle_window": spec.data.shuffle_window,
+        "shard_samples": manifest["shard_samples"],
+        "tokenizer_sha256": manifest["tokenizer"]["sha256"],
+        "num_samples": manifest["num_samples"],
+        "shards_sha256": hashlib.sha256(shards.encode()).hexdigest(),
+    }
+
+
+def order_changes(saved: dict, now: dict) -> dict[str, list]:
+    """{input: [saved, now]} for each input that differs. A checkpoint written before
+    these were kept has none, and nothing is compared."""
+    return {key: [saved[key], now[key]] for key in FIELDS if key in saved and saved[key] != now[key]}
+
+
+def describe(key: str, saved, now) -> str:
+    """One change, worded for the field a user would edit."""
+    if FIELDS[key] == "data.path":
+        return f"data.path: the dataset's {key} {now} differs from the {saved} the checkpoint was trained on"
+    return f"{FIELDS[key]}: {now} differs from the {saved} the checkpoint was trained with"

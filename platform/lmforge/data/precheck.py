@@ -1,0 +1,96 @@
+"""What `data prepare` can refuse before Ray starts and before anything is written:
+the sequence length, the source (there, supported, its text column, large enough for
+one sample), and a given tokenizer (readable, an end-of-document token, a vocabulary
+the model can hold). Messages name the flag the user typed, or else the job field.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from pathlib import Path
+
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from lmforge.data.corpus import list_files, source_kind
+from lmforge.data.tokenizer import eos_id, load_tokenizer
+from lmforge.errors import UserError
+
+JOB_FIELDS = {"source": "data.source", "seq_len": "train.seq_len", "tokenizer": "data.tokenizer", "text_column": "data.text_column"}
+FLAGS = {"source": "--source", "seq_len": "--seq-len", "tokenizer": "--tokenizer", "text_column": "--text-column"}
+RECORDS_CHECKED = 16  # files whose first record must hold the text column
+FIRST_RECORD_BYTES = 1 << 20
+
+
+def check_before_ray(opts) -> list[str]:
+    """Refuse what would fail later (`opts`: PrepareOptions); returns the source's files."""
+    name = lambda key: opts.names.get(key, JOB_FIELDS[key])  # noqa: E731
+    if opts.seq_len <= 0:
+        raise UserError(f"{name('seq_len')}: must be > 0, got {opts.seq_len}")
+    with _named("data.source", name("source")):
+        files = list_files(opts.source)
+        kind = source_kind(files)
+    if kind != "text":
+        _check_text_column(files[:RECORDS_CHECKED], kind, opts.text_column, name("text_column"))
+    _check_large_enough(files, kind, opts.seq_len, name("source"))
+    if opts.tokenizer:
+        with _named("data.tokenizer", name("tokenizer")):
+            tokenizer = load_tokenizer(opts.tokenizer)
+            eos_id(tokenizer)
+        vocab = tokenizer.get_vocab_size()
+        if opts.model_vocab_size is not None and vocab > opts.model_vocab_size:
+            raise UserError(f"{name('tokenizer')}: {opts.tokenizer} has a vocabulary of {vocab}, larger than model.vocab_size {opts.model_vocab_size}")
+    return files
+
+
+@contextmanager
+def _named(field: str, name: str):
+    """The shared readers name the job field; say the flag instead when one was typed."""
+    try:
+        yield
+    except UserError as err:
+        message = str(err)
+        raise UserError(name + message[len(field):] if message.startswith(field + ":") else message) from None
+
+
+def _open(path: str):
+    fs, inner = pafs.FileSystem.from_uri(path) if "://" in path else (pafs.LocalFileSystem(), path)
+    return fs, inner
+
+
+def _check_text_column(files: list[str], kind: str, column: str, name: str) -> None:
+    for path in files:
+        fs, inner = _open(path)
+        if kind == "parquet":
+            try:
+                names = pq.read_schema(inner, filesystem=fs).names
+            except Exception as err:  # pyarrow raises several types for a file that is not Parquet
+                raise UserError(f"data.source: {path} is not a readable Parquet file ({err})") from None
+        else:
+            with fs.open_input_stream(inner) as stream:
+                head = stream.read(FIRST_RECORD_BYTES).decode("utf-8", errors="replace")
+            line = next((line for line in head.splitlines() if line.strip()), None)
+            if line is None:
+                continue  # an empty file adds no documents
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise UserError(f"data.source: {path} line 1 is not JSON ({err.msg})") from None
+            names = sorted(record) if isinstance(record, dict) else []
+        if column not in names:
+            raise UserError(f"{name}: {column!r} is not a field of {path} (it has {names})")
+
+
+def _check_large_enough(files: list[str], kind: str, seq_len: int, name: str) -> None:
+    """A token covers at least one byte, and each document adds one end-of-document
+    token (a JSON record takes more than one byte): fewer bytes than that bound
+    allows cannot make one sample. Parquet is compressed, and remote sizes cost a
+    request each: both are left to the count after tokenizing."""
+    if kind == "parquet" or any("://" in path for path in files):
+        return
+    size = sum(Path(path).stat().st_size for path in files)
+    most_tokens = size + (len(files) if kind == "text" else size)
+    if most_tokens < seq_len + 1:
+        raise UserError(f"{name}: {files[0] if len(files) == 1 else 'the corpus'} holds {size} bytes, fewer than one "
+                        f"sample of seq_len+1 = {seq_len + 1} tokens could be made of; the corpus is empty or too small")

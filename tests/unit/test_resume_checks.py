@@ -1,0 +1,48 @@
+"""A resume is refused when what decides the data order changed since the
+checkpoint (seed, shuffle window, shard size, the dataset), unless the job allows it."""
+
+import pytest
+
+from lmforge.checkpoint.store import CommittedCheckpoint
+from lmforge.data.identity import order_inputs
+from lmforge.errors import UserError
+from lmforge.plan import check_resume_order
+from lmforge.spec import spec_from_dict
+
+BASE = {"name": "t", "data": {"path": "d"}, "train": {"seed": 3}}
+
+
+def manifest(num_samples=512, shard_samples=256, tokenizer="aa", shards=("s0", "s1")):
+    return {"num_samples": num_samples, "shard_samples": shard_samples, "tokenizer": {"sha256": tokenizer},
+            "shards": [{"sha256": sha} for sha in shards]}
+
+
+def checkpoint_of(overrides=(), **dataset) -> CommittedCheckpoint:
+    return CommittedCheckpoint(step=10, path="ckpt/step_10", state={"order": order_inputs(spec_from_dict(BASE, list(overrides)), manifest(**dataset))})
+
+
+@pytest.mark.parametrize("saved_overrides, saved_dataset, message", [
+    (["train.seed=4"], {}, "train.seed: 3 differs from the 4 the checkpoint was trained with"),
+    (["data.shuffle_window=8"], {}, "data.shuffle_window: 16 differs from the 8"),
+    ([], {"shard_samples": 128}, "data.shard_samples: 256 differs from the 128"),
+    ([], {"tokenizer": "bb"}, "data.path: the dataset's tokenizer_sha256 aa differs from the bb"),
+    ([], {"num_samples": 500}, "data.path: the dataset's num_samples 512 differs from the 500"),
+    ([], {"shards": ("s0", "other")}, "data.path: the dataset's shards_sha256"),
+])
+def test_a_changed_order_input_is_refused_naming_its_field(saved_overrides, saved_dataset, message):
+    ckpt = checkpoint_of(saved_overrides, **saved_dataset)
+    with pytest.raises(UserError, match="checkpoint.allow_data_change") as err:
+        check_resume_order(spec_from_dict(BASE), manifest(), ckpt)
+    assert str(err.value).startswith(message) and "ckpt/step_10" in str(err.value)
+
+
+def test_an_allowed_change_is_returned_for_the_record():
+    spec = spec_from_dict(BASE, ["checkpoint.allow_data_change=true"])
+    changes = check_resume_order(spec, manifest(), checkpoint_of(["train.seed=4"], num_samples=500))
+    assert changes == {"seed": [4, 3], "num_samples": [500, 512]}
+
+
+def test_the_same_inputs_and_an_older_checkpoint_pass():
+    assert check_resume_order(spec_from_dict(BASE), manifest(), checkpoint_of()) == {}
+    older = CommittedCheckpoint(step=10, path="ckpt/step_10", state={"global_batch": 16})  # written before the order was kept
+    assert check_resume_order(spec_from_dict(BASE), manifest(), older) == {}
