@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Optional
 
 from lmforge.checkpoint.store import CheckpointStore, CommittedCheckpoint
-from lmforge.data.precheck import check_before_ray
 from lmforge.data.identity import describe, order_changes, order_inputs
+from lmforge.data.precheck import check_before_ray
 from lmforge.data.prepare import MANIFEST, PrepareOptions, read_manifest
 from lmforge.errors import UserError
 from lmforge.models.weights import read_config

@@ -56,6 +56,6 @@ def test_wrong_text_column_names_the_field(ray_session, tmp_path):
     from lmforge.errors import UserError
 
     (tmp_path / "d.jsonl").write_text('{"body": "x"}\n')
-    with pytest.raises(UserError, match="data.text_column: 'text' is not a column"):
+    with pytest.raises(UserError, match=r"data.text_column: 'text' is not a field of .*d.jsonl \(it has \['body'\]\)"):
         prepare_dataset(PrepareOptions(source=str(tmp_path / "d.jsonl"), out=str(tmp_path / "o"), seq_len=8, show_progress=False))
     assert not (tmp_path / "o").exists()
