@@ -14,7 +14,7 @@ import time
 import uuid
 from pathlib import Path
 
-from lmforge.errors import UserError
+from lmforge.errors import TrainingFailed, UserError
 
 LEASE_FILE = "driver.lease"
 LEASE_S = 30.0  # a heartbeat this old means its driver is gone
@@ -29,6 +29,7 @@ class JobLease:
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
         self._made: list[Path] = []  # directories acquire() created, innermost first
+        self.taken_by: dict | None = None  # set when another driver took the lease over
 
     def __enter__(self) -> "JobLease":
         self.acquire()
@@ -53,6 +54,12 @@ class JobLease:
             self._write()  # its holder is gone: take it over
         self._beat = threading.Thread(target=self._renew, name="job-lease", daemon=True)
         self._beat.start()
+
+    def check(self) -> None:
+        """Raise TrainingFailed once another driver has taken the job over."""
+        if self.taken_by is not None:
+            raise TrainingFailed(f"the job's lease ({self.path}) was taken over by pid {self.taken_by.get('pid')} on "
+                                 f"{self.taken_by.get('host')} after this driver missed its heartbeats; that driver runs the job now")
 
     def release(self) -> None:
         self._stop.set()
@@ -108,5 +115,6 @@ class JobLease:
         while not self._stop.wait(self.heartbeat_s):
             holder = self._read()
             if holder is not None and holder.get("token") != self.token:
-                return  # taken over after this driver stalled past its lease: the other one has it now
+                self.taken_by = holder  # this driver stalled past its lease and another took the job
+                return
             self._write()

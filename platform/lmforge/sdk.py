@@ -78,18 +78,18 @@ def train(spec: JobSpec, address: Optional[str] = None, show_progress: bool = Tr
     embedded = embedded_resources(address)
     if embedded is not None:
         _check_capacity(spec, embedded)  # before starting a cluster it would not fit
-    with JobLease(spec.run_dir, spec.name):  # a second driver of this job is refused here
+    with JobLease(spec.run_dir, spec.name) as lease:  # a second driver of this job is refused here
         started_ray = connect(address)
         try:
             _check_capacity(spec)
             manifest = _ensure_dataset(plan, console, show_progress)
-            return _run(plan, manifest, console, show_progress)
+            return _run(plan, manifest, console, show_progress, lease)
         finally:
             if started_ray:
                 ray.shutdown()
 
 
-def _run(plan: Plan, manifest: dict, console: Console, show_progress: bool) -> dict:
+def _run(plan: Plan, manifest: dict, console: Console, show_progress: bool, lease: JobLease) -> dict:
     spec = plan.spec
     run_dir = RunDir(spec.run_dir)
     run_dir.rewind(plan.start_step)
@@ -117,7 +117,7 @@ def _run(plan: Plan, manifest: dict, console: Console, show_progress: bool) -> d
             while True:
                 controller = _start_controller(seen.spec, manifest, after_failure)
                 try:
-                    result = _follow(controller, handle)
+                    result = _follow(controller, handle, lease)
                     break
                 except ray.exceptions.RayActorError as err:
                     # The controller itself died: its ranks went with it (Ray's owner
@@ -138,7 +138,7 @@ def _run(plan: Plan, manifest: dict, console: Console, show_progress: bool) -> d
     except ray.exceptions.RayTaskError as err:
         raise _failure(err, run_dir) from None
     finally:
-        if tracker:
+        if tracker and lease.taken_by is None:  # else the MLflow run is the other driver's now
             tracker.finish(status)
     summary = {
         "job": spec.name,
@@ -161,10 +161,12 @@ def _run(plan: Plan, manifest: dict, console: Console, show_progress: bool) -> d
     return summary
 
 
-def _follow(controller, handle) -> dict:
-    """Run the job on this controller, passing each of its events to `handle`."""
+def _follow(controller, handle, lease: JobLease) -> dict:
+    """Run the job on this controller, passing each of its events to `handle`; stop
+    (the controller goes with the caller's cleanup) if another driver took the job."""
     done = controller.run.remote()
     while True:
+        lease.check()
         ready, _ = ray.wait([done], timeout=0.5)
         for event in _drain(controller):
             handle(event)

@@ -63,3 +63,16 @@ def test_a_job_refused_at_once_leaves_no_run_directory(tmp_path):
     with JobLease(tmp_path / "runs" / "tiny", "tiny"):
         assert (tmp_path / "runs" / "tiny" / LEASE_FILE).exists()
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_driver_whose_lease_was_taken_over_is_told_to_stop(tmp_path):
+    from lmforge.errors import TrainingFailed
+
+    with JobLease(tmp_path / "run", "tiny", heartbeat_s=0.05) as lease:
+        lease.check()  # still its own
+        other = {"job": "tiny", "host": "elsewhere", "pid": 7, "started": time.time(), "heartbeat": time.time(), "token": "theirs"}
+        lease.path.write_text(json.dumps(other))  # as a driver that found this one stale would
+        time.sleep(0.3)
+        with pytest.raises(TrainingFailed, match="taken over by pid 7 on elsewhere"):
+            lease.check()
+    assert json.loads((tmp_path / "run" / LEASE_FILE).read_text())["token"] == "theirs"  # not released: not its own
