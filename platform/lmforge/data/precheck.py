@@ -32,7 +32,7 @@ def check_before_ray(opts) -> list[str]:
         files = list_files(opts.source)
         kind = source_kind(files)
     if kind != "text":
-        _check_text_column(files[:RECORDS_CHECKED], kind, opts.text_column, name("text_column"))
+        _check_text_column(files[:RECORDS_CHECKED], kind, opts.text_column, name("text_column"), name("source"))
     _check_large_enough(files, kind, opts.seq_len, name("source"))
     if opts.tokenizer:
         with _named("data.tokenizer", name("tokenizer")):
@@ -54,29 +54,24 @@ def _named(field: str, name: str):
         raise UserError(name + message[len(field):] if message.startswith(field + ":") else message) from None
 
 
-def _open(path: str):
-    fs, inner = pafs.FileSystem.from_uri(path) if "://" in path else (pafs.LocalFileSystem(), path)
-    return fs, inner
-
-
-def _check_text_column(files: list[str], kind: str, column: str, name: str) -> None:
+def _check_text_column(files: list[str], kind: str, column: str, name: str, source_name: str) -> None:
     for path in files:
-        fs, inner = _open(path)
+        fs, inner = pafs.FileSystem.from_uri(path)  # list_files gives URIs or absolute paths
         if kind == "parquet":
             try:
                 names = pq.read_schema(inner, filesystem=fs).names
             except Exception as err:  # pyarrow raises several types for a file that is not Parquet
-                raise UserError(f"data.source: {path} is not a readable Parquet file ({err})") from None
+                raise UserError(f"{source_name}: {path} is not a readable Parquet file ({err})") from None
         else:
             with fs.open_input_stream(inner) as stream:
-                head = stream.read(FIRST_RECORD_BYTES).decode("utf-8", errors="replace")
-            line = next((line for line in head.splitlines() if line.strip()), None)
-            if line is None:
-                continue  # an empty file adds no documents
+                head = stream.read(FIRST_RECORD_BYTES)
+            lines = [line for line in head.decode("utf-8", errors="replace").split("\n") if line.strip()]
+            if not lines or (b"\n" not in head and len(head) == FIRST_RECORD_BYTES):
+                continue  # empty (no documents), or a first record too long to judge here: Ray Data's read checks it
             try:
-                record = json.loads(line)
+                record = json.loads(lines[0])
             except json.JSONDecodeError as err:
-                raise UserError(f"data.source: {path} line 1 is not JSON ({err.msg})") from None
+                raise UserError(f"{source_name}: the first record of {path} is not JSON ({err.msg})") from None
             names = sorted(record) if isinstance(record, dict) else []
         if column not in names:
             raise UserError(f"{name}: {column!r} is not a field of {path} (it has {names})")
