@@ -82,7 +82,8 @@ def tiny_dataset(ray_session, tiny_corpus, tmp_path_factory) -> Path:
     from lmforge.data.prepare import PrepareOptions, prepare_dataset
 
     out = tmp_path_factory.mktemp("data") / "tiny-32"
-    prepare_dataset(PrepareOptions(source=str(tiny_corpus), out=str(out), seq_len=32, vocab_size=512, show_progress=False))
+    # One document in ten held out: the held-out split that `eval` measures.
+    prepare_dataset(PrepareOptions(source=str(tiny_corpus), out=str(out), seq_len=32, vocab_size=512, eval_fraction=0.1, show_progress=False))
     return out
 
 
@@ -114,16 +115,18 @@ def with_sections(job: dict, sections: dict) -> dict:
 
 
 REFERENCE_STEPS = 60  # tiny steps take ~40 ms: enough of them that a fault lands mid-run
+REFERENCE_EVAL = {"interval": 3, "batches": 2}  # the held-out loss every 3 steps: a 3-step run has one to compare
 
 
 def reference_job(tmp_path: Path, data_path: Path, **sections) -> dict:
     """The end-to-end tests' job: the tiny job over 60 steps, a checkpoint every 10,
-    sample ids recorded, two restarts allowed. A run of it with other settings that
+    the held-out loss every 3, sample ids recorded, two restarts allowed. A run of it with other settings that
     leave the numbers alone (a fault, a resume, a layout, fewer steps) must give
     `reference_run`'s losses."""
     job = tiny_job(
         tmp_path, data_path, train={"max_steps": REFERENCE_STEPS}, optim={"decay_steps": REFERENCE_STEPS}, checkpoint={"interval": 10},
         data={"path": str(data_path), "prefetch_steps": 4, "record_sample_ids": True}, fault_tolerance={"max_failures": 2, "backoff_s": 0.1},
+        eval=dict(REFERENCE_EVAL),
     )
     return with_sections(job, sections)
 

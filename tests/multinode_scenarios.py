@@ -16,6 +16,7 @@ Writes each run's summary to RESULT.json. Launched by the `multinode` fixture.
 import json
 import sys
 import threading
+import time
 from pathlib import Path
 
 import ray
@@ -80,14 +81,24 @@ def spared(cluster, job: dict, steps: int) -> dict:
 
 def main() -> None:
     jobs = json.loads(open(sys.argv[1]).read())
+    began = time.perf_counter()
+    seconds = {}  # each phase's wall time, in RESULT.json: where the suite's slowest test spends it
+
+    def timed(name, run):
+        start = time.perf_counter()
+        result = run()
+        seconds[name] = round(time.perf_counter() - start, 1)
+        return result
+
     cluster, workers = start_cluster(worker_nodes=2, cpus_per_node=2)
+    seconds["cluster"] = round(time.perf_counter() - began, 1)
     try:
-        results = {"placement": placement(jobs["placement"])}
+        results = {"placement": timed("placement", lambda: placement(jobs["placement"]))}
         elastic = jobs["elastic"]
-        results["whole"] = sdk.train(spec_from_dict(elastic | {"name": "whole"}), show_progress=False)
-        results["shrunk"] = shrink_then_grow(cluster, elastic, workers[1])
-        results["spared"] = spared(cluster, elastic, jobs["spared_steps"])
-        Path(sys.argv[2]).write_text(json.dumps(results))
+        results["whole"] = timed("whole", lambda: sdk.train(spec_from_dict(elastic | {"name": "whole"}), show_progress=False))
+        results["shrunk"] = timed("shrunk", lambda: shrink_then_grow(cluster, elastic, workers[1]))
+        results["spared"] = timed("spared", lambda: spared(cluster, elastic, jobs["spared_steps"]))
+        Path(sys.argv[2]).write_text(json.dumps(results | {"seconds": seconds}))
     finally:
         ray.shutdown()
         cluster.shutdown()

@@ -35,6 +35,8 @@ def _parser() -> argparse.ArgumentParser:
     prep.add_argument("--vocab-size", type=int, default=8192)
     prep.add_argument("--text-column", help="JSONL/Parquet field holding the text (default: text)")
     prep.add_argument("--shard-samples", type=int, default=2048)
+    prep.add_argument("--eval-fraction", type=float, help="hold this share of the documents out of training (the held-out split)")
+    prep.add_argument("--eval-source", help="a separate corpus as the held-out split")
     prep.add_argument("--address")
     prep.add_argument("--no-progress", action="store_true")
 
@@ -67,7 +69,7 @@ def _prepare_options(args):
             raise UserError(f"{args.job}: data.source is not set; nothing to prepare")
         return PrepareOptions.for_job(
             spec, source=args.source, out=args.out, seq_len=args.seq_len, tokenizer=args.tokenizer, text_column=args.text_column,
-            show_progress=not args.no_progress, names=_typed_flags(args),
+            eval_fraction=args.eval_fraction, eval_source=args.eval_source, show_progress=not args.no_progress, names=_typed_flags(args),
         )
     missing = [flag for flag, value in (("--source", args.source), ("--out", args.out), ("--seq-len", args.seq_len)) if value is None]
     if missing:
@@ -75,7 +77,7 @@ def _prepare_options(args):
     return PrepareOptions(
         source=args.source, out=args.out, seq_len=args.seq_len, tokenizer=args.tokenizer,
         vocab_size=args.vocab_size, text_column=args.text_column or "text", shard_samples=args.shard_samples,
-        show_progress=not args.no_progress, names=_typed_flags(args, every=True),
+        eval_fraction=args.eval_fraction or 0.0, eval_source=args.eval_source, show_progress=not args.no_progress, names=_typed_flags(args, every=True),
     )
 
 
@@ -99,9 +101,11 @@ def _cmd_prepare(args) -> int:
         print(f"{opts.out}: already prepared ({manifest['num_samples']} samples); nothing to do", file=sys.stderr)
         return 0
     manifest = sdk.prepare(opts, address=args.address)
+    held = manifest.get("eval")
     print(
         f"prepared {manifest['num_samples']:,} samples of {manifest['seq_len']}+1 tokens "
-        f"({manifest['documents']} documents, {manifest['skipped_documents']} skipped) in {manifest['seconds']}s -> {opts.out}",
+        f"({manifest['documents']} documents, {manifest['skipped_documents']} skipped) in {manifest['seconds']}s -> {opts.out}"
+        + (f"; held out: {held['num_samples']:,} samples of {held['documents']} documents" if held else ""),
         file=sys.stderr,
     )
     return 0

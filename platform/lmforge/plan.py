@@ -1,10 +1,10 @@
 """Pre-flight: everything about a job that can be checked before any cluster work.
 
-The dataset (prepared, or a source to prepare), vocabulary and sequence length
-against the model, the estimated memory against `resources.memory_per_worker`, the
-checkpoint directory and what it already holds (a resume must continue the same
-model, batch, engine and data order). A job
-that cannot run stops here with one message naming the field or file.
+The dataset (prepared, or a source to prepare; its held-out split for `eval`),
+vocabulary and sequence length against the model, the estimated memory against
+`resources.memory_per_worker`, the checkpoint directory and what it already holds
+(a resume must continue the same model, batch, engine and data order). A job that
+cannot run stops here with one message naming the field or file.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 from lmforge.checkpoint.store import CheckpointStore, CommittedCheckpoint
+from lmforge.data.heldout import check_held_out
 from lmforge.data.identity import describe, order_changes, order_inputs
 from lmforge.data.precheck import check_before_ray
 from lmforge.data.prepare import MANIFEST, PrepareOptions, read_manifest
@@ -46,6 +47,7 @@ def check_dataset(spec: JobSpec, manifest: dict) -> None:
         )
     if manifest["num_samples"] < spec.train.global_batch:
         raise UserError(f"train.global_batch: {spec.train.global_batch} exceeds the dataset's {manifest['num_samples']} samples ({path})")
+    check_held_out(spec, manifest, spec.data.path)
 
 
 def check_resume(spec: JobSpec, ckpt: CommittedCheckpoint) -> None:
@@ -114,6 +116,8 @@ def preflight(spec: JobSpec) -> Plan:
         raise UserError(f"data.path: {spec.data.path} holds no prepared dataset and data.source is not set")
     else:
         check_before_ray(PrepareOptions.for_job(spec))  # the source and tokenizer, before a cluster starts
+        if spec.eval is not None and not (spec.data.eval_fraction or spec.eval.source):
+            raise UserError("eval: measures a held-out split, and preparing data.source makes none; set data.eval_fraction or eval.source")
         if spec.data.tokenizer is None and spec.data.vocab_size > spec.model_arch.vocab_size:
             raise UserError(
                 f"data.vocab_size: {spec.data.vocab_size} is larger than model.vocab_size {spec.model_arch.vocab_size}"

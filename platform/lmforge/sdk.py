@@ -144,6 +144,9 @@ def _run(plan: Plan, manifest: dict, console: Console, show_progress: bool, leas
         "job": spec.name,
         "final_step": result["step"],
         "final_loss": seen.last.get("loss"),
+        "eval_loss": seen.last_eval.get("eval_loss"),
+        "eval_ppl": seen.last_eval.get("eval_ppl"),
+        "eval_step": seen.last_eval.get("step"),
         "start_step": plan.start_step,
         "tokens": result["step"] * spec.train.global_batch * spec.train.seq_len,
         "wall_seconds": round(time.time() - began, 2),
@@ -186,6 +189,7 @@ class Seen:
     spec: JobSpec
     latest_checkpoint: Optional[str] = None
     last: dict = field(default_factory=dict)
+    last_eval: dict = field(default_factory=dict)
     ranks: list = field(default_factory=list)
     failures: int = 0
     rollbacks: int = 0
@@ -197,6 +201,8 @@ class Seen:
         if kind == "step":
             self.last = event
             self.waits.add(event)
+        elif kind == "eval":
+            self.last_eval = event
         elif kind == "layout":
             self.ranks = event["ranks"]
         elif kind == "failure":
@@ -285,6 +291,8 @@ def _handle(event: dict, view: ProgressView, run_dir: RunDir, tracker) -> Option
         run_dir.record_skip_batches(event["skip_batches"])
     elif kind == "layout":
         view.layout(event["ranks"])
+    elif kind == "eval":
+        view.held_out(event)
     if kind in events.MESSAGES:
         view.print(events.MESSAGES[kind](event))
     if kind in events.RECORDED:

@@ -110,6 +110,9 @@ class DataSpec(_Section):
     prefetch_steps: int = Field(64, gt=0, description="optimizer steps of samples each rank reads ahead")
     shuffle_window: int = Field(16, gt=0, description="shards whose samples are shuffled together")
     record_sample_ids: bool = Field(False, description="write every step's sample ids to <run_dir>/samples.jsonl")
+    eval_fraction: float = Field(
+        0.0, ge=0, lt=1, description="prepare: hold this share of the source's documents out of training, as the held-out split that `eval` measures"
+    )
 
     @field_validator("path")
     @classmethod
@@ -184,6 +187,14 @@ class DebugSpec(_Section):
     leak_per_step: bool = Field(False, description="keep one small tensor alive per step (a leak for guards.leak_check to find)")
 
 
+class EvalSpec(_Section):
+    """A held-out loss measured while training; the split is made by `data prepare`."""
+
+    source: Optional[str] = Field(None, description="prepare: a separate corpus as the held-out split (instead of data.eval_fraction)")
+    interval: Optional[int] = Field(None, gt=0, description="evaluate every N optimizer steps (and at the last step); default checkpoint.interval")
+    batches: Optional[int] = Field(None, gt=0, description="global batches of held-out samples per evaluation; default all whole batches the split holds")
+
+
 class ElasticSpec(_Section):
     min_dp: int = Field(..., ge=1, description="fewest data-parallel replicas to continue with after a loss")
     max_dp: int = Field(..., ge=1, description="most data-parallel replicas to use when capacity allows")
@@ -209,6 +220,7 @@ class JobSpec(_Section):
     resources: ResourcesSpec = ResourcesSpec()
     fault_tolerance: FaultToleranceSpec = FaultToleranceSpec()
     elastic: Optional[ElasticSpec] = None
+    eval: Optional[EvalSpec] = None
     guards: GuardSpec = GuardSpec()
     debug: DebugSpec = DebugSpec()
 
@@ -231,6 +243,7 @@ class JobSpec(_Section):
         rules.check_sharding(self)
         rules.check_elastic(self)
         rules.check_spares(self)
+        rules.check_eval(self)
         if self.resources.workers is not None and self.resources.workers != self.parallel.world_size:
             raise ValueError(
                 f"resources.workers: {self.resources.workers} != pp x dp x tp = {self.parallel.world_size}"
@@ -302,17 +315,26 @@ class JobSpec(_Section):
         def local(path: str) -> str:
             return path if "://" in path else os.path.abspath(path)
 
+        def source(path: Optional[str]) -> Optional[str]:
+            return path if path is None or path.startswith("builtin:") else local(path)
+
         return self.model_copy(update={
             "output_dir": local(self.output_dir),
             "model": self.model.model_copy(update={"init_from": local(self.model.init_from) if self.model.init_from else None}),
             "data": self.data.model_copy(update={
                 "path": local(self.data.path),
-                "source": local(self.data.source) if self.data.source and not self.data.source.startswith("builtin:") else self.data.source,
+                "source": source(self.data.source),
                 "tokenizer": local(self.data.tokenizer) if self.data.tokenizer else None,
             }),
+            "eval": self.eval.model_copy(update={"source": source(self.eval.source)}) if self.eval else None,
             "checkpoint": self.checkpoint.model_copy(update={"dir": local(self.checkpoint_dir)}),
             "tracking": self.tracking.model_copy(update={"uri": self.tracking_uri}),
         })
+
+    @property
+    def eval_interval(self) -> Optional[int]:
+        """Steps between evaluations (None: no evaluation)."""
+        return None if self.eval is None else self.eval.interval or self.checkpoint.interval
 
     @property
     def decay_steps(self) -> int:

@@ -139,3 +139,8 @@ def check_spares(spec: "JobSpec") -> None:
         raise ValueError(f"fault_tolerance.spares: {spares} is not a multiple of parallel.tp {tp} (a spare replaces a whole tensor-parallel group)")
     if spares and spec.fault_tolerance.max_failures == 0:
         raise ValueError("fault_tolerance.spares: spares only serve a restart; set fault_tolerance.max_failures too")
+
+
+def check_eval(spec: "JobSpec") -> None:
+    if spec.eval is not None and spec.eval.source and spec.data.eval_fraction:
+        raise ValueError("eval.source: a separate held-out corpus and data.eval_fraction both make the held-out split; keep one")

@@ -1,4 +1,4 @@
-"""The per-rank training loop: mesh -> engine -> restore -> feed -> steps -> checkpoints.
+"""The per-rank training loop: mesh -> engine -> restore -> feed -> steps -> evaluations -> checkpoints.
 
 Runs inside a worker actor (or any process with torch.distributed initialized)
 and reports each step's metrics through a callback; it knows nothing of Ray's
@@ -7,6 +7,7 @@ actors, so it can be driven by a benchmark or a test directly.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Callable, Optional
 
@@ -18,6 +19,7 @@ from lmforge.checkpoint.sharded import load_checkpoint, restore_point
 from lmforge.checkpoint.store import CheckpointStore
 from lmforge.checkpoint.writer import CheckpointWriter
 from lmforge.data.feed import BatchFeed
+from lmforge.data.heldout import HeldOutBatches, eval_batches
 from lmforge.data.identity import order_inputs
 from lmforge.data.order import BatchLayout, GlobalOrder
 from lmforge.engines import create_engine
@@ -69,6 +71,9 @@ class Trainer:
         if self.device.type == "cuda" and not spec.resources.memory_per_worker:
             check_fits(spec, torch.cuda.get_device_properties(self.device).total_memory, f"{torch.cuda.get_device_name(self.device)} memory")
         self.engine = create_engine(spec, self.dims, self.device)
+        self.held_out = None
+        if spec.eval is not None:
+            self.held_out = HeldOutBatches(spec.data.path, manifest, self.layout, self.dims.dp_rank, eval_batches(spec, manifest))
         self.peak_flops = peak_flops(self.device, spec.train.precision)
         self.flops_per_step = spec.model_arch.flops_per_token(spec.train.seq_len) * spec.train.global_batch * spec.train.seq_len
         if resume_from is not None:
@@ -112,6 +117,8 @@ class Trainer:
                     self._event({"event": "batch_skipped", "step": step})
                 else:
                     last = self._train_step(step, tokens, ids, began, waited) or last
+                if self.held_out and (step % self.spec.eval_interval == 0 or step == train.max_steps):
+                    self._evaluate(step)
                 if step % self.spec.checkpoint.interval == 0 or step == train.max_steps:
                     self.writer.save(step, self.engine, self._trainer_state(step))
                     if step < train.max_steps and self._stop_requested():
@@ -159,6 +166,14 @@ class Trainer:
             row.update(bubble=stats.bubble, bubble_theory=stats.bubble_theory)
         self._event(row)
         return row
+
+    def _evaluate(self, step: int) -> None:
+        """The held-out loss: every layout reads the same samples, so it is one number."""
+        began = time.perf_counter()
+        losses = [self.engine.eval_loss(torch.from_numpy(tokens.astype(np.int64))) for tokens in self.held_out]
+        loss = float(np.mean(losses))
+        self._event({"event": "eval", "step": step, "eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0)),
+                     "batches": len(losses), "seconds": round(time.perf_counter() - began, 3)})
 
     def _stop_requested(self) -> bool:
         """Rank 0 asks; every rank gets the same answer."""

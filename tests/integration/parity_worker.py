@@ -1,5 +1,6 @@
 """One rank of a parity run, launched by torchrun: trains the tiny model for a few
-steps on fixed batches with the native engine and (rank 0) writes the losses.
+steps on fixed batches with the native engine and (rank 0) writes the losses, and
+the held-out losses before, during and after (`Engine.eval_loss`).
 
     torchrun --nproc-per-node 2 parity_worker.py --out losses.json --set parallel.zero=2
     torchrun --nproc-per-node 4 parity_worker.py --out a.json --set parallel.tp=2 --save ck --save-at 3
@@ -29,6 +30,13 @@ from lmforge.parallel.shape import MeshShape
 from lmforge.spec import CheckpointSpec, spec_from_dict
 
 STEPS = 6
+EVAL_AFTER = (0, 3)  # and after the last step: held-out losses at these step counts
+
+
+def held_out_batches(count: int = 2) -> list[torch.Tensor]:
+    """Global batches the runs never train on (another generator), as in the held-out split."""
+    gen = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, 256, (8, 1), generator=gen) + torch.randint(1, 4, (8, 1), generator=gen) * torch.arange(17)) % 256 for _ in range(count)]
 
 
 def _device(offload) -> str | None:
@@ -124,7 +132,14 @@ def run_case(args: argparse.Namespace, device: torch.device) -> None:
         load_checkpoint(store, ckpt, engine)
         start = ckpt.step
     gen = torch.Generator().manual_seed(0)
-    losses, states = [], {}
+    losses, states, evals = [], {}, {}
+    share = lambda batch: batch.view(dp, -1, 17)[dims.dp_rank].reshape(spec.grad_accum, spec.train.micro_batch, 17)  # noqa: E731
+
+    def evaluate(done: int) -> None:
+        if done in (*EVAL_AFTER, args.steps) and done >= start:
+            evals[done] = sum(engine.eval_loss(share(batch)) for batch in held_out_batches()) / 2
+
+    evaluate(start)
     for step in range(args.steps):
         # Learnable sequences (arithmetic progressions) so the loss visibly falls.
         start_tok = torch.randint(0, 256, (8, 1), generator=gen)
@@ -132,9 +147,9 @@ def run_case(args: argparse.Namespace, device: torch.device) -> None:
         if step < start:
             continue  # the batch was drawn so the generator stays in step
         global_batch = (start_tok + stride * torch.arange(17)) % 256
-        share = global_batch.view(dp, -1, 17)[dims.dp_rank]
-        stats = engine.train_step(share.view(spec.grad_accum, spec.train.micro_batch, 17), before_update=lambda: states.update(measured=state_bytes(engine)))
+        stats = engine.train_step(share(global_batch), before_update=lambda: states.update(measured=state_bytes(engine)))
         losses.append(stats.loss)
+        evaluate(step + 1)
         if args.save and step + 1 == args.save_at:
             writer = CheckpointWriter(CheckpointStore(args.save), CheckpointSpec(keep=1, async_save=False), dist.new_group(backend="gloo"), lambda event: None)
             writer.save(step + 1, engine, {"step": step + 1, "dp": p.dp, "model": spec.model_arch.as_dict()})
@@ -143,7 +158,7 @@ def run_case(args: argparse.Namespace, device: torch.device) -> None:
     dist.all_gather_object(per_rank, states.get("measured"))
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
-            json.dump({"losses": losses, "engine": describe(engine), "states": per_rank, "spec": spec.model_dump(mode="json", exclude_unset=True),
+            json.dump({"losses": losses, "eval": evals, "engine": describe(engine), "states": per_rank, "spec": spec.model_dump(mode="json", exclude_unset=True),
                        "seconds": round(time.perf_counter() - began, 2)}, f)
     dist.barrier()  # results are written; no rank leaves while a peer still sends
 

@@ -110,7 +110,7 @@ def test_a_corpus_too_small_once_tokenized_leaves_nothing_behind(ray_session, tm
     (corpus / "a.txt").write_text("a" * 40)
     out = tmp_path / "prepared"
     result = run_cli("data", "prepare", "--source", str(corpus), "--out", str(out), "--seq-len", "32", "--vocab-size", "300", "--no-progress", cwd=tmp_path)
-    assert_clean_error(result, "data.source", "fewer than one sample")
+    assert_clean_error(result, "--source: ", "yields 2 tokens, fewer than one sample")
     assert not out.exists()
     assert [p.name for p in tmp_path.iterdir()] == ["corpus"]
 
@@ -155,6 +155,15 @@ EARLY_REFUSALS = {
     "JSONL without the text column": (
         lambda tmp: corpus(tmp, a_jsonl=json.dumps({"body": "x " * 100}) + "\n"),
         ["data", "prepare", "--source", "corpus", "--seq-len", "32", *PREPARE], ["--text-column: 'text' is not a field of", "a.jsonl", "['body']"]),
+    "held-out share out of range": (
+        lambda tmp: corpus(tmp, a_txt="x " * 100),
+        ["data", "prepare", "--source", "corpus", "--seq-len", "32", "--eval-fraction", "1.5", *PREPARE], ["--eval-fraction: a share of the documents", "got 1.5"]),
+    "held-out corpus missing": (
+        lambda tmp: corpus(tmp, a_txt="x " * 100),
+        ["data", "prepare", "--source", "corpus", "--seq-len", "32", "--eval-source", "absent", *PREPARE], ["--eval-source: ", "absent does not exist"]),
+    "evaluation with no held-out split to prepare": (
+        lambda tmp: write_job(tmp, tiny_job(tmp, tmp / "data", data={"source": corpus(tmp, a_txt="x " * 100)}, eval={"interval": 2})),
+        ["train", "job.yaml"], ["eval: measures a held-out split", "set data.eval_fraction or eval.source"]),
     "corpus too small for one sample": (
         lambda tmp: corpus(tmp, a_txt="", b_txt="tiny"),
         ["data", "prepare", "--source", "corpus", "--seq-len", "32", *PREPARE], ["--source: the corpus holds 4 bytes", "fewer than one sample of seq_len+1 = 33"]),
@@ -174,6 +183,23 @@ def test_refused_before_ray_starts(case, tmp_path, monkeypatch):
     before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
     assert_clean_error(run_cli(*command, cwd=tmp_path), *fragments)
     assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before  # nothing written
+
+
+# An evaluation the prepared dataset (one document in ten held out) cannot serve.
+HELD_OUT_REFUSALS = {
+    "more batches than held out": ({"eval": {"interval": 2, "batches": 1000}}, ["eval.batches: 1000 batches of 8 samples need 8000 held-out samples", "at most"]),
+    "another held-out share than prepared": (
+        {"data": {"eval_fraction": 0.3}, "eval": {"interval": 2}}, ["data.eval_fraction: 0.3, but", "was prepared with data.eval_fraction 0.1"]),
+    "a held-out corpus and a share": ({"data": {"eval_fraction": 0.1}, "eval": {"source": "elsewhere"}}, ["eval.source: a separate held-out corpus and data.eval_fraction"]),
+}
+
+
+@pytest.mark.parametrize("case", HELD_OUT_REFUSALS)
+def test_evaluation_the_dataset_cannot_serve(case, tmp_path, tiny_dataset):
+    sections, fragments = HELD_OUT_REFUSALS[case]
+    result = run_cli("train", str(write_job(tmp_path, tiny_job(tmp_path, tiny_dataset, **sections))), cwd=tmp_path)
+    assert_clean_error(result, *fragments)
+    assert nothing_written(tmp_path)
 
 
 def test_deepspeed_config_contradicting_the_job(tmp_path):

@@ -73,6 +73,15 @@ def test_activation_checkpointing_under_zero3(native_dp2, runs):
     assert runs("zero3-ac")["losses"] == pytest.approx(native_dp2, rel=1e-4)
 
 
+@pytest.mark.parametrize("name", [*STAGES, "zero3-ac"])
+def test_held_out_loss_matches_native(runs, name):
+    """Forward only under each stage (ZeRO-3 gathering parameters for it), before,
+    during and after training."""
+    got = runs(name)["eval"]
+    assert sorted(got, key=int) == ["0", "3", "10"]
+    assert got == pytest.approx(runs("native")["eval"], rel=1e-4)
+
+
 def _cpu_adam_build_cached() -> bool:
     import os
     import sys
@@ -115,6 +124,8 @@ def test_exported_weights_move_between_engines(runs, source, target):
 def test_resume_on_another_dp_size(runs, stage, dp):
     """Saved on dp 2 after 3 steps, continued on dp 1 or 4: the remaining steps'
     losses are those of dp 2."""
-    continued = runs(f"zero{stage}-on-dp{dp}")["losses"]
-    assert continued == pytest.approx(runs(f"zero{stage}-save")["losses"][3:], rel=1e-4)
+    continued, saved = runs(f"zero{stage}-on-dp{dp}"), runs(f"zero{stage}-save")
+    assert continued["losses"] == pytest.approx(saved["losses"][3:], rel=1e-4)
+    assert sorted(continued["eval"], key=int) == ["3", "6"]  # held-out loss just after loading, and at the end
+    assert continued["eval"] == pytest.approx({step: saved["eval"][step] for step in ("3", "6")}, rel=1e-4)
     assert (runs.checkpoint(f"zero{stage}-save") / "step_00000003" / "universal").is_dir() == (stage > 0)

@@ -1,6 +1,7 @@
 """`prepare` on Ray Data: text files, JSON lines and Parquet holding the same
-documents give identical shards; a given tokenizer.json is used as is; fsspec
-URIs work; undecodable files are counted, not fatal."""
+documents give identical shards, and the same held-out split; a given
+tokenizer.json is used as is; fsspec URIs work; undecodable files are counted,
+not fatal; a separate held-out corpus."""
 
 import json
 
@@ -23,6 +24,16 @@ def shard_tokens(path):
     return table.column("sample_id").to_pylist(), table.column("tokens").to_pylist()
 
 
+def packed(tokenizer_path, documents, width):
+    """Independent of lmforge's packer: documents joined with EOS, cut into rows."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    eos = json.loads((tokenizer_path.parent / "manifest.json").read_text())["tokenizer"]["eos_id"]
+    stream = [t for doc in documents for t in tokenizer.encode(doc).ids + [eos]]
+    return [stream[i : i + width] for i in range(0, len(stream) - width + 1, width)]
+
+
 def test_formats_and_uris_agree(ray_session, tiny_dataset, documents, tmp_path):
     texts = tmp_path / "texts"
     texts.mkdir()
@@ -34,13 +45,19 @@ def test_formats_and_uris_agree(ray_session, tiny_dataset, documents, tmp_path):
     results = {}
     for name, source in {"text": f"file://{texts}", "jsonl": str(tmp_path / "docs.jsonl"), "parquet": str(tmp_path / "docs.parquet")}.items():
         out = tmp_path / f"out-{name}"
-        manifest = prepare_dataset(PrepareOptions(source=source, out=str(out), seq_len=16, tokenizer=tokenizer, text_column="content", shard_samples=64, show_progress=False))
+        manifest = prepare_dataset(PrepareOptions(source=source, out=str(out), seq_len=16, tokenizer=tokenizer, text_column="content", shard_samples=64,
+                                                  eval_fraction=0.2, show_progress=False))
         assert manifest["tokenizer"]["sha256"] == read_manifest(tiny_dataset)["tokenizer"]["sha256"]
         assert read_manifest(out)["num_samples"] == manifest["num_samples"] > 64
-        results[name] = shard_tokens(out)
+        assert manifest["eval"]["documents"] == 2 and manifest["eval"]["fraction"] == 0.2
+        results[name] = shard_tokens(out), shard_tokens(out / "eval")
     assert results["text"] == results["jsonl"] == results["parquet"]
-    ids, tokens = results["text"]
-    assert ids == list(range(len(ids))) and all(len(t) == 17 for t in tokens)
+    (ids, tokens), (held_ids, held) = results["text"]
+    assert ids == list(range(len(ids))) and held_ids == list(range(len(held_ids)))
+    # One document in five held out, evenly (the 5th and the 10th), never trained on.
+    reference = tiny_dataset / "tokenizer.json"
+    assert held == packed(reference, [documents[4], documents[9]], 17)
+    assert tokens == packed(reference, [d for i, d in enumerate(documents) if i not in (4, 9)], 17)
 
 
 def test_undecodable_files_are_skipped_and_counted(ray_session, tiny_dataset, documents, tmp_path):
@@ -48,8 +65,13 @@ def test_undecodable_files_are_skipped_and_counted(ray_session, tiny_dataset, do
     src.mkdir()
     (src / "a.txt").write_text("\n".join(documents[:3]))
     (src / "b.txt").write_bytes(b"\xff\xfe\x00 not utf-8 \xc3\x28")
-    manifest = prepare_dataset(PrepareOptions(source=str(src), out=str(tmp_path / "out"), seq_len=16, tokenizer=str(tiny_dataset / "tokenizer.json"), show_progress=False))
+    (tmp_path / "held.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in documents[5:7]))
+    manifest = prepare_dataset(PrepareOptions(source=str(src), out=str(tmp_path / "out"), seq_len=16, tokenizer=str(tiny_dataset / "tokenizer.json"),
+                                              eval_source=str(tmp_path / "held.jsonl"), show_progress=False))
     assert manifest["skipped_documents"] == 1 and manifest["documents"] == 2
+    # A corpus of its own as the held-out split, tokenized with the dataset's tokenizer.
+    assert manifest["eval"]["source"] == str(tmp_path / "held.jsonl") and manifest["eval"]["documents"] == 2
+    assert shard_tokens(tmp_path / "out" / "eval")[1] == packed(tiny_dataset / "tokenizer.json", documents[5:7], 17)
 
 
 def test_wrong_text_column_names_the_field(ray_session, tmp_path):

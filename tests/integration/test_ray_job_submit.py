@@ -91,7 +91,7 @@ def test_quickstart_through_ray_job_submit(ray_head, tiny_dataset, tmp_path):
     overrides = [
         "model.preset=tiny", "model.vocab_size=512", "train.seq_len=32", "train.global_batch=8",
         "train.micro_batch=2", "train.max_steps=4", "checkpoint.interval=2", "data.prefetch_steps=4",
-        f"data.path={tiny_dataset}", f"output_dir={out}",
+        f"data.path={tiny_dataset}", "data.eval_fraction=0.1", "eval.interval=2", f"output_dir={out}",
     ]
     cmd = [str(BIN / "ray"), "job", "submit", "--address", address, "--working-dir", ".", "--",
            "lmforge", "train", "jobs/quickstart.yaml", "--no-progress"]
@@ -102,5 +102,6 @@ def test_quickstart_through_ray_job_submit(ray_head, tiny_dataset, tmp_path):
     assert "succeeded" in result.stdout + result.stderr
     summary = json.loads((out / "quickstart" / "summary.json").read_text())
     assert summary["final_step"] == 4 and summary["world_size"] == 2
+    assert summary["eval_step"] == 4 and summary["eval_loss"] > 0  # the quickstart's held-out loss
     assert (out / "quickstart" / "checkpoints" / "step_00000004" / "commit.json").exists()
     assert "MLflow run" in result.stdout

@@ -2,6 +2,7 @@
 Parquet shards, DCP checkpoints, a real MLflow SQLite store."""
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,12 @@ def _step_rows(run_dir):
 
 def _losses(run_dir):
     return {row["step"]: row["loss"] for row in _step_rows(run_dir)}
+
+
+def _eval_losses(run_dir):
+    evals = [row for row in _rows(run_dir) if row.get("event") == "eval"]
+    assert len({row["step"] for row in evals}) == len(evals), "a step evaluated twice in metrics.jsonl"
+    return {row["step"]: row["eval_loss"] for row in evals}
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +86,21 @@ def test_mlflow_run_has_params_metrics_and_spec(uninterrupted):
     assert run.info.artifact_uri.removeprefix("file://").startswith(str(store_dir / "mlartifacts"))
 
 
+def test_held_out_loss_every_interval(uninterrupted):
+    """Every 3 steps (the reference job's eval section), on 2 batches of the held-out
+    split: in metrics.jsonl, MLflow and the summary; held-out code gets easier too."""
+    run_dir, summary = uninterrupted
+    rows = [row for row in _rows(run_dir) if row.get("event") == "eval"]
+    assert [row["step"] for row in rows] == list(range(3, STEPS + 1, 3))
+    assert all(row["batches"] == 2 and row["eval_ppl"] == pytest.approx(math.exp(row["eval_loss"])) for row in rows)
+    assert rows[-1]["eval_loss"] < rows[0]["eval_loss"] - 0.3
+    assert (summary["eval_step"], summary["eval_loss"], summary["eval_ppl"]) == (STEPS, rows[-1]["eval_loss"], rows[-1]["eval_ppl"])
+    client = MlflowClient(tracking_uri=summary["mlflow_tracking_uri"])
+    history = client.get_metric_history(summary["mlflow_run_id"], "eval_loss")
+    assert {m.step: m.value for m in history} == pytest.approx({row["step"]: row["eval_loss"] for row in rows})
+    assert len(client.get_metric_history(summary["mlflow_run_id"], "eval_ppl")) == len(rows)
+
+
 def test_resume_continues_with_identical_losses(uninterrupted, ray_session, tiny_dataset, tmp_path):
     reference = _losses(uninterrupted[0])
     job = reference_job(tmp_path, tiny_dataset, train={"max_steps": 20})
@@ -91,6 +113,11 @@ def test_resume_continues_with_identical_losses(uninterrupted, ray_session, tiny
     assert sorted(resumed) == list(range(1, 21))
     for step in range(1, 21):
         assert resumed[step] == pytest.approx(reference[step], rel=1e-6, abs=1e-7), step
+    # Held out at 3, 6, 9, the first run's last step 10, then on: each step once.
+    evals, reference_evals = _eval_losses(tmp_path / "runs" / "tiny"), _eval_losses(uninterrupted[0])
+    assert sorted(evals) == [3, 6, 9, 10, 12, 15, 18, 20]
+    for step in (3, 6, 9, 12, 15, 18):
+        assert evals[step] == pytest.approx(reference_evals[step], rel=1e-6), step
     client = MlflowClient(tracking_uri=second["mlflow_tracking_uri"])
     assert sorted(m.step for m in client.get_metric_history(second["mlflow_run_id"], "loss")) == list(range(1, 21))
 
@@ -136,6 +163,8 @@ def test_3d_run_through_the_controller_matches_data_parallel(uninterrupted, ray_
     losses = _losses(tmp_path / "runs" / "tiny")
     for step in (1, 2, 3):
         assert losses[step] == pytest.approx(reference[step], rel=1e-4), step
+    # The held-out loss is one number whatever the layout: pp2 x dp2 x tp2 gives dp 2's.
+    assert _eval_losses(tmp_path / "runs" / "tiny")[3] == pytest.approx(_eval_losses(uninterrupted[0])[3], rel=1e-5)
     # Each step logs its measured pipeline bubble next to 1F1B's (p-1)/(m+p-1).
     rows = _step_rows(tmp_path / "runs" / "tiny")
     assert all(0 < row["bubble"] < 1 for row in rows)
@@ -161,6 +190,10 @@ def test_deepspeed_documentation_config_trains_resumes_and_matches_native(uninte
     losses = _losses(tmp_path / "runs" / "tiny")
     for step in range(1, 9):
         assert losses[step] == pytest.approx(reference[step], rel=1e-4), step
+    evals, reference_evals = _eval_losses(tmp_path / "runs" / "tiny"), _eval_losses(uninterrupted[0])
+    assert sorted(evals) == [3, 4, 6, 8]
+    for step in (3, 6):
+        assert evals[step] == pytest.approx(reference_evals[step], rel=1e-4), step
     ckpt = tmp_path / "runs" / "tiny" / "checkpoints" / "step_00000008"
     assert json.loads((ckpt / "state.json").read_text())["format"] == "deepspeed"
     files = json.loads((ckpt / "commit.json").read_text())["files"]

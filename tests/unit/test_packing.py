@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from lmforge.data.prepare import Packer
+from lmforge.data.packing import Packer, ShardWriter, held_out
 from lmforge.data.tokenizer import EOS_TOKEN, eos_id, train_bpe
 
 
@@ -38,3 +38,31 @@ def test_trained_bpe_round_trips_and_has_eos():
     assert tok.token_to_id(EOS_TOKEN) == eos_id(tok)
     ids = tok.encode("def add(a, b):").ids
     assert tok.decode(ids) == "def add(a, b):"
+
+
+def test_held_out_documents_are_spread_evenly():
+    assert [i for i in range(40) if held_out(i, 0.1)] == [9, 19, 29, 39]
+    assert [i for i in range(10) if held_out(i, 0.25)] == [3, 7]
+    assert not any(held_out(i, 0.0) for i in range(100))
+    assert sum(held_out(i, 0.37) for i in range(1000)) == 370
+
+
+def test_held_out_batches_split_over_ranks_like_a_step(tmp_path):
+    """Batch b is held-out samples b*G.. in id order; ranks take a step's slices, and
+    a batch may straddle two shards."""
+    from lmforge.data.heldout import HeldOutBatches
+    from lmforge.data.order import BatchLayout
+
+    writer = ShardWriter(tmp_path / "eval", seq_len=3, shard_samples=5)
+    (tmp_path / "eval").mkdir()
+    rows = np.arange(23 * 4, dtype=np.int32).reshape(23, 4)
+    writer.add(rows)
+    writer.close()
+    manifest = {"shard_samples": 5, "seq_len": 3, "eval": {"dir": "eval", "shards": writer.shards, "num_samples": 23}}
+    for dp in (1, 2, 4):
+        layout = BatchLayout(global_batch=8, micro_batch=2 if dp < 4 else 1, dp=dp)
+        per_rank = [list(HeldOutBatches(str(tmp_path), manifest, layout, rank, batches=2)) for rank in range(dp)]
+        assert all(b.shape == (layout.accum, layout.micro_batch, 4) for batches in per_rank for b in batches)
+        for batch in range(2):
+            joined = np.concatenate([per_rank[rank][batch].reshape(-1, 4) for rank in range(dp)])
+            assert (joined == rows[batch * 8 : (batch + 1) * 8]).all(), (dp, batch)

@@ -65,6 +65,9 @@ def test_overrides_are_parsed_as_yaml_values():
         (["checkpoint.keep_every=0"], "checkpoint.keep_every: Input should be greater than 0"),
         (["checkpoint.max_failed_writes=0"], "checkpoint.max_failed_writes: Input should be greater than 0"),
         (["fault_tolerance.max_failures=-1"], "fault_tolerance.max_failures"),
+        (["data.eval_fraction=1"], "data.eval_fraction: Input should be less than 1"),
+        (["eval.interval=0"], "eval.interval: Input should be greater than 0"),
+        (["eval.source=held", "data.eval_fraction=0.1"], "eval.source: a separate held-out corpus and data.eval_fraction"),
     ],
 )
 def test_contradictions_name_the_field(overrides, field):
@@ -96,11 +99,17 @@ def test_file_errors_name_the_file(tmp_path):
 
 def test_absolute_paths_resolve_against_cwd(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    spec = spec_from_dict({"name": "t", "data": {"path": "d", "source": "builtin:python-stdlib"}}).with_absolute_paths()
-    assert spec.data.path == str(tmp_path / "d")
+    spec = spec_from_dict({"name": "t", "data": {"path": "d", "source": "builtin:python-stdlib"}, "eval": {"source": "held"}}).with_absolute_paths()
+    assert spec.data.path == str(tmp_path / "d") and spec.eval.source == str(tmp_path / "held")
     assert spec.data.source == "builtin:python-stdlib"
     assert spec.checkpoint_dir == str(tmp_path / "runs" / "t" / "checkpoints")
     assert spec.tracking_uri == f"sqlite:///{tmp_path}/runs/mlflow.db"
+
+
+def test_evaluation_defaults_to_the_checkpoint_interval():
+    assert spec_from_dict(BASE).eval_interval is None
+    assert spec_from_dict(BASE, ["eval.batches=2", "checkpoint.interval=7"]).eval_interval == 7
+    assert spec_from_dict(BASE, ["eval.interval=3"]).eval_interval == 3
 
 
 def test_flatten_for_params():

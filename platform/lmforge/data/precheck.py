@@ -1,6 +1,6 @@
 """What `data prepare` can refuse before Ray starts and before anything is written:
-the sequence length, the source (there, supported, its text column, large enough for
-one sample), and a given tokenizer (readable, an end-of-document token, a vocabulary
+the sequence length, the source and the held-out source (there, supported, their
+text column, large enough for one sample), the held-out share, and a given tokenizer (readable, an end-of-document token, a vocabulary
 the model can hold). Messages name the flag the user typed, or else the job field.
 """
 
@@ -17,23 +17,30 @@ from lmforge.data.corpus import list_files, source_kind
 from lmforge.data.tokenizer import eos_id, load_tokenizer
 from lmforge.errors import UserError
 
-JOB_FIELDS = {"source": "data.source", "seq_len": "train.seq_len", "tokenizer": "data.tokenizer", "text_column": "data.text_column"}
-FLAGS = {"source": "--source", "seq_len": "--seq-len", "tokenizer": "--tokenizer", "text_column": "--text-column"}
+JOB_FIELDS = {
+    "source": "data.source", "seq_len": "train.seq_len", "tokenizer": "data.tokenizer", "text_column": "data.text_column",
+    "eval_fraction": "data.eval_fraction", "eval_source": "eval.source",
+}
+FLAGS = {
+    "source": "--source", "seq_len": "--seq-len", "tokenizer": "--tokenizer", "text_column": "--text-column",
+    "eval_fraction": "--eval-fraction", "eval_source": "--eval-source",
+}
 RECORDS_CHECKED = 16  # files whose first record must hold the text column
 FIRST_RECORD_BYTES = 1 << 20
 
 
-def check_before_ray(opts) -> list[str]:
-    """Refuse what would fail later (`opts`: PrepareOptions); returns the source's files."""
-    name = lambda key: opts.names.get(key, JOB_FIELDS[key])  # noqa: E731
+def check_before_ray(opts) -> tuple[list[str], list[str]]:
+    """Refuse what would fail later (`opts`: PrepareOptions); returns the files of the
+    source and of the held-out source (none without one)."""
+    name = opts.name
     if opts.seq_len <= 0:
         raise UserError(f"{name('seq_len')}: must be > 0, got {opts.seq_len}")
-    with _named("data.source", name("source")):
-        files = list_files(opts.source)
-        kind = source_kind(files)
-    if kind != "text":
-        _check_text_column(files[:RECORDS_CHECKED], kind, opts.text_column, name("text_column"), name("source"))
-    _check_large_enough(files, kind, opts.seq_len, name("source"))
+    if not 0 <= opts.eval_fraction < 1:
+        raise UserError(f"{name('eval_fraction')}: a share of the documents, at least 0 and below 1; got {opts.eval_fraction}")
+    if opts.eval_fraction and opts.eval_source:
+        raise UserError(f"{name('eval_source')}: a separate held-out corpus and {name('eval_fraction')} both make the held-out split; keep one")
+    files = _check_source(opts.source, opts, name("source"), name("text_column"))
+    eval_files = _check_source(opts.eval_source, opts, name("eval_source"), name("text_column")) if opts.eval_source else []
     if opts.tokenizer:
         with _named("data.tokenizer", name("tokenizer")):
             tokenizer = load_tokenizer(opts.tokenizer)
@@ -41,6 +48,16 @@ def check_before_ray(opts) -> list[str]:
         vocab = tokenizer.get_vocab_size()
         if opts.model_vocab_size is not None and vocab > opts.model_vocab_size:
             raise UserError(f"{name('tokenizer')}: {opts.tokenizer} has a vocabulary of {vocab}, larger than model.vocab_size {opts.model_vocab_size}")
+    return files, eval_files
+
+
+def _check_source(source: str, opts, source_name: str, column_name: str) -> list[str]:
+    with _named("data.source", source_name):
+        files = list_files(source)
+        kind = source_kind(files)
+    if kind != "text":
+        _check_text_column(files[:RECORDS_CHECKED], kind, opts.text_column, column_name, source_name)
+    _check_large_enough(files, kind, opts.seq_len, source_name)
     return files
 
 

@@ -18,18 +18,18 @@ from pathlib import Path
 from typing import Optional
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import ray
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from tokenizers import Tokenizer
 
 from lmforge.data.corpus import read_documents
+from lmforge.data.packing import Packer, ShardWriter, held_out
 from lmforge.data.precheck import check_before_ray
 from lmforge.data.tokenizer import eos_id, load_tokenizer, tokenizer_sha256, train_bpe
 from lmforge.errors import UserError
 
 MANIFEST = "manifest.json"
+EVAL_DIR = "eval"  # the held-out split's shards, inside the dataset directory
 _TOKENIZERS: dict[str, Tokenizer] = {}
 
 
@@ -42,6 +42,8 @@ class PrepareOptions:
     vocab_size: int = 8192
     text_column: str = "text"
     shard_samples: int = 256
+    eval_fraction: float = 0.0  # documents of `source` held out of training
+    eval_source: Optional[str] = None  # or: a corpus of its own as the held-out split
     show_progress: bool = True
     model_vocab_size: Optional[int] = None  # the tokenizer's vocabulary must fit the model's
     names: dict = field(default_factory=dict)  # option -> the flag the user typed, for messages
@@ -53,9 +55,16 @@ class PrepareOptions:
         values = {
             "source": spec.data.source, "out": spec.data.path, "seq_len": spec.train.seq_len, "tokenizer": spec.data.tokenizer,
             "vocab_size": spec.data.vocab_size, "text_column": spec.data.text_column, "shard_samples": spec.data.shard_samples,
+            "eval_fraction": spec.data.eval_fraction, "eval_source": spec.eval.source if spec.eval else None,
             "model_vocab_size": spec.model_arch.vocab_size,
         }
         return cls(**values | {key: value for key, value in given.items() if value is not None})
+
+    def name(self, key: str) -> str:
+        """What the user typed for option `key`: its flag, or else its job field."""
+        from lmforge.data.precheck import JOB_FIELDS
+
+        return self.names.get(key, JOB_FIELDS[key])
 
 
 def _tokenize_batch(batch: dict, tokenizer_json: str) -> dict:
@@ -66,93 +75,64 @@ def _tokenize_batch(batch: dict, tokenizer_json: str) -> dict:
     return {"ids": [np.asarray(e.ids, dtype=np.int32) for e in encodings], "bad": batch["bad"]}
 
 
-class ShardWriter:
-    """Collects packed samples and writes fixed-size Parquet shards with global sample ids."""
+class Split:
+    """One split's packer and shard writer, and the documents it took."""
 
-    def __init__(self, directory: Path, seq_len: int, shard_samples: int):
-        self.directory, self.width, self.shard_samples = directory, seq_len + 1, shard_samples
-        self.pending: list[np.ndarray] = []
-        self.pending_rows = 0
-        self.next_id = 0
-        self.shards: list[dict] = []
+    def __init__(self, directory: Path, eos: int, opts: PrepareOptions):
+        directory.mkdir(exist_ok=True)
+        self.writer = ShardWriter(directory, opts.seq_len, opts.shard_samples)
+        self.packer = Packer(eos, self.writer.width)
+        self.documents = 0
 
-    def add(self, samples: np.ndarray) -> None:
-        self.pending.append(samples)
-        self.pending_rows += len(samples)
-        while self.pending_rows >= self.shard_samples:
-            self._flush(self.shard_samples)
-
-    def close(self) -> None:
-        if self.pending_rows:
-            self._flush(self.pending_rows)
-
-    def _flush(self, rows: int) -> None:
-        block = np.concatenate(self.pending)
-        chunk, rest = block[:rows], block[rows:]
-        self.pending, self.pending_rows = ([rest] if len(rest) else []), len(rest)
-        ids = np.arange(self.next_id, self.next_id + rows, dtype=np.int64)
-        tokens = pa.FixedSizeListArray.from_arrays(pa.array(chunk.reshape(-1), pa.int32()), self.width)
-        name = f"shard-{len(self.shards):05d}.parquet"
-        path = self.directory / name
-        pq.write_table(pa.table({"sample_id": ids, "tokens": tokens}), path)
-        self.shards.append({
-            "file": name,
-            "first_sample_id": int(self.next_id),
-            "num_samples": rows,
-            "bytes": path.stat().st_size,
-            "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
-        })
-        self.next_id += rows
-
-
-class Packer:
-    """Joins documents with EOS in order and cuts the stream into samples of `width` tokens.
-
-    The tail shorter than one sample is carried to the next call and dropped at the end.
-    """
-
-    def __init__(self, eos: int, width: int):
-        self.eos = np.asarray([eos], dtype=np.int32)
-        self.width = width
-        self.carry = np.zeros(0, dtype=np.int32)
-        self.tokens = 0
-
-    def add(self, documents: list[np.ndarray]) -> np.ndarray:
-        parts = [self.carry]
-        for ids in documents:
-            if len(ids):
-                parts += [np.asarray(ids, dtype=np.int32), self.eos]
-        stream = np.concatenate(parts)
-        self.tokens += len(stream) - len(self.carry)
-        full = len(stream) // self.width
-        self.carry = stream[full * self.width :]
-        return stream[: full * self.width].reshape(full, self.width)
-
-
-def _pack(ds: ray.data.Dataset, eos: int, writer: ShardWriter, opts: PrepareOptions, progress, task) -> int:
-    """Streams tokenized documents in order into shards; returns the corpus token count."""
-    packer = Packer(eos, writer.width)
-    for batch in ds.iter_batches(batch_size=64, batch_format="numpy"):
-        docs = [ids for ids, bad in zip(batch["ids"], batch["bad"]) if not bad]
-        opts.skipped += len(batch["bad"]) - len(docs)
-        samples = packer.add(docs)
+    def add(self, documents: list[np.ndarray]) -> None:
+        self.documents += len(documents)
+        samples = self.packer.add(documents)
         if len(samples):
-            writer.add(samples)
+            self.writer.add(samples)
+
+    def close(self) -> int:
+        """The split's sample count."""
+        self.writer.close()
+        return self.writer.next_id
+
+
+def _pack(ds: ray.data.Dataset, route, opts: PrepareOptions, progress, task) -> None:
+    """Streams tokenized documents in order into the split `route(index)` picks."""
+    index = 0
+    for batch in ds.iter_batches(batch_size=64, batch_format="numpy"):
+        chosen: dict[int, tuple[Split, list]] = {}
+        for ids, bad in zip(batch["ids"], batch["bad"]):
+            if bad:
+                opts.skipped += 1
+            else:
+                split = route(index)
+                chosen.setdefault(id(split), (split, []))[1].append(ids)
+            index += 1
+        for split, docs in chosen.values():
+            split.add(docs)
         if progress is not None:
             progress.update(task, advance=len(batch["bad"]))
-    return packer.tokens
 
 
 def _get_tokenizer(ds: ray.data.Dataset, opts: PrepareOptions) -> Tokenizer:
     if opts.tokenizer:
         return load_tokenizer(opts.tokenizer)
-    texts = (str(t) for b in ds.iter_batches(batch_size=256, batch_format="numpy") for t, bad in zip(b["text"], b["bad"]) if not bad)
-    return train_bpe(texts, opts.vocab_size)
+    return train_bpe(_training_texts(ds, opts.eval_fraction), opts.vocab_size)
+
+
+def _training_texts(ds: ray.data.Dataset, eval_fraction: float):
+    """The documents a trained tokenizer learns from: the held-out ones stay unseen."""
+    index = 0
+    for batch in ds.iter_batches(batch_size=256, batch_format="numpy"):
+        for text, bad in zip(batch["text"], batch["bad"]):
+            if not bad and not held_out(index, eval_fraction):
+                yield str(text)
+            index += 1
 
 
 def prepare_dataset(opts: PrepareOptions) -> dict:
     """Run the pipeline; returns the manifest. Requires an initialized Ray session."""
-    files = check_before_ray(opts)
+    files, eval_files = check_before_ray(opts)
     out = Path(opts.out)
     if (out / MANIFEST).exists():
         raise UserError(f"{out}: already holds a prepared dataset; remove it or choose another --out")
@@ -163,21 +143,27 @@ def prepare_dataset(opts: PrepareOptions) -> dict:
     docs = read_documents(files, opts.text_column)
     tokenizer = _get_tokenizer(docs, opts)
     eos = eos_id(tokenizer)
-    tokenized = docs.map_batches(_tokenize_batch, fn_kwargs={"tokenizer_json": tokenizer.to_str()}, batch_size=32, batch_format="numpy", num_cpus=0.5)
+    tokenize = lambda ds: ds.map_batches(  # noqa: E731
+        _tokenize_batch, fn_kwargs={"tokenizer_json": tokenizer.to_str()}, batch_size=32, batch_format="numpy", num_cpus=0.5
+    )
 
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.parent / f".{out.name}.staging-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
     try:
-        writer = ShardWriter(staging, opts.seq_len, opts.shard_samples)
+        train = Split(staging, eos, opts)
+        held = Split(staging / EVAL_DIR, eos, opts) if opts.eval_fraction or eval_files else None
         with _progress(opts.show_progress) as progress:
             task = progress.add_task("tokenizing", total=len(files) if len(files) > 1 else None) if progress else None
-            tokens = _pack(tokenized, eos, writer, opts, progress, task)
-        writer.close()
-        if writer.next_id == 0:
+            _pack(tokenize(docs), lambda i: held if held_out(i, opts.eval_fraction) else train, opts, progress, task)
+            if eval_files:
+                task = progress.add_task("held-out split", total=len(eval_files) if len(eval_files) > 1 else None) if progress else None
+                _pack(tokenize(read_documents(eval_files, opts.text_column)), lambda i: held, opts, progress, task)
+        num_samples = train.close()
+        if num_samples == 0:
             raise UserError(
-                f"data.source: {opts.source} yields {tokens} tokens, fewer than one sample of "
+                f"{opts.name('source')}: {opts.source} yields {train.packer.tokens} tokens, fewer than one sample of "
                 f"seq_len+1 = {opts.seq_len + 1}; the corpus is empty or too small"
             )
         tokenizer.save(str(staging / "tokenizer.json"))
@@ -185,10 +171,10 @@ def prepare_dataset(opts: PrepareOptions) -> dict:
             "format": "lmforge.packed.v1",
             "source": opts.source,
             "seq_len": opts.seq_len,
-            "num_samples": writer.next_id,
-            "num_tokens": writer.next_id * (opts.seq_len + 1),
+            "num_samples": num_samples,
+            "num_tokens": num_samples * (opts.seq_len + 1),
             "shard_samples": opts.shard_samples,
-            "corpus_tokens": tokens,
+            "corpus_tokens": train.packer.tokens,
             "documents": len(files),
             "skipped_documents": opts.skipped,
             "tokenizer": {
@@ -197,9 +183,11 @@ def prepare_dataset(opts: PrepareOptions) -> dict:
                 "vocab_size": tokenizer.get_vocab_size(),
                 "eos_id": eos,
             },
-            "shards": writer.shards,
+            "shards": train.writer.shards,
             "seconds": round(time.time() - started, 2),
         }
+        if held is not None:
+            manifest["eval"] = _held_out_entry(held, opts)
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=2))
         if out.exists():
             out.rmdir()  # only an empty directory may be replaced
@@ -208,6 +196,25 @@ def prepare_dataset(opts: PrepareOptions) -> dict:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def _held_out_entry(held: Split, opts: PrepareOptions) -> dict:
+    """The manifest's `eval`: where the held-out split is and what it was made of."""
+    num_samples = held.close()
+    if num_samples == 0:
+        made_of = (f"{opts.name('eval_source')}: {opts.eval_source} yields" if opts.eval_source else
+                   f"{opts.name('eval_fraction')}: {opts.eval_fraction} holds out {held.documents} documents of")
+        raise UserError(f"{made_of} {held.packer.tokens} tokens, fewer than one held-out sample of seq_len+1 = {opts.seq_len + 1}; "
+                        + ("give a larger corpus" if opts.eval_source else "raise it, or give eval.source"))
+    return {
+        "dir": EVAL_DIR,
+        "source": opts.eval_source or opts.source,
+        "fraction": opts.eval_fraction or None,
+        "documents": held.documents,
+        "num_samples": num_samples,
+        "corpus_tokens": held.packer.tokens,
+        "shards": held.writer.shards,
+    }
 
 
 class _NoProgress:
@@ -235,11 +242,16 @@ def read_manifest(path: str | Path) -> dict:
         raise UserError(f"{manifest_path}: unreadable manifest ({err})") from None
     if manifest.get("format") != "lmforge.packed.v1" or not manifest.get("shards"):
         raise UserError(f"{manifest_path}: not an lmforge dataset manifest")
-    size = manifest["shard_samples"]
-    for index, shard in enumerate(manifest["shards"]):
-        if not (Path(path) / shard["file"]).is_file():
-            raise UserError(f"{manifest_path}: shard {shard['file']} is missing")
-        # The feed shuffles whole shards, so every shard but the last is full.
-        if shard["first_sample_id"] != index * size or (shard["num_samples"] != size and index < len(manifest["shards"]) - 1):
-            raise UserError(f"{manifest_path}: shard {shard['file']} does not hold samples {index * size}..{(index + 1) * size - 1}")
+    _check_shards(Path(path), manifest_path, manifest["shards"], manifest["shard_samples"])
+    if "eval" in manifest:
+        _check_shards(Path(path) / manifest["eval"]["dir"], manifest_path, manifest["eval"]["shards"], manifest["shard_samples"])
     return manifest
+
+
+def _check_shards(directory: Path, manifest_path: Path, shards: list[dict], size: int) -> None:
+    for index, shard in enumerate(shards):
+        if not (directory / shard["file"]).is_file():
+            raise UserError(f"{manifest_path}: shard {directory / shard['file']} is missing")
+        # The feed shuffles whole shards, so every shard but the last is full.
+        if shard["first_sample_id"] != index * size or (shard["num_samples"] != size and index < len(shards) - 1):
+            raise UserError(f"{manifest_path}: shard {shard['file']} does not hold samples {index * size}..{(index + 1) * size - 1}")

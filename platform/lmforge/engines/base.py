@@ -36,6 +36,11 @@ class Engine(ABC):
         `before_update` runs after the backward passes, before any weight or optimizer
         state changes (a checkpoint's background copy must have finished by then)."""
 
+    def eval_loss(self, micro_batches: torch.Tensor) -> float:
+        """The mean token loss of one held-out global batch, forward only (this rank's
+        micro-batches [accum, micro, seq_len+1]); the same number on every rank."""
+        raise NotImplementedError(f"{type(self).__name__} does not evaluate")
+
     def modules(self) -> list[torch.nn.Module]:
         """The model's modules on this rank (pipeline stages, or the one model)."""
         raise NotImplementedError(f"{type(self).__name__} does not expose its modules")

@@ -101,6 +101,16 @@ class DeepSpeedEngine(Engine):
         finite = math.isfinite(loss.item()) and (norm is None or math.isfinite(grad_norm))
         return StepStats(loss=loss.item(), grad_norm=grad_norm, lr=lr, finite=finite)
 
+    @torch.no_grad()
+    def eval_loss(self, micro_batches: torch.Tensor) -> float:
+        micro_batches = micro_batches.to(self.device, non_blocking=True)
+        self.engine.eval()
+        losses = [F.cross_entropy(self.engine(batch[:, :-1]).flatten(0, 1).float(), batch[:, 1:].flatten()) for batch in micro_batches]
+        loss = torch.stack(losses).mean()
+        if self.dims.shape.dp > 1:
+            dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.dims.dp_group)
+        return loss.item()
+
     def modules(self) -> list[torch.nn.Module]:
         return [self.engine.module]
 

@@ -159,19 +159,42 @@ class NativeEngine(Engine):
         on the last stage; summed over the pipeline group so every rank reports it)
         and the bubble: the share of the schedule's time a rank spent not computing,
         averaged over the pipeline's ranks."""
-        batch = micro_batches.flatten(0, 1)
-        inputs = (batch[:, :-1],) if self.has_first else ()
-        target = batch[:, 1:] if self.has_last else None
         losses: list[torch.Tensor] = []
         self.compute.take()
         step_watch = Stopwatch(self.device)
         with self._loss_context(), step_watch.span():
-            self.schedule.step(*inputs, target=target, losses=losses)
+            self.schedule.step(*self._stage_inputs(micro_batches), target=self._stage_target(micro_batches), losses=losses)
         bubble = 1.0 - self.compute.take() / max(step_watch.take(), 1e-9)
-        loss = torch.stack([_local(l.detach()) for l in losses]).mean() if self.has_last else torch.zeros((), device=self.device)
-        combined = torch.stack([loss, torch.tensor(bubble / self.dims.shape.pp, device=self.device)])
+        combined = torch.stack([self._last_stage_mean(losses), torch.tensor(bubble / self.dims.shape.pp, device=self.device)])
         dist.all_reduce(combined, group=self.dims.pp_group)
         return combined[0], combined[1].item()
+
+    def _stage_inputs(self, micro_batches: torch.Tensor) -> tuple:
+        return (micro_batches.flatten(0, 1)[:, :-1],) if self.has_first else ()
+
+    def _stage_target(self, micro_batches: torch.Tensor):
+        return micro_batches.flatten(0, 1)[:, 1:] if self.has_last else None
+
+    def _last_stage_mean(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        return torch.stack([_local(l.detach()) for l in losses]).mean() if self.has_last else torch.zeros((), device=self.device)
+
+    @torch.no_grad()
+    def eval_loss(self, micro_batches: torch.Tensor) -> float:
+        micro_batches = micro_batches.to(self.device, non_blocking=True)
+        for part in self.parts:
+            part.eval()
+        with self._loss_context():
+            if self.pipelined:
+                losses: list[torch.Tensor] = []
+                self.schedule.eval(*self._stage_inputs(micro_batches), target=self._stage_target(micro_batches), losses=losses)
+                loss = self._last_stage_mean(losses)
+                dist.all_reduce(loss, group=self.dims.pp_group)
+            else:
+                model = self.parts[0]
+                loss = torch.stack([_local(self._loss(model(batch[:, :-1]), batch[:, 1:])) for batch in micro_batches]).mean()
+        if self.dims.shape.dp > 1:
+            dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.dims.dp_group)
+        return loss.item()
 
     def _clip_gradients(self) -> torch.Tensor:
         params = [p for part in self.parts for p in part.parameters() if p.grad is not None]

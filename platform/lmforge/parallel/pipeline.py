@@ -87,6 +87,16 @@ class TimedStage(PipelineStage):
         with self.stopwatch.span():
             return super().backward_weight_one_chunk(*args, **kwargs)
 
+    # torch 2.13: in `eval()` a V schedule (zero-bubble) still runs its backward
+    # actions, which skip the computation but hand gradients between a rank's two
+    # adjacent stages, and the stages refuse that without a backward. Nothing to hand.
+    def get_local_bwd_output(self, mb_index):
+        return super().get_local_bwd_output(mb_index) if self.has_backward else ()
+
+    def set_local_bwd_input(self, next_stage_bwd_outputs, mb_index):
+        if self.has_backward:
+            super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
+
 
 def theoretical_bubble(schedule: str, pp: int, virtual: int, microbatches: int) -> float:
     """(p-1)/(m+p-1) for GPipe and 1F1B; interleaving divides the warm-up by v.

@@ -42,6 +42,7 @@ MESSAGES: dict[str, Callable[[dict], str]] = {
         f"rollback {e['rollback']}/{e['max_rollbacks']}: {e.get('cause') or 'steps ' + str(e['steps']) + ' were not finite'}; restarting from the latest "
         f"checkpoint, skipping the batches of steps {e['skip_batches']}"
     ),
+    "eval": lambda e: f"step {e['step']}: held-out loss {e['eval_loss']:.4f}, perplexity {e['eval_ppl']:.2f} ({e['batches']} batches, {e['seconds']:.1f}s)",
     "batch_skipped": lambda e: f"step {e['step']}: batch skipped (guards.skip_batches)",
     "loss_spike": lambda e: f"step {e['step']}: loss spike {e['loss']:.4f}, {e['zscore']} standard deviations above the recent mean {e['window_mean']:.4f}",
     "out_of_memory": lambda e: (
@@ -54,13 +55,15 @@ MESSAGES: dict[str, Callable[[dict], str]] = {
     ),
 }
 
-# Kept in metrics.jsonl as history (commits are in the checkpoint directory itself).
-RECORDED = {"layout", "data_changed", "spares", "checkpoint_failed", "checkpoint_corrupt", "restored", "grow_pending", "resized", "failure", "recovered",
+# Kept in metrics.jsonl: history (commits are in the checkpoint directory itself), and
+# measurements (eval) that a restart drops after its restore point, as it does steps.
+RECORDED = {"layout", "data_changed", "eval", "spares", "checkpoint_failed", "checkpoint_corrupt", "restored", "grow_pending", "resized", "failure", "recovered",
             "nonfinite", "rollback", "batch_skipped", "loss_spike", "out_of_memory", "leak"}
 
 METRICS: dict[str, Callable[[dict], dict[str, float]]] = {
     "checkpoint": lambda e: {"checkpoint_seconds": e["seconds"], "checkpoint_stall_seconds": e["stall_seconds"]},
     "checkpoint_failed": lambda e: {"checkpoint_failed_in_a_row": e["failed_in_a_row"]},
+    "eval": lambda e: {"eval_loss": e["eval_loss"], "eval_ppl": e["eval_ppl"]},
     "resized": lambda e: {"dp": e["dp"]},
     "failure": lambda e: {"failures": e["attempt"]},
     "recovered": lambda e: {"recovery_seconds": e["seconds"]},

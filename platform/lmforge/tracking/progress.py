@@ -18,19 +18,21 @@ class ProgressView:
         self.every = max(1, total_steps // 20)
         self._last_line = 0.0
         self._recent: list[float] = []
+        self._eval = ""
         self.progress = None
         if self.live:
             self.progress = Progress(
                 TextColumn("[bold]step {task.completed}/{task.total}"),
                 BarColumn(),
                 TextColumn("loss {task.fields[loss]}"),
+                TextColumn("{task.fields[eval]}"),
                 TextColumn("{task.fields[tps]} tok/s"),
                 TimeElapsedColumn(),
                 TextColumn("ETA"),
                 TimeRemainingColumn(),
                 console=self.console,
             )
-            self.task = self.progress.add_task("train", total=total_steps, completed=start_step, loss="-", tps="-")
+            self.task = self.progress.add_task("train", total=total_steps, completed=start_step, loss="-", eval="", tps="-")
 
     def __enter__(self):
         if self.progress:
@@ -57,6 +59,12 @@ class ProgressView:
             table.add_row(*(str(r[c]) for c in columns))
         self.console.print(table)
 
+    def held_out(self, event: dict) -> None:
+        """Shown with every step after it, until the next evaluation."""
+        self._eval = f"eval {event['eval_loss']:.4f}"
+        if self.progress:
+            self.progress.update(self.task, eval=self._eval)
+
     def step(self, event: dict) -> None:
         if not self.enabled:
             return
@@ -72,7 +80,7 @@ class ProgressView:
             eta = (self.total - event["step"]) * sum(window) / len(window)
             bubble = f"  bubble {event['bubble']:.0%} (theory {event['bubble_theory']:.0%})" if "bubble" in event else ""
             self.console.print(
-                f"step {event['step']}/{self.total}  loss {loss}  lr {event['lr']:.2e}  "
+                f"step {event['step']}/{self.total}  loss {loss}  {self._eval + '  ' if self._eval else ''}lr {event['lr']:.2e}  "
                 f"{tps} tok/s  data wait {event['data_wait'] * 1000:.1f} ms{bubble}  ETA {_clock(eta)}",
                 highlight=False,
                 soft_wrap=True,

@@ -1,5 +1,5 @@
 """The run directory's machine-readable files: metrics.jsonl (one JSON object per
-optimizer step, plus failure, recovery and guard events), samples.jsonl (the sample
+optimizer step, plus held-out evaluations and failure, recovery and guard events), samples.jsonl (the sample
 ids of every step, when recorded), skip_batches.json (the batches rollbacks skip),
 memory reports of out-of-memory steps, and summary.json (written when the job ends)."""
 
@@ -12,6 +12,9 @@ from pathlib import Path
 STEP_FIELDS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "bubble", "bubble_theory", "step_time", "data_wait", "tokens", "samples_consumed", "time")
 
 
+REDONE_EVENTS = {"eval"}  # measured again when their step is
+
+
 class RunDir:
     def __init__(self, path: str):
         self.path = Path(path)
@@ -22,13 +25,13 @@ class RunDir:
         self.skip_path = self.path / "skip_batches.json"
 
     def rewind(self, step: int) -> None:
-        """Drop step lines after `step`: those steps are about to be trained again, so
-        each step appears once. Event lines are history and stay."""
+        """Drop step and evaluation lines after `step`: those steps are about to be
+        trained again, so each appears once. Other event lines are history and stay."""
         for path in (self.metrics_path, self.samples_path):
             if not path.exists():
                 continue
             rows = [line for line in path.read_text().splitlines() if line.strip()]
-            kept = [line for line in rows if "event" in (row := json.loads(line)) or row["step"] <= step]
+            kept = [line for line in rows if row_is_history(row := json.loads(line)) or row["step"] <= step]
             tmp = path.with_suffix(".tmp")
             tmp.write_text("".join(line + "\n" for line in kept))
             os.replace(tmp, path)
@@ -66,6 +69,11 @@ class RunDir:
         tmp = self.summary_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(summary, indent=2) + "\n")
         os.replace(tmp, self.summary_path)
+
+
+def row_is_history(row: dict) -> bool:
+    """An event line that stays when steps are redone (a failure, a restore, ...)."""
+    return "event" in row and row["event"] not in REDONE_EVENTS
 
 
 def _append(path: Path, row: dict) -> None:

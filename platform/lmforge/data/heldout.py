@@ -1,0 +1,83 @@
+"""The held-out split that `eval` measures: how many of its global batches one
+evaluation takes, what a job may ask of it, and each rank's share of those batches.
+
+The split's samples are read in id order, batch b being samples b*G .. (b+1)*G-1
+for global batch G, split over DP ranks and micro-batches as a training step is:
+every layout evaluates the same samples, so the loss is the same number on each.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from lmforge.data.order import BatchLayout
+from lmforge.errors import UserError
+
+
+def eval_batches(spec, manifest: dict) -> int:
+    """Global batches per evaluation: `eval.batches`, or all whole ones the split holds."""
+    held, batch = manifest["eval"]["num_samples"], spec.train.global_batch
+    return spec.eval.batches or held // batch
+
+
+def check_held_out(spec, manifest: dict, path: str) -> None:
+    """Refuse an evaluation the dataset at `path` cannot serve, or a held-out split
+    asked for that it was not prepared with (it would be silently missing)."""
+    held = manifest.get("eval")
+    asked = spec.eval.source if spec.eval else None
+    if spec.data.eval_fraction and (held or {}).get("fraction") != spec.data.eval_fraction:
+        raise UserError(f"data.eval_fraction: {spec.data.eval_fraction}, but {path} was prepared with {_made_with(held)}; "
+                        "prepare it again (remove it, or choose another data.path)")
+    if asked and (held or {}).get("source") != asked:
+        raise UserError(f"eval.source: {asked}, but {path} was prepared with {_made_with(held)}; prepare it again (remove it, or choose another data.path)")
+    if spec.eval is None:
+        return
+    if held is None:
+        raise UserError(f"eval: {path} holds no held-out split; prepare it with data.eval_fraction or eval.source")
+    size = spec.train.global_batch
+    if held["num_samples"] < size:
+        raise UserError(f"eval: the held-out split of {path} holds {held['num_samples']} samples, fewer than one global batch "
+                        f"(train.global_batch {size}); hold out more (data.eval_fraction, eval.source)")
+    if spec.eval.batches and spec.eval.batches * size > held["num_samples"]:
+        raise UserError(f"eval.batches: {spec.eval.batches} batches of {size} samples need {spec.eval.batches * size} held-out samples; "
+                        f"{path} holds {held['num_samples']} (at most {held['num_samples'] // size} batches)")
+
+
+def _made_with(held: dict | None) -> str:
+    if held is None:
+        return "no held-out split"
+    return f"data.eval_fraction {held['fraction']}" if held.get("fraction") else f"eval.source {held['source']}"
+
+
+class HeldOutBatches:
+    """One rank's micro-batches of each held-out global batch, read when asked."""
+
+    def __init__(self, data_path: str, manifest: dict, layout: BatchLayout, dp_rank: int, batches: int):
+        held = manifest["eval"]
+        self.directory = Path(data_path) / held["dir"]
+        self.shards = held["shards"]
+        self.shard_samples, self.width = manifest["shard_samples"], manifest["seq_len"] + 1
+        self.layout, self.dp_rank, self.batches = layout, dp_rank, batches
+
+    def __iter__(self):
+        """Yields tokens [accum, micro, seq_len+1] for each global batch in turn."""
+        cached: dict[int, np.ndarray] = {}  # one shard at a time: batches read them in order
+        for batch in range(self.batches):
+            first, count = self.layout.rank_positions(batch, self.dp_rank)
+            rows = [self._shard(first // self.shard_samples + k, cached) for k in range(self._spanned(first, count))]
+            offset = first % self.shard_samples
+            tokens = np.concatenate(rows)[offset : offset + count]
+            yield tokens.reshape(self.layout.accum, self.layout.micro_batch, self.width)
+
+    def _spanned(self, first: int, count: int) -> int:
+        return (first + count - 1) // self.shard_samples - first // self.shard_samples + 1
+
+    def _shard(self, index: int, cached: dict) -> np.ndarray:
+        if index not in cached:
+            cached.clear()
+            table = pq.read_table(self.directory / self.shards[index]["file"], columns=["tokens"])
+            cached[index] = table.column("tokens").combine_chunks().flatten().to_numpy().reshape(-1, self.width)
+        return cached[index]
