@@ -56,8 +56,11 @@ def ray_session(private_ray_env):
 
     import ray
 
+    from multinode import free_port
+
+    # Ray 2.60 starts its API server even without the dashboard: on a port of its own.
     ray.init(
-        address="local", num_cpus=6, include_dashboard=False, log_to_driver=False,
+        address="local", num_cpus=6, include_dashboard=False, dashboard_port=free_port(), log_to_driver=False,
         logging_level=logging.WARNING, _temp_dir=private_ray_env["root"],
     )
     ray.data.DataContext.get_current().enable_progress_bars = False

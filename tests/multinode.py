@@ -33,7 +33,8 @@ def start_cluster(worker_nodes: int, cpus_per_node: int) -> tuple[Cluster, list]
     """A 1-CPU head (the driver, controller and Ray Data's reads) plus worker nodes,
     joined by this process."""
     cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "gcs_server_port": free_port(), "include_dashboard": False,
+        # Ray 2.60 starts its API server even without the dashboard: on a port of its own.
+        "num_cpus": 1, "gcs_server_port": free_port(), "include_dashboard": False, "dashboard_port": free_port(),
         "_system_config": {"num_workers_soft_limit": IDLE_WORKERS_PER_NODE},
     })
     nodes = [cluster.add_node(num_cpus=cpus_per_node) for _ in range(worker_nodes)]

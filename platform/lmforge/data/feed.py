@@ -35,7 +35,10 @@ class EpochStream:
         # Two read tasks per rank keep the stream ahead without starting dozens of
         # worker processes on a small machine. They reserve no CPU: when the ranks
         # hold every CPU of the cluster, reading must still go on, or training waits forever.
-        ds = ray.data.read_parquet([paths[b] for b in blocks], num_cpus=0, concurrency=2, columns=["sample_id", "tokens"])
+        # They run beside this reader where they can, so blocks need not cross nodes.
+        here = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+        ds = ray.data.read_parquet([paths[b] for b in blocks], num_cpus=0, concurrency=2, columns=["sample_id", "tokens"],
+                                   ray_remote_args={"scheduling_strategy": here})
         self._batches: Iterator = iter(ds.iter_batches(batch_format="pyarrow", batch_size=None, prefetch_batches=2))
         self.samples: dict[int, np.ndarray] = {}
 
