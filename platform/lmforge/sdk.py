@@ -221,7 +221,7 @@ class Seen:
 def _start_controller(spec: JobSpec, manifest: dict, after_failure: Optional[dict]):
     # The controller lives next to the driver, so losing a worker node never takes it along.
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    return Controller.options(runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}}, scheduling_strategy=here).remote(
+    return Controller.options(scheduling_strategy=here).remote(
         spec.model_dump(mode="json", exclude_unset=True), manifest, after_failure=after_failure
     )
 

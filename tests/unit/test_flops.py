@@ -11,9 +11,17 @@ def test_mfu_is_achieved_over_peak():
     assert mfu(flops_per_step=6e12, step_seconds=2.0, peak_per_rank=1e12, world_size=4) == pytest.approx(0.75)
 
 
-def test_flops_per_token_is_6n_plus_attention():
-    cfg = PRESETS["7b"]
-    assert cfg.flops_per_token(4096) == 6 * cfg.num_params() + 12 * 32 * 4096 * 4096
+@pytest.mark.parametrize("preset", ["7b", "1b"])
+def test_flops_per_token_is_6n_plus_attention_n_the_weights_that_multiply(preset):
+    """N counted on the built model: every weight but an untied input embedding (a
+    lookup); tied (1b), the shared matrix is the head's matmul and counts once."""
+    from lmforge.models import Transformer
+
+    cfg = PRESETS[preset]
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    multiplying = sum(p.numel() for name, p in model.named_parameters() if cfg.tie_embeddings or not name.startswith("tok_embeddings"))
+    assert cfg.flops_per_token(4096) == 6 * multiplying + 12 * cfg.n_layers * cfg.dim * 4096
 
 
 def test_cpu_peak_is_measured_in_the_jobs_precision_and_plausible():

@@ -22,7 +22,6 @@ import ray
 
 from lmforge.cluster import placement
 from lmforge.cluster.capacity import Capacity
-from lmforge.cluster.runtime import WORKER_ENV
 from lmforge.cluster.worker import Worker
 from lmforge.errors import CheckpointWritesFailing, Diverged, OutOfMemory, TrainingFailed, UserError
 from lmforge.guards.oom import with_smaller_micro_batch
@@ -237,8 +236,7 @@ class Controller:
         for rank in range(world):
             self._workers.append(
                 Worker.options(
-                    num_cpus=cpus, num_gpus=gpus, scheduling_strategy=self._capacity.slots.strategy(rank // tp),
-                    runtime_env={"env_vars": WORKER_ENV}, name=None,
+                    num_cpus=cpus, num_gpus=gpus, scheduling_strategy=self._capacity.slots.strategy(rank // tp), name=None,
                 ).remote(rank, world)
             )
 

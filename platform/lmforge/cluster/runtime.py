@@ -13,7 +13,8 @@ import ray
 
 from lmforge.errors import UserError
 
-# Rank processes must not oversubscribe the cores; torch reads this at import.
+# Rank processes must not oversubscribe the cores; torch reads this at import
+# (each Worker sets it before importing torch).
 WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 

@@ -40,8 +40,10 @@ class ModelConfig:
         return self.n_layers * block + embed + head + d
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: 6N plus attention (PaLM appendix B)."""
-        return 6 * self.num_params() + 12 * self.n_layers * self.dim * seq_len
+        """Training FLOPs per token: 6N plus attention (PaLM appendix B), N the weights
+        that multiply: an untied input embedding is a lookup, not a matmul."""
+        multiplying = self.num_params() - (0 if self.tie_embeddings else self.vocab_size * self.dim)
+        return 6 * multiplying + 12 * self.n_layers * self.dim * seq_len
 
     def as_dict(self) -> dict:
         return asdict(self)
