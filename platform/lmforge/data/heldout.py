@@ -53,7 +53,8 @@ def _made_with(held: dict | None) -> str:
 
 
 class HeldOutBatches:
-    """One rank's micro-batches of each held-out global batch, read when asked."""
+    """One rank's micro-batches of each held-out global batch: read at the first
+    evaluation and kept (this rank's share of a few batches), not read again at every one."""
 
     def __init__(self, data_path: str, manifest: dict, layout: BatchLayout, dp_rank: int, batches: int):
         held = manifest["eval"]
@@ -61,15 +62,21 @@ class HeldOutBatches:
         self.shards = held["shards"]
         self.shard_samples, self.width = manifest["shard_samples"], manifest["seq_len"] + 1
         self.layout, self.dp_rank, self.batches = layout, dp_rank, batches
+        self._read: list[np.ndarray] | None = None
 
     def __iter__(self):
-        """Yields tokens [accum, micro, seq_len+1] for each global batch in turn."""
+        """Tokens [accum, micro, seq_len+1] for each global batch in turn."""
+        if self._read is None:
+            self._read = list(self._read_batches())
+        return iter(self._read)
+
+    def _read_batches(self):
         cached: dict[int, np.ndarray] = {}  # one shard at a time: batches read them in order
         for batch in range(self.batches):
             first, count = self.layout.rank_positions(batch, self.dp_rank)
             rows = [self._shard(first // self.shard_samples + k, cached) for k in range(self._spanned(first, count))]
             offset = first % self.shard_samples
-            tokens = np.concatenate(rows)[offset : offset + count]
+            tokens = np.concatenate(rows)[offset : offset + count].copy()  # not a view keeping whole shards
             yield tokens.reshape(self.layout.accum, self.layout.micro_batch, self.width)
 
     def _spanned(self, first: int, count: int) -> int:
