@@ -71,20 +71,10 @@ class HeldOutBatches:
         return iter(self._read)
 
     def _read_batches(self):
-        cached: dict[int, np.ndarray] = {}  # one shard at a time: batches read them in order
+        # The batches are the split's first samples: read those shards, keep this rank's rows.
+        shards = self.shards[: -(-self.batches * self.layout.global_batch // self.shard_samples)]
+        table = pq.read_table([str(self.directory / shard["file"]) for shard in shards], columns=["tokens"])
+        rows = table.column("tokens").combine_chunks().flatten().to_numpy().reshape(-1, self.width)
         for batch in range(self.batches):
             first, count = self.layout.rank_positions(batch, self.dp_rank)
-            rows = [self._shard(first // self.shard_samples + k, cached) for k in range(self._spanned(first, count))]
-            offset = first % self.shard_samples
-            tokens = np.concatenate(rows)[offset : offset + count].copy()  # not a view keeping whole shards
-            yield tokens.reshape(self.layout.accum, self.layout.micro_batch, self.width)
-
-    def _spanned(self, first: int, count: int) -> int:
-        return (first + count - 1) // self.shard_samples - first // self.shard_samples + 1
-
-    def _shard(self, index: int, cached: dict) -> np.ndarray:
-        if index not in cached:
-            cached.clear()
-            table = pq.read_table(self.directory / self.shards[index]["file"], columns=["tokens"])
-            cached[index] = table.column("tokens").combine_chunks().flatten().to_numpy().reshape(-1, self.width)
-        return cached[index]
+            yield rows[first : first + count].reshape(self.layout.accum, self.layout.micro_batch, self.width).copy()

@@ -1,7 +1,8 @@
 """What `data prepare` can refuse before Ray starts and before anything is written:
 the sequence length, the source and the held-out source (there, supported, their
-text column, large enough for one sample), the held-out share, and a given tokenizer (readable, an end-of-document token, a vocabulary
-the model can hold). Messages name the flag the user typed, or else the job field.
+text column, large enough for one sample), the held-out share, and a given
+tokenizer (readable, an end-of-document token, a vocabulary the model can hold).
+Messages name the flag the user typed, or else the job field.
 """
 
 from __future__ import annotations

@@ -100,15 +100,14 @@ def _pack(ds: ray.data.Dataset, route, opts: PrepareOptions, progress, task) -> 
     """Streams tokenized documents in order into the split `route(index)` picks."""
     index = 0
     for batch in ds.iter_batches(batch_size=64, batch_format="numpy"):
-        chosen: dict[int, tuple[Split, list]] = {}
+        chosen: dict[Split, list] = {}
         for ids, bad in zip(batch["ids"], batch["bad"]):
             if bad:
                 opts.skipped += 1
             else:
-                split = route(index)
-                chosen.setdefault(id(split), (split, []))[1].append(ids)
+                chosen.setdefault(route(index), []).append(ids)
             index += 1
-        for split, docs in chosen.values():
+        for split, docs in chosen.items():
             split.add(docs)
         if progress is not None:
             progress.update(task, advance=len(batch["bad"]))
