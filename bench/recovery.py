@@ -46,7 +46,7 @@ from lmforge import sdk  # noqa: E402
 from lmforge.data.corpus import stdlib_files  # noqa: E402
 from lmforge.data.prepare import PrepareOptions, prepare_dataset  # noqa: E402
 from lmforge.models.config import PRESETS  # noqa: E402
-from lmforge.models.llama import build_model  # noqa: E402
+from lmforge.models.build import build_model  # noqa: E402
 from lmforge.spec import spec_from_dict  # noqa: E402
 
 STEPS, INTERVAL, GLOBAL_BATCH, MICRO_BATCH, SEQ, VOCAB = 60, 10, 8, 2, 32, 512

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from hf_models import LAYOUTS
+
 REPO = Path(__file__).resolve().parents[1]
 pytest_plugins = ["suite_timing"]
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -88,6 +90,24 @@ def tiny_dataset(ray_session, tiny_corpus, tmp_path_factory) -> Path:
     # One document in ten held out: the held-out split that `eval` measures.
     prepare_dataset(PrepareOptions(source=str(tiny_corpus), out=str(out), seq_len=32, vocab_size=512, eval_fraction=0.1, show_progress=False))
     return out
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(tmp_path_factory) -> Path:
+    """A directory with a tokenizer.json and tokenizer_config.json trained here."""
+    from hf_models import make_tokenizer
+
+    return make_tokenizer(tmp_path_factory.mktemp("hf-tokenizer"))
+
+
+@pytest.fixture(scope="session", params=list(LAYOUTS))
+def hf_llama(request, tmp_path_factory, hf_tokenizer):
+    """(a random LlamaForCausalLM made by transformers, the directory it saved itself
+    to with the tokenizer), for each of `hf_models.LAYOUTS`."""
+    from hf_models import make_hf_model
+
+    out = tmp_path_factory.mktemp(request.param)
+    return make_hf_model(out, request.param, hf_tokenizer), out
 
 
 def tiny_job(tmp_path: Path, data_path: Path, **sections) -> dict:

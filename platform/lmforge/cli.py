@@ -40,9 +40,27 @@ def _parser() -> argparse.ArgumentParser:
     prep.add_argument("--address")
     prep.add_argument("--no-progress", action="store_true")
 
-    export = sub.add_parser("export", help="write a checkpoint's weights as model.safetensors + config.json")
-    export.add_argument("checkpoint", help="a committed step directory, e.g. runs/NAME/checkpoints/step_00000100")
+    export = sub.add_parser("export", help="write a model directory (config.json, model.safetensors, tokenizer) from a checkpoint")
+    export.add_argument("checkpoint", help="a committed step directory (e.g. runs/NAME/checkpoints/step_00000100), an lmforge export or a Hugging Face Llama directory")
     export.add_argument("--out", required=True, help="new directory to write (usable as model.init_from)")
+    export.add_argument("--format", default="lmforge", help="lmforge (default) or hf: a directory transformers loads with no custom code")
+    export.add_argument("--dtype", default="fp32", help="fp32 (default), bf16 or fp16")
+    export.add_argument("--tokenizer", help="tokenizer.json to ship (default: the dataset's the checkpoint was trained on)")
+
+    gen = sub.add_parser("generate", help="generate text from a model: a checkpoint, an lmforge export or a Hugging Face directory")
+    gen.add_argument("model", help="a committed step directory, an lmforge export or a Hugging Face Llama directory")
+    gen.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=1.0, help="0: greedy (default 1.0)")
+    gen.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="sample among the most likely tokens holding this much probability")
+    gen.add_argument("--repetition-penalty", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, help="make sampling repeatable")
+    gen.add_argument("--stop", action="append", default=[], help="a string that ends the answer (repeatable)")
+    gen.add_argument("--tokenizer", help="tokenizer.json (default: the model's, or its dataset's)")
+    gen.add_argument("--device", help="cpu or cuda (default: cuda when there is one)")
+    gen.add_argument("--dtype", default="fp32", help="fp32 (default), bf16 or fp16")
+    gen.add_argument("--json", action="store_true", help="print one JSON object per prompt: text, tokens, logprobs, finish_reason")
 
     plan = sub.add_parser("plan", help="per-rank memory breakdown of a job, and the layouts that fit a cluster")
     plan.add_argument("job", help="job YAML file")
@@ -136,10 +154,35 @@ def _cmd_train(args) -> int:
 
 
 def _cmd_export(args) -> int:
-    from lmforge.checkpoint.export import export_checkpoint
+    from lmforge.checkpoint.export import export_model
 
-    result = export_checkpoint(args.checkpoint, args.out)
-    print(f"exported step {result['step']} ({result['format']}, {result['parameters']:,} parameters) -> {result['out']}", file=sys.stderr)
+    result = export_model(args.checkpoint, args.out, fmt=args.format, dtype=args.dtype, tokenizer=args.tokenizer)
+    what = f"step {result['step']}" if result["step"] is not None else f"a {result['from']} model"
+    print(f"exported {what} as {result['format']} {args.dtype} ({result['parameters']:,} parameters"
+          f"{', with its tokenizer' if result['tokenizer'] else ', no tokenizer'}) -> {result['out']}", file=sys.stderr)
+    return 0
+
+
+GENERATE_FLAGS = {key: "--" + key.replace("_", "-") for key in ("max_new_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "stop", "prompt")}
+
+
+def _cmd_generate(args) -> int:
+    from lmforge.inference.generate import Generator
+    from lmforge.inference.sampling import SamplingParams
+    from lmforge.sdk import default_device
+
+    params = SamplingParams(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop,
+    )
+    params.check(GENERATE_FLAGS)  # before the model loads
+    generator = Generator.load(args.model, args.device or default_device(), args.dtype, args.tokenizer)
+    for prompt, result in zip(args.prompt, generator.generate(args.prompt, params, GENERATE_FLAGS)):
+        if args.json:
+            print(json.dumps({"prompt": prompt} | result.as_dict()))
+        else:
+            print(prompt + result.text)
+            print(f"[{len(result.tokens)} tokens, {result.finish_reason}]", file=sys.stderr)
     return 0
 
 
@@ -159,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
 
             print(__version__)
             return 0
-        commands = {"data": _cmd_prepare, "export": _cmd_export, "plan": _cmd_plan, "train": _cmd_train}
+        commands = {"data": _cmd_prepare, "export": _cmd_export, "generate": _cmd_generate, "plan": _cmd_plan, "train": _cmd_train}
         return commands[args.command](args)
     except UserError as err:
         print(f"lmforge: error: {err}", file=sys.stderr)

@@ -18,8 +18,9 @@ from lmforge.data.heldout import check_held_out
 from lmforge.data.identity import describe, order_changes, order_inputs
 from lmforge.data.precheck import check_before_ray
 from lmforge.data.prepare import MANIFEST, PrepareOptions, read_manifest
+from lmforge.data.tokenizer import load_tokenizer
 from lmforge.errors import UserError
-from lmforge.models.weights import read_config
+from lmforge.models.weights import open_model_dir
 from lmforge.planner.fit import check_fits
 from lmforge.spec import JobSpec
 
@@ -79,15 +80,23 @@ def check_resume_order(spec: JobSpec, manifest: dict, ckpt: CommittedCheckpoint)
     return changes
 
 
-def check_init_from(spec: JobSpec) -> None:
+def check_init_from(spec: JobSpec, manifest: Optional[dict]) -> None:
+    """The directory's weights are whole and of the job's shape; a dataset for a model
+    that brings its tokenizer was tokenized with that vocabulary."""
     try:
-        saved = read_config(spec.model.init_from)
+        model_dir = open_model_dir(spec.model.init_from)
     except ValueError as err:
         raise UserError(f"model.init_from: {err}") from None
-    wanted = spec.model_arch.as_dict()
+    saved, wanted = model_dir.cfg.as_dict(), spec.model_arch.as_dict()
     changed = sorted(k for k in wanted if saved.get(k) != wanted[k])
     if changed:
         raise UserError(f"model.init_from: {spec.model.init_from} holds a model of a different shape (differs in {', '.join(changed)})")
+    # The dataset's tokenizer, or the one preparing it will use (the model's, unless data.tokenizer says otherwise).
+    dataset_tokenizer = Path(spec.data.path) / manifest["tokenizer"]["file"] if manifest else PrepareOptions.for_job(spec).tokenizer
+    if dataset_tokenizer and model_dir.tokenizer_file is not None:
+        if load_tokenizer(dataset_tokenizer).get_vocab() != load_tokenizer(model_dir.tokenizer_file).get_vocab():
+            raise UserError(f"data.path: {spec.data.path} was tokenized with another vocabulary than model.init_from's "
+                            f"{model_dir.tokenizer_file}; prepare the dataset with data.tokenizer: {model_dir.tokenizer_file}")
 
 
 def check_deepspeed(spec: JobSpec) -> None:
@@ -127,7 +136,7 @@ def preflight(spec: JobSpec) -> Plan:
     if spec.resources.memory_per_worker:
         check_fits(spec, spec.resources.memory_per_worker, "resources.memory_per_worker")
     if spec.model.init_from:
-        check_init_from(spec)
+        check_init_from(spec, manifest)
     store = CheckpointStore(spec.checkpoint_dir)
     store.check_usable()
     ckpt = store.latest() if spec.checkpoint.resume else None

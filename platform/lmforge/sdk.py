@@ -1,8 +1,10 @@
-"""The Python API: `prepare()` a dataset and `train()` a job, from a script or a notebook.
+"""The Python API: `prepare()` a dataset, `train()` a job and `generate()` text, from a
+script or a notebook.
 
     from lmforge import sdk
     spec = sdk.load("jobs/quickstart.yaml", overrides=["train.max_steps=20"])
     summary = sdk.train(spec)
+    sdk.generate("runs/quickstart/checkpoints/step_00000200", "def main(", max_new_tokens=32)
 
 The CLI is a thin layer over these functions.
 """
@@ -43,6 +45,31 @@ def prepare(opts: PrepareOptions, address: Optional[str] = None) -> dict:
     finally:
         if started:
             ray.shutdown()
+
+
+def generate(model, prompts, device: Optional[str] = None, dtype: str = "fp32", tokenizer: Optional[str] = None, **sampling) -> list[dict]:
+    """Generate from `model`: a path (committed checkpoint, lmforge export or Hugging
+    Face directory) or a loaded `lmforge.inference.generate.Generator` (load it once
+    with `Generator.load` to generate many times). `prompts`: a string or a list of
+    them; `sampling`: the fields of `SamplingParams` (max_new_tokens, temperature,
+    top_k, top_p, repetition_penalty, seed, stop). One dict per prompt: text, tokens,
+    logprobs, finish_reason."""
+    from lmforge.inference.generate import Generator
+    from lmforge.inference.sampling import SamplingParams
+
+    unknown = sorted(set(sampling) - set(SamplingParams.__dataclass_fields__))
+    if unknown:
+        raise UserError(f"generate: unknown option {unknown[0]}; the options are {', '.join(SamplingParams.__dataclass_fields__)}")
+    if not isinstance(model, Generator):
+        model = Generator.load(str(model), device or default_device(), dtype, tokenizer)
+    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+    return [result.as_dict() for result in model.generate(prompts, SamplingParams(**sampling))]
+
+
+def default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _check_capacity(spec: JobSpec, total: Optional[dict] = None) -> None:

@@ -13,12 +13,12 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from lmforge import spec_rules as rules
 from lmforge.deepspeed_config import inline_config_file
 from lmforge.errors import UserError
-from lmforge.models.config import PRESETS, ModelConfig
+from lmforge.models.config import PRESETS, ModelConfig, read_model_config
 from lmforge.sizes import parse_size
 
 
@@ -36,7 +36,20 @@ class ModelSpec(_Section):
     ffn_hidden: Optional[int] = Field(None, gt=0)
     max_seq_len: Optional[int] = Field(None, gt=0)
     tie_embeddings: Optional[bool] = None
-    init_from: Optional[str] = Field(None, description="start from weights exported by `lmforge export` (unless resuming)")
+    init_from: Optional[str] = Field(
+        None, description="start from a model directory (an `lmforge export`, or a Hugging Face Llama); unless resuming. "
+        "Without a preset, the model's shape is the directory's"
+    )
+    _init_shape: Optional[ModelConfig] = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _shape_of_init_from(self) -> "ModelSpec":
+        if self.init_from and "preset" not in self.model_fields_set:
+            try:
+                self._init_shape = read_model_config(self.init_from)[1]
+            except ValueError as err:
+                raise ValueError(f"model.init_from: {err}") from None
+        return self
 
     @field_validator("preset")
     @classmethod
@@ -47,7 +60,7 @@ class ModelSpec(_Section):
 
     def resolve(self) -> ModelConfig:
         overrides = self.model_dump(exclude={"preset", "init_from"})
-        return PRESETS[self.preset].with_overrides(**overrides)
+        return (self._init_shape or PRESETS[self.preset]).with_overrides(**overrides)
 
 
 class ParallelSpec(_Section):

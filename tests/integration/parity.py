@@ -61,7 +61,8 @@ class Launches:
     launches as their dependencies allow, each launch when a test first asks for one
     of its cases. Options: `steps`, `save_at` (save a checkpoint after that step),
     `load` (continue from the named case's checkpoint), `export` (start from the named
-    case's checkpoint exported by the real `lmforge export` CLI; with `skip_steps`).
+    case's checkpoint exported by the real `lmforge export` CLI, in `export_format`,
+    lmforge's by default; with `skip_steps`).
     The cases of one world size share a launch, except that a case which needs
     another case's checkpoint runs in a launch after the one that saves it."""
 
@@ -69,7 +70,7 @@ class Launches:
         self.table, self.tmp = table, tmp
         self.results: dict[str, dict] = {}
         self.failed: dict[tuple, str] = {}
-        self.exported: dict[str, Path] = {}
+        self.exported: dict[tuple[str, str], Path] = {}
         self._running: set[tuple] = set()
 
     def __call__(self, name: str) -> dict:
@@ -119,18 +120,29 @@ class Launches:
         if "load" in options:
             case["load"] = str(self.checkpoint(options["load"]))
         if "export" in options:
-            case["overrides"].append(f"model.init_from={self._export(options['export'])}")
+            case["overrides"].append(f"model.init_from={self._export(options['export'], options.get('export_format', 'lmforge'))}")
         return case
 
-    def _export(self, name: str) -> Path:
-        if name not in self.exported:
+    def _export(self, name: str, fmt: str) -> Path:
+        if (name, fmt) not in self.exported:
             step = self.table[name][2]["save_at"]
-            out = self.tmp / f"{name}-export"
-            result = subprocess.run([sys.executable, "-m", "lmforge", "export", str(self.checkpoint(name) / f"step_{step:08d}"), "--out", str(out)],
-                                    capture_output=True, text=True, timeout=300)
+            out = self.tmp / f"{name}-export-{fmt}"
+            cmd = [sys.executable, "-m", "lmforge", "export", str(self.checkpoint(name) / f"step_{step:08d}"), "--out", str(out), "--format", fmt]
+            if fmt == "hf":  # the runs' batches are synthetic: a Hugging Face directory still ships a tokenizer
+                cmd += ["--tokenizer", str(self._tokenizer())]
+            result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
             assert result.returncode == 0, result.stderr
-            self.exported[name] = out
-        return self.exported[name]
+            self.exported[name, fmt] = out
+        return self.exported[name, fmt]
+
+
+    def _tokenizer(self) -> Path:
+        from lmforge.data.tokenizer import train_bpe
+
+        path = self.tmp / "tokenizer.json"
+        if not path.exists():
+            train_bpe(["synthetic batches have no text of their own"], vocab_size=300).save(str(path))
+        return path
 
 
 def _torchrun(nproc: int) -> list[str]:

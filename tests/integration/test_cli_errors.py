@@ -231,7 +231,7 @@ def test_export_of_an_uncommitted_directory(tmp_path):
 def test_init_from_a_directory_that_is_not_an_export(tmp_path, tiny_dataset):
     job = tiny_job(tmp_path, tiny_dataset, model={"preset": "tiny", "vocab_size": 512, "init_from": str(tmp_path)})
     result = run_cli("train", str(write_job(tmp_path, job)), cwd=tmp_path)
-    assert_clean_error(result, "model.init_from:", "is not an exported model (needs config.json and model.safetensors)")
+    assert_clean_error(result, "model.init_from:", "not a model directory (no config.json)")
     assert nothing_written(tmp_path)
 
 

@@ -41,8 +41,9 @@ CASES = {
     **{f"zero{stage}-save": (2, zero(stage), {"save_at": 3}) for stage in (0, 2, 3)},
     # ... continued on another dp size (ZeRO partitions through DeepSpeed's universal checkpoint) ...
     **{f"zero{stage}-on-dp{dp}": (dp, zero(stage), {"load": f"zero{stage}-save"}) for stage, dp in ((0, 1), (2, 1), (3, 4))},
-    # ... or exported by the CLI, and the other engine started from the export on step 4's batch.
-    "deepspeed-from-native": (2, ENGINES["deepspeed"], {"export": "native-save", "skip_steps": 3}),
+    # ... or exported by the CLI (native's as a Hugging Face directory), and the other
+    # engine started from the export on step 4's batch.
+    "deepspeed-from-native": (2, ENGINES["deepspeed"], {"export": "native-save", "export_format": "hf", "skip_steps": 3}),
     "native-from-deepspeed": (2, ENGINES["native"], {"export": "zero3-save", "skip_steps": 3}),
 }
 
@@ -112,11 +113,15 @@ def test_bf16_is_close_to_fp32(native_dp2, runs):
 
 @pytest.mark.parametrize("source, target", [("native", "deepspeed"), ("deepspeed", "native")])
 def test_exported_weights_move_between_engines(runs, source, target):
-    """Trained 6 steps saving at 3; step 3 exported with the CLI; the other engine
-    started from the export on step 4's batch computes step 4's loss."""
-    saved = "native-save" if source == "native" else "zero3-save"
+    """Trained 6 steps saving at 3; step 3 exported with the CLI (native's as a Hugging
+    Face directory: the q/k rows permuted there and back); the other engine started
+    from the export on step 4's batch computes step 4's loss."""
+    saved, fmt = ("native-save", "hf") if source == "native" else ("zero3-save", "lmforge")
     continued = runs(f"{target}-from-{source}")["losses"]
-    assert sorted(p.name for p in runs.exported[saved].iterdir()) == ["config.json", "model.safetensors"]
+    # No dataset behind these runs, so only the Hugging Face export (given --tokenizer) ships one.
+    hf_only = ["generation_config.json", "tokenizer.json", "tokenizer_config.json"] if fmt == "hf" else []
+    files = sorted(["config.json", "model.safetensors", *hf_only])
+    assert sorted(p.name for p in runs.exported[saved, fmt].iterdir()) == files
     assert continued[0] == pytest.approx(runs(saved)["losses"][3], rel=1e-5)
 
 

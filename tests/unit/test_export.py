@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from lmforge.checkpoint.export import export_checkpoint
+from lmforge.checkpoint.export import export_model
 from lmforge.checkpoint.store import CheckpointStore
 from lmforge.engines.deepspeed import CHECKPOINT_TAG
 from lmforge.errors import UserError
@@ -22,6 +22,6 @@ def test_a_tampered_deepspeed_file_is_refused_before_unpickling(tmp_path):
     store.commit(3, store.digest(3, store.files(3)))
     pickle.write_bytes(b"X" + pickle.read_bytes()[1:])
     with pytest.raises(UserError, match="mp_rank_00_model_states.pt: does not match its checksum in commit.json; refusing to unpickle it"):
-        export_checkpoint(step_dir, tmp_path / "out")
+        export_model(step_dir, tmp_path / "out")
     assert not (tmp_path / "out").exists()
     assert json.loads((step_dir / "state.json").read_text())["step"] == 3

@@ -9,7 +9,7 @@ import torch
 
 from lmforge.memory.activations import Shape, kv_cache_bytes, stage_bytes
 from lmforge.models.config import ModelConfig
-from lmforge.models.llama import build_model
+from lmforge.models.build import build_model
 from lmforge.parallel.checkpointing import apply_activation_checkpointing
 
 SHAPES = [

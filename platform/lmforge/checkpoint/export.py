@@ -1,85 +1,113 @@
-"""Export a committed checkpoint of either engine as consolidated fp32 weights in
-lmforge's model format (see `lmforge.models.weights`), in one process.
+"""`lmforge export`: a model from a committed checkpoint of either engine, an lmforge
+model directory or a Hugging Face Llama directory, written as a model directory in
+lmforge's format (the default) or Hugging Face's, with its tokenizer.
 
-Native checkpoints are read with DCP (no process group needed); DeepSpeed ones
-with DeepSpeed's zero_to_fp32, after their checksums are verified against the
-commit record, since DeepSpeed's files are pickles.
+`open_source` is also how generation and teachers find a model and its tokenizer.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Optional
 
 import torch
-import torch.distributed.checkpoint as dcp
 
-from lmforge.checkpoint.store import COMMIT, STATE, CheckpointStore
+from lmforge.checkpoint.consolidate import committed_state, is_checkpoint, read_checkpoint
+from lmforge.data.tokenizer import end_of_text_token, tokenizer_files
 from lmforge.errors import UserError
-from lmforge.models import ModelConfig, Transformer
-from lmforge.models.weights import clean_name, save_weights, weight_names
+from lmforge.models import ModelConfig
+from lmforge.models.hf import DTYPES
+from lmforge.models.weights import open_model_dir, write_model_dir
+
+FORMATS = ("lmforge", "hf")
 
 
-def export_checkpoint(step_dir: str | os.PathLike, out: str | os.PathLike) -> dict:
-    """Returns what was written: {'out', 'step', 'format', 'parameters'}."""
-    step_dir = Path(step_dir)
+@dataclass
+class ModelSource:
+    """A model found at a path: its shape, a way to read its weights (lmforge's names
+    and layout) and, when it has one, its tokenizer."""
+
+    path: Path
+    kind: str  # "checkpoint", "lmforge" or "hf"
+    cfg: ModelConfig
+    read_tensors: Callable[[], dict[str, torch.Tensor]]
+    tokenizer_json: Optional[str] = None  # the tokenizer.json text
+    eos_token: Optional[str] = None
+    record: dict = field(default_factory=dict)  # what an lmforge export says it came from
+
+    def tokenizer(self):
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_str(self.tokenizer_json) if self.tokenizer_json else None
+
+
+def open_source(path: str | os.PathLike, tokenizer: Optional[str] = None, name: str = "MODEL") -> ModelSource:
+    """`name` is what the user typed the path as, for messages; `tokenizer` a
+    tokenizer.json that replaces the one found beside the model."""
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"{name}: {path} does not exist")
+    if is_checkpoint(path):
+        source = _checkpoint_source(path)
+    else:
+        try:
+            model_dir = open_model_dir(path)
+        except ValueError as err:
+            raise UserError(f"{name}: {err}") from None
+        source = ModelSource(path, model_dir.format, model_dir.cfg, model_dir.tensors, record={"model_dir": str(path), "format": model_dir.format})
+        if model_dir.tokenizer_file:
+            source.tokenizer_json, source.eos_token = model_dir.tokenizer_file.read_text(), end_of_text_token(model_dir.tokenizer_file)
+    if tokenizer:
+        if not Path(tokenizer).is_file():
+            raise UserError(f"--tokenizer: {tokenizer} does not exist")
+        source.tokenizer_json, source.eos_token = Path(tokenizer).read_text(), end_of_text_token(tokenizer)
+    return source
+
+
+def _checkpoint_source(step_dir: Path) -> ModelSource:
+    loaded = {}
+
+    def read_tensors():
+        if not loaded:
+            loaded.update(read_checkpoint(step_dir)[1])
+        return loaded
+
+    state = committed_state(step_dir)
+    source = ModelSource(step_dir, "checkpoint", ModelConfig(**state["model"]), read_tensors,
+                         record={"checkpoint": str(step_dir), "step": state["step"], "format": state.get("format", "dcp")})
+    dataset = Path(state.get("data_path") or "")
+    manifest = dataset / "manifest.json"
+    if manifest.is_file():  # the tokenizer of the dataset it was trained on
+        try:
+            entry = json.loads(manifest.read_text())["tokenizer"]
+            source.tokenizer_json = (dataset / entry["file"]).read_text()
+        except (OSError, ValueError, KeyError) as err:
+            raise UserError(f"{manifest}: the dataset the checkpoint was trained on has no readable tokenizer ({err})") from None
+        source.eos_token = source.tokenizer().id_to_token(entry["eos_id"])
+    return source
+
+
+def export_model(source_path: str | os.PathLike, out: str | os.PathLike, fmt: str = "lmforge", dtype: str = "fp32",
+                 tokenizer: Optional[str] = None) -> dict:
+    """Returns what was written: {'out', 'format', 'from', 'parameters', 'tokenizer'}."""
+    if fmt not in FORMATS:
+        raise UserError(f"--format: {fmt!r} is not one of {', '.join(FORMATS)}")
+    if dtype not in DTYPES:
+        raise UserError(f"--dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
     if Path(out).exists():
         raise UserError(f"--out: {out} already exists")
-    state = _committed_state(step_dir)
-    cfg = ModelConfig(**state["model"])
-    fmt = state.get("format", "dcp")
-    tensors = _read_dcp(step_dir, cfg) if fmt == "dcp" else _read_deepspeed(step_dir)
-    names = weight_names(cfg)
-    missing = sorted(set(names) - set(tensors))
-    if missing:
-        raise UserError(f"{step_dir}: the checkpoint lacks {', '.join(missing[:3])} for its model")
-    tensors = {name: tensors[name] for name in names}
-    save_weights(out, cfg, tensors, source={"checkpoint": str(step_dir), "step": state["step"], "format": fmt})
-    return {"out": str(out), "step": state["step"], "format": fmt, "parameters": sum(t.numel() for t in tensors.values())}
-
-
-def _committed_state(step_dir: Path) -> dict:
-    if not (step_dir / COMMIT).is_file():
-        raise UserError(f"{step_dir}: not a committed checkpoint (no {COMMIT}); pass a step_XXXXXXXX directory")
-    try:
-        state = json.loads((step_dir / STATE).read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise UserError(f"{step_dir / STATE}: unreadable ({err})") from None
-    if "model" not in state:
-        raise UserError(f"{step_dir / STATE}: records no model shape")
-    return state
-
-
-def _read_dcp(step_dir: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    model = Transformer(cfg)  # a template on CPU: DCP fills its tensors in place
-    names = set(weight_names(cfg))
-    template = {name: tensor for name, tensor in model.state_dict().items() if name in names}
-    dcp.load({"model": template}, checkpoint_id=str(step_dir), no_dist=True)
-    return template
-
-
-def _verify(step_dir: Path, subdir: str) -> None:
-    """The commit record's checksums, as a restore checks them (same store code)."""
-    store = CheckpointStore(str(step_dir.parent))
-    step = int(json.loads((step_dir / STATE).read_text())["step"])
-    if store.step_path(step) != str(step_dir).rstrip("/"):
-        raise UserError(f"{step_dir}: its state.json is for step {step}; pass the step_XXXXXXXX directory as written")
-    bad = store.mismatches(step, [rel for rel in store.manifest(step) if rel.startswith(subdir + "/")])
-    if bad:
-        raise UserError(f"{step_dir / bad[0]}: does not match its checksum in {COMMIT}; refusing to unpickle it")
-
-
-def _read_deepspeed(step_dir: Path) -> dict[str, torch.Tensor]:
-    from lmforge.engines.deepspeed import CHECKPOINT_TAG, skip_shared_memory_op
-
-    _verify(step_dir, CHECKPOINT_TAG)
-    skip_shared_memory_op()
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    tag_dir = step_dir / CHECKPOINT_TAG
-    if any(tag_dir.glob("zero_pp_rank_*")):
-        tensors = get_fp32_state_dict_from_zero_checkpoint(str(step_dir), tag=CHECKPOINT_TAG)
-    else:  # ZeRO stage 0 keeps whole fp32 weights in the model states
-        tensors = torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
-    return {clean_name(k): v for k, v in tensors.items()}
+    source = open_source(source_path, tokenizer, name="CHECKPOINT")
+    if fmt == "hf" and source.tokenizer_json is None:
+        raise UserError(f"{source_path}: no tokenizer found (the dataset it was trained on is gone?); "
+                        "--format hf needs one: pass --tokenizer tokenizer.json")
+    tensors = source.read_tensors()
+    files, eos_id = {}, None
+    if source.tokenizer_json is not None:
+        files = tokenizer_files(source.tokenizer_json, source.eos_token, source.cfg.max_seq_len)
+        eos_id = source.tokenizer().token_to_id(source.eos_token)
+    write_model_dir(out, fmt, source.cfg, tensors, dtype=DTYPES[dtype], eos_id=eos_id, source=source.record, files=files)
+    return {"out": str(out), "format": fmt, "from": source.kind, "step": source.record.get("step"),
+            "parameters": sum(t.numel() for t in tensors.values()), "tokenizer": bool(files)}

@@ -15,7 +15,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from lmforge.data.corpus import list_files, source_kind
-from lmforge.data.tokenizer import eos_id, load_tokenizer
+from lmforge.data.tokenizer import end_of_text_token, eos_id, load_tokenizer
 from lmforge.errors import UserError
 
 JOB_FIELDS = {
@@ -45,7 +45,7 @@ def check_before_ray(opts) -> tuple[list[str], list[str]]:
     if opts.tokenizer:
         with _named("data.tokenizer", name("tokenizer")):
             tokenizer = load_tokenizer(opts.tokenizer)
-            eos_id(tokenizer)
+            eos_id(tokenizer, end_of_text_token(opts.tokenizer))
         vocab = tokenizer.get_vocab_size()
         if opts.model_vocab_size is not None and vocab > opts.model_vocab_size:
             raise UserError(f"{name('tokenizer')}: {opts.tokenizer} has a vocabulary of {vocab}, larger than model.vocab_size {opts.model_vocab_size}")

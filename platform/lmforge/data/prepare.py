@@ -25,7 +25,7 @@ from tokenizers import Tokenizer
 from lmforge.data.corpus import read_documents
 from lmforge.data.packing import Packer, ShardWriter, held_out
 from lmforge.data.precheck import check_before_ray
-from lmforge.data.tokenizer import eos_id, load_tokenizer, tokenizer_sha256, train_bpe
+from lmforge.data.tokenizer import end_of_text_token, eos_id, load_tokenizer, tokenizer_sha256, train_bpe
 from lmforge.errors import UserError
 
 MANIFEST = "manifest.json"
@@ -53,7 +53,7 @@ class PrepareOptions:
     def for_job(cls, spec, **given) -> "PrepareOptions":
         """The job's data section (and `given` values, e.g. from flags)."""
         values = {
-            "source": spec.data.source, "out": spec.data.path, "seq_len": spec.train.seq_len, "tokenizer": spec.data.tokenizer,
+            "source": spec.data.source, "out": spec.data.path, "seq_len": spec.train.seq_len, "tokenizer": spec.data.tokenizer or _model_tokenizer(spec),
             "vocab_size": spec.data.vocab_size, "text_column": spec.data.text_column, "shard_samples": spec.data.shard_samples,
             "eval_fraction": spec.data.eval_fraction, "eval_source": spec.eval.source if spec.eval else None,
             "model_vocab_size": spec.model_arch.vocab_size,
@@ -65,6 +65,12 @@ class PrepareOptions:
         from lmforge.data.precheck import JOB_FIELDS
 
         return self.names.get(key, JOB_FIELDS[key])
+
+
+def _model_tokenizer(spec) -> Optional[str]:
+    """The tokenizer.json of the model the job starts from (`model.init_from`), if it has one."""
+    found = spec.model.init_from and Path(spec.model.init_from) / "tokenizer.json"
+    return str(found) if found and found.is_file() else None
 
 
 def _tokenize_batch(batch: dict, tokenizer_json: str) -> dict:
@@ -141,7 +147,7 @@ def prepare_dataset(opts: PrepareOptions) -> dict:
     ctx.enable_progress_bars = False
     docs = read_documents(files, opts.text_column)
     tokenizer = _get_tokenizer(docs, opts)
-    eos = eos_id(tokenizer)
+    eos = eos_id(tokenizer, end_of_text_token(opts.tokenizer))
     tokenize = lambda ds: ds.map_batches(  # noqa: E731
         _tokenize_batch, fn_kwargs={"tokenizer_json": tokenizer.to_str()}, batch_size=32, batch_format="numpy", num_cpus=0.5
     )

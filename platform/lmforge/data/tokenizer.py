@@ -1,12 +1,14 @@
 """Tokenizers from the `tokenizers` library: load a tokenizer.json or train a byte-level BPE.
 
 The end-of-document token separates packed documents; its id is recorded in the
-dataset manifest so the trainer and any later tool agree on it.
+dataset manifest so the trainer and any later tool agree on it. A tokenizer.json
+from a Hugging Face model names its own in the `tokenizer_config.json` beside it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 from typing import Iterable
 
@@ -15,6 +17,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from lmforge.errors import UserError
 
 EOS_TOKEN = "<|endoftext|>"
+TOKENIZER_CONFIG = "tokenizer_config.json"
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
@@ -41,11 +44,38 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         raise UserError(f"data.tokenizer: {path} is not a tokenizer.json ({err})") from None
 
 
-def eos_id(tokenizer: Tokenizer) -> int:
-    token_id = tokenizer.token_to_id(EOS_TOKEN)
+def end_of_text_token(tokenizer_file: str | Path | None) -> str:
+    """The `eos_token` of the tokenizer_config.json beside a tokenizer.json, else lmforge's."""
+    if tokenizer_file is None:
+        return EOS_TOKEN
+    sidecar = Path(tokenizer_file).with_name(TOKENIZER_CONFIG)
+    try:
+        token = json.loads(sidecar.read_text()).get("eos_token") if sidecar.is_file() else None
+    except (OSError, ValueError) as err:
+        raise UserError(f"{sidecar}: unreadable ({err})") from None
+    if isinstance(token, dict):  # an AddedToken as transformers saves it
+        token = token.get("content")
+    return token or EOS_TOKEN
+
+
+def eos_id(tokenizer: Tokenizer, token: str = EOS_TOKEN) -> int:
+    token_id = tokenizer.token_to_id(token)
     if token_id is None:
-        raise UserError(f"data.tokenizer: has no {EOS_TOKEN} token to separate documents")
+        raise UserError(f"data.tokenizer: has no {token} token to separate documents")
     return token_id
+
+
+def tokenizer_files(tokenizer_json: str, eos_token: str, max_length: int) -> dict[str, str]:
+    """tokenizer.json and a tokenizer_config.json that transformers' AutoTokenizer
+    loads with no custom code (the end-of-text token as eos and bos, as in packing)."""
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": eos_token,
+        "bos_token": eos_token,
+        "model_max_length": max_length,
+        "clean_up_tokenization_spaces": False,
+    }
+    return {"tokenizer.json": tokenizer_json, TOKENIZER_CONFIG: json.dumps(config, indent=2) + "\n"}
 
 
 def tokenizer_sha256(tokenizer: Tokenizer) -> str:

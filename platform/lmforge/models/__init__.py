@@ -11,8 +11,12 @@ __all__ = ["PRESETS", "ModelConfig", "Transformer", "build_model", "materialize"
 
 
 def __getattr__(name: str):
-    if name in ("Transformer", "build_model", "materialize"):
-        from lmforge.models import llama
+    if name == "Transformer":
+        from lmforge.models.llama import Transformer
 
-        return getattr(llama, name)
+        return Transformer
+    if name in ("build_model", "materialize"):
+        from lmforge.models import build
+
+        return getattr(build, name)
     raise AttributeError(f"module 'lmforge.models' has no attribute {name!r}")

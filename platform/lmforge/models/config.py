@@ -6,7 +6,9 @@ for planning and are never materialized on a CPU.
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -57,3 +59,23 @@ PRESETS: dict[str, ModelConfig] = {
     "13b": ModelConfig(dim=5120, n_layers=40, n_heads=40, n_kv_heads=40, vocab_size=32000, ffn_hidden=13824, max_seq_len=4096),
     "70b": ModelConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=32000, ffn_hidden=28672, max_seq_len=4096),
 }
+
+
+def read_model_config(path: str | Path) -> tuple[str, ModelConfig]:
+    """("lmforge" or "hf", the shape) of a model directory, from its config.json alone;
+    ValueError naming the file."""
+    from lmforge.models.hf_config import CONFIG, config_from_hf, is_hf_dir
+
+    file = Path(path) / CONFIG
+    if not file.is_file():
+        raise ValueError(f"{path}: not a model directory (no {CONFIG})")
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{file}: unreadable ({err})") from None
+    if is_hf_dir(path):
+        return "hf", config_from_hf(config, str(file))
+    try:
+        return "lmforge", ModelConfig(**config["model"])
+    except (KeyError, TypeError) as err:
+        raise ValueError(f"{file}: neither lmforge's nor Hugging Face's model config ({err})") from None

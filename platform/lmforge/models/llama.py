@@ -1,7 +1,8 @@
 """Llama-style decoder: RMSNorm, rotary embeddings, SwiGLU, grouped-query attention.
 
 A plain `nn.Module` in the nanoGPT/TorchTitan spirit: parallelism, checkpointing
-and compilation are applied from outside by `lmforge.parallel`.
+and compilation are applied from outside by `lmforge.parallel`; generation passes
+a KV cache (`lmforge.inference.cache`) through the forward and nothing more.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmforge.models.config import ModelConfig
-from lmforge.models.weights import load_weights_into
 
 
 def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -24,10 +24,10 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Te
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[2i], x[2i+1]); x is (batch, seq, heads, head_dim)."""
+    """Rotate pairs (x[2i], x[2i+1]); x is (batch, seq, heads, head_dim), cos/sin are
+    (seq, head_dim/2) or, for per-sequence positions, (batch, seq, head_dim/2)."""
     x_even, x_odd = x.float().unflatten(-1, (-1, 2)).unbind(-1)
-    cos = cos[None, :, None, :]
-    sin = sin[None, :, None, :]
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
     rotated = torch.stack((x_even * cos - x_odd * sin, x_even * sin + x_odd * cos), dim=-1)
     return rotated.flatten(-2).type_as(x)
 
@@ -41,17 +41,23 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None) -> torch.Tensor:
         bsz, seq, _ = x.shape
         # -1 instead of the head count keeps this correct when TP shards the heads.
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)
         k = self.wk(x).view(bsz, seq, -1, self.head_dim)
         v = self.wv(x).view(bsz, seq, -1, self.head_dim)
-        # cos/sin cover max_seq_len; the sequence here may be longer than a
-        # sequence-sharded block input, so slice at the attention itself.
-        q, k = apply_rope(q, cos[:seq], sin[:seq]), apply_rope(k, cos[:seq], sin[:seq])
+        if cache is None:
+            # cos/sin cover max_seq_len; the sequence here may be longer than a
+            # sequence-sharded block input, so slice at the attention itself.
+            cos, sin = cos[:seq], sin[:seq]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        if cache is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:  # keys and values of earlier calls, and which of them each query sees
+            k, v = cache.update(k, v)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=cache.mask, enable_gqa=True)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
@@ -74,8 +80,9 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None) -> torch.Tensor:
+        # A keyword: TP's input hooks describe the positional inputs only.
+        x = x + self.attention(self.attention_norm(x), cos, sin, cache=cache)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -96,12 +103,17 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache=None) -> torch.Tensor:
+        """Logits (or a pipeline stage's activations). With a `cache`, `tokens` continue
+        the sequences it holds, at the positions it gives."""
         # A pipeline stage is this module with the parts it does not own set to
         # None (and blocks removed), so the same forward serves every stage.
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        for layer in self.layers.values():
-            h = layer(h, self.rope_cos, self.rope_sin)
+        cos, sin = self.rope_cos, self.rope_sin
+        if cache is not None:
+            cos, sin = cos[cache.positions], sin[cache.positions]
+        for name, layer in self.layers.items():
+            h = layer(h, cos, sin, cache=cache.layer(int(name)) if cache is not None else None)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h
@@ -123,25 +135,9 @@ class Transformer(nn.Module):
             scale = residual_std if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")) else std
             gen = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
             param.copy_(torch.randn(param.shape, generator=gen) * scale)
+        self.reset_rope()
+
+    def reset_rope(self) -> None:
+        """Fill the RoPE tables, in fp32 whatever the weights' dtype (model files do not hold them)."""
         cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta)
-        self.rope_cos.copy_(cos)
-        self.rope_sin.copy_(sin)
-
-
-def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", seed: int = 0, weights: str | None = None) -> Transformer:
-    """Build on the meta device (no memory), then materialize on `device`."""
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    return materialize(model, device, seed, weights)
-
-
-def materialize(model: Transformer, device: str | torch.device, seed: int, weights: str | None = None) -> Transformer:
-    """Allocate a meta-device model (or pipeline stage) on `device` and initialize it:
-    seeded, or from exported weights (a directory written by `lmforge export`)."""
-    model.to_empty(device=device)
-    if model.cfg.tie_embeddings and model.output is not None and model.tok_embeddings is not None:
-        model.output.weight = model.tok_embeddings.weight  # to_empty breaks the tie
-    model.init_weights(seed)  # also fills the RoPE tables, which exports do not hold
-    if weights:
-        load_weights_into(model, weights)
-    return model
+        self.rope_cos, self.rope_sin = cos.to(self.rope_cos.device), sin.to(self.rope_sin.device)

@@ -1,0 +1,88 @@
+"""A committed checkpoint of either engine as one process's full fp32 weights, for
+export, generation and teachers.
+
+Native checkpoints are read with DCP (no process group needed); DeepSpeed ones
+with DeepSpeed's zero_to_fp32, after their checksums are verified against the
+commit record, since DeepSpeed's files are pickles.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from lmforge.checkpoint.store import COMMIT, STATE, CheckpointStore
+from lmforge.errors import UserError
+from lmforge.models import ModelConfig, Transformer
+from lmforge.models.weights import clean_name, weight_names
+
+
+def read_checkpoint(step_dir: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor], dict]:
+    """(the model's shape, its full fp32 weights in lmforge's names, the checkpoint's state.json)."""
+    step_dir = Path(step_dir)
+    state = committed_state(step_dir)
+    cfg = ModelConfig(**state["model"])
+    fmt = state.get("format", "dcp")
+    tensors = _read_dcp(step_dir, cfg) if fmt == "dcp" else _read_deepspeed(step_dir)
+    names = weight_names(cfg)
+    missing = sorted(set(names) - set(tensors))
+    if missing:
+        raise UserError(f"{step_dir}: the checkpoint lacks {', '.join(missing[:3])} for its model")
+    return cfg, {name: tensors[name] for name in names}, state
+
+
+def is_checkpoint(path: str | os.PathLike) -> bool:
+    """A step directory, committed or not (a model directory is none)."""
+    path = Path(path)
+    return (path / COMMIT).is_file() or (path / STATE).is_file() or re.fullmatch(r"step_\d+", path.name) is not None
+
+
+def committed_state(step_dir: Path) -> dict:
+    if not (step_dir / COMMIT).is_file():
+        raise UserError(f"{step_dir}: not a committed checkpoint (no {COMMIT}); pass a step_XXXXXXXX directory")
+    try:
+        state = json.loads((step_dir / STATE).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise UserError(f"{step_dir / STATE}: unreadable ({err})") from None
+    if "model" not in state:
+        raise UserError(f"{step_dir / STATE}: records no model shape")
+    return state
+
+
+def _read_dcp(step_dir: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    model = Transformer(cfg)  # a template on CPU: DCP fills its tensors in place
+    names = set(weight_names(cfg))
+    template = {name: tensor for name, tensor in model.state_dict().items() if name in names}
+    dcp.load({"model": template}, checkpoint_id=str(step_dir), no_dist=True)
+    return template
+
+
+def _verify(step_dir: Path, subdir: str) -> None:
+    """The commit record's checksums, as a restore checks them (same store code)."""
+    store = CheckpointStore(str(step_dir.parent))
+    step = int(json.loads((step_dir / STATE).read_text())["step"])
+    if store.step_path(step) != str(step_dir).rstrip("/"):
+        raise UserError(f"{step_dir}: its state.json is for step {step}; pass the step_XXXXXXXX directory as written")
+    bad = store.mismatches(step, [rel for rel in store.manifest(step) if rel.startswith(subdir + "/")])
+    if bad:
+        raise UserError(f"{step_dir / bad[0]}: does not match its checksum in {COMMIT}; refusing to unpickle it")
+
+
+def _read_deepspeed(step_dir: Path) -> dict[str, torch.Tensor]:
+    from lmforge.engines.deepspeed import CHECKPOINT_TAG, skip_shared_memory_op
+
+    _verify(step_dir, CHECKPOINT_TAG)
+    skip_shared_memory_op()
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    tag_dir = step_dir / CHECKPOINT_TAG
+    if any(tag_dir.glob("zero_pp_rank_*")):
+        tensors = get_fp32_state_dict_from_zero_checkpoint(str(step_dir), tag=CHECKPOINT_TAG)
+    else:  # ZeRO stage 0 keeps whole fp32 weights in the model states
+        tensors = torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
+    return {clean_name(k): v for k, v in tensors.items()}

@@ -1,0 +1,144 @@
+"""Batched generation: prefill the left-padded prompts into a KV cache, then decode
+one token per sequence per step until each meets an end-of-text token, a stop
+string or `max_new_tokens`.
+
+`generate_ids` works on token ids (what distillation and serving call);
+`Generator` adds a tokenizer and loads any model lmforge can open.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from lmforge.errors import UserError
+from lmforge.inference.cache import KVCache
+from lmforge.inference.sampling import SamplingParams, next_tokens
+from lmforge.models.llama import Transformer
+
+
+@dataclass
+class Generation:
+    tokens: list[int] = field(default_factory=list)  # new tokens, an end-of-text token included
+    logprobs: list[float] = field(default_factory=list)  # of each under the model (temperature 1, no penalty)
+    finish_reason: str = "length"  # "stop": an end-of-text token or a stop string
+    text: str = ""
+
+    def as_dict(self) -> dict:
+        return {"text": self.text, "tokens": self.tokens, "logprobs": self.logprobs, "finish_reason": self.finish_reason}
+
+
+def _forward(model: Transformer, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """The next-token logits (batch, vocab) after `tokens`, which continue the cache."""
+    cache.begin(tokens.shape[1])
+    logits = model(tokens, cache)
+    cache.advance()
+    return logits[:, -1]
+
+
+@torch.no_grad()
+def generate_ids(model: Transformer, prompts: list[list[int]], params: SamplingParams, eos_ids: frozenset[int] = frozenset(),
+                 vocab: Optional[int] = None, use_cache: bool = True,
+                 stopped: Optional[Callable[[int, list[int]], bool]] = None) -> list[Generation]:
+    """`vocab`: the tokenizer's real size (a model's padded rows never sampled);
+    `use_cache=False` recomputes the whole sequence each step (the baseline the cache
+    is measured against); `stopped(row, new_tokens)` ends a row early (stop strings)."""
+    cfg, param = model.cfg, next(model.parameters())
+    device, vocab = param.device, vocab or cfg.vocab_size
+    batch, longest = len(prompts), max(len(p) for p in prompts)
+    total = longest + params.max_new_tokens
+    pad = torch.tensor([longest - len(p) for p in prompts])
+    tokens = torch.zeros(batch, total, dtype=torch.long, device=device)
+    seen = torch.zeros(batch, vocab, dtype=torch.bool, device=device)
+    for row, prompt in enumerate(prompts):
+        tokens[row, longest - len(prompt):longest] = torch.tensor(prompt)
+        seen[row, prompt] = True
+    generator = torch.Generator(device).manual_seed(params.seed) if params.seed is not None else None
+
+    def new_cache(capacity: int) -> KVCache:
+        return KVCache(cfg, pad, capacity, param.dtype, device)
+
+    cache = new_cache(total)
+    logits = _forward(model, tokens[:, :longest], cache)
+    out = [Generation() for _ in prompts]
+    running = set(range(batch))
+    for step in range(params.max_new_tokens):
+        logits = logits[:, :vocab].float()
+        chosen = next_tokens(logits, params, seen, generator)
+        logprobs = logits.log_softmax(dim=-1).gather(-1, chosen[:, None]).squeeze(-1)
+        for row, token, logprob in zip(range(batch), chosen.tolist(), logprobs.tolist()):
+            if row not in running:
+                continue
+            out[row].tokens.append(token)
+            out[row].logprobs.append(logprob)
+            if (params.stop_at_eos and token in eos_ids) or (stopped is not None and stopped(row, out[row].tokens)):
+                out[row].finish_reason = "stop"
+                running.discard(row)
+        if not running or step == params.max_new_tokens - 1:
+            break
+        position = longest + step
+        tokens[:, position] = chosen
+        seen[torch.arange(batch), chosen] = True
+        if use_cache:
+            logits = _forward(model, chosen[:, None], cache)
+        else:
+            logits = _forward(model, tokens[:, :position + 1], new_cache(position + 1))
+    return out
+
+
+class Generator:
+    """A model and its tokenizer, ready to answer text prompts."""
+
+    def __init__(self, model: Transformer, tokenizer, eos_ids: frozenset[int]):
+        self.model, self.tokenizer, self.eos_ids = model.eval(), tokenizer, eos_ids
+
+    @classmethod
+    def load(cls, path: str, device: str = "cpu", dtype: str = "fp32", tokenizer: Optional[str] = None) -> "Generator":
+        """Any model lmforge opens: a committed checkpoint, an lmforge export, a Hugging Face directory."""
+        from lmforge.checkpoint.export import open_source
+        from lmforge.models.build import build_model
+        from lmforge.models.hf import DTYPES
+
+        source = open_source(path, tokenizer)
+        if source.tokenizer_json is None:
+            raise UserError(f"MODEL: {path} has no tokenizer to turn prompts into tokens; pass --tokenizer tokenizer.json")
+        if dtype not in DTYPES:
+            raise UserError(f"--dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
+        model = build_model(source.cfg, device, weights=source.read_tensors()).to(DTYPES[dtype])
+        model.reset_rope()
+        tok = source.tokenizer()
+        return cls(model, tok, frozenset({tok.token_to_id(source.eos_token)}))
+
+    def encode(self, prompt: str, params: SamplingParams, name: str = "prompt") -> list[int]:
+        ids = self.tokenizer.encode(prompt).ids
+        context = self.model.cfg.max_seq_len
+        if not ids:
+            raise UserError(f"{name}: an empty prompt; give at least one token of text")
+        if len(ids) + params.max_new_tokens > context:
+            raise UserError(f"{name}: {len(ids)} prompt tokens and max_new_tokens {params.max_new_tokens} exceed the model's context "
+                            f"of {context} tokens")
+        return ids
+
+    def generate(self, prompts: list[str], params: SamplingParams, names: Optional[dict] = None) -> list[Generation]:
+        params.check(names)
+        prompt_ids = [self.encode(p, params, (names or {}).get("prompt", "prompt")) for p in prompts]
+        stopped = self._stop_strings(params.stop) if params.stop else None
+        results = generate_ids(self.model, prompt_ids, params, self.eos_ids, self.tokenizer.get_vocab_size(), stopped=stopped)
+        for result in results:
+            result.text = self._text(result.tokens, params.stop)
+        return results
+
+    def _stop_strings(self, stop: list[str]) -> Callable[[int, list[int]], bool]:
+        def stopped(row: int, tokens: list[int]) -> bool:
+            # Only the last tokens can complete a stop string that was not there before (a
+            # character is at most 4 byte-level tokens).
+            tail = self.tokenizer.decode(tokens[-(4 * max(map(len, stop)) + 4):])
+            return any(s in tail for s in stop)
+        return stopped
+
+    def _text(self, tokens: list[int], stop: list[str]) -> str:
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        cuts = [text.find(s) for s in stop if s in text]
+        return text[:min(cuts)] if cuts else text

@@ -1,0 +1,105 @@
+"""Hugging Face Llama weights <-> lmforge: parameter names and the rotary convention
+(HF rotates the two halves of a head, lmforge interleaved pairs, so q/k rows are
+permuted across the boundary). Read with safetensors only, never a pickle.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from lmforge.models.config import ModelConfig
+
+WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
+PICKLES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+# lmforge name (with {i} for the block) -> HF name.
+_NAMES = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "layers.{i}.attention_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    "layers.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "layers.{i}.attention.wq.weight": "model.layers.{i}.self_attn.q_proj.weight",
+    "layers.{i}.attention.wk.weight": "model.layers.{i}.self_attn.k_proj.weight",
+    "layers.{i}.attention.wv.weight": "model.layers.{i}.self_attn.v_proj.weight",
+    "layers.{i}.attention.wo.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    "layers.{i}.feed_forward.w1.weight": "model.layers.{i}.mlp.gate_proj.weight",
+    "layers.{i}.feed_forward.w2.weight": "model.layers.{i}.mlp.down_proj.weight",
+    "layers.{i}.feed_forward.w3.weight": "model.layers.{i}.mlp.up_proj.weight",
+}
+
+
+def hf_name(name: str) -> str:
+    parts = name.split(".")
+    if parts[0] == "layers":
+        return _NAMES[".".join(["layers", "{i}", *parts[2:]])].format(i=parts[1])
+    return _NAMES[name]
+
+
+def _heads(name: str, cfg: ModelConfig) -> int | None:
+    """How many rotary heads a projection's rows hold (None: not rotated)."""
+    if name.endswith("attention.wq.weight"):
+        return cfg.n_heads
+    if name.endswith("attention.wk.weight"):
+        return cfg.n_kv_heads
+    return None
+
+
+def to_hf_layout(name: str, tensor: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """Rows of each head reordered from interleaved pairs (2j, 2j+1) to halves (j, j + d/2)."""
+    heads = _heads(name, cfg)
+    if heads is None:
+        return tensor
+    return tensor.reshape(heads, cfg.head_dim // 2, 2, -1).transpose(1, 2).reshape(tensor.shape)
+
+
+def from_hf_layout(name: str, tensor: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    heads = _heads(name, cfg)
+    if heads is None:
+        return tensor
+    return tensor.reshape(heads, 2, cfg.head_dim // 2, -1).transpose(1, 2).reshape(tensor.shape)
+
+
+class HFFiles:
+    """Which file of a Hugging Face directory (one file, or shards listed in an index)
+    holds each tensor."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.files = self._files()
+
+    def locate(self, name: str) -> tuple[Path | None, str]:
+        """(the file, None when no file holds it; the HF name) of an lmforge tensor."""
+        key = hf_name(name)
+        return (self.path / self.files[key] if key in self.files else None), key
+
+    def _files(self) -> dict[str, str]:
+        if (self.path / INDEX).is_file():
+            try:
+                weight_map = json.loads((self.path / INDEX).read_text())["weight_map"]
+            except (ValueError, KeyError) as err:
+                raise ValueError(f"{self.path / INDEX}: unreadable ({err})") from None
+            absent = sorted({f for f in weight_map.values() if not (self.path / f).is_file()})
+            if absent:
+                raise ValueError(f"{self.path / INDEX}: lists the shard {absent[0]}, which is not there")
+            return weight_map
+        if not (self.path / WEIGHTS).is_file():
+            pickled = [p for p in PICKLES if (self.path / p).exists()]
+            if pickled:
+                raise ValueError(f"{self.path / pickled[0]}: a pickle, which lmforge never loads; convert it to safetensors "
+                                 "(transformers: model.save_pretrained(dir, safe_serialization=True))")
+            raise ValueError(f"{self.path}: holds neither {WEIGHTS} nor {INDEX}")
+        return {key: WEIGHTS for key in safetensors_keys(self.path / WEIGHTS)}
+
+
+def safetensors_keys(file: Path) -> set[str]:
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            return set(f.keys())
+    except Exception as err:  # safetensors raises its own error types for a bad header
+        raise ValueError(f"{file}: not a safetensors file ({err})") from None

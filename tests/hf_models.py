@@ -1,0 +1,52 @@
+"""Small random Llama models made by transformers itself (`LlamaConfig` and
+`save_pretrained`, no hub download), with a byte-level BPE tokenizer trained here:
+the independent reference for Hugging Face interchange and generation."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+VOCAB = 320
+# Tied and untied embeddings, grouped-query and multi-head attention.
+LAYOUTS = {
+    "untied-gqa": {"tie_word_embeddings": False, "num_key_value_heads": 2},
+    "tied-gqa": {"tie_word_embeddings": True, "num_key_value_heads": 2},
+    "untied-mha": {"tie_word_embeddings": False, "num_key_value_heads": 4},
+}
+
+
+def make_tokenizer(out: Path) -> Path:
+    """tokenizer.json and tokenizer_config.json in `out` (a directory), trained on a
+    few standard-library files."""
+    from lmforge.data.corpus import stdlib_files
+    from lmforge.data.tokenizer import EOS_TOKEN, tokenizer_files, train_bpe
+
+    texts = [Path(f).read_text(errors="replace") for f in stdlib_files()[:8]]
+    out.mkdir(parents=True, exist_ok=True)
+    for name, text in tokenizer_files(train_bpe(texts, VOCAB).to_str(), EOS_TOKEN, 128).items():
+        (out / name).write_text(text)
+    return out
+
+
+def make_hf_model(out: Path, layout: str, tokenizer_dir: Path, seed: int = 0):
+    """A random LlamaForCausalLM saved to `out` with the tokenizer; returns the model."""
+    import torch
+    from tokenizers import Tokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lmforge.data.tokenizer import EOS_TOKEN
+
+    eos = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).token_to_id(EOS_TOKEN)
+    config = LlamaConfig(
+        hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, vocab_size=VOCAB,
+        max_position_embeddings=128, rope_theta=5000.0, rms_norm_eps=1e-5, bos_token_id=eos, eos_token_id=eos,
+        initializer_range=0.1,  # wider than the default: logits that a rounding error cannot reorder
+        **LAYOUTS[layout],
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    model.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, out / name)
+    return model

@@ -1,0 +1,160 @@
+"""Hugging Face interchange against transformers itself: a random Llama made and saved
+by transformers, imported by lmforge (logits within 1e-5, fp32, max abs); exported
+back through the CLI and loaded by `AutoModelForCausalLM`/`AutoTokenizer` with no
+custom code; export -> import -> export byte-identical; bad directories refused."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from cli import assert_clean_error, run_cli
+from hf_models import make_hf_model
+from lmforge.models.build import build_model
+from lmforge.models.weights import open_model_dir
+
+
+def batch(rows=3, length=40, vocab=320):
+    return torch.randint(0, vocab, (rows, length), generator=torch.Generator().manual_seed(7))
+
+
+def test_an_imported_model_gives_transformers_logits(hf_llama):
+    model, path = hf_llama
+    source = open_model_dir(path)
+    assert source.format == "hf" and source.cfg.tie_embeddings == model.config.tie_word_embeddings
+    ours = build_model(source.cfg, weights=str(path)).eval()
+    tokens = batch()
+    with torch.no_grad():
+        diff = (ours(tokens) - model(tokens).logits).abs().max().item()
+    assert diff < 1e-5
+
+
+def test_export_import_export_through_the_cli(hf_llama, tmp_path, hf_tokenizer):
+    """HF -> lmforge format -> HF: transformers loads the result with no custom code and
+    its logits and tokenizer ids are the original's; once more round, the same bytes."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lmforge.data.tokenizer import load_tokenizer
+
+    model, path = hf_llama
+    steps = [(path, tmp_path / "lmforge", "lmforge"), (tmp_path / "lmforge", tmp_path / "hf", "hf"),
+             (tmp_path / "hf", tmp_path / "lmforge2", "lmforge"), (tmp_path / "lmforge2", tmp_path / "hf2", "hf")]
+    for source, out, fmt in steps:
+        result = run_cli("export", str(source), "--out", str(out), "--format", fmt, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert type(loaded).__name__ == "LlamaForCausalLM"
+    tokens = batch()
+    with torch.no_grad():
+        assert (loaded(tokens).logits - model(tokens).logits).abs().max().item() < 1e-5
+    text = "def generate(prompt):\n    return [token for token in prompt]  # ünïcode"
+    loaded_tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert loaded_tokenizer(text)["input_ids"] == load_tokenizer(hf_tokenizer / "tokenizer.json").encode(text).ids
+    assert loaded_tokenizer.eos_token == "<|endoftext|>"
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["torch_dtype"] == "float32"
+    files = sorted(p.name for p in (tmp_path / "hf").iterdir())
+    assert files == sorted(p.name for p in (tmp_path / "hf2").iterdir())
+    assert files == ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    for name in files:
+        assert (tmp_path / "hf" / name).read_bytes() == (tmp_path / "hf2" / name).read_bytes(), name
+
+
+def test_a_bf16_export_is_the_weights_rounded_once(hf_llama, tmp_path):
+    model, path = hf_llama
+    result = run_cli("export", str(path), "--out", str(tmp_path / "bf16"), "--format", "hf", "--dtype", "bf16", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    from safetensors.torch import load_file
+
+    saved = load_file(str(tmp_path / "bf16" / "model.safetensors"))
+    assert {t.dtype for t in saved.values()} == {torch.bfloat16}
+    for name, param in model.state_dict().items():
+        if name in saved:
+            assert torch.equal(saved[name], param.to(torch.bfloat16)), name
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+
+def _hf_dir(tmp_path, hf_tokenizer, change=None, **config_changes):
+    """A valid HF directory made by transformers, then broken by `change(dir)` or by
+    `config_changes` to its config.json."""
+    out = tmp_path / "broken"
+    make_hf_model(out, "untied-gqa", hf_tokenizer)
+    if config_changes:
+        config = json.loads((out / "config.json").read_text()) | config_changes
+        (out / "config.json").write_text(json.dumps(config))
+    if change:
+        change(out)
+    return out
+
+
+def _pickle_only(path):
+    (path / "model.safetensors").unlink()
+    (path / "pytorch_model.bin").write_bytes(b"never unpickled")
+
+
+def _sharded_with_a_missing_shard(path):
+    (path / "model.safetensors").rename(path / "model-00001-of-00002.safetensors")
+    weight_map = {"model.embed_tokens.weight": "model-00001-of-00002.safetensors", "lm_head.weight": "model-00002-of-00002.safetensors"}
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
+BAD_DIRECTORIES = {
+    "a pickle": ({"change": _pickle_only}, "pytorch_model.bin: a pickle, which lmforge never loads; convert it to safetensors"),
+    "a missing shard": ({"change": _sharded_with_a_missing_shard}, "lists the shard model-00002-of-00002.safetensors, which is not there"),
+    "no tokenizer": ({"change": lambda p: (p / "tokenizer.json").unlink()}, "a Hugging Face directory without its tokenizer.json"),
+    "no weights": ({"change": lambda p: (p / "model.safetensors").unlink()}, "holds neither model.safetensors nor model.safetensors.index.json"),
+    "shapes": ({"intermediate_size": 128}, "model.layers.0.mlp.gate_proj.weight has shape [160, 64], config.json implies [128, 64]"),
+    "not llama": ({"model_type": "mistral", "architectures": ["MistralForCausalLM"]}, "model_type is 'mistral'"),
+    "attention bias": ({"attention_bias": True}, "attention_bias is true"),
+    "mlp bias": ({"mlp_bias": True}, "mlp_bias is true"),
+    "rope scaling": ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling is"),
+    "head_dim": ({"head_dim": 32}, "head_dim is 32, not hidden_size / num_attention_heads = 16"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_DIRECTORIES)
+def test_a_directory_lmforge_cannot_represent_is_refused(case, tmp_path, hf_tokenizer):
+    options, message = dict(BAD_DIRECTORIES[case][0]), BAD_DIRECTORIES[case][1]
+    path = _hf_dir(tmp_path, hf_tokenizer, options.pop("change", None), **options)
+    result = run_cli("export", str(path), "--out", str(tmp_path / "out"), "--format", "hf", cwd=tmp_path)
+    assert_clean_error(result, message)
+    assert not (tmp_path / "out").exists()
+    result = run_cli("generate", str(path), "--prompt", "x", cwd=tmp_path)
+    assert_clean_error(result, "MODEL:", message)
+
+
+def test_export_options_are_checked_before_anything_is_written(hf_llama, tmp_path):
+    _, path = hf_llama
+    for args, message in ((["--format", "gguf"], "--format: 'gguf' is not one of lmforge, hf"), (["--dtype", "fp8"], "--dtype: 'fp8'")):
+        result = run_cli("export", str(path), "--out", str(tmp_path / "out"), *args, cwd=tmp_path)
+        assert_clean_error(result, message)
+        assert not (tmp_path / "out").exists()
+    shutil.copytree(path, tmp_path / "taken")
+    assert_clean_error(run_cli("export", str(path), "--out", str(tmp_path / "taken"), cwd=tmp_path), "--out:", "already exists")
+
+
+def test_a_job_started_from_a_hugging_face_directory_takes_its_shape_and_tokenizer(hf_llama, tmp_path, hf_tokenizer):
+    """No preset: the directory's shape. Its tokenizer prepares the dataset, and a
+    dataset tokenized with another vocabulary is refused naming both."""
+    from lmforge.data.prepare import PrepareOptions
+    from lmforge.data.tokenizer import train_bpe
+    from lmforge.errors import UserError
+    from lmforge.plan import check_init_from
+    from lmforge.spec import spec_from_dict
+
+    model, path = hf_llama
+    job = {"name": "from-hf", "data": {"path": str(tmp_path / "data"), "source": str(tmp_path)}, "model": {"init_from": str(path)}}
+    spec = spec_from_dict(job)
+    assert spec.model_arch == open_model_dir(path).cfg and spec.model_arch.vocab_size == model.config.vocab_size
+    assert PrepareOptions.for_job(spec).tokenizer == str(path / "tokenizer.json")
+    check_init_from(spec, None)
+    (tmp_path / "data").mkdir()
+    train_bpe(["another corpus, another vocabulary"], 300).save(str(tmp_path / "data" / "tokenizer.json"))
+    with pytest.raises(UserError, match="data.path: .* was tokenized with another vocabulary than model.init_from's"):
+        check_init_from(spec, {"tokenizer": {"file": "tokenizer.json"}})
+    spec_from_dict(job | {"model": {"init_from": str(path), "preset": "tiny"}})  # a preset given: its shape, checked at pre-flight
+    with pytest.raises(UserError, match="model.init_from: .* holds a model of a different shape"):
+        check_init_from(spec_from_dict(job | {"model": {"init_from": str(path), "preset": "tiny"}}), None)
+    with pytest.raises(UserError, match="model.init_from: .*nowhere: not a model directory"):
+        spec_from_dict(job | {"model": {"init_from": str(tmp_path / "nowhere")}})
