@@ -30,6 +30,30 @@ def test_an_imported_model_gives_transformers_logits(hf_llama):
     assert diff < 1e-5
 
 
+def test_a_sharded_directory_imports_the_same_weights(hf_llama, tmp_path, hf_tokenizer):
+    model, _ = hf_llama
+    model.save_pretrained(tmp_path, max_shard_size="60KB")  # transformers' own index and shards
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(hf_tokenizer / name, tmp_path / name)
+    shards = sorted(p.name for p in tmp_path.glob("model-*.safetensors"))
+    assert len(shards) > 1 and (tmp_path / "model.safetensors.index.json").is_file()
+    source = open_model_dir(tmp_path)
+    ours = build_model(source.cfg, weights=str(tmp_path)).eval()
+    tokens = batch()
+    with torch.no_grad():
+        assert (ours(tokens) - model(tokens).logits).abs().max().item() < 1e-5
+
+
+def test_the_end_of_text_token_is_the_tokenizer_configs(tmp_path):
+    from lmforge.data.tokenizer import EOS_TOKEN, end_of_text_token
+
+    tokenizer = tmp_path / "tokenizer.json"
+    assert end_of_text_token(tokenizer) == EOS_TOKEN  # no tokenizer_config.json beside it
+    for saved in ("</s>", {"content": "</s>", "special": True}):  # as a string, or as transformers' AddedToken
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": saved}))
+        assert end_of_text_token(tokenizer) == "</s>"
+
+
 def test_export_import_export_through_the_cli(hf_llama, tmp_path, hf_tokenizer):
     """HF -> lmforge format -> HF: transformers loads the result with no custom code and
     its logits and tokenizer ids are the original's; once more round, the same bytes."""

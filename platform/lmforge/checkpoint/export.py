@@ -68,15 +68,8 @@ def open_source(path: str | os.PathLike, tokenizer: Optional[str] = None, name: 
 
 
 def _checkpoint_source(step_dir: Path) -> ModelSource:
-    loaded = {}
-
-    def read_tensors():
-        if not loaded:
-            loaded.update(read_checkpoint(step_dir)[1])
-        return loaded
-
     state = committed_state(step_dir)
-    source = ModelSource(step_dir, "checkpoint", ModelConfig(**state["model"]), read_tensors,
+    source = ModelSource(step_dir, "checkpoint", ModelConfig(**state["model"]), lambda: read_checkpoint(step_dir)[1],
                          record={"checkpoint": str(step_dir), "step": state["step"], "format": state.get("format", "dcp")})
     dataset = Path(state.get("data_path") or "")
     manifest = dataset / "manifest.json"

@@ -49,6 +49,8 @@ def generate_ids(model: Transformer, prompts: list[list[int]], params: SamplingP
     device, vocab = param.device, vocab or cfg.vocab_size
     batch, longest = len(prompts), max(len(p) for p in prompts)
     total = longest + params.max_new_tokens
+    if total > cfg.max_seq_len:  # the rotary tables end there
+        raise ValueError(f"{longest} prompt tokens and {params.max_new_tokens} new exceed the model's context of {cfg.max_seq_len}")
     pad = torch.tensor([longest - len(p) for p in prompts])
     tokens = torch.zeros(batch, total, dtype=torch.long, device=device)
     seen = torch.zeros(batch, vocab, dtype=torch.bool, device=device)

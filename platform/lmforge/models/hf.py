@@ -6,6 +6,7 @@ permuted across the boundary). Read with safetensors only, never a pickle.
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -94,12 +95,16 @@ class HFFiles:
                 raise ValueError(f"{self.path / pickled[0]}: a pickle, which lmforge never loads; convert it to safetensors "
                                  "(transformers: model.save_pretrained(dir, safe_serialization=True))")
             raise ValueError(f"{self.path}: holds neither {WEIGHTS} nor {INDEX}")
-        return {key: WEIGHTS for key in safetensors_keys(self.path / WEIGHTS)}
+        with open_safetensors(self.path / WEIGHTS) as f:
+            return {key: WEIGHTS for key in f.keys()}
 
 
-def safetensors_keys(file: Path) -> set[str]:
+@contextmanager
+def open_safetensors(file: Path):
+    """`safe_open`, with a file that is not safetensors reported as ValueError naming it."""
     try:
-        with safe_open(str(file), framework="pt") as f:
-            return set(f.keys())
+        handle = safe_open(str(file), framework="pt")
     except Exception as err:  # safetensors raises its own error types for a bad header
         raise ValueError(f"{file}: not a safetensors file ({err})") from None
+    with handle as f:
+        yield f

@@ -77,16 +77,22 @@ class ModelDir:
         return self._hf.locate(name) if self._hf else (self.path / WEIGHTS, name)
 
     def check(self) -> "ModelDir":
-        """Every tensor the config implies is there, of its shape (nothing is read)."""
-        keys: dict[Path, set[str]] = {}
+        """Every tensor the config implies is there, of its shape (headers only: nothing is read)."""
+        by_file: dict[Path, list[tuple[str, tuple]]] = {}
         for name, shape in weight_shapes(self.cfg).items():
             file, key = self._locate(name)
-            if file is None or key not in keys.setdefault(file, hf.safetensors_keys(file)):
-                raise ValueError(f"{file or self.path}: lacks {key} for the model its config.json describes")
-            with safe_open(str(file), framework="pt") as f:
-                found = tuple(f.get_slice(key).get_shape())
-            if found != shape:
-                raise ValueError(f"{file}: {key} has shape {list(found)}, config.json implies {list(shape)}")
+            if file is None:
+                raise ValueError(f"{self.path}: no file holds {key}, which the model its config.json describes needs")
+            by_file.setdefault(file, []).append((key, shape))
+        for file, wanted in by_file.items():
+            with hf.open_safetensors(file) as f:
+                keys = set(f.keys())
+                for key, shape in wanted:
+                    if key not in keys:
+                        raise ValueError(f"{file}: lacks {key} for the model its config.json describes")
+                    found = tuple(f.get_slice(key).get_shape())
+                    if found != shape:
+                        raise ValueError(f"{file}: {key} has shape {list(found)}, config.json implies {list(shape)}")
         return self
 
 
