@@ -91,12 +91,44 @@ def check_init_from(spec: JobSpec, manifest: Optional[dict]) -> None:
     changed = sorted(k for k in wanted if saved.get(k) != wanted[k])
     if changed:
         raise UserError(f"model.init_from: {spec.model.init_from} holds a model of a different shape (differs in {', '.join(changed)})")
-    # The dataset's tokenizer, or the one preparing it will use (the model's, unless data.tokenizer says otherwise).
-    dataset_tokenizer = Path(spec.data.path) / manifest["tokenizer"]["file"] if manifest else PrepareOptions.for_job(spec).tokenizer
+    dataset_tokenizer = _dataset_tokenizer(spec, manifest)
     if dataset_tokenizer and model_dir.tokenizer_file is not None:
-        if load_tokenizer(dataset_tokenizer).get_vocab() != load_tokenizer(model_dir.tokenizer_file).get_vocab():
+        if _vocabulary(dataset_tokenizer) != _vocabulary(model_dir.tokenizer_file):
             raise UserError(f"data.path: {spec.data.path} was tokenized with another vocabulary than model.init_from's "
                             f"{model_dir.tokenizer_file}; prepare the dataset with data.tokenizer: {model_dir.tokenizer_file}")
+
+
+def _dataset_tokenizer(spec: JobSpec, manifest: Optional[dict]) -> Optional[str]:
+    """The dataset's tokenizer.json, or the one preparing it will use (None: a BPE trained then)."""
+    return str(Path(spec.data.path) / manifest["tokenizer"]["file"]) if manifest else PrepareOptions.for_job(spec).tokenizer
+
+
+def _vocabulary(tokenizer) -> dict:
+    """The token -> id map of a tokenizer.json path, or of a loaded tokenizer."""
+    return (load_tokenizer(tokenizer) if isinstance(tokenizer, (str, Path)) else tokenizer).get_vocab()
+
+
+def check_distill(spec: JobSpec, manifest: Optional[dict]) -> None:
+    """The teacher opens, shares the dataset's tokenizer, and splits as the student does."""
+    from lmforge.checkpoint.export import open_source
+
+    path = spec.distill.teacher
+    teacher = open_source(path, name="distill.teacher")
+    if teacher.tokenizer_json is None:
+        raise UserError(f"distill.teacher: {path} has no tokenizer to compare with the dataset's; teacher and student must share one "
+                        "(lmforge export --tokenizer ships one)")
+    dataset_tokenizer = _dataset_tokenizer(spec, manifest)
+    if dataset_tokenizer is None:
+        raise UserError("data.tokenizer: not set, so preparing the data would train a new BPE, not the teacher's tokenizer; "
+                        f"set it to the teacher's (the tokenizer.json of {path})")
+    if _vocabulary(dataset_tokenizer) != _vocabulary(teacher.tokenizer()):
+        raise UserError(f"distill.teacher: its tokenizer ({path}) is not the dataset's ({dataset_tokenizer}); teacher and student must share one")
+    tp = spec.parallel.tp
+    if tp > 1 and teacher.cfg.vocab_size != spec.model_arch.vocab_size:
+        raise UserError(f"distill.teacher: its vocab_size {teacher.cfg.vocab_size} differs from model.vocab_size {spec.model_arch.vocab_size}; "
+                        "with parallel.tp > 1 both vocabularies are split alike, so they must be equal")
+    if tp > 1 and (teacher.cfg.n_kv_heads % tp or teacher.cfg.n_heads % tp):
+        raise UserError(f"distill.teacher: its {teacher.cfg.n_heads} heads ({teacher.cfg.n_kv_heads} key/value) do not split over parallel.tp {tp}")
 
 
 def check_deepspeed(spec: JobSpec) -> None:
@@ -137,6 +169,8 @@ def preflight(spec: JobSpec) -> Plan:
         check_fits(spec, spec.resources.memory_per_worker, "resources.memory_per_worker")
     if spec.model.init_from:
         check_init_from(spec, manifest)
+    if spec.distill:
+        check_distill(spec, manifest)
     store = CheckpointStore(spec.checkpoint_dir)
     store.check_usable()
     ckpt = store.latest() if spec.checkpoint.resume else None

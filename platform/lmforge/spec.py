@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 
 from lmforge import spec_rules as rules
 from lmforge.deepspeed_config import inline_config_file
+from lmforge.distill.config import DistillSpec
 from lmforge.errors import UserError
 from lmforge.models.config import PRESETS, ModelConfig, read_model_config
 from lmforge.sizes import parse_size
@@ -234,6 +235,7 @@ class JobSpec(_Section):
     fault_tolerance: FaultToleranceSpec = FaultToleranceSpec()
     elastic: Optional[ElasticSpec] = None
     eval: Optional[EvalSpec] = None
+    distill: Optional[DistillSpec] = None
     guards: GuardSpec = GuardSpec()
     debug: DebugSpec = DebugSpec()
 
@@ -257,6 +259,7 @@ class JobSpec(_Section):
         rules.check_elastic(self)
         rules.check_spares(self)
         rules.check_eval(self)
+        rules.check_distill(self, model)
         if self.resources.workers is not None and self.resources.workers != self.parallel.world_size:
             raise ValueError(
                 f"resources.workers: {self.resources.workers} != pp x dp x tp = {self.parallel.world_size}"
@@ -340,6 +343,7 @@ class JobSpec(_Section):
                 "tokenizer": local(self.data.tokenizer) if self.data.tokenizer else None,
             }),
             "eval": self.eval.model_copy(update={"source": source(self.eval.source)}) if self.eval else None,
+            "distill": self.distill.model_copy(update={"teacher": local(self.distill.teacher)}) if self.distill else None,
             "checkpoint": self.checkpoint.model_copy(update={"dir": local(self.checkpoint_dir)}),
             "tracking": self.tracking.model_copy(update={"uri": self.tracking_uri}),
         })

@@ -144,3 +144,18 @@ def check_spares(spec: "JobSpec") -> None:
 def check_eval(spec: "JobSpec") -> None:
     if spec.eval is not None and spec.eval.source and spec.data.eval_fraction:
         raise ValueError("eval.source: a separate held-out corpus and data.eval_fraction both make the held-out split; keep one")
+
+
+def check_distill(spec: "JobSpec", model: ModelConfig) -> None:
+    distill = spec.distill
+    if distill is None:
+        return
+    if distill.top_k is not None and distill.top_k > model.vocab_size:
+        raise ValueError(f"distill.top_k: {distill.top_k} is larger than the vocabulary ({model.vocab_size})")
+    if spec.engine != "native":
+        raise ValueError("distill: the native engine distills; the deepspeed engine does not yet")
+    if distill.top_k is not None and spec.parallel.tp > 1:
+        raise ValueError("distill.top_k: sparse targets from a vocabulary-sharded teacher (parallel.tp > 1) are not supported yet; use dense targets")
+    if spec.parallel.pp > 1:
+        raise ValueError("distill: with parallel.pp > 1 the teacher's logits would have to come from an offline cache, "
+                         "which this version does not build yet; distill with dp and tp")

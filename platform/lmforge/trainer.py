@@ -70,7 +70,7 @@ class Trainer:
         )
         if self.device.type == "cuda" and not spec.resources.memory_per_worker:
             check_fits(spec, torch.cuda.get_device_properties(self.device).total_memory, f"{torch.cuda.get_device_name(self.device)} memory")
-        self.engine = create_engine(spec, self.dims, self.device)
+        self.engine = create_engine(spec, self.dims, self.device, vocab=manifest["tokenizer"]["vocab_size"])
         self.held_out = None
         if spec.eval is not None:
             self.held_out = HeldOutBatches(spec.data.path, manifest, self.layout, self.dims.dp_rank, eval_batches(spec, manifest))
@@ -164,6 +164,7 @@ class Trainer:
             row["sample_ids"] = self._global_ids(ids)
         if stats.bubble is not None:
             row.update(bubble=stats.bubble, bubble_theory=stats.bubble_theory)
+        row.update(stats.terms)
         self._event(row)
         return row
 

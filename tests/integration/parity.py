@@ -62,7 +62,8 @@ class Launches:
     of its cases. Options: `steps`, `save_at` (save a checkpoint after that step),
     `load` (continue from the named case's checkpoint), `export` (start from the named
     case's checkpoint exported by the real `lmforge export` CLI, in `export_format`,
-    lmforge's by default; with `skip_steps`).
+    lmforge's by default; with `skip_steps`), `teacher` (distil from the named case's
+    checkpoint, exported the same way).
     The cases of one world size share a launch, except that a case which needs
     another case's checkpoint runs in a launch after the one that saves it."""
 
@@ -86,7 +87,7 @@ class Launches:
 
     def _needs(self, name: str) -> str | None:
         options = self.table[name][2]
-        return options.get("load") or options.get("export")
+        return options.get("load") or options.get("export") or options.get("teacher")
 
     def _launch_of(self, name: str) -> tuple[int, int]:
         """(ranks, level): a case goes one level above the cases of its own world size
@@ -121,6 +122,8 @@ class Launches:
             case["load"] = str(self.checkpoint(options["load"]))
         if "export" in options:
             case["overrides"].append(f"model.init_from={self._export(options['export'], options.get('export_format', 'lmforge'))}")
+        if "teacher" in options:
+            case["overrides"].append(f"distill.teacher={self._export(options['teacher'], 'lmforge')}")
         return case
 
     def _export(self, name: str, fmt: str) -> Path:

@@ -132,7 +132,7 @@ def run_case(args: argparse.Namespace, device: torch.device) -> None:
         load_checkpoint(store, ckpt, engine)
         start = ckpt.step
     gen = torch.Generator().manual_seed(0)
-    losses, states, evals = [], {}, {}
+    losses, terms, states, evals = [], [], {}, {}
     share = lambda batch: batch.view(dp, -1, 17)[dims.dp_rank].reshape(spec.grad_accum, spec.train.micro_batch, 17)  # noqa: E731
 
     def evaluate(done: int) -> None:
@@ -149,6 +149,7 @@ def run_case(args: argparse.Namespace, device: torch.device) -> None:
         global_batch = (start_tok + stride * torch.arange(17)) % 256
         stats = engine.train_step(share(global_batch), before_update=lambda: states.update(measured=state_bytes(engine)))
         losses.append(stats.loss)
+        terms.append(stats.terms)
         evaluate(step + 1)
         if args.save and step + 1 == args.save_at:
             writer = CheckpointWriter(CheckpointStore(args.save), CheckpointSpec(keep=1, async_save=False), dist.new_group(backend="gloo"), lambda event: None)
@@ -158,7 +159,7 @@ def run_case(args: argparse.Namespace, device: torch.device) -> None:
     dist.all_gather_object(per_rank, states.get("measured"))
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
-            json.dump({"losses": losses, "eval": evals, "engine": describe(engine), "states": per_rank, "spec": spec.model_dump(mode="json", exclude_unset=True),
+            json.dump({"losses": losses, "terms": terms, "eval": evals, "engine": describe(engine), "states": per_rank, "spec": spec.model_dump(mode="json", exclude_unset=True),
                        "seconds": round(time.perf_counter() - began, 2)}, f)
     dist.barrier()  # results are written; no rank leaves while a peer still sends
 

@@ -235,6 +235,42 @@ def test_init_from_a_directory_that_is_not_an_export(tmp_path, tiny_dataset):
     assert nothing_written(tmp_path)
 
 
+@pytest.fixture(scope="module")
+def hf_teacher(tmp_path_factory, hf_tokenizer):
+    """A Hugging Face Llama with its own tokenizer (not the tiny dataset's)."""
+    from hf_models import make_hf_model
+
+    out = tmp_path_factory.mktemp("hf-teacher")
+    make_hf_model(out, "untied-gqa", hf_tokenizer)
+    return out
+
+
+def _teacher_without_a_tokenizer(tmp_path, hf_teacher):
+    out = tmp_path / "teacher"
+    result = run_cli("export", str(hf_teacher), "--out", str(out), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (out / name).unlink()
+    return out
+
+
+TEACHER_REFUSALS = {
+    "missing": (lambda tmp_path, hf_teacher: tmp_path / "nowhere", "distill.teacher:", "does not exist"),
+    "another tokenizer": (lambda tmp_path, hf_teacher: hf_teacher, "distill.teacher: its tokenizer", "is not the dataset's"),
+    "no tokenizer": (_teacher_without_a_tokenizer, "distill.teacher:", "has no tokenizer to compare with the dataset's"),
+}
+
+
+@pytest.mark.parametrize("case", TEACHER_REFUSALS)
+def test_a_teacher_that_cannot_teach_this_student_is_refused(case, tmp_path, tiny_dataset, hf_teacher):
+    """Before anything starts: a teacher that is not there, or does not share the
+    dataset's tokenizer (a Hugging Face Llama with its own)."""
+    teacher, *fragments = TEACHER_REFUSALS[case]
+    job = tiny_job(tmp_path, tiny_dataset, distill={"teacher": str(teacher(tmp_path, hf_teacher))})
+    assert_clean_error(run_cli("train", str(write_job(tmp_path, job)), cwd=tmp_path), *fragments)
+    assert nothing_written(tmp_path)
+
+
 def test_job_larger_than_memory_per_worker_is_refused_with_an_alternative(tmp_path, tiny_dataset):
     from lmforge.memory.estimate import worst_rank
     from lmforge.planner.cluster import assumed_cluster

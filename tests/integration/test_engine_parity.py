@@ -19,6 +19,9 @@ SCHEDULES = {
 }
 FSDP_TP_AC = {"none": ("none", 1), "every-block": ("selective", 1), "op-level": ("selective", "op")}
 THREE_D = ["parallel.pp=2", "parallel.tp=2"]
+# Distilled from the 3d-save case's weights at step 3 (a teacher that has learnt something) into
+# a student of another seed.
+DISTILL = ["distill.loss=jsd", "distill.beta=0.3", "distill.temperature=2", "distill.ce_weight=0.5", "distill.chunk_tokens=16", "train.seed=1"]
 
 # name: (ranks, --set items, options): see parity.Launches.
 CASES = {
@@ -43,6 +46,9 @@ CASES = {
     "3d-save": (8, THREE_D, {"save_at": 3}),
     **{f"load-{name}": (n, layout, {"load": "3d-save"}) for name, n, layout in
        (("dp4", 4, []), ("tp2", 2, ["parallel.tp=2"]), ("pp2", 2, PP2), ("one-rank", 1, []))},
+    # Distillation: the teacher FSDP-sharded or TP-split as the student is.
+    **{f"distill-{name}": (n, [*DISTILL, *layout], {"teacher": "3d-save"}) for name, n, layout in
+       (("one", 1, []), ("dp2", 2, []), ("tp2", 2, ["parallel.tp=2"]))},
 }
 
 
@@ -120,12 +126,25 @@ def test_checkpoint_reshards_to_any_layout(reference, run, layout):
     assert got == pytest.approx(reference[3:], rel=1e-4)
 
 
-@pytest.mark.parametrize("case", [name for name in CASES if name != "reference"])
+@pytest.mark.parametrize("layout, tolerance", [("dp2", 1e-5), ("tp2", 1e-4)])
+def test_distillation_matches_one_process(run, layout, tolerance):
+    """A JSD + cross-entropy distillation, every term over the global batch: the same
+    total and terms per step as one process, the total their weighted sum."""
+    want, got = run("distill-one"), run(f"distill-{layout}")
+    assert got["losses"] == pytest.approx(want["losses"], rel=tolerance)
+    assert [sorted(t) for t in got["terms"]] == [["ce_loss", "kd_loss"]] * len(got["losses"])
+    for name in ("ce_loss", "kd_loss"):
+        assert [t[name] for t in got["terms"]] == pytest.approx([t[name] for t in want["terms"]], rel=tolerance)
+    assert want["losses"] == pytest.approx([0.5 * t["ce_loss"] + t["kd_loss"] for t in want["terms"]], rel=1e-6)
+    assert want["losses"][-1] < want["losses"][0]
+
+
+@pytest.mark.parametrize("case", [name for name in CASES if name not in ("reference", "distill-one")])
 def test_held_out_loss_matches_one_process(run, case):
     """`Engine.eval_loss` (forward only) before, during and after training, or after
     loading and at the end: one number for every fp32 layout within 1e-5 (measured:
     1e-7 at most, TP and 3D included); bf16 within its training tolerance."""
-    want, got = run("reference")["eval"], run(case)["eval"]
+    want, got = run("distill-one" if case.startswith("distill") else "reference")["eval"], run(case)["eval"]
     assert set(got) <= set(want) and len(got) >= 2, (case, got)
     for step, loss in got.items():
         assert loss == pytest.approx(want[step], rel=2e-2 if case.startswith("bf16") else 1e-5), (case, step)

@@ -202,3 +202,24 @@ def test_deepspeed_documentation_config_trains_resumes_and_matches_native(uninte
     assert params["engine"] == "deepspeed"
     assert params["deepspeed.config.zero_optimization.stage"] == "3"
     assert params["deepspeed.config.zero_optimization.offload_optimizer.device"] == "cpu"
+
+
+def test_a_distillation_job_trains_through_the_controller(uninterrupted, tiny_dataset, tmp_path):
+    """The reference run's last committed checkpoint, read in place, teaches a student
+    of another seed on 2 ranks: every step records its terms in metrics.jsonl and
+    MLflow, the loss is their weighted sum, and the student moves towards the teacher."""
+    run_dir, _ = uninterrupted
+    teacher = run_dir / "checkpoints" / f"step_{STEPS:08d}"
+    job = tiny_job(tmp_path, tiny_dataset, name="distill", train={"max_steps": 6, "seed": 2},
+                   distill={"teacher": str(teacher), "loss": "reverse_kl", "ce_weight": 0.5, "temperature": 1.5})
+    summary = sdk.train(spec_from_dict(job), show_progress=False)
+    rows = _step_rows(Path(summary["run_dir"]))
+    assert [row["step"] for row in rows] == list(range(1, 7))
+    for row in rows:
+        assert row["loss"] == pytest.approx(0.5 * row["ce_loss"] + row["kd_loss"], rel=1e-6)
+    assert rows[-1]["kd_loss"] < rows[0]["kd_loss"]
+    client = MlflowClient(tracking_uri=summary["mlflow_tracking_uri"])
+    run = client.get_run(summary["mlflow_run_id"])
+    assert run.data.params["distill.loss"] == "reverse_kl" and run.data.params["distill.teacher"] == str(teacher)
+    assert [m.value for m in sorted(client.get_metric_history(run.info.run_id, "kd_loss"), key=lambda m: m.step)] == pytest.approx(
+        [row["kd_loss"] for row in rows])

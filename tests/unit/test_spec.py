@@ -68,6 +68,16 @@ def test_overrides_are_parsed_as_yaml_values():
         (["data.eval_fraction=1"], "data.eval_fraction: Input should be less than 1"),
         (["eval.interval=0"], "eval.interval: Input should be greater than 0"),
         (["eval.source=held", "data.eval_fraction=0.1"], "eval.source: a separate held-out corpus and data.eval_fraction"),
+        (["distill.loss=jsd"], "distill.teacher: Field required"),
+        (["distill.teacher=t", "distill.loss=kl"], "distill.loss: Input should be 'forward_kl'"),
+        (["distill.teacher=t", "distill.temperature=0"], "distill.temperature: Input should be greater than 0"),
+        (["distill.teacher=t", "distill.beta=1.5"], "distill.beta: Input should be less than or equal to 1"),
+        (["distill.teacher=t", "distill.skew=1"], "distill.skew: Input should be less than 1"),
+        (["distill.teacher=t", "distill.kd_weight=0"], "distill: ce_weight and kd_weight are both 0"),
+        (["distill.teacher=t", "distill.top_k=5000"], "distill.top_k: 5000 is larger than the vocabulary (1024)"),
+        (["distill.teacher=t", "distill.top_k=8", "parallel.tp=2"], "distill.top_k: sparse targets from a vocabulary-sharded teacher"),
+        (["distill.teacher=t", "parallel.pp=2"], "distill: with parallel.pp > 1 the teacher's logits would have to come from an offline cache"),
+        (["distill.teacher=t", "engine=deepspeed", "deepspeed.config={}"], "distill: the native engine distills"),
     ],
 )
 def test_contradictions_name_the_field(overrides, field):

@@ -68,9 +68,13 @@ class PrepareOptions:
 
 
 def _model_tokenizer(spec) -> Optional[str]:
-    """The tokenizer.json of the model the job starts from (`model.init_from`), if it has one."""
-    found = spec.model.init_from and Path(spec.model.init_from) / "tokenizer.json"
-    return str(found) if found and found.is_file() else None
+    """The tokenizer.json of the model the job starts from (`model.init_from`), or of
+    its teacher (`distill.teacher`), if the directory has one."""
+    for directory in (spec.model.init_from, spec.distill.teacher if spec.distill else None):
+        found = directory and Path(directory) / "tokenizer.json"
+        if found and found.is_file():
+            return str(found)
+    return None
 
 
 def _tokenize_batch(batch: dict, tokenizer_json: str) -> dict:

@@ -3,11 +3,12 @@
 from lmforge.engines.base import Engine, StepStats
 
 
-def create_engine(spec, dims, device) -> Engine:
+def create_engine(spec, dims, device, vocab=None) -> Engine:
+    """`vocab`: the tokenizer's real vocabulary (distillation compares no more of it)."""
     if spec.engine == "native":
         from lmforge.engines.native import NativeEngine
 
-        return NativeEngine(spec, dims, device)
+        return NativeEngine(spec, dims, device, vocab)
     if spec.engine == "deepspeed":
         from lmforge.engines.deepspeed import DeepSpeedEngine
 

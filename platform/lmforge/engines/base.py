@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -23,6 +23,7 @@ class StepStats:
     bubble_theory: Optional[float] = None  # pipelines: the schedule's (p-1)/(v*m+p-1)
     finite: bool = True  # loss and gradient norm both finite
     update_skipped: bool = False  # the engine left the weights as they were (non-finite)
+    terms: dict = field(default_factory=dict)  # a distillation job's loss terms (ce_loss, kd_loss), each over the global batch
 
 
 class Engine(ABC):

@@ -9,7 +9,7 @@ accumulation over micro-batches (or pipeline micro-batches), global-norm clippin
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -52,7 +52,7 @@ def _local(value: torch.Tensor) -> torch.Tensor:
 
 
 class NativeEngine(Engine):
-    def __init__(self, spec, dims: ParallelDims, device: torch.device):
+    def __init__(self, spec, dims: ParallelDims, device: torch.device, vocab: Optional[int] = None):
         self.dims, self.device, self.spec = dims, device, spec
         self.tensor_parallel = dims.shape.tp > 1
         self.pipelined = dims.shape.pp > 1
@@ -71,6 +71,20 @@ class NativeEngine(Engine):
         self.grad_clip = opt.grad_clip
         if self.pipelined:
             self._build_pipeline()
+        self.teacher = self.objective = None
+        if spec.distill:
+            self._build_distillation(vocab)
+
+    def _build_distillation(self, vocab: Optional[int]) -> None:
+        """The frozen teacher, parallelized as the student is, and the job's loss."""
+        from lmforge.distill.objective import DistillObjective
+        from lmforge.distill.teacher import build_teacher
+
+        self.teacher = build_teacher(self.spec.distill.teacher, self.device, self._parallelize)
+        vocab = min(vocab or self.spec.model_arch.vocab_size, self.spec.model_arch.vocab_size, self.teacher.cfg.vocab_size)
+        train = self.spec.train
+        self.objective = DistillObjective(self.spec, self.spec.grad_accum * train.micro_batch * train.seq_len, vocab,
+                                          self.dims.tp_mesh.get_group() if self.tensor_parallel else None)
 
     def _cut(self, whole: nn.Module) -> list[nn.Module]:
         if not self.pipelined:
@@ -121,9 +135,14 @@ class NativeEngine(Engine):
         micro_batches = micro_batches.to(self.device, non_blocking=True)
         for part in self.parts:
             part.train()
-        loss, bubble = self._pipeline_step(micro_batches) if self.pipelined else (self._accumulate(micro_batches), None)
+        (loss, terms), bubble = self._pipeline_step(micro_batches) if self.pipelined else (self._accumulate(micro_batches), None)
         lr = self.schedulers[0].get_last_lr()[0]
-        if self.dims.shape.dp > 1:
+        if terms:  # reduced with the loss: one collective
+            reduced = torch.stack([loss, *terms.values()])
+            if self.dims.shape.dp > 1:
+                dist.all_reduce(reduced, op=dist.ReduceOp.AVG, group=self.dims.dp_group)
+            loss, terms = reduced[0], dict(zip(terms, reduced[1:].tolist()))
+        elif self.dims.shape.dp > 1:
             dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.dims.dp_group)
         grad_norm = self._clip_gradients()
         # Loss and norm are reduced over every rank, so all ranks decide alike.
@@ -135,24 +154,34 @@ class NativeEngine(Engine):
                 optimizer.step()
                 scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-        stats = StepStats(loss=loss.item(), grad_norm=grad_norm.item(), lr=lr, finite=finite, update_skipped=not finite)
+        stats = StepStats(loss=loss.item(), grad_norm=grad_norm.item(), lr=lr, finite=finite, update_skipped=not finite, terms=terms)
         if bubble is not None:
             stats.bubble, stats.bubble_theory = bubble, self.bubble_theory
         return stats
 
-    def _accumulate(self, micro_batches: torch.Tensor) -> torch.Tensor:
+    def _accumulate(self, micro_batches: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """The step's loss on this rank, and its terms (a distillation job's)."""
         model, accum = self.parts[0], micro_batches.shape[0]
         loss_sum = torch.zeros((), device=self.device)
+        term_sums: dict[str, torch.Tensor] = {}
         for i, batch in enumerate(micro_batches):
             if self.sharded:
                 model.set_requires_gradient_sync(i == accum - 1)
             with self._loss_context():
-                # Every sample has the same token count, so the mean of micro-batch means
-                # is the global-batch mean; FSDP averages over DP ranks.
-                loss = self._loss(model(batch[:, :-1]), batch[:, 1:]) / accum
+                inputs, targets = batch[:, :-1], batch[:, 1:]
+                if self.objective is None:
+                    # Every sample has the same token count, so the mean of micro-batch means
+                    # is the global-batch mean; FSDP averages over DP ranks.
+                    loss, terms = self._loss(model(inputs), targets) / accum, {}
+                else:
+                    with torch.no_grad():
+                        teacher_logits = self.teacher(inputs)
+                    loss, terms = self.objective(model(inputs), targets, teacher_logits)
                 loss.backward()
             loss_sum += _local(loss.detach())
-        return loss_sum
+            for name, value in terms.items():
+                term_sums[name] = term_sums.get(name, 0) + value.detach()
+        return loss_sum, term_sums
 
     def _pipeline_step(self, micro_batches: torch.Tensor) -> tuple[torch.Tensor, float]:
         """One schedule over this rank's micro-batches. Returns the mean loss (it lives
@@ -167,7 +196,7 @@ class NativeEngine(Engine):
         bubble = 1.0 - self.compute.take() / max(step_watch.take(), 1e-9)
         combined = torch.stack([self._last_stage_mean(losses), torch.tensor(bubble / self.dims.shape.pp, device=self.device)])
         dist.all_reduce(combined, group=self.dims.pp_group)
-        return combined[0], combined[1].item()
+        return (combined[0], {}), combined[1].item()
 
     def _stage_inputs(self, micro_batches: torch.Tensor) -> tuple:
         return (micro_batches.flatten(0, 1)[:, :-1],) if self.has_first else ()

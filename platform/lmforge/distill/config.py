@@ -1,0 +1,32 @@
+"""The job file's `distill:` section: the teacher, the divergence and its settings,
+the weights of each loss term, sparse (top-k) targets. Torch-free, like the rest of
+the spec; the rules between it and other sections are in `spec_rules.py`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Loss = Literal["forward_kl", "reverse_kl", "jsd", "tvd", "skew_kl", "skew_reverse_kl"]
+
+
+class DistillSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    teacher: str = Field(..., description="the teacher: a committed checkpoint, an lmforge export or a Hugging Face Llama directory")
+    loss: Loss = Field("forward_kl", description="the divergence of the student's next-token distribution from the teacher's")
+    beta: float = Field(0.5, ge=0, le=1, description="jsd: the teacher's share of the mixture (0: forward KL, 1: reverse KL)")
+    skew: float = Field(0.1, ge=0, lt=1, description="skew_kl / skew_reverse_kl: the share of the first distribution in the mixture")
+    temperature: float = Field(1.0, gt=0, description="both distributions are softened by it; the loss is scaled by its square")
+    ce_weight: float = Field(0.0, ge=0, description="weight of the cross-entropy on the data's next tokens")
+    kd_weight: float = Field(1.0, ge=0, description="weight of the divergence from the teacher")
+    top_k: Optional[int] = Field(None, gt=0, description="sparse targets: the teacher's k most likely tokens, the rest of its mass as one bucket")
+    chunk_tokens: int = Field(1024, gt=0, description="tokens whose fp32 log-probabilities are alive at once in the loss")
+
+    @model_validator(mode="after")
+    def _learns_something(self) -> "DistillSpec":
+        if self.ce_weight == 0 and self.kd_weight == 0:
+            raise ValueError("distill: ce_weight and kd_weight are both 0; the student would learn nothing")
+        return self

@@ -1,0 +1,165 @@
+"""Distillation losses between a teacher's and a student's next-token distributions.
+
+Both sides become fp32 log-probabilities at temperature T over the same categories:
+the tokenizer's vocabulary (dense teacher logits), or a teacher's top-k tokens plus
+one tail bucket holding the rest of the mass (sparse targets, as the offline cache
+stores them). Every divergence is a sum over categories of an elementwise term,
+so a vocabulary sharded over tensor-parallel ranks needs only two all-reduces of
+the softmax's max and sum-exp and one of each token's partial sum. The caller
+divides the returned sum by N, the unmasked tokens of the whole global batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch.utils.checkpoint import checkpoint
+
+DIVERGENCES = ("forward_kl", "reverse_kl", "jsd", "tvd", "skew_kl", "skew_reverse_kl")
+# log(0) stands in as this: finite, so 0 * (log 0 - x) is 0 and never NaN (a tail
+# bucket that holds nothing, a student that puts no mass there).
+LOG_ZERO = math.log(1e-30)
+
+
+@dataclass(frozen=True)
+class Divergence:
+    name: str = "forward_kl"
+    beta: float = 0.5  # jsd: the teacher's share of the mixture M
+    skew: float = 0.1  # skew_kl / skew_reverse_kl: the share of the first distribution in the mixture
+
+    def __post_init__(self):
+        if self.name not in DIVERGENCES:
+            raise ValueError(f"unknown divergence {self.name!r}; choose one of {', '.join(DIVERGENCES)}")
+
+
+def _mixture(log_a: torch.Tensor, log_b: torch.Tensor, share_a: float) -> torch.Tensor:
+    """log(share_a * a + (1 - share_a) * b), by logsumexp: never mixed in log space."""
+    return torch.logaddexp(log_a + math.log(share_a), log_b + math.log1p(-share_a))
+
+
+def _kl_terms(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
+    """KL(a || b) before its sum over categories."""
+    return log_a.exp() * (log_a - log_b)
+
+
+def divergence_terms(log_p: torch.Tensor, log_q: torch.Tensor, div: Divergence) -> torch.Tensor:
+    """Elementwise terms whose sum over the last dim is D(p, q); p the teacher, q the student."""
+    if div.name == "forward_kl" or (div.name == "jsd" and div.beta == 0):
+        return _kl_terms(log_p, log_q)
+    if div.name == "reverse_kl" or (div.name == "jsd" and div.beta == 1):
+        return _kl_terms(log_q, log_p)
+    if div.name == "jsd":
+        log_m = _mixture(log_p, log_q, div.beta)
+        return div.beta * _kl_terms(log_p, log_m) + (1 - div.beta) * _kl_terms(log_q, log_m)
+    if div.name == "tvd":
+        return 0.5 * (log_p.exp() - log_q.exp()).abs()
+    if div.name == "skew_kl":
+        return _kl_terms(log_p, _mixture(log_p, log_q, div.skew))
+    return _kl_terms(log_q, _mixture(log_q, log_p, div.skew))  # skew_reverse_kl
+
+
+class _SumOfShares(torch.autograd.Function):
+    """The sum of every TP rank's share, which each rank then uses alike: forward an
+    all-reduce, backward the gradient as it is, since each rank's share reaches the
+    loss once, through this sum (Megatron's reduce from the tensor-parallel region;
+    a plain differentiable all-reduce would count it once per rank)."""
+
+    @staticmethod
+    def forward(ctx, share: torch.Tensor, group) -> torch.Tensor:
+        total = share.clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def log_softmax(logits: torch.Tensor, tp_group=None) -> torch.Tensor:
+    """fp32 log-softmax over the last dim; with `tp_group`, that dim is this rank's
+    shard of the vocabulary and the normalizer is the whole vocabulary's."""
+    logits = logits.float()
+    if tp_group is None:
+        return logits.log_softmax(dim=-1)
+    # The max only shifts for stability: no gradient flows through it. The sum-exp's
+    # gradient must reach every rank's shard from every rank's use of it: a summing backward.
+    top = funcol.all_reduce(logits.detach().amax(dim=-1, keepdim=True), "max", tp_group)
+    sum_exp = funcol.all_reduce((logits - top).exp().sum(dim=-1, keepdim=True), "sum", tp_group)
+    return logits - top - sum_exp.log()
+
+
+def with_tail(log_top: torch.Tensor) -> torch.Tensor:
+    """Top-k log-probabilities plus a last bucket holding the rest of the mass, so the
+    k + 1 categories are a distribution and a KL over them is >= 0."""
+    log_top = log_top.clamp(min=LOG_ZERO)
+    held = torch.logsumexp(log_top, dim=-1, keepdim=True).clamp(max=0)
+    tail = (-torch.expm1(held)).clamp(min=math.exp(LOG_ZERO)).log()
+    return torch.cat([log_top, tail], dim=-1)
+
+
+@dataclass
+class TopK:
+    """A teacher's sparse targets per token: top-k ids and log-probabilities at the
+    distillation temperature."""
+
+    ids: torch.Tensor  # (..., k) int64
+    logprobs: torch.Tensor  # (..., k) float
+
+
+def token_divergence(student_logits: torch.Tensor, teacher, div: Divergence, temperature: float, vocab: int,
+                     tp_group=None) -> torch.Tensor:
+    """D(teacher, student) per token (shape: the logits' without the last dim).
+    `teacher`: dense logits of the student's shape, or `TopK`; `vocab`: the
+    tokenizer's real size (rows beyond it, a model's padding, are dropped first)."""
+    if tp_group is None:
+        student_logits = student_logits[..., :vocab]
+    log_q = log_softmax(student_logits / temperature, tp_group)
+    if isinstance(teacher, TopK):
+        if tp_group is not None:
+            raise NotImplementedError("top-k targets with a vocabulary-sharded student")
+        log_p = with_tail(teacher.logprobs.float())
+        log_q = with_tail(log_q.gather(-1, teacher.ids))
+        return divergence_terms(log_p, log_q, div).sum(dim=-1)
+    if tp_group is None:
+        teacher = teacher[..., :vocab]
+    log_p = log_softmax(teacher.detach() / temperature, tp_group)
+    per_token = divergence_terms(log_p, log_q, div).sum(dim=-1)
+    return per_token if tp_group is None else _SumOfShares.apply(per_token, tp_group)
+
+
+def kd_loss_sum(student_logits: torch.Tensor, teacher, mask: Optional[torch.Tensor], div: Divergence, temperature: float,
+                vocab: int, tp_group=None, chunk_tokens: Optional[int] = None) -> torch.Tensor:
+    """T^2 * sum over unmasked tokens of D(teacher, student): the caller divides by N.
+
+    With `chunk_tokens`, tokens go through in chunks whose fp32 log-probabilities are
+    recomputed in the backward instead of kept, so no more than one chunk's are ever
+    alive for both sides at once."""
+    flat_student = student_logits.flatten(0, -2)
+    flat_teacher = TopK(teacher.ids.flatten(0, -2), teacher.logprobs.flatten(0, -2)) if isinstance(teacher, TopK) else teacher.flatten(0, -2)
+    weights = torch.ones(flat_student.shape[0], device=flat_student.device) if mask is None else mask.flatten().float()
+
+    def chunk_sum(start: int, end: int) -> torch.Tensor:
+        def compute(s, t, w):
+            return (token_divergence(s, t, div, temperature, vocab, tp_group) * w).sum()
+        part = _rows(flat_teacher, start, end)
+        args = (flat_student[start:end], part, weights[start:end])
+        if chunk_tokens is None or not torch.is_grad_enabled():
+            return compute(*args)
+        return checkpoint(compute, *args, use_reentrant=False)
+
+    tokens = flat_student.shape[0]
+    size = chunk_tokens or max(tokens, 1)
+    total = sum((chunk_sum(start, min(start + size, tokens)) for start in range(0, tokens, size)),
+                torch.zeros((), device=flat_student.device))
+    return temperature ** 2 * total
+
+
+def _rows(teacher, start: int, end: int):
+    if isinstance(teacher, TopK):
+        return TopK(teacher.ids[start:end], teacher.logprobs[start:end])
+    return teacher[start:end]

@@ -1,0 +1,156 @@
+"""Distillation losses against references written here in float64 probabilities (and
+KL against `F.kl_div(log_target=True)`): every divergence at temperature 2, JSD at
+beta 0, 0.1, 0.5, 0.9 and 1; masking (an all-masked batch gives 0, not NaN);
+vocabulary slicing; chunking equal to one pass, gradients included; top-k targets
+with a tail bucket (>= 0, never above the full KL, equal to it at k = V);
+gradient-accumulation invariance of the 1/N normalization; hidden-state losses."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lmforge.distill.hidden import HiddenAdapters, hidden_loss_sum
+from lmforge.distill.losses import DIVERGENCES, Divergence, TopK, kd_loss_sum
+
+V, T = 50, 2.0
+
+
+def logits(*shape, seed=0, scale=3.0):
+    return torch.randn(*shape, V, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).float() * scale
+
+
+def kl(a, b):
+    return (a * (a / b).log()).sum(-1)
+
+
+def reference(div: Divergence, teacher, student):
+    """D(p, q) per token from the definitions, in float64 probabilities."""
+    p, q = (teacher.double() / T).softmax(-1), (student.double() / T).softmax(-1)
+    if div.name == "forward_kl" or (div.name == "jsd" and div.beta == 0):
+        return kl(p, q)
+    if div.name == "reverse_kl" or (div.name == "jsd" and div.beta == 1):
+        return kl(q, p)
+    if div.name == "jsd":
+        m = div.beta * p + (1 - div.beta) * q
+        return div.beta * kl(p, m) + (1 - div.beta) * kl(q, m)
+    if div.name == "tvd":
+        return 0.5 * (p - q).abs().sum(-1)
+    if div.name == "skew_kl":
+        return kl(p, div.skew * p + (1 - div.skew) * q)
+    return kl(q, div.skew * q + (1 - div.skew) * p)
+
+
+CASES = [Divergence(name) for name in DIVERGENCES if name != "jsd"] + [Divergence("jsd", beta=b) for b in (0, 0.1, 0.5, 0.9, 1)]
+CASES += [Divergence("skew_kl", skew=0.5), Divergence("skew_reverse_kl", skew=0.3)]
+
+
+@pytest.mark.parametrize("div", CASES, ids=lambda d: f"{d.name}-{d.beta}-{d.skew}")
+def test_each_divergence_equals_its_definition(div):
+    student, teacher = logits(2, 7, seed=1), logits(2, 7, seed=2)
+    mask = torch.ones(2, 7)
+    mask[1, 4:] = 0  # ignored positions
+    got = kd_loss_sum(student, teacher, mask, div, T, V) / mask.sum()
+    expected = T ** 2 * (reference(div, teacher, student) * mask).sum() / mask.sum()
+    assert got.item() == pytest.approx(expected.item(), rel=1e-5, abs=1e-7)
+
+
+def test_kl_equals_torchs_kl_div():
+    student, teacher = logits(3, 5, seed=3), logits(3, 5, seed=4)
+    log_p, log_q = (teacher / T).log_softmax(-1), (student / T).log_softmax(-1)
+    forward = F.kl_div(log_q, log_p, log_target=True, reduction="sum")
+    reverse = F.kl_div(log_p, log_q, log_target=True, reduction="sum")
+    assert kd_loss_sum(student, teacher, None, Divergence("forward_kl"), T, V).item() == pytest.approx(T ** 2 * forward.item(), rel=1e-5)
+    assert kd_loss_sum(student, teacher, None, Divergence("reverse_kl"), T, V).item() == pytest.approx(T ** 2 * reverse.item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("name", DIVERGENCES)
+def test_an_all_masked_batch_gives_zero_and_finite_gradients(name):
+    student = logits(2, 4, seed=5).requires_grad_()
+    loss = kd_loss_sum(student, logits(2, 4, seed=6), torch.zeros(2, 4), Divergence(name), T, V, chunk_tokens=3)
+    loss.backward()
+    assert loss.item() == 0 and torch.isfinite(student.grad).all() and not student.grad.any()
+
+
+def test_padded_vocabularies_are_sliced_to_the_tokenizers():
+    student, teacher = logits(2, 6, seed=7), logits(2, 6, seed=8)
+    padded_student = torch.cat([student, torch.full((2, 6, 8), 5.0)], dim=-1)  # phantom rows with real mass
+    padded_teacher = torch.cat([teacher, torch.full((2, 6, 3), 9.0)], dim=-1)
+    div = Divergence("jsd", beta=0.3)
+    assert kd_loss_sum(padded_student, padded_teacher, None, div, T, V).item() == pytest.approx(kd_loss_sum(student, teacher, None, div, T, V).item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("name", DIVERGENCES)
+def test_chunked_equals_one_pass_with_gradients(name):
+    teacher = logits(3, 11, seed=9)
+    mask = (torch.arange(33).reshape(3, 11) % 5 != 0).float()
+    results = []
+    for chunk in (None, 4):
+        student = logits(3, 11, seed=10).requires_grad_()
+        loss = kd_loss_sum(student, teacher, mask, Divergence(name, beta=0.4), T, V, chunk_tokens=chunk)
+        loss.backward()
+        results.append((loss.detach(), student.grad))
+    assert (results[0][0] - results[1][0]).abs().item() < 1e-6 * max(1, results[0][0].abs().item())
+    assert (results[0][1] - results[1][1]).abs().max().item() < 1e-6
+
+
+def top_k(teacher, k):
+    log_p = (teacher / T).log_softmax(-1)
+    values, ids = log_p.topk(k, dim=-1)
+    return TopK(ids, values)
+
+
+@pytest.mark.parametrize("name", ["forward_kl", "reverse_kl"])
+def test_top_k_with_a_tail_bucket_is_a_coarser_kl(name):
+    """>= 0 without clamping, at most the full KL (coarsening never adds divergence),
+    and the full KL itself at k = V."""
+    student, teacher = logits(4, 9, seed=11), logits(4, 9, seed=12)
+    div = Divergence(name)
+    full = kd_loss_sum(student, teacher, None, div, T, V)
+    previous = -1.0
+    for k in (1, 4, 16, 49):
+        sparse = kd_loss_sum(student, top_k(teacher, k), None, div, T, V)
+        assert 0 <= sparse.item() <= full.item() + 1e-5
+        assert sparse.item() >= previous - 1e-5  # more categories, closer to the full KL
+        previous = sparse.item()
+    assert kd_loss_sum(student, top_k(teacher, V), None, div, T, V).item() == pytest.approx(full.item(), rel=1e-5)
+
+
+def test_gradient_accumulation_gives_the_same_loss_and_gradients():
+    """One micro-batch of 8 or 8 of 1, each summed and divided by the global N: equal,
+    although the samples hold different numbers of unmasked tokens."""
+    gen = torch.Generator().manual_seed(13)
+    hidden, teacher = torch.randn(8, 6, 16, generator=gen), logits(8, 6, seed=14)
+    mask = (torch.rand(8, 6, generator=gen) > 0.4).float()
+    weight = torch.randn(V, 16, generator=gen)
+    results = []
+    for micro in (8, 1):
+        head = torch.nn.Parameter(weight.clone())
+        total = 0.0
+        for start in range(0, 8, micro):
+            part = slice(start, start + micro)
+            loss = kd_loss_sum(hidden[part] @ head.T, teacher[part], mask[part], Divergence("jsd", beta=0.5), T, V) / mask.sum()
+            loss.backward()
+            total += loss.item()
+        results.append((total, head.grad.clone()))
+    assert results[0][0] == pytest.approx(results[1][0], rel=1e-5)
+    assert (results[0][1] - results[1][1]).abs().max().item() < 1e-5
+
+
+def test_hidden_losses_and_identity_adapters():
+    gen = torch.Generator().manual_seed(15)
+    student = {0: torch.randn(2, 5, 8, generator=gen), 1: torch.randn(2, 5, 8, generator=gen)}
+    teacher = {2: torch.randn(2, 5, 8, generator=gen), 3: torch.randn(2, 5, 8, generator=gen)}
+    mask = torch.ones(2, 5)
+    mask[0, 3:] = 0
+    adapters = HiddenAdapters({0: 2, 1: 3}, 8, 8)
+    assert all(torch.equal(a.weight, torch.eye(8)) for a in adapters.adapters.values())
+    mse = hidden_loss_sum(adapters, student, teacher, mask, "mse")
+    expected = sum((((student[s] - teacher[t]) ** 2).mean(-1) * mask).sum() for s, t in ((0, 2), (1, 3)))
+    assert mse.item() == pytest.approx(expected.item(), rel=1e-6)
+    cosine = hidden_loss_sum(adapters, student, teacher, mask, "cosine")
+    cos = lambda a, b: (a * b).sum(-1) / (a.norm(dim=-1) * b.norm(dim=-1))  # noqa: E731
+    expected = sum(((1 - cos(student[s], teacher[t])) * mask).sum() for s, t in ((0, 2), (1, 3)))
+    assert cosine.item() == pytest.approx(expected.item(), rel=1e-5)
+    wider = HiddenAdapters({0: 2}, 8, 12)  # another width: a learned projection, not the identity
+    assert wider.adapters["0"].weight.shape == (12, 8)
+    assert hidden_loss_sum(wider, student, {2: torch.randn(2, 5, 12)}, torch.zeros(2, 5), "mse").item() == 0
