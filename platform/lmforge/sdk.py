@@ -174,6 +174,7 @@ def _run(plan: Plan, manifest: dict, console: Console, show_progress: bool, leas
         "eval_loss": seen.last_eval.get("eval_loss"),
         "eval_ppl": seen.last_eval.get("eval_ppl"),
         "eval_step": seen.last_eval.get("step"),
+        **{k: seen.last_eval[k] for k in ("eval_kl", "eval_top1") if k in seen.last_eval},
         "start_step": plan.start_step,
         "tokens": result["step"] * spec.train.global_batch * spec.train.seq_len,
         "wall_seconds": round(time.time() - began, 2),

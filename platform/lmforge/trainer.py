@@ -169,12 +169,13 @@ class Trainer:
         return row
 
     def _evaluate(self, step: int) -> None:
-        """The held-out loss: every layout reads the same samples, so it is one number."""
+        """The held-out loss (and a distillation's agreement with the teacher): every
+        layout reads the same samples, so each is one number."""
         began = time.perf_counter()
-        losses = [self.engine.eval_loss(torch.from_numpy(tokens.astype(np.int64))) for tokens in self.held_out]
-        loss = float(np.mean(losses))
-        self._event({"event": "eval", "step": step, "eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0)),
-                     "batches": len(losses), "seconds": round(time.perf_counter() - began, 3)})
+        batches = [self.engine.evaluate(torch.from_numpy(tokens.astype(np.int64))) for tokens in self.held_out]
+        metrics = {name: float(np.mean([b[name] for b in batches])) for name in batches[0]}
+        self._event({"event": "eval", "step": step, **metrics, "eval_ppl": math.exp(min(metrics["eval_loss"], 700.0)),
+                     "batches": len(batches), "seconds": round(time.perf_counter() - began, 3)})
 
     def _stop_requested(self) -> bool:
         """Rank 0 asks; every rank gets the same answer."""

@@ -132,12 +132,15 @@ def run_case(args: argparse.Namespace, device: torch.device) -> None:
         load_checkpoint(store, ckpt, engine)
         start = ckpt.step
     gen = torch.Generator().manual_seed(0)
-    losses, terms, states, evals = [], [], {}, {}
+    losses, terms, states, evals, against_teacher = [], [], {}, {}, {}
     share = lambda batch: batch.view(dp, -1, 17)[dims.dp_rank].reshape(spec.grad_accum, spec.train.micro_batch, 17)  # noqa: E731
 
     def evaluate(done: int) -> None:
         if done in (*EVAL_AFTER, args.steps) and done >= start:
-            evals[done] = sum(engine.eval_loss(share(batch)) for batch in held_out_batches()) / 2
+            measured = [engine.evaluate(share(batch)) for batch in held_out_batches()]
+            evals[done] = sum(m["eval_loss"] for m in measured) / 2
+            if "eval_kl" in measured[0]:  # a distillation: its agreement with the teacher too
+                against_teacher[done] = {k: sum(m[k] for m in measured) / 2 for k in ("eval_kl", "eval_top1")}
 
     evaluate(start)
     for step in range(args.steps):
@@ -159,7 +162,7 @@ def run_case(args: argparse.Namespace, device: torch.device) -> None:
     dist.all_gather_object(per_rank, states.get("measured"))
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
-            json.dump({"losses": losses, "terms": terms, "eval": evals, "engine": describe(engine), "states": per_rank, "spec": spec.model_dump(mode="json", exclude_unset=True),
+            json.dump({"losses": losses, "terms": terms, "eval": evals, "against_teacher": against_teacher, "engine": describe(engine), "states": per_rank, "spec": spec.model_dump(mode="json", exclude_unset=True),
                        "seconds": round(time.perf_counter() - began, 2)}, f)
     dist.barrier()  # results are written; no rank leaves while a peer still sends
 

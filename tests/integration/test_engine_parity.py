@@ -129,7 +129,8 @@ def test_checkpoint_reshards_to_any_layout(reference, run, layout):
 @pytest.mark.parametrize("layout, tolerance", [("dp2", 1e-5), ("tp2", 1e-4)])
 def test_distillation_matches_one_process(run, layout, tolerance):
     """A JSD + cross-entropy distillation, every term over the global batch: the same
-    total and terms per step as one process, the total their weighted sum."""
+    total and terms per step as one process, the total their weighted sum; the same
+    held-out KL to the teacher and top-1 agreement."""
     want, got = run("distill-one"), run(f"distill-{layout}")
     assert got["losses"] == pytest.approx(want["losses"], rel=tolerance)
     assert [sorted(t) for t in got["terms"]] == [["ce_loss", "kd_loss"]] * len(got["losses"])
@@ -137,6 +138,12 @@ def test_distillation_matches_one_process(run, layout, tolerance):
         assert [t[name] for t in got["terms"]] == pytest.approx([t[name] for t in want["terms"]], rel=tolerance)
     assert want["losses"] == pytest.approx([0.5 * t["ce_loss"] + t["kd_loss"] for t in want["terms"]], rel=1e-6)
     assert want["losses"][-1] < want["losses"][0]
+    # On the held-out batches: KL(teacher || student) and top-1 agreement, one number for every layout.
+    assert sorted(got["against_teacher"]) == sorted(want["against_teacher"]) and len(want["against_teacher"]) >= 2
+    for step, measured in want["against_teacher"].items():
+        assert got["against_teacher"][step]["eval_kl"] == pytest.approx(measured["eval_kl"], rel=tolerance)
+        assert got["against_teacher"][step]["eval_top1"] == pytest.approx(measured["eval_top1"], abs=1e-6)
+        assert measured["eval_kl"] > 0 and 0 <= measured["eval_top1"] <= 1
 
 
 @pytest.mark.parametrize("case", [name for name in CASES if name not in ("reference", "distill-one")])

@@ -1,6 +1,7 @@
 """End to end on a real local Ray cluster: 2 worker actors, gloo, FSDP2, real
 Parquet shards, DCP checkpoints, a real MLflow SQLite store."""
 
+import copy
 import json
 import math
 from pathlib import Path
@@ -13,7 +14,7 @@ from lmforge.errors import UserError
 from lmforge.spec import spec_from_dict
 
 from conftest import REFERENCE_STEPS as STEPS
-from conftest import reference_job, tiny_job
+from conftest import reference_job, tiny_job, with_sections
 
 pytestmark = pytest.mark.ray
 
@@ -207,13 +208,19 @@ def test_deepspeed_documentation_config_trains_resumes_and_matches_native(uninte
 def test_a_distillation_job_trains_through_the_controller(uninterrupted, tiny_dataset, tmp_path):
     """The reference run's last committed checkpoint, read in place, teaches a student
     of another seed on 2 ranks: every step records its terms in metrics.jsonl and
-    MLflow, the loss is their weighted sum, and the student moves towards the teacher."""
+    MLflow, the loss is their weighted sum, and the student moves towards the teacher;
+    the held-out KL to the teacher and top-1 agreement every 3 steps, the KL lower
+    than the same student's on cross-entropy alone."""
     run_dir, _ = uninterrupted
     teacher = run_dir / "checkpoints" / f"step_{STEPS:08d}"
-    job = tiny_job(tmp_path, tiny_dataset, name="distill", train={"max_steps": 6, "seed": 2},
+    job = tiny_job(tmp_path, tiny_dataset, name="distill", train={"max_steps": 6, "seed": 2}, eval={"interval": 3, "batches": 2},
                    distill={"teacher": str(teacher), "loss": "reverse_kl", "ce_weight": 0.5, "temperature": 1.5})
     summary = sdk.train(spec_from_dict(job), show_progress=False)
     rows = _step_rows(Path(summary["run_dir"]))
+    evals = [row for row in _rows(Path(summary["run_dir"])) if row.get("event") == "eval"]
+    assert [row["step"] for row in evals] == [3, 6] and all(0 <= row["eval_top1"] <= 1 for row in evals)
+    assert evals[-1]["eval_kl"] < evals[0]["eval_kl"]  # closer to the teacher on text it never trained on
+    assert (summary["eval_kl"], summary["eval_top1"]) == (evals[-1]["eval_kl"], evals[-1]["eval_top1"])
     assert [row["step"] for row in rows] == list(range(1, 7))
     for row in rows:
         assert row["loss"] == pytest.approx(0.5 * row["ce_loss"] + row["kd_loss"], rel=1e-6)
@@ -223,3 +230,8 @@ def test_a_distillation_job_trains_through_the_controller(uninterrupted, tiny_da
     assert run.data.params["distill.loss"] == "reverse_kl" and run.data.params["distill.teacher"] == str(teacher)
     assert [m.value for m in sorted(client.get_metric_history(run.info.run_id, "kd_loss"), key=lambda m: m.step)] == pytest.approx(
         [row["kd_loss"] for row in rows])
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "eval_kl")] == [3, 6]
+    # The same student on cross-entropy alone (the teacher only measured): farther from the teacher.
+    alone = sdk.train(spec_from_dict(with_sections(copy.deepcopy(job), {"name": "ce-only", "distill": {"kd_weight": 0.0, "ce_weight": 1.0}})),
+                      show_progress=False)
+    assert summary["eval_kl"] < alone["eval_kl"]

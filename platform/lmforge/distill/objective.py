@@ -9,12 +9,14 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from lmforge.distill.losses import Divergence, TopK, kd_loss_sum
 
 TERMS = ("ce_loss", "kd_loss")
+EVAL_METRICS = ("eval_loss", "eval_kl", "eval_top1")  # what `held_out_sums` adds up, in order
 
 
 def _local(value: torch.Tensor) -> torch.Tensor:
@@ -53,3 +55,25 @@ class DistillObjective:
         logprobs = (teacher_logits[..., :self.vocab].float() / self.settings.temperature).log_softmax(dim=-1)
         values, ids = logprobs.topk(k, dim=-1)
         return TopK(ids, values)
+
+    def held_out_sums(self, logits: torch.Tensor, targets: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+        """Sums over one held-out micro-batch's tokens of the student's cross-entropy,
+        KL(teacher || student) at temperature 1, and top-1 agreement with the teacher."""
+        ce = _local(F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum"))
+        student, teacher = _local(logits), _local(teacher_logits)
+        kl = kd_loss_sum(student, teacher, None, Divergence("forward_kl"), 1.0, self.vocab, self.tp_group, self.settings.chunk_tokens)
+        agree = (self._top1(student) == self._top1(teacher)).sum()
+        return torch.stack([ce.detach(), kl.detach(), agree.float()])
+
+    def _top1(self, logits: torch.Tensor) -> torch.Tensor:
+        """The most likely token's id; under TP the smallest such id over all shards
+        (torch.argmax's choice among ties)."""
+        if self.tp_group is None:
+            return logits[..., :self.vocab].argmax(dim=-1)
+        best, index = logits.max(dim=-1)
+        index = index + dist.get_rank(self.tp_group) * logits.shape[-1]
+        top = best.clone()
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=self.tp_group)
+        index = torch.where(best == top, index, torch.iinfo(index.dtype).max)
+        dist.all_reduce(index, op=dist.ReduceOp.MIN, group=self.tp_group)
+        return index

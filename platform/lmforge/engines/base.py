@@ -42,6 +42,12 @@ class Engine(ABC):
         micro-batches [accum, micro, seq_len+1]); the same number on every rank."""
         raise NotImplementedError(f"{type(self).__name__} does not evaluate")
 
+    def evaluate(self, micro_batches: torch.Tensor) -> dict[str, float]:
+        """What one held-out global batch measures (this rank's micro-batches): its
+        `eval_loss`, and for a distillation job `eval_kl` (KL(teacher || student) per
+        token) and `eval_top1` (the share of tokens where both rank the same token first)."""
+        return {"eval_loss": self.eval_loss(micro_batches)}
+
     def modules(self) -> list[torch.nn.Module]:
         """The model's modules on this rank (pipeline stages, or the one model)."""
         raise NotImplementedError(f"{type(self).__name__} does not expose its modules")

@@ -25,6 +25,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from lmforge.distill.objective import EVAL_METRICS, DistillObjective
+from lmforge.distill.teacher import build_teacher
 from lmforge.engines.base import Engine, StepStats, warmup_cosine
 from lmforge.models import Transformer, materialize
 from lmforge.parallel.checkpointing import apply_activation_checkpointing
@@ -77,9 +79,6 @@ class NativeEngine(Engine):
 
     def _build_distillation(self, vocab: Optional[int]) -> None:
         """The frozen teacher, parallelized as the student is, and the job's loss."""
-        from lmforge.distill.objective import DistillObjective
-        from lmforge.distill.teacher import build_teacher
-
         self.teacher = build_teacher(self.spec.distill.teacher, self.device, self._parallelize)
         vocab = min(vocab or self.spec.model_arch.vocab_size, self.spec.model_arch.vocab_size, self.teacher.cfg.vocab_size)
         train = self.spec.train
@@ -224,6 +223,21 @@ class NativeEngine(Engine):
         if self.dims.shape.dp > 1:
             dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.dims.dp_group)
         return loss.item()
+
+    @torch.no_grad()
+    def evaluate(self, micro_batches: torch.Tensor) -> dict[str, float]:
+        if self.objective is None:
+            return super().evaluate(micro_batches)
+        micro_batches = micro_batches.to(self.device, non_blocking=True)
+        model = self.parts[0].eval()
+        sums = torch.zeros(3, device=self.device)
+        with self._loss_context():
+            for batch in micro_batches:
+                sums += self.objective.held_out_sums(model(batch[:, :-1]), batch[:, 1:], self.teacher(batch[:, :-1]))
+        sums /= micro_batches[..., 1:].numel()
+        if self.dims.shape.dp > 1:
+            dist.all_reduce(sums, op=dist.ReduceOp.AVG, group=self.dims.dp_group)
+        return dict(zip(EVAL_METRICS, sums.tolist()))
 
     def _clip_gradients(self) -> torch.Tensor:
         params = [p for part in self.parts for p in part.parameters() if p.grad is not None]

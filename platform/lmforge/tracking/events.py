@@ -42,7 +42,11 @@ MESSAGES: dict[str, Callable[[dict], str]] = {
         f"rollback {e['rollback']}/{e['max_rollbacks']}: {e.get('cause') or 'steps ' + str(e['steps']) + ' were not finite'}; restarting from the latest "
         f"checkpoint, skipping the batches of steps {e['skip_batches']}"
     ),
-    "eval": lambda e: f"step {e['step']}: held-out loss {e['eval_loss']:.4f}, perplexity {e['eval_ppl']:.2f} ({e['batches']} batches, {e['seconds']:.1f}s)",
+    "eval": lambda e: (
+        f"step {e['step']}: held-out loss {e['eval_loss']:.4f}, perplexity {e['eval_ppl']:.2f}"
+        + (f", KL to the teacher {e['eval_kl']:.4f}, top-1 agreement {e['eval_top1']:.1%}" if "eval_kl" in e else "")
+        + f" ({e['batches']} batches, {e['seconds']:.1f}s)"
+    ),
     "batch_skipped": lambda e: f"step {e['step']}: batch skipped (guards.skip_batches)",
     "loss_spike": lambda e: f"step {e['step']}: loss spike {e['loss']:.4f}, {e['zscore']} standard deviations above the recent mean {e['window_mean']:.4f}",
     "out_of_memory": lambda e: (
@@ -63,7 +67,7 @@ RECORDED = {"layout", "data_changed", "eval", "spares", "checkpoint_failed", "ch
 METRICS: dict[str, Callable[[dict], dict[str, float]]] = {
     "checkpoint": lambda e: {"checkpoint_seconds": e["seconds"], "checkpoint_stall_seconds": e["stall_seconds"]},
     "checkpoint_failed": lambda e: {"checkpoint_failed_in_a_row": e["failed_in_a_row"]},
-    "eval": lambda e: {"eval_loss": e["eval_loss"], "eval_ppl": e["eval_ppl"]},
+    "eval": lambda e: {k: e[k] for k in ("eval_loss", "eval_ppl", "eval_kl", "eval_top1") if k in e},
     "resized": lambda e: {"dp": e["dp"]},
     "failure": lambda e: {"failures": e["attempt"]},
     "recovered": lambda e: {"recovery_seconds": e["seconds"]},
