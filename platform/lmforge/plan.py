@@ -19,6 +19,7 @@ from lmforge.data.identity import describe, order_changes, order_inputs
 from lmforge.data.precheck import check_before_ray
 from lmforge.data.prepare import MANIFEST, PrepareOptions, read_manifest
 from lmforge.data.tokenizer import load_tokenizer
+from lmforge.checkpoint.export import open_source
 from lmforge.errors import UserError
 from lmforge.models.weights import open_model_dir
 from lmforge.planner.fit import check_fits
@@ -109,26 +110,29 @@ def _vocabulary(tokenizer) -> dict:
 
 
 def check_distill(spec: JobSpec, manifest: Optional[dict]) -> None:
-    """The teacher opens, shares the dataset's tokenizer, and splits as the student does."""
-    from lmforge.checkpoint.export import open_source
-
-    path = spec.distill.teacher
-    teacher = open_source(path, name="distill.teacher")
-    if teacher.tokenizer_json is None:
-        raise UserError(f"distill.teacher: {path} has no tokenizer to compare with the dataset's; teacher and student must share one "
-                        "(lmforge export --tokenizer ships one)")
+    """Every teacher opens, shares the dataset's tokenizer, and splits as the student does."""
     dataset_tokenizer = _dataset_tokenizer(spec, manifest)
     if dataset_tokenizer is None:
         raise UserError("data.tokenizer: not set, so preparing the data would train a new BPE, not the teacher's tokenizer; "
-                        f"set it to the teacher's (the tokenizer.json of {path})")
-    if _vocabulary(dataset_tokenizer) != _vocabulary(teacher.tokenizer()):
-        raise UserError(f"distill.teacher: its tokenizer ({path}) is not the dataset's ({dataset_tokenizer}); teacher and student must share one")
+                        "set it to the teacher's tokenizer.json")
+    vocabulary = _vocabulary(dataset_tokenizer)
+    for number, source in enumerate(spec.distill.sources):
+        name = "distill.teacher" if spec.distill.teacher else f"distill.teachers[{number}]"
+        _check_teacher(spec, open_source(source.path, name=name), name, vocabulary, dataset_tokenizer)
+
+
+def _check_teacher(spec: JobSpec, teacher, name: str, vocabulary: dict, dataset_tokenizer: str) -> None:
+    if teacher.tokenizer_json is None:
+        raise UserError(f"{name}: {teacher.path} has no tokenizer to compare with the dataset's; teacher and student must share one "
+                        "(lmforge export --tokenizer ships one)")
+    if _vocabulary(teacher.tokenizer()) != vocabulary:
+        raise UserError(f"{name}: its tokenizer ({teacher.path}) is not the dataset's ({dataset_tokenizer}); teacher and student must share one")
     tp = spec.parallel.tp
     if tp > 1 and teacher.cfg.vocab_size != spec.model_arch.vocab_size:
-        raise UserError(f"distill.teacher: its vocab_size {teacher.cfg.vocab_size} differs from model.vocab_size {spec.model_arch.vocab_size}; "
+        raise UserError(f"{name}: its vocab_size {teacher.cfg.vocab_size} differs from model.vocab_size {spec.model_arch.vocab_size}; "
                         "with parallel.tp > 1 both vocabularies are split alike, so they must be equal")
     if tp > 1 and (teacher.cfg.n_kv_heads % tp or teacher.cfg.n_heads % tp):
-        raise UserError(f"distill.teacher: its {teacher.cfg.n_heads} heads ({teacher.cfg.n_kv_heads} key/value) do not split over parallel.tp {tp}")
+        raise UserError(f"{name}: its {teacher.cfg.n_heads} heads ({teacher.cfg.n_kv_heads} key/value) do not split over parallel.tp {tp}")
 
 
 def check_deepspeed(spec: JobSpec) -> None:

@@ -343,7 +343,10 @@ class JobSpec(_Section):
                 "tokenizer": local(self.data.tokenizer) if self.data.tokenizer else None,
             }),
             "eval": self.eval.model_copy(update={"source": source(self.eval.source)}) if self.eval else None,
-            "distill": self.distill.model_copy(update={"teacher": local(self.distill.teacher)}) if self.distill else None,
+            "distill": self.distill.model_copy(update={
+                "teacher": local(self.distill.teacher) if self.distill.teacher else None,
+                "teachers": [t.model_copy(update={"path": local(t.path)}) for t in self.distill.teachers] if self.distill.teachers else None,
+            }) if self.distill else None,
             "checkpoint": self.checkpoint.model_copy(update={"dir": local(self.checkpoint_dir)}),
             "tracking": self.tracking.model_copy(update={"uri": self.tracking_uri}),
         })

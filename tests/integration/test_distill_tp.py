@@ -1,6 +1,7 @@
 """The KD loss on a vocabulary sharded over two tensor-parallel ranks (real gloo
 process groups): loss and the gradients of each rank's logit shard equal one
-process's on the whole vocabulary within 1e-5, for every divergence, chunked."""
+process's on the whole vocabulary within 1e-5, for every divergence and for two
+teachers mixed, chunked."""
 
 import os
 import socket
@@ -9,7 +10,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from lmforge.distill.losses import DIVERGENCES, Divergence, kd_loss_sum
+from lmforge.distill.losses import DIVERGENCES, Divergence, Mixture, kd_loss_sum
 
 V, T, WORLD = 48, 1.5, 2
 
@@ -22,10 +23,19 @@ def inputs():
     return student, teacher, mask
 
 
-def whole_vocabulary(div: Divergence):
+def mixture(teacher, shard=slice(None)):
+    """Two teachers, mixed 3:7."""
+    return Mixture([teacher[..., shard], (0.5 * teacher + 1)[..., shard]], [0.3, 0.7])
+
+
+CASES = [*DIVERGENCES, "jsd-mixture"]
+
+
+def whole_vocabulary(name: str):
     student, teacher, mask = inputs()
     student.requires_grad_()
-    loss = kd_loss_sum(student, teacher, mask, div, T, V) / mask.sum()
+    div = Divergence(name.removesuffix("-mixture"), beta=0.3)
+    loss = kd_loss_sum(student, mixture(teacher) if name.endswith("mixture") else teacher, mask, div, T, V) / mask.sum()
     loss.backward()
     return loss.item(), student.grad
 
@@ -38,9 +48,11 @@ def sharded(rank: int, port: int, results) -> None:
     try:
         student, teacher, mask = inputs()
         shard = slice(rank * V // WORLD, (rank + 1) * V // WORLD)
-        for name in DIVERGENCES:
+        for name in CASES:
             local = student[..., shard].clone().requires_grad_()
-            loss = kd_loss_sum(local, teacher[..., shard], mask, Divergence(name, beta=0.3), T, V, tp_group=dist.group.WORLD, chunk_tokens=4) / mask.sum()
+            targets = mixture(teacher, shard) if name.endswith("mixture") else teacher[..., shard]
+            div = Divergence(name.removesuffix("-mixture"), beta=0.3)
+            loss = kd_loss_sum(local, targets, mask, div, T, V, tp_group=dist.group.WORLD, chunk_tokens=4) / mask.sum()
             loss.backward()
             results[(rank, name)] = (loss.item(), local.grad)
     finally:
@@ -64,9 +76,9 @@ def tp_results():
         return dict(results)
 
 
-@pytest.mark.parametrize("name", DIVERGENCES)
+@pytest.mark.parametrize("name", CASES)
 def test_tensor_parallel_kd_equals_one_process(tp_results, name):
-    loss, grad = whole_vocabulary(Divergence(name, beta=0.3))
+    loss, grad = whole_vocabulary(name)
     for rank in range(WORLD):
         got, local_grad = tp_results[(rank, name)]
         assert got == pytest.approx(loss, rel=1e-5, abs=1e-7)

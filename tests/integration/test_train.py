@@ -206,15 +206,16 @@ def test_deepspeed_documentation_config_trains_resumes_and_matches_native(uninte
 
 
 def test_a_distillation_job_trains_through_the_controller(uninterrupted, tiny_dataset, tmp_path):
-    """The reference run's last committed checkpoint, read in place, teaches a student
-    of another seed on 2 ranks: every step records its terms in metrics.jsonl and
+    """The reference run's last two committed checkpoints, read in place and mixed 3:1,
+    teach a student of another seed on 2 ranks: every step records its terms in metrics.jsonl and
     MLflow, the loss is their weighted sum, and the student moves towards the teacher;
     the held-out KL to the teacher and top-1 agreement every 3 steps, the KL lower
     than the same student's on cross-entropy alone."""
     run_dir, _ = uninterrupted
-    teacher = run_dir / "checkpoints" / f"step_{STEPS:08d}"
+    last, earlier = (run_dir / "checkpoints" / f"step_{step:08d}" for step in (STEPS, STEPS - 10))
+    teachers = [{"path": str(last), "weight": 3}, {"path": str(earlier), "weight": 1}]
     job = tiny_job(tmp_path, tiny_dataset, name="distill", train={"max_steps": 6, "seed": 2}, eval={"interval": 3, "batches": 2},
-                   distill={"teacher": str(teacher), "loss": "reverse_kl", "ce_weight": 0.5, "temperature": 1.5})
+                   distill={"teachers": teachers, "loss": "reverse_kl", "ce_weight": 0.5, "temperature": 1.5})
     summary = sdk.train(spec_from_dict(job), show_progress=False)
     rows = _step_rows(Path(summary["run_dir"]))
     evals = [row for row in _rows(Path(summary["run_dir"])) if row.get("event") == "eval"]
@@ -227,7 +228,7 @@ def test_a_distillation_job_trains_through_the_controller(uninterrupted, tiny_da
     assert rows[-1]["kd_loss"] < rows[0]["kd_loss"]
     client = MlflowClient(tracking_uri=summary["mlflow_tracking_uri"])
     run = client.get_run(summary["mlflow_run_id"])
-    assert run.data.params["distill.loss"] == "reverse_kl" and run.data.params["distill.teacher"] == str(teacher)
+    assert run.data.params["distill.loss"] == "reverse_kl" and str(last) in run.data.params["distill.teachers"]
     assert [m.value for m in sorted(client.get_metric_history(run.info.run_id, "kd_loss"), key=lambda m: m.step)] == pytest.approx(
         [row["kd_loss"] for row in rows])
     assert [m.step for m in client.get_metric_history(run.info.run_id, "eval_kl")] == [3, 6]

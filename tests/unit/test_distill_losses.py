@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from lmforge.distill.hidden import HiddenAdapters, hidden_loss_sum
-from lmforge.distill.losses import DIVERGENCES, Divergence, TopK, kd_loss_sum
+from lmforge.distill.losses import DIVERGENCES, Divergence, Mixture, TopK, kd_loss_sum
 
 V, T = 50, 2.0
 
@@ -23,9 +23,11 @@ def kl(a, b):
     return (a * (a / b).log()).sum(-1)
 
 
-def reference(div: Divergence, teacher, student):
-    """D(p, q) per token from the definitions, in float64 probabilities."""
-    p, q = (teacher.double() / T).softmax(-1), (student.double() / T).softmax(-1)
+def reference(div: Divergence, teacher, student, p=None):
+    """D(p, q) per token from the definitions, in float64 probabilities (p: given, or
+    the teacher logits' softmax)."""
+    p = (teacher.double() / T).softmax(-1) if p is None else p
+    q = (student.double() / T).softmax(-1)
     if div.name == "forward_kl" or (div.name == "jsd" and div.beta == 0):
         return kl(p, q)
     if div.name == "reverse_kl" or (div.name == "jsd" and div.beta == 1):
@@ -52,6 +54,15 @@ def test_each_divergence_equals_its_definition(div):
     got = kd_loss_sum(student, teacher, mask, div, T, V) / mask.sum()
     expected = T ** 2 * (reference(div, teacher, student) * mask).sum() / mask.sum()
     assert got.item() == pytest.approx(expected.item(), rel=1e-5, abs=1e-7)
+
+
+@pytest.mark.parametrize("name", ["forward_kl", "reverse_kl", "jsd", "tvd"])
+def test_several_teachers_are_mixed_in_probability_space(name):
+    student, first, second = logits(2, 6, seed=20), logits(2, 6, seed=21), logits(2, 6, seed=22)
+    mixed = 0.25 * (first.double() / T).softmax(-1) + 0.75 * (second.double() / T).softmax(-1)
+    got = kd_loss_sum(student, Mixture([first, second], [0.25, 0.75]), None, Divergence(name), T, V)
+    expected = T ** 2 * reference(Divergence(name), None, student, p=mixed).sum()
+    assert got.item() == pytest.approx(expected.item(), rel=1e-5)
 
 
 def test_kl_equals_torchs_kl_div():

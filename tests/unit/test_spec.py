@@ -68,7 +68,10 @@ def test_overrides_are_parsed_as_yaml_values():
         (["data.eval_fraction=1"], "data.eval_fraction: Input should be less than 1"),
         (["eval.interval=0"], "eval.interval: Input should be greater than 0"),
         (["eval.source=held", "data.eval_fraction=0.1"], "eval.source: a separate held-out corpus and data.eval_fraction"),
-        (["distill.loss=jsd"], "distill.teacher: Field required"),
+        (["distill.loss=jsd"], "distill: name one teacher (distill.teacher: PATH) or several"),
+        (["distill.teacher=t", "distill.teachers=[{path: u}]"], "distill: name one teacher"),
+        (["distill.teachers=[]"], "distill.teachers: List should have at least 1 item"),
+        (["distill.teachers=[{path: u, weight: 0}]"], "distill.teachers.0.weight: Input should be greater than 0"),
         (["distill.teacher=t", "distill.loss=kl"], "distill.loss: Input should be 'forward_kl'"),
         (["distill.teacher=t", "distill.temperature=0"], "distill.temperature: Input should be greater than 0"),
         (["distill.teacher=t", "distill.beta=1.5"], "distill.beta: Input should be less than or equal to 1"),
@@ -150,3 +153,9 @@ def test_an_elastic_job_gets_a_failure_budget_unless_it_sets_one():
     assert spec_from_dict(BASE, elastic).with_dp(1).fault_tolerance.max_failures == 3
     assert spec_from_dict(BASE, [*elastic, "fault_tolerance.max_failures=1"]).fault_tolerance.max_failures == 1
     assert spec_from_dict(BASE).fault_tolerance.max_failures == 0  # not elastic: unchanged
+
+
+def test_several_teachers_are_mixed_by_their_normalized_weights():
+    spec = spec_from_dict(BASE, ["distill.teachers=[{path: a, weight: 3}, {path: b}]"])
+    assert [(t.path, t.weight) for t in spec.distill.sources] == [("a", 0.75), ("b", 0.25)]
+    assert [(t.path, t.weight) for t in spec_from_dict(BASE, ["distill.teacher=a"]).distill.sources] == [("a", 1.0)]

@@ -69,8 +69,9 @@ class PrepareOptions:
 
 def _model_tokenizer(spec) -> Optional[str]:
     """The tokenizer.json of the model the job starts from (`model.init_from`), or of
-    its teacher (`distill.teacher`), if the directory has one."""
-    for directory in (spec.model.init_from, spec.distill.teacher if spec.distill else None):
+    its (first) teacher, if the directory has one."""
+    teachers = [t.path for t in spec.distill.sources] if spec.distill else []
+    for directory in (spec.model.init_from, *teachers):
         found = directory and Path(directory) / "tokenizer.json"
         if found and found.is_file():
             return str(found)

@@ -1,5 +1,5 @@
-"""The job file's `distill:` section: the teacher, the divergence and its settings,
-the weights of each loss term, sparse (top-k) targets. Torch-free, like the rest of
+"""The job file's `distill:` section: the teacher (or several, mixed), the divergence
+and its settings, the weights of each loss term, sparse (top-k) targets. Torch-free, like the rest of
 the spec; the rules between it and other sections are in `spec_rules.py`.
 """
 
@@ -12,10 +12,20 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 Loss = Literal["forward_kl", "reverse_kl", "jsd", "tvd", "skew_kl", "skew_reverse_kl"]
 
 
+class TeacherSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    path: str = Field(..., description="a committed checkpoint, an lmforge export or a Hugging Face Llama directory")
+    weight: float = Field(1.0, gt=0, description="its share of the mixture (weights are normalized to sum to 1)")
+
+
 class DistillSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    teacher: str = Field(..., description="the teacher: a committed checkpoint, an lmforge export or a Hugging Face Llama directory")
+    teacher: Optional[str] = Field(None, description="the teacher: a committed checkpoint, an lmforge export or a Hugging Face Llama directory")
+    teachers: Optional[list[TeacherSpec]] = Field(
+        None, min_length=1, description="several teachers instead, their distributions mixed in probability space by weight"
+    )
     loss: Loss = Field("forward_kl", description="the divergence of the student's next-token distribution from the teacher's")
     beta: float = Field(0.5, ge=0, le=1, description="jsd: the teacher's share of the mixture (0: forward KL, 1: reverse KL)")
     skew: float = Field(0.1, ge=0, lt=1, description="skew_kl / skew_reverse_kl: the share of the first distribution in the mixture")
@@ -26,7 +36,16 @@ class DistillSpec(BaseModel):
     chunk_tokens: int = Field(1024, gt=0, description="tokens whose fp32 log-probabilities are alive at once in the loss")
 
     @model_validator(mode="after")
-    def _learns_something(self) -> "DistillSpec":
+    def _consistent(self) -> "DistillSpec":
+        if (self.teacher is None) == (self.teachers is None):
+            raise ValueError("distill: name one teacher (distill.teacher: PATH) or several (distill.teachers: [{path, weight}]), not both")
         if self.ce_weight == 0 and self.kd_weight == 0:
             raise ValueError("distill: ce_weight and kd_weight are both 0; the student would learn nothing")
         return self
+
+    @property
+    def sources(self) -> list[TeacherSpec]:
+        """Every teacher, its weight normalized so that the weights sum to 1."""
+        given = self.teachers or [TeacherSpec(path=self.teacher)]
+        total = sum(t.weight for t in given)
+        return [TeacherSpec(path=t.path, weight=t.weight / total) for t in given]

@@ -110,11 +110,45 @@ class TopK:
     ids: torch.Tensor  # (..., k) int64
     logprobs: torch.Tensor  # (..., k) float
 
+    def rows(self, index) -> "TopK":
+        return TopK(self.ids[index], self.logprobs[index])
+
+    def flat(self) -> "TopK":
+        return TopK(self.ids.flatten(0, -2), self.logprobs.flatten(0, -2))
+
+
+@dataclass
+class Mixture:
+    """Several teachers' logits, their distributions mixed in probability space with
+    these weights (summing to 1)."""
+
+    logits: list[torch.Tensor]
+    weights: list[float]
+
+    def rows(self, index) -> "Mixture":
+        return Mixture([t[index] for t in self.logits], self.weights)
+
+    def flat(self) -> "Mixture":
+        return Mixture([t.flatten(0, -2) for t in self.logits], self.weights)
+
+
+def teacher_log_probs(teacher, temperature: float, vocab: int, tp_group=None) -> torch.Tensor:
+    """fp32 log-probabilities at the temperature of dense logits or a `Mixture` (the
+    weighted sum of the teachers' probabilities, taken by logsumexp)."""
+    if isinstance(teacher, torch.Tensor):
+        teacher = Mixture([teacher], [1.0])
+    # A sharded vocabulary is the whole one: only whole rows can be sliced to the tokenizer's.
+    parts = [log_softmax((t if tp_group is not None else t[..., :vocab]).detach() / temperature, tp_group) for t in teacher.logits]
+    if len(parts) == 1:
+        return parts[0]
+    weighted = torch.stack([part + math.log(weight) for part, weight in zip(parts, teacher.weights)])
+    return torch.logsumexp(weighted, dim=0)
+
 
 def token_divergence(student_logits: torch.Tensor, teacher, div: Divergence, temperature: float, vocab: int,
                      tp_group=None) -> torch.Tensor:
     """D(teacher, student) per token (shape: the logits' without the last dim).
-    `teacher`: dense logits of the student's shape, or `TopK`; `vocab`: the
+    `teacher`: dense logits of the student's shape, a `Mixture` of them, or `TopK`; `vocab`: the
     tokenizer's real size (rows beyond it, a model's padding, are dropped first)."""
     if tp_group is None:
         student_logits = student_logits[..., :vocab]
@@ -125,9 +159,7 @@ def token_divergence(student_logits: torch.Tensor, teacher, div: Divergence, tem
         log_p = with_tail(teacher.logprobs.float())
         log_q = with_tail(log_q.gather(-1, teacher.ids))
         return divergence_terms(log_p, log_q, div).sum(dim=-1)
-    if tp_group is None:
-        teacher = teacher[..., :vocab]
-    log_p = log_softmax(teacher.detach() / temperature, tp_group)
+    log_p = teacher_log_probs(teacher, temperature, vocab, tp_group)
     per_token = divergence_terms(log_p, log_q, div).sum(dim=-1)
     return per_token if tp_group is None else _SumOfShares.apply(per_token, tp_group)
 
@@ -140,13 +172,13 @@ def kd_loss_sum(student_logits: torch.Tensor, teacher, mask: Optional[torch.Tens
     recomputed in the backward instead of kept, so no more than one chunk's are ever
     alive for both sides at once."""
     flat_student = student_logits.flatten(0, -2)
-    flat_teacher = TopK(teacher.ids.flatten(0, -2), teacher.logprobs.flatten(0, -2)) if isinstance(teacher, TopK) else teacher.flatten(0, -2)
+    flat_teacher = teacher.flatten(0, -2) if isinstance(teacher, torch.Tensor) else teacher.flat()
     weights = torch.ones(flat_student.shape[0], device=flat_student.device) if mask is None else mask.flatten().float()
 
     def chunk_sum(start: int, end: int) -> torch.Tensor:
         def compute(s, t, w):
             return (token_divergence(s, t, div, temperature, vocab, tp_group) * w).sum()
-        part = _rows(flat_teacher, start, end)
+        part = flat_teacher[start:end] if isinstance(flat_teacher, torch.Tensor) else flat_teacher.rows(slice(start, end))
         args = (flat_student[start:end], part, weights[start:end])
         if chunk_tokens is None or not torch.is_grad_enabled():
             return compute(*args)
@@ -157,9 +189,3 @@ def kd_loss_sum(student_logits: torch.Tensor, teacher, mask: Optional[torch.Tens
     total = sum((chunk_sum(start, min(start + size, tokens)) for start in range(0, tokens, size)),
                 torch.zeros((), device=flat_student.device))
     return temperature ** 2 * total
-
-
-def _rows(teacher, start: int, end: int):
-    if isinstance(teacher, TopK):
-        return TopK(teacher.ids[start:end], teacher.logprobs[start:end])
-    return teacher[start:end]

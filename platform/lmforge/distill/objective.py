@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from lmforge.distill.losses import Divergence, TopK, kd_loss_sum
+from lmforge.distill.losses import Divergence, Mixture, TopK, kd_loss_sum, teacher_log_probs
 
 TERMS = ("ce_loss", "kd_loss")
 EVAL_METRICS = ("eval_loss", "eval_kl", "eval_top1")  # what `held_out_sums` adds up, in order
@@ -29,10 +29,11 @@ class DistillObjective:
     def __init__(self, spec, tokens_per_rank: int, vocab: int, tp_group=None):
         self.settings = spec.distill
         self.divergence = Divergence(self.settings.loss, beta=self.settings.beta, skew=self.settings.skew)
+        self.weights = [source.weight for source in self.settings.sources]
         self.tokens_per_rank, self.vocab, self.tp_group = tokens_per_rank, vocab, tp_group
 
-    def __call__(self, logits: torch.Tensor, targets: torch.Tensor, teacher_logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        """(the weighted loss, {term: its value}) of one micro-batch."""
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor, teacher_logits: list[torch.Tensor]) -> tuple[torch.Tensor, dict]:
+        """(the weighted loss, {term: its value}) of one micro-batch; one logits tensor per teacher."""
         s = self.settings
         terms = {}
         if s.ce_weight:
@@ -40,29 +41,35 @@ class DistillObjective:
             ce = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
             terms["ce_loss"] = _local(ce) / self.tokens_per_rank
         if s.kd_weight:
-            teacher = self._targets(_local(teacher_logits))
+            teacher = self._targets(self._teacher(teacher_logits))
             kd = kd_loss_sum(_local(logits), teacher, None, self.divergence, s.temperature, self.vocab, self.tp_group, s.chunk_tokens)
             terms["kd_loss"] = kd / self.tokens_per_rank
         weights = {"ce_loss": s.ce_weight, "kd_loss": s.kd_weight}
         total = sum(weights[name] * value for name, value in terms.items())
         return total, terms
 
-    def _targets(self, teacher_logits: torch.Tensor):
-        """Dense logits, or with `top_k` the teacher's k most likely tokens at the temperature."""
+    def _teacher(self, teacher_logits: list[torch.Tensor]):
+        """One teacher's logits (this rank's vocabulary shard), or the teachers' `Mixture`."""
+        local = [_local(t) for t in teacher_logits]
+        return local[0] if len(local) == 1 else Mixture(local, self.weights)
+
+    def _targets(self, teacher):
+        """The teacher as given, or with `top_k` its k most likely tokens at the temperature."""
         k: Optional[int] = self.settings.top_k
         if k is None:
-            return teacher_logits
-        logprobs = (teacher_logits[..., :self.vocab].float() / self.settings.temperature).log_softmax(dim=-1)
-        values, ids = logprobs.topk(k, dim=-1)
+            return teacher
+        values, ids = teacher_log_probs(teacher, self.settings.temperature, self.vocab).topk(k, dim=-1)
         return TopK(ids, values)
 
-    def held_out_sums(self, logits: torch.Tensor, targets: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    def held_out_sums(self, logits: torch.Tensor, targets: torch.Tensor, teacher_logits: list[torch.Tensor]) -> torch.Tensor:
         """Sums over one held-out micro-batch's tokens of the student's cross-entropy,
-        KL(teacher || student) at temperature 1, and top-1 agreement with the teacher."""
+        KL(teacher || student) at temperature 1, and top-1 agreement with the teacher
+        (the teachers' mixture)."""
         ce = _local(F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum"))
-        student, teacher = _local(logits), _local(teacher_logits)
+        student, teacher = _local(logits), self._teacher(teacher_logits)
         kl = kd_loss_sum(student, teacher, None, Divergence("forward_kl"), 1.0, self.vocab, self.tp_group, self.settings.chunk_tokens)
-        agree = (self._top1(student) == self._top1(teacher)).sum()
+        teacher_scores = teacher if isinstance(teacher, torch.Tensor) else teacher_log_probs(teacher, 1.0, self.vocab, self.tp_group)
+        agree = (self._top1(student) == self._top1(teacher_scores)).sum()
         return torch.stack([ce.detach(), kl.detach(), agree.float()])
 
     def _top1(self, logits: torch.Tensor) -> torch.Tensor:

@@ -73,17 +73,22 @@ class NativeEngine(Engine):
         self.grad_clip = opt.grad_clip
         if self.pipelined:
             self._build_pipeline()
-        self.teacher = self.objective = None
+        self.teachers, self.objective = [], None
         if spec.distill:
             self._build_distillation(vocab)
 
     def _build_distillation(self, vocab: Optional[int]) -> None:
         """The frozen teacher, parallelized as the student is, and the job's loss."""
-        self.teacher = build_teacher(self.spec.distill.teacher, self.device, self._parallelize)
-        vocab = min(vocab or self.spec.model_arch.vocab_size, self.spec.model_arch.vocab_size, self.teacher.cfg.vocab_size)
+        sources = self.spec.distill.sources
+        self.teachers = [build_teacher(source.path, self.device, self._parallelize) for source in sources]
+        vocab = min(vocab or self.spec.model_arch.vocab_size, self.spec.model_arch.vocab_size, *(t.cfg.vocab_size for t in self.teachers))
         train = self.spec.train
         self.objective = DistillObjective(self.spec, self.spec.grad_accum * train.micro_batch * train.seq_len, vocab,
                                           self.dims.tp_mesh.get_group() if self.tensor_parallel else None)
+
+    @torch.no_grad()
+    def _teacher_logits(self, inputs: torch.Tensor) -> list[torch.Tensor]:
+        return [teacher(inputs) for teacher in self.teachers]
 
     def _cut(self, whole: nn.Module) -> list[nn.Module]:
         if not self.pipelined:
@@ -173,9 +178,7 @@ class NativeEngine(Engine):
                     # is the global-batch mean; FSDP averages over DP ranks.
                     loss, terms = self._loss(model(inputs), targets) / accum, {}
                 else:
-                    with torch.no_grad():
-                        teacher_logits = self.teacher(inputs)
-                    loss, terms = self.objective(model(inputs), targets, teacher_logits)
+                    loss, terms = self.objective(model(inputs), targets, self._teacher_logits(inputs))
                 loss.backward()
             loss_sum += _local(loss.detach())
             for name, value in terms.items():
@@ -233,7 +236,7 @@ class NativeEngine(Engine):
         sums = torch.zeros(3, device=self.device)
         with self._loss_context():
             for batch in micro_batches:
-                sums += self.objective.held_out_sums(model(batch[:, :-1]), batch[:, 1:], self.teacher(batch[:, :-1]))
+                sums += self.objective.held_out_sums(model(batch[:, :-1]), batch[:, 1:], self._teacher_logits(batch[:, :-1]))
         sums /= micro_batches[..., 1:].numel()
         if self.dims.shape.dp > 1:
             dist.all_reduce(sums, op=dist.ReduceOp.AVG, group=self.dims.dp_group)
