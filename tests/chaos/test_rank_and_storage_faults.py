@@ -25,7 +25,7 @@ from lmforge.spec import spec_from_dict
 
 from chaos import Condition, actor_processes, committed, events, kill_one_rank_process, reached_step, same_as_uninterrupted, step_rows, wait_until, when, when_step_reached
 from cli import assert_clean_error, run_cli
-from conftest import REFERENCE_STEPS, reference_job, with_sections
+from conftest import DISTILL_STEPS, REFERENCE_STEPS, distill_job, reference_job, with_sections
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 STEPS = REFERENCE_STEPS
@@ -206,3 +206,22 @@ def test_resubmitted_job_resumes_after_its_driver_was_killed(uninterrupted, ray_
     (run,) = client.search_runs([client.get_experiment_by_name("resubmitted").experiment_id])
     assert run.info.run_id == summary["mlflow_run_id"] and run.info.status == "FINISHED"
     assert {m.step for m in client.get_metric_history(run.info.run_id, "loss")} == set(range(1, STEPS + 1))
+
+
+def test_a_rank_killed_mid_distillation_resumes_with_identical_losses(distill_run, reference_run, ray_session, tiny_dataset, tmp_path):
+    """The teachers are rebuilt from their paths on the restart (they are never
+    checkpointed): from step 4's checkpoint on, every step's loss and terms, and the
+    held-out KL, are those of the run nothing interrupted."""
+    job, straight = distill_run
+    run_dir = tmp_path / "runs" / "distill"
+    killed = []
+    watcher = when(committed(run_dir, 4), lambda: killed.append(kill_one_rank_process()))
+    summary = sdk.train(spec_from_dict(distill_job(tmp_path, tiny_dataset, Path(reference_run["run_dir"]))), show_progress=False)
+    watcher.join(timeout=5)
+    assert killed and summary["failures"] == 1 and summary["final_step"] == DISTILL_STEPS
+    assert _restored_steps(run_dir) == [4]
+    want, got = step_rows(Path(straight["run_dir"])), step_rows(run_dir)
+    assert sorted(got) == sorted(want)
+    for term in ("loss", "ce_loss", "kd_loss"):
+        assert {step: row[term] for step, row in got.items()} == pytest.approx({step: row[term] for step, row in want.items()}, rel=1e-6)
+    assert summary["eval_kl"] == pytest.approx(straight["eval_kl"], rel=1e-6)

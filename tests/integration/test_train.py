@@ -14,7 +14,7 @@ from lmforge.errors import UserError
 from lmforge.spec import spec_from_dict
 
 from conftest import REFERENCE_STEPS as STEPS
-from conftest import reference_job, tiny_job, with_sections
+from conftest import DISTILL_STEPS, reference_job, tiny_job, with_sections
 
 pytestmark = pytest.mark.ray
 
@@ -205,34 +205,29 @@ def test_deepspeed_documentation_config_trains_resumes_and_matches_native(uninte
     assert params["deepspeed.config.zero_optimization.offload_optimizer.device"] == "cpu"
 
 
-def test_a_distillation_job_trains_through_the_controller(uninterrupted, tiny_dataset, tmp_path):
+def test_a_distillation_job_trains_through_the_controller(distill_run):
     """The reference run's last two committed checkpoints, read in place and mixed 3:1,
-    teach a student of another seed on 2 ranks: every step records its terms in metrics.jsonl and
-    MLflow, the loss is their weighted sum, and the student moves towards the teacher;
-    the held-out KL to the teacher and top-1 agreement every 3 steps, the KL lower
-    than the same student's on cross-entropy alone."""
-    run_dir, _ = uninterrupted
-    last, earlier = (run_dir / "checkpoints" / f"step_{step:08d}" for step in (STEPS, STEPS - 10))
-    teachers = [{"path": str(last), "weight": 3}, {"path": str(earlier), "weight": 1}]
-    job = tiny_job(tmp_path, tiny_dataset, name="distill", train={"max_steps": 6, "seed": 2}, eval={"interval": 3, "batches": 2},
-                   distill={"teachers": teachers, "loss": "reverse_kl", "ce_weight": 0.5, "temperature": 1.5})
-    summary = sdk.train(spec_from_dict(job), show_progress=False)
+    teach a student of another seed on 2 ranks: every step records its terms in
+    metrics.jsonl and MLflow, the loss is their weighted sum, and the student moves
+    towards the teachers; the held-out KL to them and top-1 agreement every 6 steps,
+    the KL lower than the same student's on cross-entropy alone."""
+    job, summary = distill_run
     rows = _step_rows(Path(summary["run_dir"]))
-    evals = [row for row in _rows(Path(summary["run_dir"])) if row.get("event") == "eval"]
-    assert [row["step"] for row in evals] == [3, 6] and all(0 <= row["eval_top1"] <= 1 for row in evals)
-    assert evals[-1]["eval_kl"] < evals[0]["eval_kl"]  # closer to the teacher on text it never trained on
-    assert (summary["eval_kl"], summary["eval_top1"]) == (evals[-1]["eval_kl"], evals[-1]["eval_top1"])
-    assert [row["step"] for row in rows] == list(range(1, 7))
+    assert [row["step"] for row in rows] == list(range(1, DISTILL_STEPS + 1))
     for row in rows:
         assert row["loss"] == pytest.approx(0.5 * row["ce_loss"] + row["kd_loss"], rel=1e-6)
     assert rows[-1]["kd_loss"] < rows[0]["kd_loss"]
+    evals = [row for row in _rows(Path(summary["run_dir"])) if row.get("event") == "eval"]
+    assert [row["step"] for row in evals] == [6, 12] and all(0 <= row["eval_top1"] <= 1 for row in evals)
+    assert evals[-1]["eval_kl"] < evals[0]["eval_kl"]  # closer to the teachers on text it never trained on
+    assert (summary["eval_kl"], summary["eval_top1"]) == (evals[-1]["eval_kl"], evals[-1]["eval_top1"])
     client = MlflowClient(tracking_uri=summary["mlflow_tracking_uri"])
     run = client.get_run(summary["mlflow_run_id"])
-    assert run.data.params["distill.loss"] == "reverse_kl" and str(last) in run.data.params["distill.teachers"]
+    assert run.data.params["distill.loss"] == "reverse_kl" and job["distill"]["teachers"][0]["path"] in run.data.params["distill.teachers"]
     assert [m.value for m in sorted(client.get_metric_history(run.info.run_id, "kd_loss"), key=lambda m: m.step)] == pytest.approx(
         [row["kd_loss"] for row in rows])
-    assert [m.step for m in client.get_metric_history(run.info.run_id, "eval_kl")] == [3, 6]
-    # The same student on cross-entropy alone (the teacher only measured): farther from the teacher.
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "eval_kl")] == [6, 12]
+    # The same student on cross-entropy alone (the teachers only measured): farther from them.
     alone = sdk.train(spec_from_dict(with_sections(copy.deepcopy(job), {"name": "ce-only", "distill": {"kd_weight": 0.0, "ce_weight": 1.0}})),
                       show_progress=False)
     assert summary["eval_kl"] < alone["eval_kl"]
