@@ -165,3 +165,16 @@ def test_hidden_losses_and_identity_adapters():
     wider = HiddenAdapters({0: 2}, 8, 12)  # another width: a learned projection, not the identity
     assert wider.adapters["0"].weight.shape == (12, 8)
     assert hidden_loss_sum(wider, student, {2: torch.randn(2, 5, 12)}, torch.zeros(2, 5), "mse").item() == 0
+
+
+def test_the_compiled_forward_kl_equals_the_eager_one():
+    """`parallel.compile` compiles the fused forward KL (loss and gradient in one pass)."""
+    teacher = logits(2, 9, seed=30)
+    results = []
+    for compiled in (False, True):
+        student = logits(2, 9, seed=31).requires_grad_()
+        loss = kd_loss_sum(student, teacher, torch.ones(2, 9), Divergence("forward_kl"), T, V, chunk_tokens=6, compiled=compiled)
+        loss.backward()
+        results.append((loss.item(), student.grad))
+    assert results[1][0] == pytest.approx(results[0][0], rel=1e-6)
+    assert (results[1][1] - results[0][1]).abs().max().item() < 1e-6

@@ -164,28 +164,83 @@ def token_divergence(student_logits: torch.Tensor, teacher, div: Divergence, tem
     return per_token if tp_group is None else _SumOfShares.apply(per_token, tp_group)
 
 
+def _forward_kl_and_grad(student: torch.Tensor, log_p: torch.Tensor, weights: torch.Tensor, temperature: float, tp_group=None):
+    """(the weighted sum of KL(p || q) over the rows, its gradient with respect to the
+    student's logits: (q - p) / T per row, weighted)."""
+    log_q = log_softmax(student / temperature, tp_group)
+    p = log_p.exp()
+    loss = ((p * (log_p - log_q)).sum(dim=-1) * weights).sum()
+    return loss, (log_q.exp() - p) * (weights[:, None] / temperature)
+
+
+_COMPILED: dict = {}
+
+
+def _kernel(compiled: bool, tp_group):
+    """The eager function, or one inductor kernel of its passes (a vocabulary-sharded
+    one stays eager: its normalizer needs collectives)."""
+    if not compiled or tp_group is not None:
+        return _forward_kl_and_grad
+    if "forward_kl" not in _COMPILED:
+        _COMPILED["forward_kl"] = torch.compile(_forward_kl_and_grad, dynamic=None)
+    return _COMPILED["forward_kl"]
+
+
+class _FusedForwardKL(torch.autograd.Function):
+    """Forward KL summed over a chunk's tokens, with its gradient with respect to the
+    student's logits, (q - p) / T per token, computed in the same pass, as
+    cross-entropy's is: no log-probabilities kept for the backward, none recomputed.
+    Under TP the gradient of this rank's shard is the same formula (the softmax's
+    normalizer being the whole vocabulary's); the caller sums the shards' losses."""
+
+    @staticmethod
+    def forward(ctx, student: torch.Tensor, log_p: torch.Tensor, weights: torch.Tensor, temperature: float, tp_group, compiled: bool) -> torch.Tensor:
+        loss, grad = _kernel(compiled, tp_group)(student, log_p, weights, temperature, tp_group)
+        if ctx.needs_input_grad[0]:  # not when evaluating
+            ctx.save_for_backward(grad.to(student.dtype))
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (student_grad,) = ctx.saved_tensors
+        return student_grad * grad, None, None, None, None, None
+
+
+def _fused_forward_kl(student: torch.Tensor, teacher, weights: torch.Tensor, temperature: float, vocab: int, tp_group, compiled: bool) -> torch.Tensor:
+    if tp_group is None:
+        student = student[..., :vocab]
+    log_p = teacher_log_probs(teacher, temperature, vocab, tp_group)
+    partial = _FusedForwardKL.apply(student, log_p, weights, temperature, tp_group, compiled)
+    return partial if tp_group is None else _SumOfShares.apply(partial, tp_group)
+
+
 def kd_loss_sum(student_logits: torch.Tensor, teacher, mask: Optional[torch.Tensor], div: Divergence, temperature: float,
-                vocab: int, tp_group=None, chunk_tokens: Optional[int] = None) -> torch.Tensor:
+                vocab: int, tp_group=None, chunk_tokens: Optional[int] = None, compiled: bool = False) -> torch.Tensor:
     """T^2 * sum over unmasked tokens of D(teacher, student): the caller divides by N.
 
     With `chunk_tokens`, tokens go through in chunks whose fp32 log-probabilities are
     recomputed in the backward instead of kept, so no more than one chunk's are ever
-    alive for both sides at once."""
+    alive for both sides at once. Forward KL on dense targets needs neither: its
+    gradient is computed with it, chunk by chunk, in the student's dtype (`compiled`:
+    in one inductor kernel)."""
     flat_student = student_logits.flatten(0, -2)
     flat_teacher = teacher.flatten(0, -2) if isinstance(teacher, torch.Tensor) else teacher.flat()
-    weights = torch.ones(flat_student.shape[0], device=flat_student.device) if mask is None else mask.flatten().float()
-
-    def chunk_sum(start: int, end: int) -> torch.Tensor:
-        def compute(s, t, w):
-            return (token_divergence(s, t, div, temperature, vocab, tp_group) * w).sum()
-        part = flat_teacher[start:end] if isinstance(flat_teacher, torch.Tensor) else flat_teacher.rows(slice(start, end))
-        args = (flat_student[start:end], part, weights[start:end])
-        if chunk_tokens is None or not torch.is_grad_enabled():
-            return compute(*args)
-        return checkpoint(compute, *args, use_reentrant=False)
-
     tokens = flat_student.shape[0]
-    size = chunk_tokens or max(tokens, 1)
-    total = sum((chunk_sum(start, min(start + size, tokens)) for start in range(0, tokens, size)),
-                torch.zeros((), device=flat_student.device))
+    weights = torch.ones(tokens, device=flat_student.device) if mask is None else mask.flatten().float()
+    size = min(chunk_tokens or tokens, tokens) or 1
+    # Forward KL on dense targets has a closed-form gradient: one fused pass, as cross-entropy.
+    fused = (div.name == "forward_kl" or (div.name == "jsd" and div.beta == 0)) and not isinstance(teacher, TopK)
+    # One chunk holds no more than a chunk's worth: nothing to save by recomputing it.
+    recompute = size < tokens and torch.is_grad_enabled() and not fused
+
+    def compute(s, t, w):
+        if fused:
+            return _fused_forward_kl(s, t, w, temperature, vocab, tp_group, compiled)
+        return (token_divergence(s, t, div, temperature, vocab, tp_group) * w).sum()
+
+    total = torch.zeros((), device=flat_student.device)
+    for start in range(0, tokens, size):
+        rows = slice(start, start + size)
+        args = (flat_student[rows], flat_teacher[rows] if isinstance(flat_teacher, torch.Tensor) else flat_teacher.rows(rows), weights[rows])
+        total = total + (checkpoint(compute, *args, use_reentrant=False) if recompute else compute(*args))
     return temperature ** 2 * total

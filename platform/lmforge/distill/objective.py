@@ -31,6 +31,7 @@ class DistillObjective:
         self.divergence = Divergence(self.settings.loss, beta=self.settings.beta, skew=self.settings.skew)
         self.weights = [source.weight for source in self.settings.sources]
         self.tokens_per_rank, self.vocab, self.tp_group = tokens_per_rank, vocab, tp_group
+        self.compiled = spec.parallel.compile  # the loss compiled with the blocks
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor, teacher_logits: list[torch.Tensor]) -> tuple[torch.Tensor, dict]:
         """(the weighted loss, {term: its value}) of one micro-batch; one logits tensor per teacher."""
@@ -42,7 +43,8 @@ class DistillObjective:
             terms["ce_loss"] = _local(ce) / self.tokens_per_rank
         if s.kd_weight:
             teacher = self._targets(self._teacher(teacher_logits))
-            kd = kd_loss_sum(_local(logits), teacher, None, self.divergence, s.temperature, self.vocab, self.tp_group, s.chunk_tokens)
+            kd = kd_loss_sum(_local(logits), teacher, None, self.divergence, s.temperature, self.vocab, self.tp_group, s.chunk_tokens,
+                             compiled=self.compiled)
             terms["kd_loss"] = kd / self.tokens_per_rank
         weights = {"ce_loss": s.ce_weight, "kd_loss": s.kd_weight}
         total = sum(weights[name] * value for name, value in terms.items())
