@@ -13,11 +13,19 @@ import psutil
 import pytest
 
 
+def json_lines(path: Path) -> list[dict]:
+    """The complete lines of a JSON-lines file: the driver may be half-way through
+    appending the last one while a watcher reads."""
+    text = path.read_text()
+    lines = text.splitlines() if text.endswith("\n") else text.splitlines()[:-1]
+    return [json.loads(line) for line in lines if line.strip()]
+
+
 def steps_done(run_dir: Path) -> int:
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return 0
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = json_lines(path)
     return max((row["step"] for row in rows if "event" not in row), default=0)
 
 
@@ -98,14 +106,14 @@ def _cmdline(process: psutil.Process) -> str:
 
 
 def step_rows(run_dir: Path, name: str = "metrics.jsonl") -> dict[int, dict]:
-    rows = [json.loads(line) for line in (run_dir / name).read_text().splitlines() if line.strip()]
+    rows = json_lines(run_dir / name)
     steps = [row for row in rows if "event" not in row]
     assert len({row["step"] for row in steps}) == len(steps), "a step appears twice"
     return {row["step"]: row for row in steps}
 
 
 def events(run_dir: Path) -> list[dict]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = json_lines(run_dir / "metrics.jsonl")
     return [row for row in rows if "event" in row]
 
 

@@ -185,10 +185,10 @@ class NativeEngine(Engine):
                 term_sums[name] = term_sums.get(name, 0) + value.detach()
         return loss_sum, term_sums
 
-    def _pipeline_step(self, micro_batches: torch.Tensor) -> tuple[torch.Tensor, float]:
+    def _pipeline_step(self, micro_batches: torch.Tensor) -> tuple[tuple[torch.Tensor, dict], float]:
         """One schedule over this rank's micro-batches. Returns the mean loss (it lives
         on the last stage; summed over the pipeline group so every rank reports it)
-        and the bubble: the share of the schedule's time a rank spent not computing,
+        with no terms (distillation does not pipeline), and the bubble: the share of the schedule's time a rank spent not computing,
         averaged over the pipeline's ranks."""
         losses: list[torch.Tensor] = []
         self.compute.take()
