@@ -25,6 +25,11 @@ def _local(value: torch.Tensor) -> torch.Tensor:
     return value.to_local() if isinstance(value, DTensor) else value
 
 
+def _cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed over the tokens; under loss_parallel a sharded DTensor's is computed in place."""
+    return _local(F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum"))
+
+
 class DistillObjective:
     def __init__(self, spec, tokens_per_rank: int, vocab: int, tp_group=None):
         self.settings = spec.distill
@@ -38,9 +43,7 @@ class DistillObjective:
         s = self.settings
         terms = {}
         if s.ce_weight:
-            # Under loss_parallel a sharded DTensor's cross-entropy is computed in place.
-            ce = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
-            terms["ce_loss"] = _local(ce) / self.tokens_per_rank
+            terms["ce_loss"] = _cross_entropy_sum(logits, targets) / self.tokens_per_rank
         if s.kd_weight:
             teacher = self._targets(self._teacher(teacher_logits))
             kd = kd_loss_sum(_local(logits), teacher, None, self.divergence, s.temperature, self.vocab, self.tp_group, s.chunk_tokens,
@@ -67,7 +70,7 @@ class DistillObjective:
         """Sums over one held-out micro-batch's tokens of the student's cross-entropy,
         KL(teacher || student) at temperature 1, and top-1 agreement with the teacher
         (the teachers' mixture)."""
-        ce = _local(F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum"))
+        ce = _cross_entropy_sum(logits, targets)
         student, teacher = _local(logits), self._teacher(teacher_logits)
         kl = kd_loss_sum(student, teacher, None, Divergence("forward_kl"), 1.0, self.vocab, self.tp_group, self.settings.chunk_tokens)
         teacher_scores = teacher if isinstance(teacher, torch.Tensor) else teacher_log_probs(teacher, 1.0, self.vocab, self.tp_group)

@@ -103,13 +103,13 @@ class Generator:
         from lmforge.models.build import build_model
         from lmforge.models.hf import DTYPES
 
+        if dtype not in DTYPES:
+            raise UserError(f"--dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
         source = open_source(path, tokenizer)
         if source.tokenizer_json is None:
             raise UserError(f"MODEL: {path} has no tokenizer to turn prompts into tokens; pass --tokenizer tokenizer.json")
-        if dtype not in DTYPES:
-            raise UserError(f"--dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
         model = build_model(source.cfg, device, weights=source.read_tensors()).to(DTYPES[dtype])
-        model.reset_rope()
+        model.reset_rope()  # `.to` cast the RoPE tables too: back to fp32
         tok = source.tokenizer()
         return cls(model, tok, frozenset({tok.token_to_id(source.eos_token)}))
 
