@@ -24,6 +24,7 @@ from lmforge.errors import UserError
 from lmforge.models.weights import open_model_dir
 from lmforge.planner.fit import check_fits
 from lmforge.spec import JobSpec
+from lmforge.spec_rules import check_hidden_layers
 
 
 @dataclass
@@ -133,6 +134,11 @@ def _check_teacher(spec: JobSpec, teacher, name: str, vocabulary: dict, dataset_
                         "with parallel.tp > 1 both vocabularies are split alike, so they must be equal")
     if tp > 1 and (teacher.cfg.n_kv_heads % tp or teacher.cfg.n_heads % tp):
         raise UserError(f"{name}: its {teacher.cfg.n_heads} heads ({teacher.cfg.n_kv_heads} key/value) do not split over parallel.tp {tp}")
+    if spec.distill.hidden is not None:
+        try:
+            check_hidden_layers(spec.distill.hidden.layers, teacher.cfg.n_layers, "teacher", "values")
+        except ValueError as err:
+            raise UserError(f"{err} ({teacher.path})") from None
 
 
 def check_deepspeed(spec: JobSpec) -> None:

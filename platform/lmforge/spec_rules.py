@@ -156,6 +156,17 @@ def check_distill(spec: "JobSpec", model: ModelConfig) -> None:
         raise ValueError("distill: the native engine distills; the deepspeed engine does not yet")
     if distill.top_k is not None and spec.parallel.tp > 1:
         raise ValueError("distill.top_k: sparse targets from a vocabulary-sharded teacher (parallel.tp > 1) are not supported yet; use dense targets")
+    if distill.hidden is not None:
+        check_hidden_layers(distill.hidden.layers, model.n_layers, "student", "keys")
     if spec.parallel.pp > 1:
         raise ValueError("distill: with parallel.pp > 1 the teacher's logits would have to come from an offline cache, "
                          "which this version does not build yet; distill with dp and tp")
+
+
+def check_hidden_layers(layers: dict[int, int], n_layers: int, whose: str, side: str) -> None:
+    """Every block `distill.hidden.layers` names on one side exists in that model."""
+    named = layers.keys() if side == "keys" else layers.values()
+    missing = sorted(i for i in named if i >= n_layers)
+    if missing:
+        raise ValueError(f"distill.hidden.layers: {whose} block {missing[0]} does not exist; the {whose} has {n_layers} "
+                         f"blocks (0-{n_layers - 1})")

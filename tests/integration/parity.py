@@ -16,6 +16,7 @@ WORKER = Path(__file__).with_name("parity_worker.py")
 
 
 def check_state_bytes(result: dict) -> None:
+    from lmforge.distill.teacher import teacher_shapes
     from lmforge.memory.states import native_states
     from lmforge.spec import JobSpec
 
@@ -23,11 +24,12 @@ def check_state_bytes(result: dict) -> None:
         return  # DeepSpeed: compared with its own estimators in tests/unit
     spec = JobSpec.model_validate(result["spec"])
     for rank, measured in enumerate(result["states"]):
-        estimated = native_states(spec, rank)
+        estimated = native_states(spec, rank, teacher_shapes(spec))
         if spec.parallel.cpu_offload:
             assert estimated.host == sum(measured.values()), (rank, measured, estimated)
         else:
-            assert {"params": estimated.params, "grads": estimated.grads, "optimizer": estimated.optimizer} == measured, (rank, spec.parallel)
+            assert {"params": estimated.params, "grads": estimated.grads, "optimizer": estimated.optimizer, "teacher": estimated.teacher} == measured, \
+                (rank, spec.parallel)
 
 
 def losses(tmp_path, nproc, *overrides, extra=(), describe=False):
@@ -121,12 +123,12 @@ class Launches:
         if "load" in options:
             case["load"] = str(self.checkpoint(options["load"]))
         if "export" in options:
-            case["overrides"].append(f"model.init_from={self._export(options['export'], options.get('export_format', 'lmforge'))}")
+            case["overrides"].append(f"model.init_from={self.export(options['export'], options.get('export_format', 'lmforge'))}")
         if "teacher" in options:
-            case["overrides"].append(f"distill.teacher={self._export(options['teacher'], 'lmforge')}")
+            case["overrides"].append(f"distill.teacher={self.export(options['teacher'], 'lmforge')}")
         return case
 
-    def _export(self, name: str, fmt: str) -> Path:
+    def export(self, name: str, fmt: str) -> Path:
         if (name, fmt) not in self.exported:
             step = self.table[name][2]["save_at"]
             out = self.tmp / f"{name}-export-{fmt}"

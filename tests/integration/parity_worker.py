@@ -69,7 +69,9 @@ def state_bytes(engine) -> dict | None:
     params = list({id(p): p for part in engine.parts for p in part.parameters()}.values())
     size = lambda t: _local(t).numel() * _local(t).element_size()  # noqa: E731
     moments = [v for opt in engine.optimizers for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-    return {"params": sum(map(size, params)), "grads": sum(size(p.grad) for p in params if p.grad is not None), "optimizer": sum(map(size, moments))}
+    teacher = sum(size(p) for t in engine.teachers for p in t.parameters())
+    return {"params": sum(map(size, params)), "grads": sum(size(p.grad) for p in params if p.grad is not None), "optimizer": sum(map(size, moments)),
+            "teacher": teacher}
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

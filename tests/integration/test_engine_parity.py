@@ -8,8 +8,15 @@ add in another order); bf16 (FSDP2 mixed precision, fp32 reduction) within 2e-2.
 """
 
 import pytest
+from safetensors import safe_open
+from torch.distributed.checkpoint import FileSystemReader
 
+from lmforge.models.weights import open_model_dir, weight_names
 from parity import Launches
+
+
+def dcp_keys(step_dir) -> set[str]:
+    return set(FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata)
 
 PP2 = ["parallel.pp=2"]
 SCHEDULES = {
@@ -20,8 +27,10 @@ SCHEDULES = {
 FSDP_TP_AC = {"none": ("none", 1), "every-block": ("selective", 1), "op-level": ("selective", "op")}
 THREE_D = ["parallel.pp=2", "parallel.tp=2"]
 # Distilled from the 3d-save case's weights at step 3 (a teacher that has learnt something) into
-# a student of another seed.
-DISTILL = ["distill.loss=jsd", "distill.beta=0.3", "distill.temperature=2", "distill.ce_weight=0.5", "distill.chunk_tokens=16", "train.seed=1"]
+# a student of another seed: logits, and two blocks' outputs through adapters.
+DISTILL = ["distill.loss=jsd", "distill.beta=0.3", "distill.temperature=2", "distill.ce_weight=0.5", "distill.chunk_tokens=16", "train.seed=1",
+           "distill.hidden={layers: {0: 1, 3: 2}, loss: cosine}", "distill.hidden_weight=0.7"]
+DISTILL_TERMS = ["ce_loss", "hidden_loss", "kd_loss"]
 
 # name: (ranks, --set items, options): see parity.Launches.
 CASES = {
@@ -46,9 +55,11 @@ CASES = {
     "3d-save": (8, THREE_D, {"save_at": 3}),
     **{f"load-{name}": (n, layout, {"load": "3d-save"}) for name, n, layout in
        (("dp4", 4, []), ("tp2", 2, ["parallel.tp=2"]), ("pp2", 2, PP2), ("one-rank", 1, []))},
-    # Distillation: the teacher FSDP-sharded or TP-split as the student is.
-    **{f"distill-{name}": (n, [*DISTILL, *layout], {"teacher": "3d-save"}) for name, n, layout in
-       (("one", 1, []), ("dp2", 2, []), ("tp2", 2, ["parallel.tp=2"]))},
+    # Distillation: the teacher FSDP-sharded or TP-split as the student is; the tp2 student (with
+    # its adapters) saved after 3 steps and continued by one process.
+    **{f"distill-{name}": (n, [*DISTILL, *layout], {"teacher": "3d-save", **options}) for name, n, layout, options in
+       (("one", 1, [], {}), ("dp2", 2, [], {}), ("tp2", 2, ["parallel.tp=2"], {"save_at": 3}))},
+    "distill-load-one": (1, DISTILL, {"load": "distill-tp2", "teacher": "3d-save"}),
 }
 
 
@@ -133,17 +144,30 @@ def test_distillation_matches_one_process(run, layout, tolerance):
     held-out KL to the teacher and top-1 agreement."""
     want, got = run("distill-one"), run(f"distill-{layout}")
     assert got["losses"] == pytest.approx(want["losses"], rel=tolerance)
-    assert [sorted(t) for t in got["terms"]] == [["ce_loss", "kd_loss"]] * len(got["losses"])
-    for name in ("ce_loss", "kd_loss"):
+    assert [sorted(t) for t in got["terms"]] == [DISTILL_TERMS] * len(got["losses"])
+    for name in DISTILL_TERMS:
         assert [t[name] for t in got["terms"]] == pytest.approx([t[name] for t in want["terms"]], rel=tolerance)
-    assert want["losses"] == pytest.approx([0.5 * t["ce_loss"] + t["kd_loss"] for t in want["terms"]], rel=1e-6)
-    assert want["losses"][-1] < want["losses"][0]
+    assert want["losses"] == pytest.approx([0.5 * t["ce_loss"] + t["kd_loss"] + 0.7 * t["hidden_loss"] for t in want["terms"]], rel=1e-6)
+    assert want["losses"][-1] < want["losses"][0] and want["terms"][-1]["hidden_loss"] < want["terms"][0]["hidden_loss"]
     # On the held-out batches: KL(teacher || student) and top-1 agreement, one number for every layout.
     assert sorted(got["against_teacher"]) == sorted(want["against_teacher"]) and len(want["against_teacher"]) >= 2
     for step, measured in want["against_teacher"].items():
         assert got["against_teacher"][step]["eval_kl"] == pytest.approx(measured["eval_kl"], rel=tolerance)
         assert got["against_teacher"][step]["eval_top1"] == pytest.approx(measured["eval_top1"], abs=1e-6)
         assert measured["eval_kl"] > 0 and 0 <= measured["eval_top1"] <= 1
+
+
+def test_distillation_adapters_are_checkpointed_and_left_out_of_the_export(run):
+    """The tp2 student's checkpoint holds its adapters (one process continues it with the
+    same losses and terms); `lmforge export` writes the student's weights alone."""
+    want, got = run("distill-one"), run("distill-load-one")
+    assert got["losses"] == pytest.approx(want["losses"][3:], rel=1e-4)
+    assert [t["hidden_loss"] for t in got["terms"]] == pytest.approx([t["hidden_loss"] for t in want["terms"][3:]], rel=1e-4)
+    saved = dcp_keys(run.checkpoint("distill-tp2") / "step_00000003")
+    assert {"model.distill_adapters.adapters.0.weight", "model.distill_adapters.adapters.3.weight"} <= saved
+    exported = run.export("distill-tp2", "lmforge")
+    with safe_open(exported / "model.safetensors", "pt") as weights:
+        assert sorted(weights.keys()) == sorted(weight_names(open_model_dir(exported).cfg))
 
 
 @pytest.mark.parametrize("case", [name for name in CASES if name not in ("reference", "distill-one")])

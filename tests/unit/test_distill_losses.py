@@ -149,22 +149,24 @@ def test_gradient_accumulation_gives_the_same_loss_and_gradients():
 
 def test_hidden_losses_and_identity_adapters():
     gen = torch.Generator().manual_seed(15)
-    student = {0: torch.randn(2, 5, 8, generator=gen), 1: torch.randn(2, 5, 8, generator=gen)}
-    teacher = {2: torch.randn(2, 5, 8, generator=gen), 3: torch.randn(2, 5, 8, generator=gen)}
+    student = [torch.randn(2, 5, 8, generator=gen), torch.randn(2, 5, 8, generator=gen)]
+    teacher = [torch.randn(2, 5, 8, generator=gen), torch.randn(2, 5, 8, generator=gen)]
     mask = torch.ones(2, 5)
     mask[0, 3:] = 0
     adapters = HiddenAdapters({0: 2, 1: 3}, 8, 8)
     assert all(torch.equal(a.weight, torch.eye(8)) for a in adapters.adapters.values())
-    mse = hidden_loss_sum(adapters, student, teacher, mask, "mse")
-    expected = sum((((student[s] - teacher[t]) ** 2).mean(-1) * mask).sum() for s, t in ((0, 2), (1, 3)))
+    adapted = adapters(*student)
+    mse = hidden_loss_sum(adapted, teacher, mask, "mse")
+    expected = sum((((s - t) ** 2).mean(-1) * mask).sum() for s, t in zip(student, teacher))
     assert mse.item() == pytest.approx(expected.item(), rel=1e-6)
-    cosine = hidden_loss_sum(adapters, student, teacher, mask, "cosine")
+    cosine = hidden_loss_sum(adapted, teacher, mask, "cosine")
     cos = lambda a, b: (a * b).sum(-1) / (a.norm(dim=-1) * b.norm(dim=-1))  # noqa: E731
-    expected = sum(((1 - cos(student[s], teacher[t])) * mask).sum() for s, t in ((0, 2), (1, 3)))
+    expected = sum(((1 - cos(s, t)) * mask).sum() for s, t in zip(student, teacher))
     assert cosine.item() == pytest.approx(expected.item(), rel=1e-5)
-    wider = HiddenAdapters({0: 2}, 8, 12)  # another width: a learned projection, not the identity
+    wider = HiddenAdapters({0: 2}, 8, 12, seed=3)  # another width: a learned projection, not the identity
     assert wider.adapters["0"].weight.shape == (12, 8)
-    assert hidden_loss_sum(wider, student, {2: torch.randn(2, 5, 12)}, torch.zeros(2, 5), "mse").item() == 0
+    assert torch.equal(wider.adapters["0"].weight, HiddenAdapters({0: 2}, 8, 12, seed=3).adapters["0"].weight)
+    assert hidden_loss_sum(wider(student[0]), [torch.randn(2, 5, 12)], torch.zeros(2, 5), "mse").item() == 0
 
 
 def test_the_compiled_forward_kl_equals_the_eager_one():

@@ -50,3 +50,29 @@ def test_worst_rank_checks_one_rank_per_stage_yet_finds_the_maximum(parallel):
     })
     every = max((estimate(spec, rank) for rank in range(spec.world_size)), key=lambda b: b.device_total)
     assert worst_rank(spec).device_total == every.device_total
+
+
+def test_a_distillation_counts_its_teacher_and_adapters(tmp_path):
+    """The frozen teacher's fp32 weights (FSDP-split like the student's), its logits for
+    one micro-batch, and the adapters as trained parameters; the fit message names the
+    teacher. (The parity runs check these bytes against what the engine allocates.)"""
+    from lmforge.models.build import build_model
+    from lmforge.models.config import PRESETS
+    from lmforge.models.weights import write_model_dir
+    from lmforge.planner.fit import describe
+
+    teacher_cfg = PRESETS["small"]
+    write_model_dir(tmp_path / "teacher", "lmforge", teacher_cfg, build_model(teacher_cfg).state_dict())
+    tree = {"name": "d", "model": {"preset": "tiny", "vocab_size": 8192}, "parallel": {"dp": 2},
+            "train": {"global_batch": 8, "micro_batch": 2, "seq_len": 128}, "data": {"path": "unused"}}
+    plain = estimate(spec_from_dict(tree), 0)
+    distill = {"teacher": str(tmp_path / "teacher"), "hidden": {"layers": {0: 1, 1: 3}}}
+    with_teacher = estimate(spec_from_dict(tree | {"distill": distill}), 0)
+    assert with_teacher.teacher == 4 * teacher_cfg.num_params() / 2  # every tensor's dim 0 splits evenly over 2 here
+    adapters = 2 * 128 * 64 // 2  # two (teacher dim x student dim) adapters, FSDP-split over 2
+    assert with_teacher.params - plain.params == 4 * adapters
+    assert with_teacher.optimizer - plain.optimizer == 2 * 4 * adapters + 2 * 4  # two moments, a step scalar each
+    assert with_teacher.temporary - plain.temporary == 2 * 128 * 8192 * 4  # the teacher's fp32 logits of one micro-batch
+    # weights, gradients and two moments of the adapters, and their two step scalars
+    assert with_teacher.device_total - plain.device_total == with_teacher.teacher + 4 * 4 * adapters + 8 + 2 * 128 * 8192 * 4
+    assert "teacher " in describe(with_teacher) and "teacher " not in describe(plain)

@@ -1,6 +1,7 @@
 """The job file's `distill:` section: the teacher (or several, mixed), the divergence
-and its settings, the weights of each loss term, sparse (top-k) targets. Torch-free, like the rest of
-the spec; the rules between it and other sections are in `spec_rules.py`.
+and its settings, the weights of each loss term, sparse (top-k) targets, and the
+intermediate layers to match. Torch-free, like the rest of the spec; the rules
+between it and other sections are in `spec_rules.py`.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from typing import Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 Loss = Literal["forward_kl", "reverse_kl", "jsd", "tvd", "skew_kl", "skew_reverse_kl"]
+HiddenLoss = Literal["mse", "cosine"]
 
 
 class TeacherSpec(BaseModel):
@@ -17,6 +19,20 @@ class TeacherSpec(BaseModel):
 
     path: str = Field(..., description="a committed checkpoint, an lmforge export or a Hugging Face Llama directory")
     weight: float = Field(1.0, gt=0, description="its share of the mixture (weights are normalized to sum to 1)")
+
+
+class HiddenSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    layers: dict[int, int] = Field(..., min_length=1, description="student block -> teacher block whose outputs are matched")
+    loss: HiddenLoss = Field("mse", description="mse: mean squared error per token; cosine: 1 - cosine similarity per token")
+
+    @model_validator(mode="after")
+    def _indices(self) -> "HiddenSpec":
+        negative = [f"{s}: {t}" for s, t in self.layers.items() if s < 0 or t < 0]
+        if negative:
+            raise ValueError(f"distill.hidden.layers: block indices count from 0, not {negative[0]}")
+        return self
 
 
 class DistillSpec(BaseModel):
@@ -32,6 +48,8 @@ class DistillSpec(BaseModel):
     temperature: float = Field(1.0, gt=0, description="both distributions are softened by it; the loss is scaled by its square")
     ce_weight: float = Field(0.0, ge=0, description="weight of the cross-entropy on the data's next tokens")
     kd_weight: float = Field(1.0, ge=0, description="weight of the divergence from the teacher")
+    hidden_weight: float = Field(1.0, ge=0, description="weight of the intermediate-layer loss (with `hidden`)")
+    hidden: Optional[HiddenSpec] = Field(None, description="match student blocks' outputs, through learned adapters, to teacher blocks'")
     top_k: Optional[int] = Field(None, gt=0, description="sparse targets: the teacher's k most likely tokens, the rest of its mass as one bucket")
     chunk_tokens: int = Field(1024, gt=0, description="tokens whose fp32 log-probabilities are alive at once in the loss")
 
@@ -39,8 +57,11 @@ class DistillSpec(BaseModel):
     def _consistent(self) -> "DistillSpec":
         if (self.teacher is None) == (self.teachers is None):
             raise ValueError("distill: name one teacher (distill.teacher: PATH) or several (distill.teachers: [{path, weight}]), not both")
-        if self.ce_weight == 0 and self.kd_weight == 0:
-            raise ValueError("distill: ce_weight and kd_weight are both 0; the student would learn nothing")
+        if self.ce_weight == 0 and self.kd_weight == 0 and (self.hidden is None or self.hidden_weight == 0):
+            raise ValueError("distill: the weights of every loss term are 0 (ce_weight, kd_weight, and hidden_weight with hidden); "
+                             "the student would learn nothing")
+        if self.hidden is not None and self.teachers is not None and len(self.teachers) > 1:
+            raise ValueError("distill.hidden: matches one teacher's layers; with several teachers distill their logits only")
         return self
 
     @property

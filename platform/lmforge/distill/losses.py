@@ -63,7 +63,7 @@ def divergence_terms(log_p: torch.Tensor, log_q: torch.Tensor, div: Divergence) 
     return _kl_terms(log_q, _mixture(log_q, log_p, div.skew))  # skew_reverse_kl
 
 
-class _SumOfShares(torch.autograd.Function):
+class SumOfShares(torch.autograd.Function):
     """The sum of every TP rank's share, which each rank then uses alike: forward an
     all-reduce, backward the gradient as it is, since each rank's share reaches the
     loss once, through this sum (Megatron's reduce from the tensor-parallel region;
@@ -161,7 +161,7 @@ def token_divergence(student_logits: torch.Tensor, teacher, div: Divergence, tem
         return divergence_terms(log_p, log_q, div).sum(dim=-1)
     log_p = teacher_log_probs(teacher, temperature, vocab, tp_group)
     per_token = divergence_terms(log_p, log_q, div).sum(dim=-1)
-    return per_token if tp_group is None else _SumOfShares.apply(per_token, tp_group)
+    return per_token if tp_group is None else SumOfShares.apply(per_token, tp_group)
 
 
 def _forward_kl_and_grad(student: torch.Tensor, log_p: torch.Tensor, weights: torch.Tensor, temperature: float, tp_group=None):
@@ -211,7 +211,7 @@ def _fused_forward_kl(student: torch.Tensor, teacher, weights: torch.Tensor, tem
         student = student[..., :vocab]
     log_p = teacher_log_probs(teacher, temperature, vocab, tp_group)
     partial = _FusedForwardKL.apply(student, log_p, weights, temperature, tp_group, compiled)
-    return partial if tp_group is None else _SumOfShares.apply(partial, tp_group)
+    return partial if tp_group is None else SumOfShares.apply(partial, tp_group)
 
 
 def kd_loss_sum(student_logits: torch.Tensor, teacher, mask: Optional[torch.Tensor], div: Divergence, temperature: float,

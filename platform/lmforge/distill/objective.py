@@ -1,7 +1,8 @@
 """A distillation job's loss for one micro-batch: the weighted sum of the
-cross-entropy on the data and the divergence from the teacher, each term divided
-by the tokens a rank trains on per step (FSDP then averages over ranks, so every
-term is its sum over the global batch divided by N).
+cross-entropy on the data, the divergence from the teacher and the distance of
+matched intermediate layers, each term divided by the tokens a rank trains on per
+step (FSDP then averages over ranks, so every term is its sum over the global batch
+divided by N).
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from lmforge.distill.losses import Divergence, Mixture, TopK, kd_loss_sum, teacher_log_probs
+from lmforge.distill.hidden import hidden_loss_sum
+from lmforge.distill.losses import Divergence, Mixture, SumOfShares, TopK, kd_loss_sum, teacher_log_probs
 
-TERMS = ("ce_loss", "kd_loss")
+TERMS = ("ce_loss", "kd_loss", "hidden_loss")
 EVAL_METRICS = ("eval_loss", "eval_kl", "eval_top1")  # what `held_out_sums` adds up, in order
 
 
@@ -33,13 +35,17 @@ def _cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
 class DistillObjective:
     def __init__(self, spec, tokens_per_rank: int, vocab: int, tp_group=None):
         self.settings = spec.distill
+        # With sequence parallelism each TP rank holds its part of the sequence's hidden states.
+        self.hidden_group = tp_group if spec.parallel.sequence_parallel else None
         self.divergence = Divergence(self.settings.loss, beta=self.settings.beta, skew=self.settings.skew)
         self.weights = [source.weight for source in self.settings.sources]
         self.tokens_per_rank, self.vocab, self.tp_group = tokens_per_rank, vocab, tp_group
         self.compiled = spec.parallel.compile  # the loss compiled with the blocks
 
-    def __call__(self, logits: torch.Tensor, targets: torch.Tensor, teacher_logits: list[torch.Tensor]) -> tuple[torch.Tensor, dict]:
-        """(the weighted loss, {term: its value}) of one micro-batch; one logits tensor per teacher."""
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor, teacher_logits: list[torch.Tensor],
+                 hidden: Optional[tuple[list[torch.Tensor], list[torch.Tensor]]] = None) -> tuple[torch.Tensor, dict]:
+        """(the weighted loss, {term: its value}) of one micro-batch; one logits tensor per
+        teacher; `hidden`: the adapted student outputs and the teacher's, pair by pair."""
         s = self.settings
         terms = {}
         if s.ce_weight:
@@ -49,7 +55,12 @@ class DistillObjective:
             kd = kd_loss_sum(_local(logits), teacher, None, self.divergence, s.temperature, self.vocab, self.tp_group, s.chunk_tokens,
                              compiled=self.compiled)
             terms["kd_loss"] = kd / self.tokens_per_rank
-        weights = {"ce_loss": s.ce_weight, "kd_loss": s.kd_weight}
+        if hidden is not None:
+            total = hidden_loss_sum(*hidden, None, s.hidden.loss)
+            if self.hidden_group is not None:
+                total = SumOfShares.apply(total, self.hidden_group)
+            terms["hidden_loss"] = total / self.tokens_per_rank
+        weights = {"ce_loss": s.ce_weight, "kd_loss": s.kd_weight, "hidden_loss": s.hidden_weight}
         total = sum(weights[name] * value for name, value in terms.items())
         return total, terms
 

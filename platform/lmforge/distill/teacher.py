@@ -6,13 +6,14 @@ state, never checkpointed.
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Callable
 
 import torch
 from torch import nn
 
 from lmforge.checkpoint.export import open_source
-from lmforge.models import Transformer, materialize
+from lmforge.models import ModelConfig, Transformer, materialize
 
 
 def build_teacher(path: str, device: torch.device, parallelize: Callable[[nn.Module], nn.Module]) -> nn.Module:
@@ -24,3 +25,17 @@ def build_teacher(path: str, device: torch.device, parallelize: Callable[[nn.Mod
     teacher = materialize(teacher, device, seed=0, weights=weights)
     teacher.requires_grad_(False)
     return parallelize(teacher).eval()
+
+
+def teacher_shapes(spec) -> tuple[ModelConfig, ...]:
+    """The shapes of a distillation job's teachers, in `distill.sources` order (none
+    for another job): what memory estimates count beside the student."""
+    if not spec.distill:
+        return ()
+    return _shapes(tuple(source.path for source in spec.distill.sources), spec.distill.teacher is not None)
+
+
+@lru_cache(maxsize=32)  # a planner search estimates hundreds of layouts of one job
+def _shapes(paths: tuple[str, ...], single: bool) -> tuple[ModelConfig, ...]:
+    names = ["distill.teacher"] if single else [f"distill.teachers[{i}]" for i in range(len(paths))]
+    return tuple(open_source(path, name=name).cfg for path, name in zip(paths, names))

@@ -23,7 +23,7 @@ class StepStats:
     bubble_theory: Optional[float] = None  # pipelines: the schedule's (p-1)/(v*m+p-1)
     finite: bool = True  # loss and gradient norm both finite
     update_skipped: bool = False  # the engine left the weights as they were (non-finite)
-    terms: dict = field(default_factory=dict)  # a distillation job's loss terms (ce_loss, kd_loss), each over the global batch
+    terms: dict = field(default_factory=dict)  # a distillation job's loss terms (ce_loss, kd_loss, hidden_loss), each over the global batch
 
 
 class Engine(ABC):

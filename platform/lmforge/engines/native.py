@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from lmforge.distill.hidden import ADAPTERS, BlockOutputs, HiddenAdapters
 from lmforge.distill.objective import EVAL_METRICS, DistillObjective
 from lmforge.distill.teacher import build_teacher
 from lmforge.engines.base import Engine, StepStats, warmup_cosine
@@ -42,7 +43,7 @@ from lmforge.parallel.pipeline import (
     stage_indices,
     theoretical_bubble,
 )
-from lmforge.parallel.tensor import apply_tensor_parallel
+from lmforge.parallel.tensor import apply_tensor_parallel, replicate_beside_blocks
 
 # Flattened optimizer state keys by parameter name: required with pipeline stages,
 # used everywhere so a checkpoint loads under any layout.
@@ -59,10 +60,18 @@ class NativeEngine(Engine):
         self.tensor_parallel = dims.shape.tp > 1
         self.pipelined = dims.shape.pp > 1
         self.sharded = needs_wrapping(dims.shape, spec.train.precision)
+        # The teacher first: its width sizes the student's hidden-state adapters.
+        self.teachers = [build_teacher(source.path, device, self._parallelize) for source in spec.distill.sources] if spec.distill else []
         with torch.device("meta"):
             whole = Transformer(spec.model_arch)
         weights = spec.model.init_from
-        self.parts = [self._parallelize(materialize(part, device, spec.train.seed, weights)) for part in self._cut(whole)]
+        parts = [materialize(part, device, spec.train.seed, weights) for part in self._cut(whole)]
+        hidden = spec.distill.hidden if spec.distill else None
+        if hidden:
+            self._attach_adapters(parts[0])
+        self.parts = [self._parallelize(part) for part in parts]
+        # Hooks go on the blocks as parallelized (an activation-checkpointing wrapper records once).
+        self.hidden = (BlockOutputs(self.parts[0], hidden.layers), BlockOutputs(self.teachers[0], hidden.layers.values())) if hidden else None
         opt = spec.optim
         self.optimizers = [
             torch.optim.AdamW(part.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay, foreach=True)
@@ -73,14 +82,19 @@ class NativeEngine(Engine):
         self.grad_clip = opt.grad_clip
         if self.pipelined:
             self._build_pipeline()
-        self.teachers, self.objective = [], None
+        self.objective = None
         if spec.distill:
-            self._build_distillation(vocab)
+            self._build_objective(vocab)
 
-    def _build_distillation(self, vocab: Optional[int]) -> None:
-        """The frozen teacher, parallelized as the student is, and the job's loss."""
-        sources = self.spec.distill.sources
-        self.teachers = [build_teacher(source.path, self.device, self._parallelize) for source in sources]
+    def _attach_adapters(self, student: nn.Module) -> None:
+        """Hidden-state adapters as a submodule of the student, so that they are trained,
+        sharded and checkpointed with it (exports keep only the model's own weights)."""
+        layers = self.spec.distill.hidden.layers
+        adapters = HiddenAdapters(layers, self.spec.model_arch.dim, self.teachers[0].cfg.dim, seed=self.spec.train.seed)
+        setattr(student, ADAPTERS, adapters.to(self.device))
+
+    def _build_objective(self, vocab: Optional[int]) -> None:
+        """The job's loss: cross-entropy, divergence from the teachers, hidden states."""
         vocab = min(vocab or self.spec.model_arch.vocab_size, self.spec.model_arch.vocab_size, *(t.cfg.vocab_size for t in self.teachers))
         train = self.spec.train
         self.objective = DistillObjective(self.spec, self.spec.grad_accum * train.micro_batch * train.seq_len, vocab,
@@ -89,6 +103,16 @@ class NativeEngine(Engine):
     @torch.no_grad()
     def _teacher_logits(self, inputs: torch.Tensor) -> list[torch.Tensor]:
         return [teacher(inputs) for teacher in self.teachers]
+
+    def _distill_loss(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        logits, teacher_logits = model(inputs), self._teacher_logits(inputs)
+        hidden = None
+        if self.hidden is not None:
+            student_side, teacher_side = self.hidden
+            layers = self.spec.distill.hidden.layers
+            adapted = list(getattr(model, ADAPTERS)(*student_side.take(layers)))
+            hidden = (adapted, teacher_side.take(layers.values()))
+        return self.objective(logits, targets, teacher_logits, hidden)
 
     def _cut(self, whole: nn.Module) -> list[nn.Module]:
         if not self.pipelined:
@@ -102,13 +126,17 @@ class NativeEngine(Engine):
 
     def _parallelize(self, part: nn.Module) -> nn.Module:
         p = self.spec.parallel
+        adapters = getattr(part, ADAPTERS, None)
+        beside = (adapters,) if adapters is not None else ()
         if self.tensor_parallel:
             apply_tensor_parallel(part, self.dims.tp_mesh, p.sequence_parallel)
+            for module in beside:
+                replicate_beside_blocks(module, self.dims.tp_mesh, p.sequence_parallel)
         apply_activation_checkpointing(part, p.activation_checkpointing, p.ac_every)
         if p.compile:
             apply_compile(part, self.tensor_parallel)
         if self.sharded:
-            part = apply_fsdp(part, self.dims, p.zero, self.spec.train.precision, p.cpu_offload)
+            part = apply_fsdp(part, self.dims, p.zero, self.spec.train.precision, p.cpu_offload, units=beside)
         return part
 
     def _build_pipeline(self) -> None:
@@ -178,7 +206,7 @@ class NativeEngine(Engine):
                     # is the global-batch mean; FSDP averages over DP ranks.
                     loss, terms = self._loss(model(inputs), targets) / accum, {}
                 else:
-                    loss, terms = self.objective(model(inputs), targets, self._teacher_logits(inputs))
+                    loss, terms = self._distill_loss(model, inputs, targets)
                 loss.backward()
             loss_sum += _local(loss.detach())
             for name, value in terms.items():
@@ -237,6 +265,8 @@ class NativeEngine(Engine):
         with self._loss_context():
             for batch in micro_batches:
                 sums += self.objective.held_out_sums(model(batch[:, :-1]), batch[:, 1:], self._teacher_logits(batch[:, :-1]))
+                for side in self.hidden or ():
+                    side.clear()
         sums /= micro_batches[..., 1:].numel()
         if self.dims.shape.dp > 1:
             dist.all_reduce(sums, op=dist.ReduceOp.AVG, group=self.dims.dp_group)

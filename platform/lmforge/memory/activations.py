@@ -84,6 +84,12 @@ def logits_bytes(cfg: ModelConfig, shape: Shape) -> int:
     return round(shape.tokens * cfg.vocab_size / shape.tp * (shape.dtype_bytes + FP32))
 
 
+def teacher_logits_bytes(cfg: ModelConfig, shape: Shape) -> int:
+    """A teacher's logits for one micro-batch (vocabulary split by t), held beside the
+    student's while the distillation loss runs."""
+    return round(shape.tokens * cfg.vocab_size / shape.tp * shape.dtype_bytes)
+
+
 def checkpoint_mode(index: int, mode: str, every: int | str) -> str:
     """How block `index` of a stage is checkpointed, mirroring
     `parallel.checkpointing.apply_activation_checkpointing`."""

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from lmforge.memory.estimate import Breakdown
 
-PARTS = (("params", "parameters"), ("grads", "gradients"), ("optimizer", "optimizer states"),
+PARTS = (("params", "parameters"), ("grads", "gradients"), ("optimizer", "optimizer states"), ("teacher", "teacher weights"),
          ("activations", "activations"), ("temporary", "temporary buffers"))
 
 

@@ -12,12 +12,15 @@ Temporary: the last stage's logits and fp32 log-softmax for one micro-batch; wit
 FSDP2 ZeRO-3 two blocks gathered (the one computing, the one prefetched) plus one
 block's unsharded fp32 gradients; ZeRO-2 keeps every block gathered from forward
 to backward; DeepSpeed ZeRO-3 its largest module's 16-bit weights and grads.
+A distillation adds its frozen teachers' weights (`teacher`) and, temporarily, each
+teacher's logits for one micro-batch.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from lmforge.distill.teacher import teacher_shapes
 from lmforge.memory import activations as act
 from lmforge.memory.states import FP32, StateBytes, deepspeed_states, native_states
 from lmforge.parallel.fsdp import needs_wrapping
@@ -35,10 +38,11 @@ class Breakdown:
     activations: int
     temporary: int
     host: int  # offloaded to CPU memory
+    teacher: int = 0  # a distillation's frozen teachers' weights
 
     @property
     def device_total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.activations + self.temporary
+        return self.params + self.grads + self.optimizer + self.teacher + self.activations + self.temporary
 
     def as_dict(self) -> dict:
         return asdict(self) | {"device_total": self.device_total}
@@ -48,7 +52,8 @@ def estimate(spec: JobSpec, rank: int) -> Breakdown:
     """What global `rank` holds at its peak (every term at once: an upper bound)."""
     p = spec.parallel
     coords = MeshShape.for_spec(p).coordinates(rank)
-    states = _states(spec, rank)
+    teachers = teacher_shapes(spec)
+    states = _states(spec, rank, teachers)
     stages = _stages(spec, coords["pp"])
     shape = act.Shape(spec.train.micro_batch, spec.train.seq_len, p.tp, p.sequence_parallel and p.tp > 1, 2 if spec.train.precision != "fp32" else FP32)
     cfg = spec.model_arch
@@ -57,7 +62,8 @@ def estimate(spec: JobSpec, rank: int) -> Breakdown:
     activations = round(chunks * sum(per_stage) / len(per_stage)) if p.pp > 1 and len(per_stage) > 1 else chunks * sum(per_stage)
     last = any(last for _, _, last in stages)
     temporary = (act.logits_bytes(cfg, shape) if last else 0) + _gathered(spec, states, sum(blocks for blocks, _, _ in stages))
-    return Breakdown(rank, states.params, states.grads, states.optimizer, activations, temporary, states.host)
+    temporary += sum(act.teacher_logits_bytes(t, shape) for t in teachers)
+    return Breakdown(rank, states.params, states.grads, states.optimizer, activations, temporary, states.host, states.teacher)
 
 
 def worst_rank(spec: JobSpec) -> Breakdown:
@@ -96,13 +102,13 @@ def _stages(spec: JobSpec, pp_rank: int) -> list[tuple[int, bool, bool]]:
     return [(len(ranges[i]), i == 0, i == total - 1) for i in stage_indices(pp_rank, p.pp, p.virtual_stages, p.schedule)]
 
 
-def _states(spec: JobSpec, rank: int) -> StateBytes:
+def _states(spec: JobSpec, rank: int, teachers: tuple) -> StateBytes:
     if spec.engine == "deepspeed":
         zero = (spec.deepspeed.config or {}).get("zero_optimization", {})
         device = lambda key: (zero.get(key) or {}).get("device", "none") in ("cpu", "nvme")  # noqa: E731
         return deepspeed_states(spec.model_arch, spec.parallel.dp, spec.train.precision, int(zero.get("stage", 0)) or 1,
                                 device("offload_optimizer"), device("offload_param"))
-    return native_states(spec, rank)
+    return native_states(spec, rank, teachers)
 
 
 def _gathered(spec: JobSpec, states: StateBytes, blocks: int) -> int:

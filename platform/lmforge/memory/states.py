@@ -6,7 +6,9 @@ split as the engine splits it: tensor parallelism per `parallel.tensor.shard_dim
 then FSDP2 along dim 0 of the TP-local tensor over `dp_shard` ranks (torch.chunk
 sizes: ceil(n / k) rows, the last ranks fewer or none). Weights, gradients and
 AdamW's two moments are fp32 (FSDP2 keeps fp32 shards and reduces in fp32 under
-bf16); AdamW adds a 4-byte `step` tensor per parameter.
+bf16); AdamW adds a 4-byte `step` tensor per parameter. A distillation job adds
+its hidden-state adapters to the trained parameters (replicated over TP, FSDP-split
+like the rest) and its frozen teachers' fp32 weights, split as the student's are.
 
 DeepSpeed engine: the ZeRO paper's accounting (Rajbhandari et al. 2020, section 3:
 2 + 2 + K bytes per parameter for mixed-precision Adam, K = 12), split the way
@@ -23,6 +25,7 @@ from functools import lru_cache
 
 import torch
 
+from lmforge.distill.hidden import ADAPTERS
 from lmforge.models.config import ModelConfig
 from lmforge.parallel.fsdp import needs_wrapping
 from lmforge.parallel.shape import MeshShape
@@ -40,10 +43,11 @@ class StateBytes:
     optimizer: int
     host: int = 0  # offloaded to CPU memory instead (not in the three above)
     largest_unit: int = 0  # unsharded parameters of the biggest FSDP/ZeRO-3 unit (a block)
+    teacher: int = 0  # a distillation's frozen teachers' weights (no gradients, no optimizer state)
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer
+        return self.params + self.grads + self.optimizer + self.teacher
 
 
 def chunk_size(n: int, parts: int, index: int) -> int:
@@ -102,13 +106,23 @@ def _part(name: str) -> str:
     return f"{head}.{rest.partition('.')[0]}" if head == "layers" else head
 
 
-def native_states(spec: JobSpec, rank: int) -> StateBytes:
-    """Bytes of the model states of global `rank` under the native engine."""
+def adapter_parameters(spec: JobSpec, teachers: tuple[ModelConfig, ...]) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """(name, shape) of a distillation's hidden-state adapters (student width to the teacher's)."""
+    hidden = spec.distill.hidden if spec.distill else None
+    if hidden is None:
+        return ()
+    return tuple((f"{ADAPTERS}.adapters.{layer}.weight", (teachers[0].dim, spec.model_arch.dim)) for layer in hidden.layers)
+
+
+def native_states(spec: JobSpec, rank: int, teachers: tuple[ModelConfig, ...] = ()) -> StateBytes:
+    """Bytes of the model states of global `rank` under the native engine; `teachers`:
+    a distillation's teacher shapes, in `distill.sources` order."""
     p = spec.parallel
     shape = MeshShape.for_spec(p)
     coords = shape.coordinates(rank)
     shard_rank = coords["dp"] % shape.dp_shard
     params = stage_parameters(spec.model_arch, spec.train.seq_len, p.pp, p.virtual_stages, p.schedule, coords["pp"])
+    params += adapter_parameters(spec, teachers)
     numel = _rank_numel(params, p.tp, coords["tp"], shape.dp_shard, shard_rank)
     grad_numel = numel
     if p.tp > 1 and not needs_wrapping(shape, spec.train.precision):
@@ -118,7 +132,9 @@ def native_states(spec: JobSpec, rank: int) -> StateBytes:
     weights, grads = numel * FP32, grad_numel * FP32
     optimizer = 2 * numel * FP32 + len(params) * FP32  # exp_avg, exp_avg_sq, and a step scalar each
     unit = _largest_block_numel(params, p.tp, coords["tp"])
-    state = StateBytes(weights, grads, optimizer, largest_unit=unit * (2 if spec.train.precision == "bf16" else FP32))
+    frozen = sum(_rank_numel(stage_parameters(t, spec.train.seq_len, 1, 1, p.schedule, 0), p.tp, coords["tp"], shape.dp_shard, shard_rank)
+                 for t in teachers) * FP32
+    state = StateBytes(weights, grads, optimizer, largest_unit=unit * (2 if spec.train.precision == "bf16" else FP32), teacher=frozen)
     if p.cpu_offload:
         return StateBytes(0, 0, 0, host=state.total, largest_unit=state.largest_unit)
     return state

@@ -14,7 +14,10 @@ from lmforge.parallel.mesh import ParallelDims
 from lmforge.parallel.shape import MeshShape
 
 
-def apply_fsdp(model: nn.Module, dims: ParallelDims, zero: int, precision: str, cpu_offload: bool = False) -> nn.Module:
+def apply_fsdp(model: nn.Module, dims: ParallelDims, zero: int, precision: str, cpu_offload: bool = False,
+               units: tuple[nn.Module, ...] = ()) -> nn.Module:
+    """`units`: submodules beside the blocks that are FSDP units of their own (called
+    outside the model's forward, as distillation's adapters are)."""
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "bf16" else MixedPrecisionPolicy()
     options = {
         "mesh": dims.dp_mesh,
@@ -23,7 +26,7 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, zero: int, precision: str, 
         "mp_policy": mp,
         "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
     }
-    for block in model.layers.values():
+    for block in [*model.layers.values(), *units]:
         fully_shard(block, **options)
     fully_shard(model, **options)
     return model

@@ -52,6 +52,22 @@ def _replicate(module: nn.Module, mesh: DeviceMesh) -> None:
     distribute_module(module, mesh, input_fn=to_dtensor, output_fn=to_local)
 
 
+def replicate_beside_blocks(module: nn.Module, mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """A module applied to blocks' outputs (distillation's adapters): replicated
+    parameters; its plain-tensor inputs are the residual stream, whole or (with SP)
+    this rank's part of the sequence, so weight gradients add up over the TP ranks'
+    parts. Plain tensors out."""
+    residual = Shard(1) if sequence_parallel else Replicate()
+
+    def to_dtensor(_mod, inputs, device_mesh):
+        return tuple(DTensor.from_local(x, device_mesh, [residual], run_check=False) for x in inputs)
+
+    def to_local(_mod, outputs, _device_mesh):
+        return tuple(x.to_local() for x in outputs)
+
+    distribute_module(module, mesh, input_fn=to_dtensor, output_fn=to_local)
+
+
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
     residual = Shard(1) if sequence_parallel else Replicate()
     # A pipeline stage lacks (None) the embedding, or the norm and head, it does not own.

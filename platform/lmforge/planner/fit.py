@@ -26,7 +26,7 @@ def check_fits(spec: JobSpec, device_bytes: int, source: str) -> None:
 
 def describe(peak: Breakdown) -> str:
     parts = [("parameters", peak.params), ("gradients", peak.grads), ("optimizer", peak.optimizer),
-             ("activations", peak.activations), ("temporary", peak.temporary)]
+             *([("teacher", peak.teacher)] if peak.teacher else []), ("activations", peak.activations), ("temporary", peak.temporary)]
     return ", ".join(f"{name} {_gib(n)}" for name, n in parts)
 
 

@@ -28,6 +28,8 @@ def breakdown_table(title: str, breakdown: Breakdown) -> Table:
     table.add_column("device", justify="right")
     for label, key in ROWS:
         table.add_row(label, gib(getattr(breakdown, key)))
+    if breakdown.teacher:
+        table.add_row("teacher weights (distillation, frozen)", gib(breakdown.teacher))
     table.add_row("total", gib(breakdown.device_total), style="bold")
     if breakdown.host:
         table.add_row("offloaded to host memory", gib(breakdown.host))

@@ -15,7 +15,7 @@ import yaml
 from lmforge.spec import JobSpec, flatten
 
 JOB_TAG = "lmforge.job"
-METRIC_KEYS = ("loss", "ce_loss", "kd_loss", "lr", "grad_norm", "tokens_per_s", "mfu", "bubble", "bubble_theory", "step_time", "data_wait")
+METRIC_KEYS = ("loss", "ce_loss", "kd_loss", "hidden_loss", "lr", "grad_norm", "tokens_per_s", "mfu", "bubble", "bubble_theory", "step_time", "data_wait")
 
 for _noisy in ("alembic", "mlflow"):
     logging.getLogger(_noisy).setLevel(logging.WARNING)
