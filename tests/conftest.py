@@ -164,18 +164,19 @@ def reference_run(ray_session, tiny_dataset, tmp_path_factory) -> dict:
 
 
 DISTILL_STEPS = 12
+DISTILL_TOP_K = 32
 
 
 def distill_job(tmp_path: Path, data_path: Path, reference_dir: Path, **sections) -> dict:
     """The distillation tests' job: `reference_run`'s last two checkpoints, mixed 3:1,
-    teach the tiny job's student (another seed) for 12 steps, checkpoint every 4, the
-    held-out KL every 6, one restart allowed."""
+    teach the tiny job's student (another seed) their top 32 tokens for 12 steps,
+    checkpoint every 4, the held-out KL every 6, one restart allowed."""
     teachers = [{"path": str(reference_dir / "checkpoints" / f"step_{step:08d}"), "weight": weight}
                 for step, weight in ((REFERENCE_STEPS, 3), (REFERENCE_STEPS - 10, 1))]
     job = tiny_job(
         tmp_path, data_path, name="distill", train={"max_steps": DISTILL_STEPS, "seed": 2}, optim={"decay_steps": DISTILL_STEPS},
         eval={"interval": 6, "batches": 2}, fault_tolerance={"max_failures": 1, "backoff_s": 0.1},
-        distill={"teachers": teachers, "loss": "reverse_kl", "ce_weight": 0.5, "temperature": 1.5},
+        distill={"teachers": teachers, "loss": "reverse_kl", "ce_weight": 0.5, "temperature": 1.5, "top_k": DISTILL_TOP_K},
     )
     return with_sections(job, sections)
 
@@ -188,6 +189,18 @@ def distill_run(reference_run, tiny_dataset, tmp_path_factory) -> tuple[dict, di
 
     job = distill_job(tmp_path_factory.mktemp("distill"), tiny_dataset, Path(reference_run["run_dir"]))
     return job, sdk.train(spec_from_dict(job), show_progress=False)
+
+
+@pytest.fixture(scope="session")
+def distill_cache(reference_run, tiny_dataset, tmp_path_factory) -> tuple[dict, dict]:
+    """(the job, the cache's manifest) of `distill_job` with an offline teacher cache,
+    built once per session."""
+    from lmforge import sdk
+    from lmforge.spec import spec_from_dict
+
+    tmp = tmp_path_factory.mktemp("distill-cache")
+    job = distill_job(tmp, tiny_dataset, Path(reference_run["run_dir"]), name="distill-cached", distill={"cache": str(tmp / "cache")})
+    return job, sdk.build_cache(spec_from_dict(job), show_progress=False)
 
 
 MULTINODE_STEPS = 200  # at dp 1 enough steps (~10 s) remain for a node to join and the job to grow

@@ -40,6 +40,13 @@ def _parser() -> argparse.ArgumentParser:
     prep.add_argument("--address")
     prep.add_argument("--no-progress", action="store_true")
 
+    distill = sub.add_parser("distill", help="distillation commands").add_subparsers(dest="distill_command", required=True)
+    cache = distill.add_parser("cache", help="run a distillation job's teachers over its dataset into the offline top-k cache (distill.cache)")
+    cache.add_argument("job", help="job YAML file with a distill section naming teacher, top_k and cache")
+    cache.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    cache.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else an embedded local cluster)")
+    cache.add_argument("--no-progress", action="store_true")
+
     export = sub.add_parser("export", help="write a model directory (config.json, model.safetensors, tokenizer) from a checkpoint")
     export.add_argument("checkpoint", help="a committed step directory (e.g. runs/NAME/checkpoints/step_00000100), an lmforge export or a Hugging Face Llama directory")
     export.add_argument("--out", required=True, help="new directory to write (usable as model.init_from)")
@@ -153,6 +160,21 @@ def _cmd_train(args) -> int:
     return 0
 
 
+def _cmd_distill(args) -> int:
+    from lmforge.spec import load_spec
+
+    spec = load_spec(args.job, args.overrides)
+    from lmforge import sdk
+
+    manifest = sdk.build_cache(spec, address=args.address, show_progress=not args.no_progress)
+    tokens = manifest["dataset"]["num_samples"] * manifest["dataset"]["seq_len"]
+    print(f"cached the teacher's top {manifest['k']} at temperature {manifest['temperature']:g} for {tokens:,} tokens "
+          f"({manifest['dataset']['eval_samples']:,} held-out samples too): {manifest['bytes_per_token']:g} bytes per token, "
+          f"dense bf16 logits {manifest['dense_bf16_bytes_per_token']:,}; {manifest['seconds']} s -> {spec.with_absolute_paths().distill.cache}",
+          file=sys.stderr)
+    return 0
+
+
 def _cmd_export(args) -> int:
     from lmforge.checkpoint.export import export_model
 
@@ -202,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
 
             print(__version__)
             return 0
-        commands = {"data": _cmd_prepare, "export": _cmd_export, "generate": _cmd_generate, "plan": _cmd_plan, "train": _cmd_train}
+        commands = {"data": _cmd_prepare, "distill": _cmd_distill, "export": _cmd_export, "generate": _cmd_generate, "plan": _cmd_plan, "train": _cmd_train}
         return commands[args.command](args)
     except UserError as err:
         print(f"lmforge: error: {err}", file=sys.stderr)

@@ -19,6 +19,7 @@ from lmforge.data.identity import describe, order_changes, order_inputs
 from lmforge.data.precheck import check_before_ray
 from lmforge.data.prepare import MANIFEST, PrepareOptions, read_manifest
 from lmforge.data.tokenizer import load_tokenizer
+from lmforge.distill.cache import read_cache
 from lmforge.checkpoint.export import open_source
 from lmforge.errors import UserError
 from lmforge.models.weights import open_model_dir
@@ -111,6 +112,16 @@ def _vocabulary(tokenizer) -> dict:
 
 
 def check_distill(spec: JobSpec, manifest: Optional[dict]) -> None:
+    """The teachers can teach this student, and a teacher cache it names is this job's."""
+    check_teachers(spec, manifest)
+    if spec.distill.cache:
+        if manifest is None:
+            raise UserError(f"distill.cache: {spec.data.path} is not prepared yet, so no cache can match it; "
+                            "prepare the data (lmforge data prepare JOB), then build the cache (lmforge distill cache JOB)")
+        read_cache(spec, manifest)
+
+
+def check_teachers(spec: JobSpec, manifest: Optional[dict]) -> None:
     """Every teacher opens, shares the dataset's tokenizer, and splits as the student does."""
     dataset_tokenizer = _dataset_tokenizer(spec, manifest)
     if dataset_tokenizer is None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 import ray
@@ -24,7 +25,7 @@ from lmforge.cluster import placement
 from lmforge.cluster.controller import Controller
 from lmforge.cluster.runtime import check_capacity, connect, embedded_resources
 from lmforge.data.precheck import check_before_ray
-from lmforge.data.prepare import PrepareOptions, prepare_dataset, read_manifest
+from lmforge.data.prepare import MANIFEST, PrepareOptions, prepare_dataset, read_manifest
 from lmforge.errors import TrainingFailed, UserError
 from lmforge.lease import JobLease
 from lmforge.plan import Plan, check_dataset, check_resume_order, preflight
@@ -42,6 +43,28 @@ def prepare(opts: PrepareOptions, address: Optional[str] = None) -> dict:
     started = connect(address)
     try:
         return prepare_dataset(opts)
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def build_cache(spec: JobSpec, address: Optional[str] = None, show_progress: bool = True) -> dict:
+    """Build a distillation job's offline teacher cache (`distill.cache`): its teachers'
+    top-k targets for every sample of its dataset (prepared first if need be); returns
+    the cache's manifest."""
+    from lmforge.distill.cache import build_cache as build_teacher_cache
+    from lmforge.distill.cache import check_can_build
+    from lmforge.plan import check_teachers
+
+    spec = spec.with_absolute_paths()
+    check_can_build(spec)
+    prepared = (Path(spec.data.path) / MANIFEST).is_file()
+    check_teachers(spec, read_manifest(spec.data.path) if prepared else None)
+    started = connect(address)
+    try:
+        if not prepared:
+            prepare_dataset(PrepareOptions.for_job(spec, show_progress=show_progress))
+        return build_teacher_cache(spec, show_progress)
     finally:
         if started:
             ray.shutdown()

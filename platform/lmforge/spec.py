@@ -346,6 +346,7 @@ class JobSpec(_Section):
             "distill": self.distill.model_copy(update={
                 "teacher": local(self.distill.teacher) if self.distill.teacher else None,
                 "teachers": [t.model_copy(update={"path": local(t.path)}) for t in self.distill.teachers] if self.distill.teachers else None,
+                "cache": local(self.distill.cache) if self.distill.cache else None,
             }) if self.distill else None,
             "checkpoint": self.checkpoint.model_copy(update={"dir": local(self.checkpoint_dir)}),
             "tracking": self.tracking.model_copy(update={"uri": self.tracking_uri}),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 from typing import Callable, Optional
 
 import numpy as np
@@ -18,10 +19,11 @@ import torch.distributed as dist
 from lmforge.checkpoint.sharded import load_checkpoint, restore_point
 from lmforge.checkpoint.store import CheckpointStore
 from lmforge.checkpoint.writer import CheckpointWriter
-from lmforge.data.feed import BatchFeed
+from lmforge.data.feed import BatchFeed, FedStep
 from lmforge.data.heldout import HeldOutBatches, eval_batches
 from lmforge.data.identity import order_inputs
 from lmforge.data.order import BatchLayout, GlobalOrder
+from lmforge.distill.cache import teacher_cache
 from lmforge.engines import create_engine
 from lmforge.errors import OutOfMemory
 from lmforge.guards.divergence import DivergenceGuard
@@ -59,6 +61,7 @@ class Trainer:
         self.writer = CheckpointWriter(self.store, spec.checkpoint, checkpoint_group, self._event)
         # Start reading ahead first: Ray Data's first read overlaps model building.
         self.layout = BatchLayout(spec.train.global_batch, spec.train.micro_batch, p.dp)
+        self.cache = teacher_cache(spec)  # (directory, manifest) of a distillation's offline targets
         self.feed = BatchFeed(
             spec.data.path,
             manifest,
@@ -67,13 +70,15 @@ class Trainer:
             dp_rank=self.dims.dp_rank,
             start_step=self.start_step,
             prefetch_steps=spec.data.prefetch_steps,
+            cache=self.cache,
         )
         if self.device.type == "cuda" and not spec.resources.memory_per_worker:
             check_fits(spec, torch.cuda.get_device_properties(self.device).total_memory, f"{torch.cuda.get_device_name(self.device)} memory")
         self.engine = create_engine(spec, self.dims, self.device, vocab=manifest["tokenizer"]["vocab_size"])
         self.held_out = None
         if spec.eval is not None:
-            self.held_out = HeldOutBatches(spec.data.path, manifest, self.layout, self.dims.dp_rank, eval_batches(spec, manifest))
+            held_cache = (str(Path(self.cache[0]) / self.cache[1]["eval"]["dir"]), self.cache[1]["k"]) if self.cache else None
+            self.held_out = HeldOutBatches(spec.data.path, manifest, self.layout, self.dims.dp_rank, eval_batches(spec, manifest), held_cache)
         self.peak_flops = peak_flops(self.device, spec.train.precision)
         self.flops_per_step = spec.model_arch.flops_per_token(spec.train.seq_len) * spec.train.global_batch * spec.train.seq_len
         if resume_from is not None:
@@ -110,13 +115,13 @@ class Trainer:
         try:
             while step < train.max_steps:
                 began = time.perf_counter()
-                feed_step, ids, tokens, waited = self.feed.next()
-                assert feed_step == step
+                fed = self.feed.next()
+                assert fed.step == step
                 step += 1
                 if step in self.skip_batches:
                     self._event({"event": "batch_skipped", "step": step})
                 else:
-                    last = self._train_step(step, tokens, ids, began, waited) or last
+                    last = self._train_step(step, fed, began) or last
                 if self.held_out and (step % self.spec.eval_interval == 0 or step == train.max_steps):
                     self._evaluate(step)
                 if step % self.spec.checkpoint.interval == 0 or step == train.max_steps:
@@ -129,13 +134,14 @@ class Trainer:
             self.feed.close()
         return {"step": step, "loss": last["loss"] if last else None, "start_step": self.start_step, "stopped": stopped}
 
-    def _train_step(self, step: int, tokens, ids, began: float, waited: float) -> dict | None:
+    def _train_step(self, step: int, fed: FedStep, began: float) -> dict | None:
         """One optimizer step; its metrics (None when the step was not finite)."""
         train = self.spec.train
         try:
             self.faults.before_step(step)
             # A checkpoint started at the last step may still be copying the weights.
-            stats = self.engine.train_step(torch.from_numpy(tokens.astype(np.int64)), before_update=self.writer.staged)
+            stats = self.engine.train_step(torch.from_numpy(fed.tokens.astype(np.int64)), before_update=self.writer.staged,
+                                           targets=_targets(fed.targets))
         except torch.OutOfMemoryError as err:
             raise OutOfMemory(step, self.rank, train.micro_batch, memory_report(self.spec, self.rank, step, self.device, err)) from None
         self.faults.after_step()
@@ -154,14 +160,14 @@ class Trainer:
             "lr": stats.lr,
             "grad_norm": stats.grad_norm,
             "step_time": elapsed,
-            "data_wait": waited,
+            "data_wait": fed.waited,
             "tokens_per_s": tokens_per_step / elapsed,
             "mfu": mfu(self.flops_per_step, elapsed, self.peak_flops, dist.get_world_size()),
             "tokens": step * tokens_per_step,
             "samples_consumed": step * train.global_batch,
         }
         if self.spec.data.record_sample_ids:
-            row["sample_ids"] = self._global_ids(ids)
+            row["sample_ids"] = self._global_ids(fed.ids)
         if stats.bubble is not None:
             row.update(bubble=stats.bubble, bubble_theory=stats.bubble_theory)
         row.update(stats.terms)
@@ -172,7 +178,7 @@ class Trainer:
         """The held-out loss (and a distillation's agreement with the teacher): every
         layout reads the same samples, so each is one number."""
         began = time.perf_counter()
-        batches = [self.engine.evaluate(torch.from_numpy(tokens.astype(np.int64))) for tokens in self.held_out]
+        batches = [self.engine.evaluate(torch.from_numpy(tokens.astype(np.int64)), targets=_targets(targets)) for tokens, targets in self.held_out]
         metrics = {name: float(np.mean([b[name] for b in batches])) for name in batches[0]}
         self._event({"event": "eval", "step": step, **metrics, "eval_ppl": math.exp(min(metrics["eval_loss"], 700.0)),
                      "batches": len(batches), "seconds": round(time.perf_counter() - began, 3)})
@@ -194,3 +200,11 @@ class Trainer:
         dist.all_gather(gathered, local, group=self.dims.dp_group)
         return torch.cat(gathered).cpu().tolist()
 
+
+
+def _targets(targets):
+    """A teacher cache's top-k ids and log-probabilities as tensors (None without a cache)."""
+    if targets is None:
+        return None
+    ids, logprobs = targets
+    return torch.from_numpy(ids.astype(np.int64)), torch.from_numpy(logprobs.astype(np.float32))

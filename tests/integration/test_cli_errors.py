@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from cli import assert_clean_error, run_cli, run_cli_process
-from conftest import tiny_job
+from conftest import tiny_job, with_sections
 
 
 def write_job(tmp_path: Path, job: dict) -> Path:
@@ -282,6 +282,47 @@ def test_a_teacher_that_cannot_teach_this_student_is_refused(case, tmp_path, tin
     job = tiny_job(tmp_path, tiny_dataset, distill={"teacher": str(teacher(tmp_path, hf_teacher, tiny_dataset)), **settings})
     assert_clean_error(run_cli("train", str(write_job(tmp_path, job)), cwd=tmp_path), *fragments)
     assert nothing_written(tmp_path)
+
+
+# name: (what the job changes of the cache's job, what the message says)
+CACHE_REFUSALS = {
+    "no cache there": (lambda job, tmp: {"distill": {"cache": str(tmp / "nowhere")}}, "holds no teacher cache (manifest.json missing)"),
+    "another k": (lambda job, tmp: {"distill": {"top_k": 16}}, "holds the top 32, not distill.top_k 16"),
+    "another temperature": (lambda job, tmp: {"distill": {"temperature": 2.0}}, "was built at temperature 1.5, not distill.temperature 2.0"),
+    "other teachers": (lambda job, tmp: {"distill": {"teachers": job["distill"]["teachers"][:1]}}, "was built from other teachers"),
+    "another dataset": (lambda job, tmp: {"data": {"path": _copied_dataset(job, tmp)}}, "was built for another dataset"),
+}
+
+
+def _copied_dataset(job: dict, tmp_path: Path) -> str:
+    import shutil
+
+    return str(shutil.copytree(job["data"]["path"], tmp_path / "moved-data"))
+
+
+@pytest.mark.parametrize("case", CACHE_REFUSALS)
+def test_a_teacher_cache_made_for_another_job_is_refused(case, tmp_path, distill_cache):
+    import copy
+
+    job, _ = distill_cache
+    change, fragment = CACHE_REFUSALS[case]
+    job = with_sections(copy.deepcopy(job), change(job, tmp_path))
+    job["output_dir"] = str(tmp_path / "runs")
+    assert_clean_error(run_cli("train", str(write_job(tmp_path, job)), cwd=tmp_path), "distill.cache:", fragment)
+    assert nothing_written(tmp_path)
+
+
+@pytest.mark.parametrize("change, fragment", [
+    ({"cache": None}, "distill.cache: not set"),
+    ({}, "already holds a teacher cache; remove it or choose another path"),
+    ({"top_k": None}, "distill.cache: the cache keeps the teacher's k most likely tokens per position; set distill.top_k"),
+])
+def test_a_teacher_cache_that_cannot_be_built_is_refused(change, fragment, tmp_path, distill_cache):
+    import copy
+
+    job, _ = distill_cache
+    job = with_sections(copy.deepcopy(job), {"distill": change})
+    assert_clean_error(run_cli("distill", "cache", str(write_job(tmp_path, job)), cwd=tmp_path), fragment)
 
 
 def test_job_larger_than_memory_per_worker_is_refused_with_an_alternative(tmp_path, tiny_dataset):

@@ -5,6 +5,7 @@ a later step (a restart) continues the same sequence."""
 import json
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -21,37 +22,71 @@ def all_rows(path):
     return dict(zip(ids.tolist(), tokens))
 
 
-def make_feed(path, manifest, dp, rank, start, prefetch=3):
+def make_feed(path, manifest, dp, rank, start, prefetch=3, cache=None):
     order = GlobalOrder(manifest["num_samples"], seed=4, block=manifest["shard_samples"], window=2)
     layout = BatchLayout(global_batch=8, micro_batch=2, dp=dp)
-    return order, layout, BatchFeed(str(path), manifest, order, layout, rank, start, prefetch)
+    return order, layout, BatchFeed(str(path), manifest, order, layout, rank, start, prefetch, cache=cache)
 
 
-def test_ranks_get_their_slices_across_an_epoch(ray_session, tiny_dataset):
+K = 3
+
+
+def fake_cache(directory, dataset, manifest):
+    """Teacher-cache shards named as the dataset's whose targets are a function of the
+    sample id, so that a target read beside the wrong sample shows."""
+    directory.mkdir()
+    seq_len = manifest["seq_len"]
+    for shard in manifest["shards"]:
+        ids = pq.read_table(dataset / shard["file"], columns=["sample_id"]).column("sample_id").to_numpy()
+        top = [(i * 7 + np.arange(seq_len * K)).astype(np.int32) for i in ids]
+        logprobs = [np.full(seq_len * K, -(i % 50) / 8, dtype=np.float16) for i in ids]
+        pq.write_table(pa.table({"sample_id": ids, "topk_ids": pa.array(top, type=pa.list_(pa.int32())),
+                                 "topk_logprobs": pa.array(logprobs, type=pa.list_(pa.float16()))}), directory / shard["file"])
+    return str(directory), {"k": K}
+
+
+@pytest.mark.parametrize("with_cache", [False, True])
+def test_ranks_get_their_slices_across_an_epoch(ray_session, tiny_dataset, tmp_path, with_cache):
+    """Each rank's samples in the global order over an epoch boundary; with a teacher
+    cache, each sample's targets beside it."""
     manifest = json.loads((tiny_dataset / "manifest.json").read_text())
     rows = all_rows(tiny_dataset)
+    cache = fake_cache(tmp_path / "cache", tiny_dataset, manifest) if with_cache else None
     steps = manifest["num_samples"] // 8 + 3  # crosses into the second epoch
     seen = []
     for rank in range(2):
-        order, layout, feed = make_feed(tiny_dataset, manifest, dp=2, rank=rank, start=0)
+        order, layout, feed = make_feed(tiny_dataset, manifest, dp=2, rank=rank, start=0, cache=cache)
         for step in range(steps):
-            got_step, ids, tokens, _ = feed.next()
-            assert got_step == step
-            assert np.array_equal(ids, order.ids(*layout.rank_positions(step, rank)))
-            assert tokens.shape == (2, 2, manifest["seq_len"] + 1)
-            assert np.array_equal(tokens.reshape(len(ids), -1), np.stack([rows[i] for i in ids.tolist()]))
-            seen.extend(ids.tolist() if step < manifest["num_samples"] // 8 else [])
+            fed = feed.next()
+            assert fed.step == step
+            assert np.array_equal(fed.ids, order.ids(*layout.rank_positions(step, rank)))
+            assert fed.tokens.shape == (2, 2, manifest["seq_len"] + 1)
+            assert np.array_equal(fed.tokens.reshape(len(fed.ids), -1), np.stack([rows[i] for i in fed.ids.tolist()]))
+            if with_cache:
+                top, logprobs = fed.targets
+                assert top.shape == logprobs.shape == (2, 2, manifest["seq_len"], K)
+                flat_ids = fed.ids.tolist()
+                assert np.array_equal(top.reshape(len(flat_ids), -1), np.stack([i * 7 + np.arange(manifest["seq_len"] * K) for i in flat_ids]))
+                assert np.array_equal(logprobs.reshape(len(flat_ids), -1)[:, 0], np.array([-(i % 50) / 8 for i in flat_ids], dtype=np.float16))
+            else:
+                assert fed.targets is None
+            seen.extend(fed.ids.tolist() if step < manifest["num_samples"] // 8 else [])
         feed.close()
     assert len(seen) == len(set(seen)), "a sample appeared twice within one epoch"
 
 
-def test_restart_at_a_step_continues_the_sequence(ray_session, tiny_dataset):
+@pytest.mark.parametrize("with_cache", [False, True])
+def test_restart_at_a_step_continues_the_sequence(ray_session, tiny_dataset, tmp_path, with_cache):
+    """A feed started at step 7 (a restart) continues the sequence, teacher targets too."""
     manifest = json.loads((tiny_dataset / "manifest.json").read_text())
-    _, _, full = make_feed(tiny_dataset, manifest, dp=1, rank=0, start=0)
-    reference = [full.next()[1] for _ in range(12)]
+    cache = fake_cache(tmp_path / "cache", tiny_dataset, manifest) if with_cache else None
+    _, _, full = make_feed(tiny_dataset, manifest, dp=1, rank=0, start=0, cache=cache)
+    reference = [full.next() for _ in range(12)]
     full.close()
-    _, _, resumed = make_feed(tiny_dataset, manifest, dp=1, rank=0, start=7)
+    _, _, resumed = make_feed(tiny_dataset, manifest, dp=1, rank=0, start=7, cache=cache)
     for step in range(7, 12):
-        got_step, ids, _, _ = resumed.next()
-        assert got_step == step and np.array_equal(ids, reference[step])
+        fed = resumed.next()
+        assert fed.step == step and np.array_equal(fed.ids, reference[step].ids)
+        if with_cache:
+            assert all(np.array_equal(a, b) for a, b in zip(fed.targets, reference[step].targets))
     resumed.close()

@@ -6,7 +6,9 @@ import json
 import math
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
+import torch
 from mlflow.tracking import MlflowClient
 
 from lmforge import sdk
@@ -231,3 +233,50 @@ def test_a_distillation_job_trains_through_the_controller(distill_run):
     alone = sdk.train(spec_from_dict(with_sections(copy.deepcopy(job), {"name": "ce-only", "distill": {"kd_weight": 0.0, "ce_weight": 1.0}})),
                       show_progress=False)
     assert summary["eval_kl"] < alone["eval_kl"]
+
+
+def _teacher_top_k(job: dict, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The teachers' mixture's top k for one sample, by plain torch: the reference for the cache."""
+    from lmforge.checkpoint.consolidate import read_checkpoint
+    from lmforge.models.build import build_model
+
+    d = job["distill"]
+    total = sum(t["weight"] for t in d["teachers"])
+    parts = []
+    for teacher in d["teachers"]:
+        cfg, weights, _ = read_checkpoint(teacher["path"])
+        with torch.no_grad():
+            logits = build_model(cfg, weights=weights).eval()(tokens[None, :-1])[0]
+        parts.append(torch.log_softmax(logits.double() / d["temperature"], dim=-1) + math.log(teacher["weight"] / total))
+    return torch.logsumexp(torch.stack(parts), dim=0).topk(d["top_k"], dim=-1)
+
+
+def test_training_from_the_teacher_cache_matches_the_online_teachers(distill_run, distill_cache, tiny_dataset):
+    """`lmforge distill cache` (through the SDK) mirrors the dataset's shards row for row,
+    both splits, holding the teachers' mixed top-k at the temperature; the same job
+    trained from it on one rank gives the two-rank online run's losses, terms and top-1
+    agreement (the cache keeps log-probabilities in fp16: within 2e-3)."""
+    job, manifest = distill_cache
+    cache, dataset = Path(job["distill"]["cache"]), json.loads((tiny_dataset / "manifest.json").read_text())
+    for split, shards in (("", dataset["shards"]), ("eval", dataset["eval"]["shards"])):
+        for shard in shards:
+            ids = pq.read_table(cache / split / shard["file"], columns=["sample_id"]).column("sample_id").to_pylist()
+            assert ids == list(range(shard["first_sample_id"], shard["first_sample_id"] + shard["num_samples"]))
+    first = pq.read_table(cache / dataset["shards"][0]["file"]).slice(0, 1).to_pylist()[0]
+    tokens = torch.tensor(pq.read_table(tiny_dataset / dataset["shards"][0]["file"]).slice(0, 1).column("tokens")[0].as_py())
+    values, top = _teacher_top_k(job, tokens)
+    got_ids = torch.tensor(first["topk_ids"]).view(dataset["seq_len"], -1)
+    assert (got_ids == top).float().mean() > 0.99  # fp32 against float64: a near-tie may swap neighbours
+    assert torch.tensor(first["topk_logprobs"]).view_as(values).double() == pytest.approx(values, abs=2e-2)
+    size = sum((cache / s["file"]).stat().st_size for s in dataset["shards"])
+    assert manifest["bytes"] == size and manifest["bytes_per_token"] == round(size / (dataset["num_samples"] * dataset["seq_len"]), 2)
+    assert manifest["bytes_per_token"] < manifest["dense_bf16_bytes_per_token"] / 4
+    assert manifest["k"] == 32 and [t["weight"] for t in manifest["teachers"]] == [0.75, 0.25]
+
+    online_job, online = distill_run
+    cached = sdk.train(spec_from_dict(with_sections(copy.deepcopy(job), {"parallel": {"dp": 1}})), show_progress=False)
+    want, got = _step_rows(Path(online["run_dir"])), _step_rows(Path(cached["run_dir"]))
+    assert [row["step"] for row in got] == list(range(1, DISTILL_STEPS + 1))
+    for term in ("loss", "ce_loss", "kd_loss"):
+        assert [row[term] for row in got] == pytest.approx([row[term] for row in want], rel=2e-3)
+    assert cached["eval_top1"] == pytest.approx(online["eval_top1"], abs=1e-9) and cached["eval_kl"] > 0

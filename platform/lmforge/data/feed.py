@@ -4,13 +4,16 @@ A `FeedReader` actor per rank runs one Ray Data stream per epoch over the shards
 in the epoch's block order (see `order.GlobalOrder`), keeps a window of samples,
 and hands out whole chunks of steps. The trainer (`BatchFeed`) keeps the next
 chunk requested, so it only waits on an object reference: reading never
-competes with the training loop for its interpreter.
+competes with the training loop for its interpreter. A distillation from the
+offline teacher cache streams its shards, which mirror the dataset's, beside the
+tokens in the same order: each sample's top-k targets travel with it.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -20,11 +23,29 @@ import ray
 from lmforge.data.order import BatchLayout, GlobalOrder
 
 
-class EpochStream:
-    """Samples of one epoch from `first_window` on, as Ray Data reads them, by window."""
+def token_rows(width: int):
+    """A batch's rows of tokens, each [seq_len+1]."""
+    def decode(batch) -> list[np.ndarray]:
+        return list(batch.column("tokens").combine_chunks().flatten().to_numpy().reshape(-1, width))
+    return ["tokens"], decode
 
-    def __init__(self, paths: list[str], order: GlobalOrder, width: int, epoch: int, first_window: int):
-        self.order, self.width, self.epoch = order, width, epoch
+
+def target_rows(seq_len: int, k: int):
+    """A teacher cache batch's rows, each (top-k ids [seq_len, k], log-probabilities [seq_len, k])."""
+    def decode(batch) -> list[tuple[np.ndarray, np.ndarray]]:
+        ids = batch.column("topk_ids").combine_chunks().flatten().to_numpy().reshape(-1, seq_len, k)
+        logprobs = batch.column("topk_logprobs").combine_chunks().flatten().to_numpy().reshape(-1, seq_len, k)
+        return list(zip(ids, logprobs))
+    return ["topk_ids", "topk_logprobs"], decode
+
+
+class EpochStream:
+    """Samples of one epoch from `first_window` on, as Ray Data reads them, by window;
+    `rows` names the columns read and decodes a batch into one value per sample."""
+
+    def __init__(self, paths: list[str], order: GlobalOrder, rows, epoch: int, first_window: int):
+        self.order, self.epoch = order, epoch
+        columns, self.decode = rows
         blocks = order.blocks(epoch)[first_window * order.window :]
         ctx = ray.data.DataContext.get_current()
         ctx.execution_options.preserve_order = True  # bounds what is held: files arrive in block order
@@ -37,12 +58,12 @@ class EpochStream:
         # hold every CPU of the cluster, reading must still go on, or training waits forever.
         # They run beside this reader where they can, so blocks need not cross nodes.
         here = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
-        ds = ray.data.read_parquet([paths[b] for b in blocks], num_cpus=0, concurrency=2, columns=["sample_id", "tokens"],
+        ds = ray.data.read_parquet([paths[b] for b in blocks], num_cpus=0, concurrency=2, columns=["sample_id", *columns],
                                    ray_remote_args={"scheduling_strategy": here})
         self._batches: Iterator = iter(ds.iter_batches(batch_format="pyarrow", batch_size=None, prefetch_batches=2))
-        self.samples: dict[int, np.ndarray] = {}
+        self.samples: dict[int, object] = {}
 
-    def take_window(self, index: int) -> dict[int, np.ndarray]:
+    def take_window(self, index: int) -> dict[int, object]:
         """Rows of window `index`, reading on until all of them have arrived."""
         wanted = self.order.window_ids(self.epoch, index).tolist()
         missing = set(wanted) - self.samples.keys()
@@ -51,8 +72,7 @@ class EpochStream:
             if batch is None:
                 raise RuntimeError(f"shards ended before samples {sorted(missing)[:5]} of epoch {self.epoch} arrived")
             ids = batch.column("sample_id").to_numpy().tolist()
-            tokens = batch.column("tokens").combine_chunks().flatten().to_numpy().reshape(-1, self.width)
-            self.samples.update(zip(ids, tokens))
+            self.samples.update(zip(ids, self.decode(batch)))
             missing.difference_update(ids)
         return {i: self.samples[i] for i in wanted}
 
@@ -61,48 +81,76 @@ class EpochStream:
             self.samples.pop(int(i), None)
 
 
-@ray.remote(num_cpus=0)
-class FeedReader:
-    def __init__(self, data_path: str, manifest: dict, order: GlobalOrder, layout: BatchLayout, dp_rank: int):
-        self.paths = [str(Path(data_path) / s["file"]) for s in manifest["shards"]]
-        self.width = manifest["seq_len"] + 1
-        self.order, self.layout, self.dp_rank = order, layout, dp_rank
+class Source:
+    """One set of shards read by window: the dataset's tokens, or the teacher cache's targets."""
+
+    def __init__(self, paths: list[str], order: GlobalOrder, rows):
+        self.paths, self.order, self.rows_of = paths, order, rows
         self.stream: Optional[EpochStream] = None
         self.current: tuple[int, int] = (-1, -1)
-        self.rows: dict[int, np.ndarray] = {}
+        self.rows: dict[int, object] = {}
 
-    def _rows_for(self, position: int) -> dict[int, np.ndarray]:
+    def row(self, position: int, sample: int):
         epoch, window = self.order.locate(position)
         if (epoch, window) != self.current:
             if self.stream is None or self.stream.epoch != epoch or window < self.current[1]:
-                self.stream = EpochStream(self.paths, self.order, self.width, epoch, window)
+                self.stream = EpochStream(self.paths, self.order, self.rows_of, epoch, window)
             self.stream.drop(self.rows)
             self.rows = self.stream.take_window(window)
             self.current = (epoch, window)
-        return self.rows
+        return self.rows[sample]
 
-    def chunk(self, first_step: int, steps: int) -> tuple[np.ndarray, np.ndarray]:
-        """(sample ids, tokens) of this rank for `steps` steps, step-major."""
-        ids, tokens = [], []
+
+@ray.remote(num_cpus=0)
+class FeedReader:
+    def __init__(self, data_path: str, manifest: dict, order: GlobalOrder, layout: BatchLayout, dp_rank: int,
+                 cache: Optional[tuple[str, dict]] = None):
+        files = [s["file"] for s in manifest["shards"]]
+        self.sources = [Source([str(Path(data_path) / f) for f in files], order, token_rows(manifest["seq_len"] + 1))]
+        if cache is not None:  # (its directory, its manifest): shards named as the dataset's
+            path, cache_manifest = cache
+            self.sources.append(Source([str(Path(path) / f) for f in files], order, target_rows(manifest["seq_len"], cache_manifest["k"])))
+        self.order, self.layout, self.dp_rank = order, layout, dp_rank
+
+    def chunk(self, first_step: int, steps: int) -> tuple:
+        """(sample ids, tokens[, top-k ids, top-k log-probabilities]) of this rank for
+        `steps` steps, step-major."""
+        ids, rows = [], []
         for step in range(first_step, first_step + steps):
             start, count = self.layout.rank_positions(step, self.dp_rank)
             step_ids = self.order.ids(start, count)
             for position, sample in zip(range(start, start + count), step_ids):
-                tokens.append(self._rows_for(position)[int(sample)])
+                rows.append([source.row(position, int(sample)) for source in self.sources])
             ids.append(step_ids)
-        return np.concatenate(ids), np.stack(tokens)
+        tokens = np.stack([row[0] for row in rows])
+        if len(self.sources) == 1:
+            return np.concatenate(ids), tokens
+        targets = [row[1] for row in rows]
+        return np.concatenate(ids), tokens, np.stack([t[0] for t in targets]), np.stack([t[1] for t in targets])
+
+
+@dataclass
+class FedStep:
+    """One optimizer step's share of this rank."""
+
+    step: int
+    ids: np.ndarray  # sample ids, in the order of the rows
+    tokens: np.ndarray  # [accum, micro, seq_len+1]
+    waited: float  # seconds the trainer waited for it
+    targets: Optional[tuple[np.ndarray, np.ndarray]] = None  # from the teacher cache: top-k ids, log-probs [accum, micro, seq_len, k]
 
 
 class BatchFeed:
-    """The trainer's side: yields (step, ids, micro-batches, seconds waited)."""
+    """The trainer's side: yields each step's `FedStep` in turn."""
 
-    def __init__(self, data_path: str, manifest: dict, order: GlobalOrder, layout: BatchLayout, dp_rank: int, start_step: int, prefetch_steps: int):
+    def __init__(self, data_path: str, manifest: dict, order: GlobalOrder, layout: BatchLayout, dp_rank: int, start_step: int,
+                 prefetch_steps: int, cache: Optional[tuple[str, dict]] = None):
         # On this rank's node, strictly: a soft affinity lets Ray move a reader to a node
         # it still counts as free, such as one that vanished moments ago and is not yet
         # declared dead (seen after a node loss: the restarted rank failed again).
         node = ray.get_runtime_context().get_node_id()
         affinity = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(node, soft=False)
-        self.reader = FeedReader.options(scheduling_strategy=affinity).remote(data_path, manifest, order, layout, dp_rank)
+        self.reader = FeedReader.options(scheduling_strategy=affinity).remote(data_path, manifest, order, layout, dp_rank, cache)
         self.layout, self.prefetch_steps = layout, prefetch_steps
         self._next_step = self._next_request = start_step
         self._in_flight: deque = deque()
@@ -117,21 +165,23 @@ class BatchFeed:
     def _receive(self) -> float:
         first, ref = self._in_flight.popleft()
         began = time.perf_counter()
-        ids, tokens = ray.get(ref)
+        ids, *arrays = ray.get(ref)
         waited = time.perf_counter() - began
         self._request()
-        per = self.layout.per_rank
+        per, shape = self.layout.per_rank, (self.layout.accum, self.layout.micro_batch)
         for i in range(self.prefetch_steps):
-            self._buffer.append((first + i, ids[i * per : (i + 1) * per], tokens[i * per : (i + 1) * per]))
+            rows = slice(i * per, (i + 1) * per)
+            tokens, *targets = [a[rows].reshape(*shape, *a.shape[1:]) for a in arrays]
+            self._buffer.append(FedStep(first + i, ids[rows], tokens, 0.0, tuple(targets) or None))
         return waited
 
-    def next(self) -> tuple[int, np.ndarray, np.ndarray, float]:
-        """Returns (step, sample ids, tokens [accum, micro, seq_len+1], seconds waited)."""
+    def next(self) -> FedStep:
         waited = self._receive() if not self._buffer else 0.0
-        step, ids, tokens = self._buffer.popleft()
-        assert step == self._next_step, f"feed out of order: got step {step}, expected {self._next_step}"
+        fed = self._buffer.popleft()
+        assert fed.step == self._next_step, f"feed out of order: got step {fed.step}, expected {self._next_step}"
         self._next_step += 1
-        return step, ids, tokens.reshape(self.layout.accum, self.layout.micro_batch, -1), waited
+        fed.waited = waited
+        return fed
 
     def close(self) -> None:
         ray.kill(self.reader)

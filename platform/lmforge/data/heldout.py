@@ -9,6 +9,7 @@ every layout evaluates the same samples, so the loss is the same number on each.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -54,27 +55,40 @@ def _made_with(held: dict | None) -> str:
 
 class HeldOutBatches:
     """One rank's micro-batches of each held-out global batch: read at the first
-    evaluation and kept (this rank's share of a few batches), not read again at every one."""
+    evaluation and kept (this rank's share of a few batches), not read again at every
+    one. With a teacher cache (its held-out directory and k), each sample's top-k
+    targets too."""
 
-    def __init__(self, data_path: str, manifest: dict, layout: BatchLayout, dp_rank: int, batches: int):
+    def __init__(self, data_path: str, manifest: dict, layout: BatchLayout, dp_rank: int, batches: int,
+                 cache: Optional[tuple[str, int]] = None):
         held = manifest["eval"]
         self.directory = Path(data_path) / held["dir"]
         self.shards = held["shards"]
-        self.shard_samples, self.width = manifest["shard_samples"], manifest["seq_len"] + 1
-        self.layout, self.dp_rank, self.batches = layout, dp_rank, batches
-        self._read: list[np.ndarray] | None = None
+        self.shard_samples, self.seq_len = manifest["shard_samples"], manifest["seq_len"]
+        self.layout, self.dp_rank, self.batches, self.cache = layout, dp_rank, batches, cache
+        self._read: list[tuple] | None = None
 
     def __iter__(self):
-        """Tokens [accum, micro, seq_len+1] for each global batch in turn."""
+        """(tokens [accum, micro, seq_len+1], top-k ids and log-probs [accum, micro, seq_len, k] or
+        None) for each global batch in turn."""
         if self._read is None:
             self._read = list(self._read_batches())
         return iter(self._read)
 
     def _read_batches(self):
         # The batches are the split's first samples: read those shards, keep this rank's rows.
-        shards = self.shards[: -(-self.batches * self.layout.global_batch // self.shard_samples)]
-        table = pq.read_table([str(self.directory / shard["file"]) for shard in shards], columns=["tokens"])
-        rows = table.column("tokens").combine_chunks().flatten().to_numpy().reshape(-1, self.width)
+        files = [shard["file"] for shard in self.shards[: -(-self.batches * self.layout.global_batch // self.shard_samples)]]
+        columns = [_rows(self.directory, files, "tokens", (self.seq_len + 1,))]
+        if self.cache is not None:
+            directory, k = self.cache
+            columns += [_rows(Path(directory), files, name, (self.seq_len, k)) for name in ("topk_ids", "topk_logprobs")]
+        shape = (self.layout.accum, self.layout.micro_batch)
         for batch in range(self.batches):
             first, count = self.layout.rank_positions(batch, self.dp_rank)
-            yield rows[first : first + count].reshape(self.layout.accum, self.layout.micro_batch, self.width).copy()
+            tokens, *targets = [c[first : first + count].reshape(*shape, *c.shape[1:]).copy() for c in columns]
+            yield tokens, tuple(targets) or None
+
+
+def _rows(directory: Path, files: list[str], column: str, row_shape: tuple) -> np.ndarray:
+    table = pq.read_table([str(directory / f) for f in files], columns=[column])
+    return table.column(column).combine_chunks().flatten().to_numpy().reshape(-1, *row_shape)

@@ -51,6 +51,7 @@ class DistillSpec(BaseModel):
     hidden_weight: float = Field(1.0, ge=0, description="weight of the intermediate-layer loss (with `hidden`)")
     hidden: Optional[HiddenSpec] = Field(None, description="match student blocks' outputs, through learned adapters, to teacher blocks'")
     top_k: Optional[int] = Field(None, gt=0, description="sparse targets: the teacher's k most likely tokens, the rest of its mass as one bucket")
+    cache: Optional[str] = Field(None, description="an offline teacher cache (`lmforge distill cache JOB` builds it) instead of online teachers")
     chunk_tokens: int = Field(1024, gt=0, description="tokens whose fp32 log-probabilities are alive at once in the loss")
 
     @model_validator(mode="after")
@@ -60,6 +61,10 @@ class DistillSpec(BaseModel):
         if self.ce_weight == 0 and self.kd_weight == 0 and (self.hidden is None or self.hidden_weight == 0):
             raise ValueError("distill: the weights of every loss term are 0 (ce_weight, kd_weight, and hidden_weight with hidden); "
                              "the student would learn nothing")
+        if self.cache is not None and self.hidden is not None:
+            raise ValueError("distill.hidden: the teacher cache holds next-token targets, not hidden states; match layers with an online teacher")
+        if self.cache is not None and self.top_k is None:
+            raise ValueError("distill.cache: the cache keeps the teacher's k most likely tokens per position; set distill.top_k (e.g. 128)")
         if self.hidden is not None and self.teachers is not None and len(self.teachers) > 1:
             raise ValueError("distill.hidden: matches one teacher's layers; with several teachers distill their logits only")
         return self

@@ -42,17 +42,17 @@ class DistillObjective:
         self.tokens_per_rank, self.vocab, self.tp_group = tokens_per_rank, vocab, tp_group
         self.compiled = spec.parallel.compile  # the loss compiled with the blocks
 
-    def __call__(self, logits: torch.Tensor, targets: torch.Tensor, teacher_logits: list[torch.Tensor],
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor, teacher: list[torch.Tensor] | TopK,
                  hidden: Optional[tuple[list[torch.Tensor], list[torch.Tensor]]] = None) -> tuple[torch.Tensor, dict]:
-        """(the weighted loss, {term: its value}) of one micro-batch; one logits tensor per
-        teacher; `hidden`: the adapted student outputs and the teacher's, pair by pair."""
+        """(the weighted loss, {term: its value}) of one micro-batch. `teacher`: one logits
+        tensor per online teacher, or the cache's top-k targets; `hidden`: the adapted
+        student outputs and the teacher's, pair by pair."""
         s = self.settings
         terms = {}
         if s.ce_weight:
             terms["ce_loss"] = _cross_entropy_sum(logits, targets) / self.tokens_per_rank
         if s.kd_weight:
-            teacher = self._targets(self._teacher(teacher_logits))
-            kd = kd_loss_sum(_local(logits), teacher, None, self.divergence, s.temperature, self.vocab, self.tp_group, s.chunk_tokens,
+            kd = kd_loss_sum(_local(logits), self._targets(teacher), None, self.divergence, s.temperature, self.vocab, self.tp_group, s.chunk_tokens,
                              compiled=self.compiled)
             terms["kd_loss"] = kd / self.tokens_per_rank
         if hidden is not None:
@@ -70,22 +70,34 @@ class DistillObjective:
         return local[0] if len(local) == 1 else Mixture(local, self.weights)
 
     def _targets(self, teacher):
-        """The teacher as given, or with `top_k` its k most likely tokens at the temperature."""
+        """The online teachers (their mixture), or with `top_k` their k most likely tokens
+        at the temperature; the cache's targets as they are."""
+        if isinstance(teacher, TopK):
+            return teacher
+        teacher = self._teacher(teacher)
         k: Optional[int] = self.settings.top_k
         if k is None:
             return teacher
         values, ids = teacher_log_probs(teacher, self.settings.temperature, self.vocab).topk(k, dim=-1)
         return TopK(ids, values)
 
-    def held_out_sums(self, logits: torch.Tensor, targets: torch.Tensor, teacher_logits: list[torch.Tensor]) -> torch.Tensor:
+    def held_out_sums(self, logits: torch.Tensor, targets: torch.Tensor, teacher: list[torch.Tensor] | TopK) -> torch.Tensor:
         """Sums over one held-out micro-batch's tokens of the student's cross-entropy,
-        KL(teacher || student) at temperature 1, and top-1 agreement with the teacher
-        (the teachers' mixture)."""
+        KL(teacher || student), and top-1 agreement with the teacher (the teachers'
+        mixture). Online: the full KL at temperature 1. From the cache: the top-k KL
+        with its tail bucket at the cache's temperature (what the cache holds)."""
         ce = _cross_entropy_sum(logits, targets)
-        student, teacher = _local(logits), self._teacher(teacher_logits)
-        kl = kd_loss_sum(student, teacher, None, Divergence("forward_kl"), 1.0, self.vocab, self.tp_group, self.settings.chunk_tokens)
-        teacher_scores = teacher if isinstance(teacher, torch.Tensor) else teacher_log_probs(teacher, 1.0, self.vocab, self.tp_group)
-        agree = (self._top1(student) == self._top1(teacher_scores)).sum()
+        student = _local(logits)
+        if isinstance(teacher, TopK):
+            kl = kd_loss_sum(student, teacher, None, Divergence("forward_kl"), self.settings.temperature, self.vocab,
+                             chunk_tokens=self.settings.chunk_tokens) / self.settings.temperature ** 2
+            teacher_top1 = teacher.ids[..., 0]  # stored most likely first
+        else:
+            teacher = self._teacher(teacher)
+            kl = kd_loss_sum(student, teacher, None, Divergence("forward_kl"), 1.0, self.vocab, self.tp_group, self.settings.chunk_tokens)
+            scores = teacher if isinstance(teacher, torch.Tensor) else teacher_log_probs(teacher, 1.0, self.vocab, self.tp_group)
+            teacher_top1 = self._top1(scores)
+        agree = (self._top1(student) == teacher_top1).sum()
         return torch.stack([ce.detach(), kl.detach(), agree.float()])
 
     def _top1(self, logits: torch.Tensor) -> torch.Tensor:

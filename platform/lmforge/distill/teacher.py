@@ -28,9 +28,10 @@ def build_teacher(path: str, device: torch.device, parallelize: Callable[[nn.Mod
 
 
 def teacher_shapes(spec) -> tuple[ModelConfig, ...]:
-    """The shapes of a distillation job's teachers, in `distill.sources` order (none
-    for another job): what memory estimates count beside the student."""
-    if not spec.distill:
+    """The shapes of a distillation job's online teachers, in `distill.sources` order
+    (none for another job, or one from the offline cache): what memory estimates count
+    beside the student."""
+    if not spec.distill or spec.distill.cache:
         return ()
     return _shapes(tuple(source.path for source in spec.distill.sources), spec.distill.teacher is not None)
 

@@ -78,7 +78,7 @@ class DeepSpeedEngine(Engine):
         opt = self.spec.optim
         return torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(opt.warmup_steps, self.spec.decay_steps, opt.min_lr_ratio))
 
-    def train_step(self, micro_batches: torch.Tensor, before_update: Callable[[], None] = lambda: None) -> StepStats:
+    def train_step(self, micro_batches: torch.Tensor, before_update: Callable[[], None] = lambda: None, targets=None) -> StepStats:
         micro_batches = micro_batches.to(self.device, non_blocking=True)
         before_update()  # DeepSpeed steps inside its backward loop; its checkpoints are synchronous anyway
         self.engine.train()

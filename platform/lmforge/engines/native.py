@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from lmforge.distill.hidden import ADAPTERS, BlockOutputs, HiddenAdapters
+from lmforge.distill.losses import TopK
 from lmforge.distill.objective import EVAL_METRICS, DistillObjective
 from lmforge.distill.teacher import build_teacher
 from lmforge.engines.base import Engine, StepStats, warmup_cosine
@@ -54,14 +55,21 @@ def _local(value: torch.Tensor) -> torch.Tensor:
     return value.full_tensor() if isinstance(value, DTensor) else value
 
 
+def _micro_batch(targets: Optional[tuple[torch.Tensor, torch.Tensor]], index: int):
+    """Micro-batch `index` of a step's cached teacher targets (None without a cache)."""
+    return None if targets is None else (targets[0][index], targets[1][index])
+
+
 class NativeEngine(Engine):
     def __init__(self, spec, dims: ParallelDims, device: torch.device, vocab: Optional[int] = None):
         self.dims, self.device, self.spec = dims, device, spec
         self.tensor_parallel = dims.shape.tp > 1
         self.pipelined = dims.shape.pp > 1
         self.sharded = needs_wrapping(dims.shape, spec.train.precision)
-        # The teacher first: its width sizes the student's hidden-state adapters.
-        self.teachers = [build_teacher(source.path, device, self._parallelize) for source in spec.distill.sources] if spec.distill else []
+        # The teacher first: its width sizes the student's hidden-state adapters. With an
+        # offline cache there is none: its targets come with the batches.
+        online = spec.distill is not None and spec.distill.cache is None
+        self.teachers = [build_teacher(source.path, device, self._parallelize) for source in spec.distill.sources] if online else []
         with torch.device("meta"):
             whole = Transformer(spec.model_arch)
         weights = spec.model.init_from
@@ -104,15 +112,21 @@ class NativeEngine(Engine):
     def _teacher_logits(self, inputs: torch.Tensor) -> list[torch.Tensor]:
         return [teacher(inputs) for teacher in self.teachers]
 
-    def _distill_loss(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        logits, teacher_logits = model(inputs), self._teacher_logits(inputs)
+    def _teacher(self, inputs: torch.Tensor, cached: Optional[tuple[torch.Tensor, torch.Tensor]]):
+        """The online teachers' logits for these inputs, or a micro-batch of the cache's top-k targets."""
+        if cached is not None:
+            return TopK(cached[0].to(self.device, non_blocking=True), cached[1].to(self.device, non_blocking=True))
+        return self._teacher_logits(inputs)
+
+    def _distill_loss(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, cached) -> tuple[torch.Tensor, dict]:
+        logits, teacher = model(inputs), self._teacher(inputs, cached)
         hidden = None
         if self.hidden is not None:
             student_side, teacher_side = self.hidden
             layers = self.spec.distill.hidden.layers
             adapted = list(getattr(model, ADAPTERS)(*student_side.take(layers)))
             hidden = (adapted, teacher_side.take(layers.values()))
-        return self.objective(logits, targets, teacher_logits, hidden)
+        return self.objective(logits, targets, teacher, hidden)
 
     def _cut(self, whole: nn.Module) -> list[nn.Module]:
         if not self.pipelined:
@@ -163,11 +177,11 @@ class NativeEngine(Engine):
         # the cross-entropy without gathering them.
         return loss_parallel() if self.tensor_parallel else nullcontext()
 
-    def train_step(self, micro_batches: torch.Tensor, before_update: Callable[[], None] = lambda: None) -> StepStats:
+    def train_step(self, micro_batches: torch.Tensor, before_update: Callable[[], None] = lambda: None, targets=None) -> StepStats:
         micro_batches = micro_batches.to(self.device, non_blocking=True)
         for part in self.parts:
             part.train()
-        (loss, terms), bubble = self._pipeline_step(micro_batches) if self.pipelined else (self._accumulate(micro_batches), None)
+        (loss, terms), bubble = self._pipeline_step(micro_batches) if self.pipelined else (self._accumulate(micro_batches, targets), None)
         lr = self.schedulers[0].get_last_lr()[0]
         if terms:  # reduced with the loss: one collective
             reduced = torch.stack([loss, *terms.values()])
@@ -191,7 +205,7 @@ class NativeEngine(Engine):
             stats.bubble, stats.bubble_theory = bubble, self.bubble_theory
         return stats
 
-    def _accumulate(self, micro_batches: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    def _accumulate(self, micro_batches: torch.Tensor, cached=None) -> tuple[torch.Tensor, dict]:
         """The step's loss on this rank, and its terms (a distillation job's)."""
         model, accum = self.parts[0], micro_batches.shape[0]
         loss_sum = torch.zeros((), device=self.device)
@@ -206,7 +220,7 @@ class NativeEngine(Engine):
                     # is the global-batch mean; FSDP averages over DP ranks.
                     loss, terms = self._loss(model(inputs), targets) / accum, {}
                 else:
-                    loss, terms = self._distill_loss(model, inputs, targets)
+                    loss, terms = self._distill_loss(model, inputs, targets, _micro_batch(cached, i))
                 loss.backward()
             loss_sum += _local(loss.detach())
             for name, value in terms.items():
@@ -256,15 +270,16 @@ class NativeEngine(Engine):
         return loss.item()
 
     @torch.no_grad()
-    def evaluate(self, micro_batches: torch.Tensor) -> dict[str, float]:
+    def evaluate(self, micro_batches: torch.Tensor, targets=None) -> dict[str, float]:
         if self.objective is None:
             return super().evaluate(micro_batches)
         micro_batches = micro_batches.to(self.device, non_blocking=True)
         model = self.parts[0].eval()
         sums = torch.zeros(3, device=self.device)
         with self._loss_context():
-            for batch in micro_batches:
-                sums += self.objective.held_out_sums(model(batch[:, :-1]), batch[:, 1:], self._teacher_logits(batch[:, :-1]))
+            for i, batch in enumerate(micro_batches):
+                teacher = self._teacher(batch[:, :-1], _micro_batch(targets, i))
+                sums += self.objective.held_out_sums(model(batch[:, :-1]), batch[:, 1:], teacher)
                 for side in self.hidden or ():
                     side.clear()
         sums /= micro_batches[..., 1:].numel()

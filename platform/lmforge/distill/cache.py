@@ -1,0 +1,282 @@
+"""The offline teacher cache: `lmforge distill cache JOB` runs the job's teachers over
+its dataset with Ray Data batch inference and keeps, per token, the top-k next-token
+ids and log-probabilities at the distillation temperature.
+
+Its Parquet shards mirror the dataset's row for row (same file names, same sample
+ids), for the training split and the held-out one, so the feed reads them beside
+the tokens in the same order. The manifest names what the cache was made from, and
+training refuses a cache that does not match (`check_cache`). A failed build leaves
+nothing: shards are written into a staging directory renamed into place at the end.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Optional
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import ray
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from lmforge.data.prepare import EVAL_DIR, read_manifest
+from lmforge.errors import UserError
+
+FORMAT = "lmforge.teacher-topk.v1"
+MANIFEST = "manifest.json"
+COLUMNS = ("sample_id", "topk_ids", "topk_logprobs")
+
+
+def weights_sha256(path: str | os.PathLike) -> str:
+    """A model directory's weight files, or a checkpoint's commit record (which holds
+    the checksum of every file it committed), hashed."""
+    from lmforge.checkpoint.consolidate import is_checkpoint
+    from lmforge.checkpoint.store import COMMIT
+
+    path = Path(path)
+    files = [path / COMMIT] if is_checkpoint(path) else sorted(path.glob("*.safetensors"))
+    digest = hashlib.sha256()
+    for file in files:
+        with open(file, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def made_from(spec, dataset: dict) -> dict:
+    """What a cache for this job is made from: the dataset, its tokenizer, each teacher
+    (its path and weight hash), k and the temperature. A cache whose manifest says
+    otherwise is not this job's."""
+    d = spec.distill
+    return {
+        "dataset": {"path": str(spec.data.path), "num_samples": dataset["num_samples"], "seq_len": dataset["seq_len"],
+                    "shard_samples": dataset["shard_samples"], "eval_samples": (dataset.get("eval") or {}).get("num_samples", 0)},
+        "tokenizer_sha256": dataset["tokenizer"]["sha256"],
+        "teachers": [{"path": str(s.path), "weight": s.weight, "sha256": weights_sha256(s.path)} for s in d.sources],
+        "k": d.top_k,
+        "temperature": d.temperature,
+    }
+
+
+class TeacherTopK:
+    """A Ray Data actor: the teachers on this actor's device, turning a batch of samples
+    into their top-k targets."""
+
+    def __init__(self, paths: list[str], weights: list[float], k: int, temperature: float, vocab: int, threads: int):
+        import torch
+
+        from lmforge.models.build import build_model
+        from lmforge.checkpoint.export import open_source
+
+        torch.set_num_threads(threads)
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.teachers = []
+        for path in paths:
+            source = open_source(path, name="distill.teacher")
+            weights_of = source.read_tensors() if source.kind == "checkpoint" else str(source.path)
+            self.teachers.append(build_model(source.cfg, self.device, weights=weights_of).eval())
+        self.weights, self.k, self.temperature, self.vocab = weights, k, temperature, vocab
+
+    def __call__(self, batch: dict) -> dict:
+        import torch
+
+        from lmforge.distill.losses import Mixture, teacher_log_probs
+
+        tokens = batch["tokens"]
+        tokens = torch.from_numpy((np.stack(tokens) if tokens.dtype == object else tokens).astype(np.int64))
+        with torch.no_grad():
+            inputs = tokens[:, :-1].to(self.device)
+            logits = [teacher(inputs) for teacher in self.teachers]
+            teacher = logits[0] if len(logits) == 1 else Mixture(logits, self.weights)
+            values, ids = teacher_log_probs(teacher, self.temperature, self.vocab).topk(self.k, dim=-1)
+        rows = len(tokens)
+        return {"sample_id": batch["sample_id"], "topk_ids": ids.to(torch.int32).reshape(rows, -1).cpu().numpy(),
+                "topk_logprobs": values.to(torch.float16).reshape(rows, -1).cpu().numpy()}
+
+
+def _pool(cluster: dict) -> dict:
+    """A GPU per actor when the cluster has GPUs; else two single-CPU actors (or one)."""
+    gpus = int(cluster.get("GPU", 0))
+    if gpus:
+        return {"concurrency": gpus, "num_gpus": 1, "threads": 4}
+    return {"concurrency": max(1, min(2, int(cluster.get("CPU", 1)) // 2)), "num_cpus": 1, "threads": 1}
+
+
+def _write_split(scored, shards: list[dict], out: Path, progress, task) -> None:
+    """Stream the scored rows, in sample order, into one cache shard per dataset shard
+    (the same file name and sample ids)."""
+    out.mkdir(parents=True, exist_ok=True)
+    held: dict[str, list] = {name: [] for name in COLUMNS}
+    count, shard = 0, 0
+    for batch in scored.iter_batches(batch_size=None, batch_format="numpy"):
+        for name in COLUMNS:
+            held[name].append(batch[name])
+        count += len(batch["sample_id"])
+        while shard < len(shards) and count >= shards[shard]["num_samples"]:
+            joined = {name: np.concatenate(held[name]) for name in COLUMNS}
+            size = shards[shard]["num_samples"]
+            _write_shard(out / shards[shard]["file"], {name: values[:size] for name, values in joined.items()}, shards[shard])
+            held = {name: [values[size:]] for name, values in joined.items()}
+            count, shard = count - size, shard + 1
+            if progress is not None:
+                progress.update(task, advance=1)
+    if shard != len(shards) or count:
+        raise RuntimeError(f"the teacher scored {count} samples past the dataset's shards, or too few: {shard} of {len(shards)} written")
+
+
+def _write_shard(path: Path, rows: dict, shard: dict) -> None:
+    expected = np.arange(shard["first_sample_id"], shard["first_sample_id"] + shard["num_samples"])
+    if not np.array_equal(rows["sample_id"], expected):
+        raise RuntimeError(f"{shard['file']}: scored rows arrived out of order")  # Ray Data keeps the order asked for
+    table = pa.table({
+        "sample_id": pa.array(rows["sample_id"].astype(np.int64)),
+        "topk_ids": pa.array(list(rows["topk_ids"]), type=pa.list_(pa.int32())),
+        "topk_logprobs": pa.array(list(rows["topk_logprobs"]), type=pa.list_(pa.float16())),
+    })
+    pq.write_table(table, path, compression="zstd", compression_level=9)
+
+
+def _splits(data_path: Path, dataset: dict, staging: Path) -> list[tuple[str, Path, list[dict], Path]]:
+    """(name, dataset directory, shards, cache directory) of the training and held-out splits."""
+    splits = [("train", data_path, dataset["shards"], staging)]
+    if "eval" in dataset:
+        splits.append(("held-out", data_path / dataset["eval"]["dir"], dataset["eval"]["shards"], staging / EVAL_DIR))
+    return splits
+
+
+def check_can_build(spec) -> None:
+    """Before anything starts: the job names where the cache goes, and nothing is there yet."""
+    if spec.distill is None:
+        raise UserError("distill: the job has no distill section, so no teacher to cache")
+    if not spec.distill.cache:
+        raise UserError("distill.cache: not set; name the directory the teacher cache goes to")
+    if (Path(spec.distill.cache) / MANIFEST).exists():
+        raise UserError(f"distill.cache: {spec.distill.cache} already holds a teacher cache; remove it or choose another path")
+
+
+def build_cache(spec, show_progress: bool = True) -> dict:
+    """Score the job's dataset with its teachers into `distill.cache`; returns the
+    manifest. Requires an initialized Ray session."""
+    check_can_build(spec)
+    d = spec.distill
+    out, data_path = Path(d.cache), Path(spec.data.path)
+    dataset = read_manifest(data_path)
+    identity = made_from(spec, dataset)
+    began = time.time()
+    vocab = min(dataset["tokenizer"]["vocab_size"], *(_teacher_vocab(s.path) for s in d.sources))
+    pool = _pool(ray.cluster_resources())
+    actor = {"compute": ray.data.ActorPoolStrategy(size=pool["concurrency"]), "num_gpus": pool.get("num_gpus", 0), "num_cpus": pool.get("num_cpus", 0)}
+    scorer = {"paths": [str(s.path) for s in d.sources], "weights": [s.weight for s in d.sources], "k": d.top_k,
+              "temperature": d.temperature, "vocab": vocab, "threads": pool["threads"]}
+    ctx = ray.data.DataContext.get_current()
+    ctx.execution_options.preserve_order = True  # shards are written in sample order
+    ctx.enable_progress_bars = False
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.parent / f".{out.name}.staging-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        splits = _splits(data_path, dataset, staging)
+        with _progress(show_progress) as progress:
+            for name, directory, shards, target in splits:
+                task = progress.add_task(f"teacher top-{d.top_k}, {name}", total=len(shards)) if progress else None
+                ds = ray.data.read_parquet([str(directory / s["file"]) for s in shards], columns=["sample_id", "tokens"])
+                scored = ds.map_batches(TeacherTopK, fn_constructor_kwargs=scorer, batch_size=spec.train.micro_batch,
+                                        batch_format="numpy", **actor)
+                _write_split(scored, shards, target, progress, task)
+        manifest = _manifest(identity, dataset, staging, vocab, time.time() - began)
+        (staging / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        if out.exists():
+            out.rmdir()  # only an empty directory may be replaced
+        staging.rename(out)
+        return manifest
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _teacher_vocab(path: str) -> int:
+    from lmforge.checkpoint.export import open_source
+
+    return open_source(path, name="distill.teacher").cfg.vocab_size
+
+
+def _manifest(identity: dict, dataset: dict, staging: Path, vocab: int, seconds: float) -> dict:
+    size = sum((staging / s["file"]).stat().st_size for s in dataset["shards"])
+    tokens = dataset["num_samples"] * dataset["seq_len"]
+    manifest = {"format": FORMAT, **identity, "vocab": vocab, "shards": [s["file"] for s in dataset["shards"]],
+                "bytes": size, "bytes_per_token": round(size / tokens, 2), "dense_bf16_bytes_per_token": 2 * vocab,
+                "seconds": round(seconds, 2)}
+    if "eval" in dataset:
+        manifest["eval"] = {"dir": EVAL_DIR, "shards": [s["file"] for s in dataset["eval"]["shards"]]}
+    return manifest
+
+
+def _progress(enabled: bool):
+    if not enabled:
+        return _Quiet()
+    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("shards"), TimeElapsedColumn())
+
+
+class _Quiet:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def teacher_cache(spec) -> Optional[tuple[str, dict]]:
+    """(directory, manifest) of the job's teacher cache, as checked before launch; None
+    without one."""
+    if not (spec.distill and spec.distill.cache):
+        return None
+    return spec.distill.cache, json.loads((Path(spec.distill.cache) / MANIFEST).read_text())
+
+
+def read_cache(spec, dataset: dict) -> dict:
+    """The manifest of `distill.cache`, refused (naming the field and what differs)
+    unless it was made from this job's dataset, tokenizer, teachers, k and temperature."""
+    path = Path(spec.distill.cache)
+    file = path / MANIFEST
+    if not file.is_file():
+        raise UserError(f"distill.cache: {path} holds no teacher cache ({MANIFEST} missing); build it with `lmforge distill cache JOB`")
+    try:
+        manifest = json.loads(file.read_text())
+    except (OSError, ValueError) as err:
+        raise UserError(f"{file}: unreadable ({err})") from None
+    if manifest.get("format") != FORMAT:
+        raise UserError(f"{file}: not an lmforge teacher cache")
+    want = made_from(spec, dataset)
+    for problem in _differences(manifest, want, spec):
+        raise UserError(f"distill.cache: {path} {problem}; build it again for this job (`lmforge distill cache JOB`)")
+    for directory, shards in [(path, manifest["shards"]), *([(path / EVAL_DIR, manifest["eval"]["shards"])] if "eval" in manifest else [])]:
+        missing = [name for name in shards if not (directory / name).is_file()]
+        if missing:
+            raise UserError(f"distill.cache: shard {directory / missing[0]} is missing")
+    return manifest
+
+
+def _differences(have: dict, want: dict, spec):
+    if have["dataset"] != want["dataset"]:
+        yield f"was built for another dataset ({_describe(have['dataset'])}, not {_describe(want['dataset'])})"
+    if have["tokenizer_sha256"] != want["tokenizer_sha256"]:
+        yield "was built with another tokenizer (its sha256 differs from the dataset's)"
+    have_teachers = [(t["path"], t["weight"]) for t in have["teachers"]]
+    if have_teachers != [(t["path"], t["weight"]) for t in want["teachers"]]:
+        yield f"was built from other teachers ({', '.join(f'{p} x {w:g}' for p, w in have_teachers)})"
+    for had, wanted in zip(have["teachers"], want["teachers"]):
+        if had["sha256"] != wanted["sha256"]:
+            yield f"was built from other weights of {had['path']} (their sha256 differs)"
+    if have["k"] != want["k"]:
+        yield f"holds the top {have['k']}, not distill.top_k {want['k']}"
+    if have["temperature"] != want["temperature"]:
+        yield f"was built at temperature {have['temperature']}, not distill.temperature {want['temperature']}"
+
+
+def _describe(dataset: dict) -> str:
+    return f"{dataset['path']}: {dataset['num_samples']} samples of {dataset['seq_len']}+1"
