@@ -61,7 +61,9 @@ def test_held_out_batches_split_over_ranks_like_a_step(tmp_path):
     manifest = {"shard_samples": 5, "seq_len": 3, "eval": {"dir": "eval", "shards": writer.shards, "num_samples": 23}}
     for dp in (1, 2, 4):
         layout = BatchLayout(global_batch=8, micro_batch=2 if dp < 4 else 1, dp=dp)
-        per_rank = [list(HeldOutBatches(str(tmp_path), manifest, layout, rank, batches=2)) for rank in range(dp)]
+        read = [list(HeldOutBatches(str(tmp_path), manifest, layout, rank, batches=2)) for rank in range(dp)]
+        assert all(targets is None for batches in read for _, targets in batches)  # no teacher cache
+        per_rank = [[tokens for tokens, _ in batches] for batches in read]
         assert all(b.shape == (layout.accum, layout.micro_batch, 4) for batches in per_rank for b in batches)
         for batch in range(2):
             joined = np.concatenate([per_rank[rank][batch].reshape(-1, 4) for rank in range(dp)])
