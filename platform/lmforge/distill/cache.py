@@ -120,7 +120,7 @@ def _write_split(scored, shards: list[dict], out: Path, progress, task) -> None:
         while shard < len(shards) and count >= shards[shard]["num_samples"]:
             joined = {name: np.concatenate(held[name]) for name in COLUMNS}
             size = shards[shard]["num_samples"]
-            _write_shard(out / shards[shard]["file"], {name: values[:size] for name, values in joined.items()}, shards[shard])
+            write_shard(out / shards[shard]["file"], {name: values[:size] for name, values in joined.items()}, shards[shard])
             held = {name: [values[size:]] for name, values in joined.items()}
             count, shard = count - size, shard + 1
             if progress is not None:
@@ -129,7 +129,7 @@ def _write_split(scored, shards: list[dict], out: Path, progress, task) -> None:
         raise RuntimeError(f"the teacher scored {count} samples past the dataset's shards, or too few: {shard} of {len(shards)} written")
 
 
-def _write_shard(path: Path, rows: dict, shard: dict) -> None:
+def write_shard(path: Path, rows: dict, shard: dict) -> None:
     expected = np.arange(shard["first_sample_id"], shard["first_sample_id"] + shard["num_samples"])
     if not np.array_equal(rows["sample_id"], expected):
         raise RuntimeError(f"{shard['file']}: scored rows arrived out of order")  # Ray Data keeps the order asked for
