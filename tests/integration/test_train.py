@@ -2,6 +2,7 @@
 Parquet shards, DCP checkpoints, a real MLflow SQLite store."""
 
 import copy
+import hashlib
 import json
 import math
 from pathlib import Path
@@ -226,6 +227,8 @@ def test_a_distillation_job_trains_through_the_controller(distill_run):
     client = MlflowClient(tracking_uri=summary["mlflow_tracking_uri"])
     run = client.get_run(summary["mlflow_run_id"])
     assert run.data.params["distill.loss"] == "reverse_kl" and job["distill"]["teachers"][0]["path"] in run.data.params["distill.teachers"]
+    commits = [hashlib.sha256((Path(t["path"]) / "commit.json").read_bytes()).hexdigest() for t in job["distill"]["teachers"]]
+    assert run.data.params["distill.teachers_sha256"] == ",".join(commits)  # a checkpoint's weights: its commit record
     assert [m.value for m in sorted(client.get_metric_history(run.info.run_id, "kd_loss"), key=lambda m: m.step)] == pytest.approx(
         [row["kd_loss"] for row in rows])
     assert [m.step for m in client.get_metric_history(run.info.run_id, "eval_kl")] == [6, 12]
@@ -280,3 +283,6 @@ def test_training_from_the_teacher_cache_matches_the_online_teachers(distill_run
     for term in ("loss", "ce_loss", "kd_loss"):
         assert [row[term] for row in got] == pytest.approx([row[term] for row in want], rel=2e-3)
     assert cached["eval_top1"] == pytest.approx(online["eval_top1"], abs=1e-9) and cached["eval_kl"] > 0
+    params = MlflowClient(tracking_uri=cached["mlflow_tracking_uri"]).get_run(cached["mlflow_run_id"]).data.params
+    assert params["distill.cache.k"] == "32" and float(params["distill.cache.bytes_per_token"]) == manifest["bytes_per_token"]
+    assert json.loads(params["distill.cache.teachers"]) == manifest["teachers"]

@@ -230,6 +230,20 @@ class _Quiet:
         return False
 
 
+def tracking_params(spec) -> dict[str, str]:
+    """What MLflow records of a distillation beyond its spec: each teacher's weight hash
+    and, training from a cache, what its manifest says it holds and was made from."""
+    if not spec.distill:
+        return {}
+    params = {"distill.teachers_sha256": ",".join(weights_sha256(s.path) for s in spec.distill.sources)}
+    cache = teacher_cache(spec)
+    if cache is not None:
+        manifest = cache[1]
+        params |= {f"distill.cache.{key}": str(manifest[key]) for key in ("k", "temperature", "vocab", "bytes_per_token", "tokenizer_sha256")}
+        params["distill.cache.teachers"] = json.dumps(manifest["teachers"])
+    return params
+
+
 def teacher_cache(spec) -> Optional[tuple[str, dict]]:
     """(directory, manifest) of the job's teacher cache, as checked before launch; None
     without one."""

@@ -62,7 +62,10 @@ class MlflowRun:
     def _log_spec(self, run_id: str) -> None:
         from mlflow.entities import Param
 
-        params = [Param(k, str(v)[:6000]) for k, v in sorted(flatten(self.spec.model_dump(mode="json")).items())]
+        from lmforge.distill.cache import tracking_params
+
+        values = flatten(self.spec.model_dump(mode="json")) | tracking_params(self.spec)
+        params = [Param(k, str(v)[:6000]) for k, v in sorted(values.items())]
         for i in range(0, len(params), 100):
             self.client.log_batch(run_id, params=params[i : i + 100])
         with tempfile.TemporaryDirectory() as tmp:
