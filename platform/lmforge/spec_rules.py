@@ -154,15 +154,11 @@ def check_distill(spec: "JobSpec", model: ModelConfig) -> None:
         raise ValueError(f"distill.top_k: {distill.top_k} is larger than the vocabulary ({model.vocab_size})")
     if spec.engine != "native":
         raise ValueError("distill: the native engine distills; the deepspeed engine does not yet")
-    if distill.top_k is not None and spec.parallel.tp > 1:
-        raise ValueError("distill.top_k: sparse targets from a vocabulary-sharded teacher (parallel.tp > 1) are not supported yet; use dense targets")
     if distill.hidden is not None:
         check_hidden_layers(distill.hidden.layers, model.n_layers, "student", "keys")
     if spec.parallel.pp > 1 and distill.cache is None:
-        raise ValueError("distill: with parallel.pp > 1 the teacher's logits would have to come from an offline cache, "
-                         "and pipelined training from the cache is not built yet; distill with dp and tp")
-    if spec.parallel.pp > 1:
-        raise ValueError("distill.cache: pipelined training from the teacher cache is not built yet; distill with dp")
+        raise ValueError("distill.cache: with parallel.pp > 1 the teacher's targets come from an offline cache "
+                         "(build it with `lmforge distill cache JOB`, then set distill.cache and distill.top_k)")
 
 
 def check_hidden_layers(layers: dict[int, int], n_layers: int, whose: str, side: str) -> None:

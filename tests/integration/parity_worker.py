@@ -74,6 +74,26 @@ def state_bytes(engine) -> dict | None:
             "teacher": teacher}
 
 
+class CachedTargets:
+    """What the offline teacher cache would hold for a batch (the cache builder's own
+    scoring of it, fp16 log-probabilities included), this rank's share of it, as the
+    trainer passes it: a distillation from `distill.cache` without a dataset."""
+
+    def __init__(self, spec):
+        from lmforge.distill.cache import TeacherTopK
+
+        d = spec.distill
+        self.score = TeacherTopK([s.path for s in d.sources], [s.weight for s in d.sources], d.top_k, d.temperature, spec.model_arch.vocab_size, threads=1)
+        self.k = d.top_k
+
+    def __call__(self, global_batch: torch.Tensor, share) -> tuple[torch.Tensor, torch.Tensor]:
+        scored = self.score({"tokens": global_batch.numpy(), "sample_id": list(range(len(global_batch)))})
+        rows, seq = global_batch.shape[0], global_batch.shape[1] - 1
+        ids = torch.from_numpy(scored["topk_ids"].astype("int64")).view(rows, seq, self.k)
+        logprobs = torch.from_numpy(scored["topk_logprobs"].astype("float32")).view(rows, seq, self.k)
+        return share(ids), share(logprobs)
+
+
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
@@ -137,9 +157,13 @@ def run_case(args: argparse.Namespace, device: torch.device) -> None:
     losses, terms, states, evals, against_teacher = [], [], {}, {}, {}
     share = lambda batch: batch.view(dp, -1, 17)[dims.dp_rank].reshape(spec.grad_accum, spec.train.micro_batch, 17)  # noqa: E731
 
+    cache = CachedTargets(spec) if spec.distill and spec.distill.cache else None
+    targets = lambda batch: None if cache is None else cache(batch, lambda t: t.view(dp, -1, *t.shape[1:])[dims.dp_rank].reshape(  # noqa: E731
+        spec.grad_accum, spec.train.micro_batch, *t.shape[1:]))
+
     def evaluate(done: int) -> None:
         if done in (*EVAL_AFTER, args.steps) and done >= start:
-            measured = [engine.evaluate(share(batch)) for batch in held_out_batches()]
+            measured = [engine.evaluate(share(batch), targets=targets(batch)) for batch in held_out_batches()]
             evals[done] = sum(m["eval_loss"] for m in measured) / 2
             if "eval_kl" in measured[0]:  # a distillation: its agreement with the teacher too
                 against_teacher[done] = {k: sum(m[k] for m in measured) / 2 for k in ("eval_kl", "eval_top1")}
@@ -152,7 +176,7 @@ def run_case(args: argparse.Namespace, device: torch.device) -> None:
         if step < start:
             continue  # the batch was drawn so the generator stays in step
         global_batch = (start_tok + stride * torch.arange(17)) % 256
-        stats = engine.train_step(share(global_batch), before_update=lambda: states.update(measured=state_bytes(engine)))
+        stats = engine.train_step(share(global_batch), before_update=lambda: states.update(measured=state_bytes(engine)), targets=targets(global_batch))
         losses.append(stats.loss)
         terms.append(stats.terms)
         evaluate(step + 1)

@@ -1,7 +1,8 @@
 """The KD loss on a vocabulary sharded over two tensor-parallel ranks (real gloo
 process groups): loss and the gradients of each rank's logit shard equal one
 process's on the whole vocabulary within 1e-5, for every divergence and for two
-teachers mixed, chunked."""
+teachers mixed, chunked; and with top-k targets, the teacher's k best found over the
+shards."""
 
 import os
 import socket
@@ -10,9 +11,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from lmforge.distill.losses import DIVERGENCES, Divergence, Mixture, kd_loss_sum
+from lmforge.distill.losses import DIVERGENCES, Divergence, Mixture, kd_loss_sum, teacher_log_probs, top_k
 
-V, T, WORLD = 48, 1.5, 2
+V, T, WORLD, K = 48, 1.5, 2, 6
 
 
 def inputs():
@@ -28,14 +29,26 @@ def mixture(teacher, shard=slice(None)):
     return Mixture([teacher[..., shard], (0.5 * teacher + 1)[..., shard]], [0.3, 0.7])
 
 
-CASES = [*DIVERGENCES, "jsd-mixture"]
+CASES = [*DIVERGENCES, "jsd-mixture", "jsd-topk", "forward_kl-topk"]
+
+
+def targets(name: str, teacher, shard=slice(None), tp_group=None):
+    """A case's teacher: dense logits (this rank's shard), two mixed, or their top-k."""
+    if name.endswith("mixture"):
+        return mixture(teacher, shard)
+    if name.endswith("topk"):
+        return top_k(teacher_log_probs(teacher[..., shard], T, V, tp_group), K, tp_group)
+    return teacher[..., shard]
+
+
+def divergence(name: str) -> Divergence:
+    return Divergence(name.partition("-")[0], beta=0.3)
 
 
 def whole_vocabulary(name: str):
     student, teacher, mask = inputs()
     student.requires_grad_()
-    div = Divergence(name.removesuffix("-mixture"), beta=0.3)
-    loss = kd_loss_sum(student, mixture(teacher) if name.endswith("mixture") else teacher, mask, div, T, V) / mask.sum()
+    loss = kd_loss_sum(student, targets(name, teacher), mask, divergence(name), T, V) / mask.sum()
     loss.backward()
     return loss.item(), student.grad
 
@@ -50,9 +63,8 @@ def sharded(rank: int, port: int, results) -> None:
         shard = slice(rank * V // WORLD, (rank + 1) * V // WORLD)
         for name in CASES:
             local = student[..., shard].clone().requires_grad_()
-            targets = mixture(teacher, shard) if name.endswith("mixture") else teacher[..., shard]
-            div = Divergence(name.removesuffix("-mixture"), beta=0.3)
-            loss = kd_loss_sum(local, targets, mask, div, T, V, tp_group=dist.group.WORLD, chunk_tokens=4) / mask.sum()
+            group = dist.group.WORLD
+            loss = kd_loss_sum(local, targets(name, teacher, shard, group), mask, divergence(name), T, V, tp_group=group, chunk_tokens=4) / mask.sum()
             loss.backward()
             results[(rank, name)] = (loss.item(), local.grad)
     finally:
@@ -82,4 +94,5 @@ def test_tensor_parallel_kd_equals_one_process(tp_results, name):
     for rank in range(WORLD):
         got, local_grad = tp_results[(rank, name)]
         assert got == pytest.approx(loss, rel=1e-5, abs=1e-7)
-        assert (local_grad - grad[..., rank * V // WORLD:(rank + 1) * V // WORLD]).abs().max().item() < 1e-5
+        want = grad[..., rank * V // WORLD:(rank + 1) * V // WORLD]
+        assert (local_grad - want).abs().max().item() < 1e-5

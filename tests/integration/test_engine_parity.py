@@ -31,6 +31,9 @@ THREE_D = ["parallel.pp=2", "parallel.tp=2"]
 DISTILL = ["distill.loss=jsd", "distill.beta=0.3", "distill.temperature=2", "distill.ce_weight=0.5", "distill.chunk_tokens=16", "train.seed=1",
            "distill.hidden={layers: {0: 1, 3: 2}, loss: cosine}", "distill.hidden_weight=0.7"]
 DISTILL_TERMS = ["ce_loss", "hidden_loss", "kd_loss"]
+# From the offline cache instead (no hidden states): its top-k targets as the cache builder scores
+# each batch (parity_worker.CachedTargets), a pipeline's on its last stage.
+DISTILL_CACHE = [*DISTILL[:6], "distill.top_k=8", "distill.cache=scored-by-the-worker"]
 
 # name: (ranks, --set items, options): see parity.Launches.
 CASES = {
@@ -60,7 +63,15 @@ CASES = {
     **{f"distill-{name}": (n, [*DISTILL, *layout], {"teacher": "3d-save", **options}) for name, n, layout, options in
        (("one", 1, [], {}), ("dp2", 2, [], {}), ("tp2", 2, ["parallel.tp=2"], {"save_at": 3}))},
     "distill-load-one": (1, DISTILL, {"load": "distill-tp2", "teacher": "3d-save"}),
+    **{f"distill-cache-{name}": (n, [*DISTILL_CACHE, *layout], {"teacher": "3d-save"}) for name, n, layout in
+       (("one", 1, []), ("pp2", 2, [*PP2, *SCHEDULES["interleaved-1f1b"]]), ("tp2", 2, ["parallel.tp=2"]))},
 }
+ONE_PROCESS = ("reference", "distill-one", "distill-cache-one")
+
+
+def one_process(case: str) -> str:
+    """The single-process run a case is compared with."""
+    return "distill-cache-one" if case.startswith("distill-cache") else "distill-one" if case.startswith("distill") else "reference"
 
 
 @pytest.fixture(scope="module")
@@ -137,22 +148,28 @@ def test_checkpoint_reshards_to_any_layout(reference, run, layout):
     assert got == pytest.approx(reference[3:], rel=1e-4)
 
 
-@pytest.mark.parametrize("layout, tolerance", [("dp2", 1e-5), ("tp2", 1e-4)])
-def test_distillation_matches_one_process(run, layout, tolerance):
+@pytest.mark.parametrize("case, terms, tolerance", [("distill-dp2", DISTILL_TERMS, 1e-5), ("distill-tp2", DISTILL_TERMS, 1e-4),
+                                                     *((f"distill-cache-{layout}", ["ce_loss", "kd_loss"], 1e-4) for layout in ("pp2", "tp2"))])
+def test_distillation_matches_one_process(run, case, terms, tolerance):
     """A JSD + cross-entropy distillation, every term over the global batch: the same
     total and terms per step as one process, the total their weighted sum; the same
-    held-out KL to the teacher and top-1 agreement."""
-    want, got = run("distill-one"), run(f"distill-{layout}")
+    held-out KL to the teacher and top-1 agreement. Online (with hidden states) under
+    FSDP and TP; from the cache through an interleaved pipeline, and under TP (the
+    top-k targets' student log-probabilities gathered from the vocabulary shards)."""
+    want, got = run(one_process(case)), run(case)
     assert got["losses"] == pytest.approx(want["losses"], rel=tolerance)
-    assert [sorted(t) for t in got["terms"]] == [DISTILL_TERMS] * len(got["losses"])
-    for name in DISTILL_TERMS:
-        assert [t[name] for t in got["terms"]] == pytest.approx([t[name] for t in want["terms"]], rel=tolerance)
-    assert want["losses"] == pytest.approx([0.5 * t["ce_loss"] + t["kd_loss"] + 0.7 * t["hidden_loss"] for t in want["terms"]], rel=1e-6)
-    assert want["losses"][-1] < want["losses"][0] and want["terms"][-1]["hidden_loss"] < want["terms"][0]["hidden_loss"]
+    assert [sorted(t) for t in got["terms"]] == [terms] * len(got["losses"])
+    for name in terms:
+        # abs: the cached top-k KD term and KL are ~2e-3, small differences of large sums.
+        assert [t[name] for t in got["terms"]] == pytest.approx([t[name] for t in want["terms"]], rel=tolerance, abs=2e-6)
+    assert want["losses"] == pytest.approx([0.5 * t["ce_loss"] + t["kd_loss"] + 0.7 * t.get("hidden_loss", 0) for t in want["terms"]], rel=1e-6)
+    assert want["losses"][-1] < want["losses"][0]
+    if "hidden_loss" in terms:
+        assert want["terms"][-1]["hidden_loss"] < want["terms"][0]["hidden_loss"]
     # On the held-out batches: KL(teacher || student) and top-1 agreement, one number for every layout.
     assert sorted(got["against_teacher"]) == sorted(want["against_teacher"]) and len(want["against_teacher"]) >= 2
     for step, measured in want["against_teacher"].items():
-        assert got["against_teacher"][step]["eval_kl"] == pytest.approx(measured["eval_kl"], rel=tolerance)
+        assert got["against_teacher"][step]["eval_kl"] == pytest.approx(measured["eval_kl"], rel=tolerance, abs=2e-6)
         assert got["against_teacher"][step]["eval_top1"] == pytest.approx(measured["eval_top1"], abs=1e-6)
         assert measured["eval_kl"] > 0 and 0 <= measured["eval_top1"] <= 1
 
@@ -170,12 +187,15 @@ def test_distillation_adapters_are_checkpointed_and_left_out_of_the_export(run):
         assert sorted(weights.keys()) == sorted(weight_names(open_model_dir(exported).cfg))
 
 
-@pytest.mark.parametrize("case", [name for name in CASES if name not in ("reference", "distill-one")])
+@pytest.mark.parametrize("case", [name for name in CASES if name not in ONE_PROCESS])
 def test_held_out_loss_matches_one_process(run, case):
     """`Engine.eval_loss` (forward only) before, during and after training, or after
     loading and at the end: one number for every fp32 layout within 1e-5 (measured:
-    1e-7 at most, TP and 3D included); bf16 within its training tolerance."""
-    want, got = run("distill-one" if case.startswith("distill") else "reference")["eval"], run(case)["eval"]
+    1e-7 at most, TP and 3D included); bf16 within its training tolerance. The cached
+    top-k student under TP drifts to 3.5e-5 by step 6: its first step's gradients equal
+    one process's within 7e-7, and Adam magnifies the noise in near-zero gradients."""
+    want, got = run(one_process(case))["eval"], run(case)["eval"]
+    tolerance = 2e-2 if case.startswith("bf16") else 1e-4 if case == "distill-cache-tp2" else 1e-5
     assert set(got) <= set(want) and len(got) >= 2, (case, got)
     for step, loss in got.items():
-        assert loss == pytest.approx(want[step], rel=2e-2 if case.startswith("bf16") else 1e-5), (case, step)
+        assert loss == pytest.approx(want[step], rel=tolerance), (case, step)

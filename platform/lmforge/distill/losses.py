@@ -132,6 +132,34 @@ class Mixture:
         return Mixture([t.flatten(0, -2) for t in self.logits], self.weights)
 
 
+def log_probs_at(log_q: torch.Tensor, ids: torch.Tensor, tp_group=None) -> torch.Tensor:
+    """Log-probabilities of the given token ids. With `tp_group`, `log_q` is this rank's
+    vocabulary shard: each id's comes from the rank holding it, summed over the group."""
+    if tp_group is None:
+        return log_q.gather(-1, ids)
+    width = log_q.shape[-1]
+    local = ids - dist.get_rank(tp_group) * width
+    held = (local >= 0) & (local < width)
+    share = torch.where(held, log_q.gather(-1, local.clamp(0, width - 1)), 0.0)
+    return SumOfShares.apply(share, tp_group)
+
+
+def top_k(log_p: torch.Tensor, k: int, tp_group=None) -> TopK:
+    """The k most likely tokens, most likely first. With `tp_group`, `log_p` is this
+    rank's vocabulary shard: each rank's best k (as whole-vocabulary ids) are gathered
+    and the best k of those kept."""
+    values, ids = log_p.topk(min(k, log_p.shape[-1]), dim=-1)
+    if tp_group is None:
+        return TopK(ids, values)
+    ids = ids + dist.get_rank(tp_group) * log_p.shape[-1]
+    size = dist.get_world_size(tp_group)
+    every = [[torch.empty_like(t) for _ in range(size)] for t in (values, ids)]
+    dist.all_gather(every[0], values.contiguous(), group=tp_group)
+    dist.all_gather(every[1], ids.contiguous(), group=tp_group)
+    values, best = torch.cat(every[0], dim=-1).topk(k, dim=-1)
+    return TopK(torch.cat(every[1], dim=-1).gather(-1, best), values)
+
+
 def teacher_log_probs(teacher, temperature: float, vocab: int, tp_group=None) -> torch.Tensor:
     """fp32 log-probabilities at the temperature of dense logits or a `Mixture` (the
     weighted sum of the teachers' probabilities, taken by logsumexp)."""
@@ -153,11 +181,9 @@ def token_divergence(student_logits: torch.Tensor, teacher, div: Divergence, tem
     if tp_group is None:
         student_logits = student_logits[..., :vocab]
     log_q = log_softmax(student_logits / temperature, tp_group)
-    if isinstance(teacher, TopK):
-        if tp_group is not None:
-            raise NotImplementedError("top-k targets with a vocabulary-sharded student")
+    if isinstance(teacher, TopK):  # k + 1 categories, the same on every TP rank
         log_p = with_tail(teacher.logprobs.float())
-        log_q = with_tail(log_q.gather(-1, teacher.ids))
+        log_q = with_tail(log_probs_at(log_q, teacher.ids, tp_group))
         return divergence_terms(log_p, log_q, div).sum(dim=-1)
     log_p = teacher_log_probs(teacher, temperature, vocab, tp_group)
     per_token = divergence_terms(log_p, log_q, div).sum(dim=-1)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from lmforge.distill.hidden import hidden_loss_sum
-from lmforge.distill.losses import Divergence, Mixture, SumOfShares, TopK, kd_loss_sum, teacher_log_probs
+from lmforge.distill.losses import Divergence, Mixture, SumOfShares, TopK, kd_loss_sum, teacher_log_probs, top_k
 
 TERMS = ("ce_loss", "kd_loss", "hidden_loss")
 EVAL_METRICS = ("eval_loss", "eval_kl", "eval_top1")  # what `held_out_sums` adds up, in order
@@ -41,6 +41,12 @@ class DistillObjective:
         self.weights = [source.weight for source in self.settings.sources]
         self.tokens_per_rank, self.vocab, self.tp_group = tokens_per_rank, vocab, tp_group
         self.compiled = spec.parallel.compile  # the loss compiled with the blocks
+
+    @property
+    def term_names(self) -> list[str]:
+        """The terms each micro-batch reports, in `TERMS` order."""
+        s = self.settings
+        return [name for name, on in zip(TERMS, (s.ce_weight, s.kd_weight, s.hidden is not None)) if on]
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor, teacher: list[torch.Tensor] | TopK,
                  hidden: Optional[tuple[list[torch.Tensor], list[torch.Tensor]]] = None) -> tuple[torch.Tensor, dict]:
@@ -78,8 +84,7 @@ class DistillObjective:
         k: Optional[int] = self.settings.top_k
         if k is None:
             return teacher
-        values, ids = teacher_log_probs(teacher, self.settings.temperature, self.vocab).topk(k, dim=-1)
-        return TopK(ids, values)
+        return top_k(teacher_log_probs(teacher, self.settings.temperature, self.vocab, self.tp_group), k, self.tp_group)
 
     def held_out_sums(self, logits: torch.Tensor, targets: torch.Tensor, teacher: list[torch.Tensor] | TopK) -> torch.Tensor:
         """Sums over one held-out micro-batch's tokens of the student's cross-entropy,
@@ -89,8 +94,8 @@ class DistillObjective:
         ce = _cross_entropy_sum(logits, targets)
         student = _local(logits)
         if isinstance(teacher, TopK):
-            kl = kd_loss_sum(student, teacher, None, Divergence("forward_kl"), self.settings.temperature, self.vocab,
-                             chunk_tokens=self.settings.chunk_tokens) / self.settings.temperature ** 2
+            kl = kd_loss_sum(student, teacher, None, Divergence("forward_kl"), self.settings.temperature, self.vocab, self.tp_group,
+                             self.settings.chunk_tokens) / self.settings.temperature ** 2
             teacher_top1 = teacher.ids[..., 0]  # stored most likely first
         else:
             teacher = self._teacher(teacher)

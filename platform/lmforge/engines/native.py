@@ -28,6 +28,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from lmforge.distill.hidden import ADAPTERS, BlockOutputs, HiddenAdapters
 from lmforge.distill.losses import TopK
 from lmforge.distill.objective import EVAL_METRICS, DistillObjective
+from lmforge.distill.pipelined import StagedObjective
 from lmforge.distill.teacher import build_teacher
 from lmforge.engines.base import Engine, StepStats, warmup_cosine
 from lmforge.models import Transformer, materialize
@@ -88,11 +89,11 @@ class NativeEngine(Engine):
         factor = warmup_cosine(opt.warmup_steps, spec.decay_steps, opt.min_lr_ratio)
         self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, factor) for o in self.optimizers]
         self.grad_clip = opt.grad_clip
-        if self.pipelined:
-            self._build_pipeline()
-        self.objective = None
+        self.objective = self.staged = None
         if spec.distill:
             self._build_objective(vocab)
+        if self.pipelined:
+            self._build_pipeline()
 
     def _attach_adapters(self, student: nn.Module) -> None:
         """Hidden-state adapters as a submodule of the student, so that they are trained,
@@ -107,6 +108,8 @@ class NativeEngine(Engine):
         train = self.spec.train
         self.objective = DistillObjective(self.spec, self.spec.grad_accum * train.micro_batch * train.seq_len, vocab,
                                           self.dims.tp_mesh.get_group() if self.tensor_parallel else None)
+        if self.pipelined:  # from the cache: the last stage computes it, as the schedule's loss
+            self.staged = StagedObjective(self.objective, self.spec.grad_accum)
 
     @torch.no_grad()
     def _teacher_logits(self, inputs: torch.Tensor) -> list[torch.Tensor]:
@@ -167,7 +170,7 @@ class NativeEngine(Engine):
 
     def _timed_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         with self.compute.span():  # the schedule computes the loss outside the stage's chunk
-            return self._loss(logits, targets)
+            return self._loss(logits, targets) if self.staged is None else self.staged(logits, targets)
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
@@ -181,7 +184,7 @@ class NativeEngine(Engine):
         micro_batches = micro_batches.to(self.device, non_blocking=True)
         for part in self.parts:
             part.train()
-        (loss, terms), bubble = self._pipeline_step(micro_batches) if self.pipelined else (self._accumulate(micro_batches, targets), None)
+        (loss, terms), bubble = self._pipeline_step(micro_batches, targets) if self.pipelined else (self._accumulate(micro_batches, targets), None)
         lr = self.schedulers[0].get_last_lr()[0]
         if terms:  # reduced with the loss: one collective
             reduced = torch.stack([loss, *terms.values()])
@@ -227,26 +230,33 @@ class NativeEngine(Engine):
                 term_sums[name] = term_sums.get(name, 0) + value.detach()
         return loss_sum, term_sums
 
-    def _pipeline_step(self, micro_batches: torch.Tensor) -> tuple[tuple[torch.Tensor, dict], float]:
-        """One schedule over this rank's micro-batches. Returns the mean loss (it lives
-        on the last stage; summed over the pipeline group so every rank reports it)
-        with no terms (distillation does not pipeline), and the bubble: the share of the schedule's time a rank spent not computing,
-        averaged over the pipeline's ranks."""
+    def _pipeline_step(self, micro_batches: torch.Tensor, cached=None) -> tuple[tuple[torch.Tensor, dict], float]:
+        """One schedule over this rank's micro-batches. Returns the mean loss and a
+        distillation's terms (they live on the last stage; summed over the pipeline group
+        so every rank reports them), and the bubble: the share of the schedule's time a
+        rank spent not computing, averaged over the pipeline's ranks."""
         losses: list[torch.Tensor] = []
+        if self.staged is not None:
+            self.staged.begin(cached, self.device)
         self.compute.take()
         step_watch = Stopwatch(self.device)
         with self._loss_context(), step_watch.span():
             self.schedule.step(*self._stage_inputs(micro_batches), target=self._stage_target(micro_batches), losses=losses)
         bubble = 1.0 - self.compute.take() / max(step_watch.take(), 1e-9)
-        combined = torch.stack([self._last_stage_mean(losses), torch.tensor(bubble / self.dims.shape.pp, device=self.device)])
+        names = self.objective.term_names if self.staged is not None else []
+        terms = self.staged.totals(len(names), self.device) if names else torch.zeros(0, device=self.device)
+        combined = torch.cat([torch.stack([self._last_stage_mean(losses), torch.tensor(bubble / self.dims.shape.pp, device=self.device)]), terms])
         dist.all_reduce(combined, group=self.dims.pp_group)
-        return (combined[0], {}), combined[1].item()
+        return (combined[0], dict(zip(names, combined[2:]))), combined[1].item()
 
     def _stage_inputs(self, micro_batches: torch.Tensor) -> tuple:
         return (micro_batches.flatten(0, 1)[:, :-1],) if self.has_first else ()
 
     def _stage_target(self, micro_batches: torch.Tensor):
-        return micro_batches.flatten(0, 1)[:, 1:] if self.has_last else None
+        if not self.has_last:
+            return None
+        tokens = micro_batches.flatten(0, 1)[:, 1:]
+        return tokens if self.staged is None else self.staged.target(tokens)
 
     def _last_stage_mean(self, losses: list[torch.Tensor]) -> torch.Tensor:
         return torch.stack([_local(l.detach()) for l in losses]).mean() if self.has_last else torch.zeros((), device=self.device)
@@ -274,18 +284,33 @@ class NativeEngine(Engine):
         if self.objective is None:
             return super().evaluate(micro_batches)
         micro_batches = micro_batches.to(self.device, non_blocking=True)
+        sums = self._held_out_pipelined(micro_batches, targets) if self.pipelined else self._held_out(micro_batches, targets)
+        sums /= micro_batches[..., 1:].numel()
+        if self.dims.shape.dp > 1:
+            dist.all_reduce(sums, op=dist.ReduceOp.AVG, group=self.dims.dp_group)
+        return dict(zip(EVAL_METRICS, sums.tolist()))
+
+    def _held_out(self, micro_batches: torch.Tensor, targets) -> torch.Tensor:
         model = self.parts[0].eval()
-        sums = torch.zeros(3, device=self.device)
+        sums = torch.zeros(len(EVAL_METRICS), device=self.device)
         with self._loss_context():
             for i, batch in enumerate(micro_batches):
                 teacher = self._teacher(batch[:, :-1], _micro_batch(targets, i))
                 sums += self.objective.held_out_sums(model(batch[:, :-1]), batch[:, 1:], teacher)
                 for side in self.hidden or ():
                     side.clear()
-        sums /= micro_batches[..., 1:].numel()
-        if self.dims.shape.dp > 1:
-            dist.all_reduce(sums, op=dist.ReduceOp.AVG, group=self.dims.dp_group)
-        return dict(zip(EVAL_METRICS, sums.tolist()))
+        return sums
+
+    def _held_out_pipelined(self, micro_batches: torch.Tensor, targets) -> torch.Tensor:
+        """The held-out sums from the last stage (the schedule's forward only), on every rank."""
+        for part in self.parts:
+            part.eval()
+        self.staged.begin(targets, self.device, held_out=True)
+        with self._loss_context():
+            self.schedule.eval(*self._stage_inputs(micro_batches), target=self._stage_target(micro_batches))
+        sums = self.staged.totals(len(EVAL_METRICS), self.device)
+        dist.all_reduce(sums, group=self.dims.pp_group)
+        return sums
 
     def _clip_gradients(self) -> torch.Tensor:
         params = [p for part in self.parts for p in part.parameters() if p.grad is not None]
