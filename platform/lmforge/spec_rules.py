@@ -152,8 +152,8 @@ def check_distill(spec: "JobSpec", model: ModelConfig) -> None:
         return
     if distill.top_k is not None and distill.top_k > model.vocab_size:
         raise ValueError(f"distill.top_k: {distill.top_k} is larger than the vocabulary ({model.vocab_size})")
-    if spec.engine != "native":
-        raise ValueError("distill: the native engine distills; the deepspeed engine does not yet")
+    if spec.engine == "deepspeed" and distill.hidden is not None:
+        raise ValueError("distill.hidden: the deepspeed engine distills logits only; use engine: native for hidden-state distillation")
     if distill.hidden is not None:
         check_hidden_layers(distill.hidden.layers, model.n_layers, "student", "keys")
     if spec.parallel.pp > 1 and distill.cache is None:

@@ -13,6 +13,11 @@ import sys
 from pathlib import Path
 
 WORKER = Path(__file__).with_name("parity_worker.py")
+# A JSD + cross-entropy logits distillation into a student of another seed, online or
+# from the teacher cache's top-8 (parity_worker.CachedTargets scores each batch as the
+# cache builder would).
+DISTILL_LOGITS = ["distill.loss=jsd", "distill.beta=0.3", "distill.temperature=2", "distill.ce_weight=0.5", "distill.chunk_tokens=16", "train.seed=1"]
+FROM_CACHE = ["distill.top_k=8", "distill.cache=scored-by-the-worker"]
 
 
 def check_state_bytes(result: dict) -> None:

@@ -8,7 +8,7 @@ silently ignored setting fails the test.
 
 import pytest
 
-from parity import Launches, losses
+from parity import DISTILL_LOGITS, FROM_CACHE, Launches, losses
 
 STEPS = ["--steps", "10"]
 OFFLOAD_OPT = "deepspeed.config.zero_optimization.offload_optimizer.device=cpu"
@@ -45,6 +45,10 @@ CASES = {
     # engine started from the export on step 4's batch.
     "deepspeed-from-native": (2, ENGINES["deepspeed"], {"export": "native-save", "export_format": "hf", "skip_steps": 3}),
     "native-from-deepspeed": (2, ENGINES["native"], {"export": "zero3-save", "skip_steps": 3}),
+    # Logits distillation from native-save's step-3 weights: online teachers, and the cache's top-k.
+    **{f"{engine}-distill{kind}": (2, [*items, *DISTILL_LOGITS, *extra], {"teacher": "native-save"})
+       for engine, items in (("native", []), ("zero3", zero(3)), ("zero2", zero(2))) for kind, extra in (("", []), ("-cache", FROM_CACHE))
+       if (engine, kind) != ("zero2", "")},
 }
 
 
@@ -123,6 +127,24 @@ def test_exported_weights_move_between_engines(runs, source, target):
     files = sorted(["config.json", "model.safetensors", *hf_only])
     assert sorted(p.name for p in runs.exported[saved, fmt].iterdir()) == files
     assert continued[0] == pytest.approx(runs(saved)["losses"][3], rel=1e-5)
+
+
+@pytest.mark.parametrize("name", ["zero3-distill", "zero3-distill-cache", "zero2-distill-cache"])
+def test_distillation_matches_native(runs, name):
+    """A JSD + cross-entropy distillation under ZeRO (the online teacher whole on each
+    rank): the total, each term, and the held-out loss, KL and top-1 agreement of the
+    native engine's same run."""
+    want, got = runs("native-distill" + ("-cache" if name.endswith("-cache") else "")), runs(name)
+    assert got["losses"] == pytest.approx(want["losses"], rel=1e-4)
+    assert [sorted(t) for t in got["terms"]] == [["ce_loss", "kd_loss"]] * len(want["losses"])
+    for term in ("ce_loss", "kd_loss"):
+        assert [t[term] for t in got["terms"]] == pytest.approx([t[term] for t in want["terms"]], rel=1e-4, abs=2e-6)
+    assert want["losses"][-1] < want["losses"][0]
+    assert got["eval"] == pytest.approx(want["eval"], rel=1e-4) and len(want["eval"]) >= 2
+    assert sorted(got["against_teacher"]) == sorted(want["against_teacher"])
+    for step, measured in want["against_teacher"].items():
+        assert got["against_teacher"][step]["eval_kl"] == pytest.approx(measured["eval_kl"], rel=1e-4, abs=2e-6)
+        assert got["against_teacher"][step]["eval_top1"] == pytest.approx(measured["eval_top1"], abs=1e-6)
 
 
 @pytest.mark.parametrize("stage, dp", [(0, 1), (2, 1), (3, 4)])

@@ -12,7 +12,7 @@ from safetensors import safe_open
 from torch.distributed.checkpoint import FileSystemReader
 
 from lmforge.models.weights import open_model_dir, weight_names
-from parity import Launches
+from parity import DISTILL_LOGITS, FROM_CACHE, Launches
 
 
 def dcp_keys(step_dir) -> set[str]:
@@ -26,14 +26,12 @@ SCHEDULES = {
 }
 FSDP_TP_AC = {"none": ("none", 1), "every-block": ("selective", 1), "op-level": ("selective", "op")}
 THREE_D = ["parallel.pp=2", "parallel.tp=2"]
-# Distilled from the 3d-save case's weights at step 3 (a teacher that has learnt something) into
-# a student of another seed: logits, and two blocks' outputs through adapters.
-DISTILL = ["distill.loss=jsd", "distill.beta=0.3", "distill.temperature=2", "distill.ce_weight=0.5", "distill.chunk_tokens=16", "train.seed=1",
-           "distill.hidden={layers: {0: 1, 3: 2}, loss: cosine}", "distill.hidden_weight=0.7"]
+# Distilled from the 3d-save case's weights at step 3 (a teacher that has learnt something):
+# logits, and two blocks' outputs through adapters.
+DISTILL = [*DISTILL_LOGITS, "distill.hidden={layers: {0: 1, 3: 2}, loss: cosine}", "distill.hidden_weight=0.7"]
 DISTILL_TERMS = ["ce_loss", "hidden_loss", "kd_loss"]
-# From the offline cache instead (no hidden states): its top-k targets as the cache builder scores
-# each batch (parity_worker.CachedTargets), a pipeline's on its last stage.
-DISTILL_CACHE = [*DISTILL[:6], "distill.top_k=8", "distill.cache=scored-by-the-worker"]
+# From the offline cache instead (no hidden states), a pipeline's on its last stage.
+DISTILL_CACHE = [*DISTILL_LOGITS, *FROM_CACHE]
 
 # name: (ranks, --set items, options): see parity.Launches.
 CASES = {

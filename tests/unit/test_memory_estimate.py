@@ -76,3 +76,9 @@ def test_a_distillation_counts_its_teacher_and_adapters(tmp_path):
     # weights, gradients and two moments of the adapters, and their two step scalars
     assert with_teacher.device_total - plain.device_total == with_teacher.teacher + 4 * 4 * adapters + 8 + 2 * 128 * 8192 * 4
     assert "teacher " in describe(with_teacher) and "teacher " not in describe(plain)
+    # Under DeepSpeed the teacher is a whole copy on every rank, beside the ZeRO-partitioned student.
+    zero3 = tree | {"engine": "deepspeed", "deepspeed": {"config": {"zero_optimization": {"stage": 3}}}}
+    ds_plain = estimate(spec_from_dict(zero3), 0)
+    ds_teacher = estimate(spec_from_dict(zero3 | {"distill": {"teacher": str(tmp_path / "teacher")}}), 0)
+    assert ds_teacher.teacher == 4 * teacher_cfg.num_params()
+    assert ds_teacher.device_total - ds_plain.device_total == ds_teacher.teacher + 2 * 128 * 8192 * 4

@@ -88,7 +88,8 @@ def test_overrides_are_parsed_as_yaml_values():
         (["distill.teacher=t", "distill.cache=c", "distill.top_k=8", "distill.hidden={layers: {0: 1}}"], "distill.hidden: the teacher cache holds next-token targets"),
         (["distill.teacher=t", "distill.top_k=5000"], "distill.top_k: 5000 is larger than the vocabulary (1024)"),
         (["distill.teacher=t", "parallel.pp=2"], "distill.cache: with parallel.pp > 1 the teacher's targets come from an offline cache (build it with `lmforge distill cache JOB`"),
-        (["distill.teacher=t", "engine=deepspeed", "deepspeed.config={}"], "distill: the native engine distills"),
+        (["distill.teacher=t", "engine=deepspeed", "deepspeed.config={}", "distill.hidden={layers: {0: 1}}"],
+         "distill.hidden: the deepspeed engine distills logits only; use engine: native"),
     ],
 )
 def test_contradictions_name_the_field(overrides, field):

@@ -32,6 +32,12 @@ def _cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
     return _local(F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum"))
 
 
+def compared_vocab(spec, tokenizer_vocab: Optional[int], teachers) -> int:
+    """The vocabulary the divergence compares: the tokenizer's real one, not the rows
+    the student or a teacher pads its embedding with."""
+    return min(tokenizer_vocab or spec.model_arch.vocab_size, spec.model_arch.vocab_size, *(t.cfg.vocab_size for t in teachers))
+
+
 class DistillObjective:
     def __init__(self, spec, tokens_per_rank: int, vocab: int, tp_group=None):
         self.settings = spec.distill
@@ -104,6 +110,15 @@ class DistillObjective:
             teacher_top1 = self._top1(scores)
         agree = (self._top1(student) == teacher_top1).sum()
         return torch.stack([ce.detach(), kl.detach(), agree.float()])
+
+    @staticmethod
+    def held_out_means(sums: torch.Tensor, tokens: int, dp_group=None) -> dict[str, float]:
+        """`held_out_sums` added up over a rank's micro-batches, as per-token means over
+        the held-out global batch (averaged over `dp_group`, every rank holding as many tokens)."""
+        sums = sums / tokens
+        if dp_group is not None:
+            dist.all_reduce(sums, op=dist.ReduceOp.AVG, group=dp_group)
+        return dict(zip(EVAL_METRICS, sums.tolist()))
 
     def _top1(self, logits: torch.Tensor) -> torch.Tensor:
         """The most likely token's id; under TP the smallest such id over all shards

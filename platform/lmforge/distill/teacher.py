@@ -7,12 +7,13 @@ state, never checkpointed.
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch import nn
 
 from lmforge.checkpoint.export import open_source
+from lmforge.distill.losses import TopK
 from lmforge.models import ModelConfig, Transformer, materialize
 
 
@@ -25,6 +26,23 @@ def build_teacher(path: str, device: torch.device, parallelize: Callable[[nn.Mod
     teacher = materialize(teacher, device, seed=0, weights=weights)
     teacher.requires_grad_(False)
     return parallelize(teacher).eval()
+
+
+Cached = Optional[tuple[torch.Tensor, torch.Tensor]]  # a step's cache targets: top-k ids and log-probabilities
+
+
+def micro_batch(cached: Cached, index: int) -> Cached:
+    """Micro-batch `index` of a step's cached teacher targets (None without a cache)."""
+    return None if cached is None else (cached[0][index], cached[1][index])
+
+
+def teacher_targets(teachers: list[nn.Module], inputs: torch.Tensor, cached: Cached, device: torch.device) -> list[torch.Tensor] | TopK:
+    """What one micro-batch learns from: the online teachers' logits for its inputs, or
+    its top-k targets from the offline cache."""
+    if cached is not None:
+        return TopK(cached[0].to(device, non_blocking=True), cached[1].to(device, non_blocking=True))
+    with torch.no_grad():
+        return [teacher(inputs) for teacher in teachers]
 
 
 def teacher_shapes(spec) -> tuple[ModelConfig, ...]:

@@ -12,7 +12,7 @@ def create_engine(spec, dims, device, vocab=None) -> Engine:
     if spec.engine == "deepspeed":
         from lmforge.engines.deepspeed import DeepSpeedEngine
 
-        return DeepSpeedEngine(spec, dims, device)
+        return DeepSpeedEngine(spec, dims, device, vocab)
     raise ValueError(f"unknown engine {spec.engine!r}")
 
 

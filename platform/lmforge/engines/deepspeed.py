@@ -3,7 +3,8 @@
 
 DeepSpeed runs inside the process group the worker already made; the config is
 the job's reconciled one (see `lmforge.deepspeed_config`). Checkpoints are
-DeepSpeed's own files inside lmforge's step directory.
+DeepSpeed's own files inside lmforge's step directory. A distillation's online
+teachers are whole, frozen copies on every rank, beside the ZeRO-partitioned student.
 """
 
 from __future__ import annotations
@@ -15,12 +16,14 @@ import math
 import os
 import sys
 import tempfile
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from lmforge.distill.objective import EVAL_METRICS, DistillObjective, compared_vocab
+from lmforge.distill.teacher import build_teacher, micro_batch, teacher_targets
 from lmforge.engines.base import Engine, StepStats, warmup_cosine
 from lmforge.models import build_model
 from lmforge.parallel.checkpointing import apply_activation_checkpointing
@@ -60,7 +63,7 @@ def to_universal(step_dir: str) -> str:
 class DeepSpeedEngine(Engine):
     checkpoint_format = "deepspeed"
 
-    def __init__(self, spec, dims: ParallelDims, device: torch.device):
+    def __init__(self, spec, dims: ParallelDims, device: torch.device, vocab: Optional[int] = None):
         skip_shared_memory_op()
         import deepspeed
 
@@ -73,6 +76,18 @@ class DeepSpeedEngine(Engine):
         self.engine, _, _, _ = deepspeed.initialize(
             model=model, model_parameters=model.parameters(), config=dict(config), lr_scheduler=scheduler, dist_init_required=False
         )
+        self.teachers, self.objective = [], None
+        if spec.distill:
+            self._build_objective(vocab)
+
+    def _build_objective(self, vocab: Optional[int]) -> None:
+        """Logits distillation (the spec refuses hidden states here): online teachers as
+        plain frozen modules, or the cache's targets with the batches."""
+        d, train = self.spec.distill, self.spec.train
+        if d.cache is None:
+            self.teachers = [build_teacher(source.path, self.device, lambda teacher: teacher) for source in d.sources]
+        self.objective = DistillObjective(self.spec, self.spec.grad_accum * train.micro_batch * train.seq_len,
+                                          compared_vocab(self.spec, vocab, self.teachers))
 
     def _warmup_cosine(self, optimizer: torch.optim.Optimizer):
         opt = self.spec.optim
@@ -83,6 +98,19 @@ class DeepSpeedEngine(Engine):
         before_update()  # DeepSpeed steps inside its backward loop; its checkpoints are synchronous anyway
         self.engine.train()
         lr = self.engine.get_lr()[0]
+        loss, terms = self._distill(micro_batches, targets) if self.objective else (self._cross_entropy(micro_batches), {})
+        if self.dims.shape.dp > 1:
+            reduced = torch.stack([loss, *terms.values()])  # one collective for the loss and its terms
+            dist.all_reduce(reduced, op=dist.ReduceOp.AVG, group=self.dims.dp_group)
+            loss, terms = reduced[0], dict(zip(terms, reduced[1:]))
+        norm = self.engine.get_global_grad_norm()
+        grad_norm = float(norm) if norm is not None else float("nan")
+        # DeepSpeed has already stepped (fp16's loss scaler skips overflowing steps itself);
+        # a non-finite step still counts towards the guard's rollback.
+        finite = math.isfinite(loss.item()) and (norm is None or math.isfinite(grad_norm))
+        return StepStats(loss=loss.item(), grad_norm=grad_norm, lr=lr, finite=finite, terms={k: v.item() for k, v in terms.items()})
+
+    def _cross_entropy(self, micro_batches: torch.Tensor) -> torch.Tensor:
         loss_sum = torch.zeros((), device=self.device)
         for batch in micro_batches:
             logits = self.engine(batch[:, :-1])
@@ -91,15 +119,21 @@ class DeepSpeedEngine(Engine):
             self.engine.backward(loss)
             self.engine.step()
             loss_sum += loss.detach()
-        loss = loss_sum / len(micro_batches)
-        if self.dims.shape.dp > 1:
-            dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.dims.dp_group)
-        norm = self.engine.get_global_grad_norm()
-        grad_norm = float(norm) if norm is not None else float("nan")
-        # DeepSpeed has already stepped (fp16's loss scaler skips overflowing steps itself);
-        # a non-finite step still counts towards the guard's rollback.
-        finite = math.isfinite(loss.item()) and (norm is None or math.isfinite(grad_norm))
-        return StepStats(loss=loss.item(), grad_norm=grad_norm, lr=lr, finite=finite)
+        return loss_sum / len(micro_batches)
+
+    def _distill(self, micro_batches: torch.Tensor, cached) -> tuple[torch.Tensor, dict]:
+        loss_sum, term_sums = torch.zeros((), device=self.device), {}
+        for i, batch in enumerate(micro_batches):
+            inputs = batch[:, :-1]
+            loss, terms = self.objective(self.engine(inputs), batch[:, 1:], teacher_targets(self.teachers, inputs, micro_batch(cached, i), self.device))
+            # Each term is already divided by the step's tokens on this rank, so the
+            # micro-batches' losses add up to the step's: DeepSpeed must not divide again.
+            self.engine.backward(loss, scale_wrt_gas=False)
+            self.engine.step()
+            loss_sum += loss.detach()
+            for name, value in terms.items():
+                term_sums[name] = term_sums.get(name, 0) + value.detach()
+        return loss_sum, term_sums
 
     @torch.no_grad()
     def eval_loss(self, micro_batches: torch.Tensor) -> float:
@@ -110,6 +144,18 @@ class DeepSpeedEngine(Engine):
         if self.dims.shape.dp > 1:
             dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.dims.dp_group)
         return loss.item()
+
+    @torch.no_grad()
+    def evaluate(self, micro_batches: torch.Tensor, targets=None) -> dict[str, float]:
+        if self.objective is None:
+            return super().evaluate(micro_batches)
+        micro_batches = micro_batches.to(self.device, non_blocking=True)
+        self.engine.eval()
+        sums = torch.zeros(len(EVAL_METRICS), device=self.device)
+        for i, batch in enumerate(micro_batches):
+            teacher = teacher_targets(self.teachers, batch[:, :-1], micro_batch(targets, i), self.device)
+            sums += self.objective.held_out_sums(self.engine(batch[:, :-1]), batch[:, 1:], teacher)
+        return self.objective.held_out_means(sums, micro_batches[..., 1:].numel(), self.dims.dp_group if self.dims.shape.dp > 1 else None)
 
     def modules(self) -> list[torch.nn.Module]:
         return [self.engine.module]

@@ -26,10 +26,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from lmforge.distill.hidden import ADAPTERS, BlockOutputs, HiddenAdapters
-from lmforge.distill.losses import TopK
-from lmforge.distill.objective import EVAL_METRICS, DistillObjective
+from lmforge.distill.objective import EVAL_METRICS, DistillObjective, compared_vocab
 from lmforge.distill.pipelined import StagedObjective
-from lmforge.distill.teacher import build_teacher
+from lmforge.distill.teacher import build_teacher, micro_batch, teacher_targets
 from lmforge.engines.base import Engine, StepStats, warmup_cosine
 from lmforge.models import Transformer, materialize
 from lmforge.parallel.checkpointing import apply_activation_checkpointing
@@ -54,11 +53,6 @@ STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 def _local(value: torch.Tensor) -> torch.Tensor:
     return value.full_tensor() if isinstance(value, DTensor) else value
-
-
-def _micro_batch(targets: Optional[tuple[torch.Tensor, torch.Tensor]], index: int):
-    """Micro-batch `index` of a step's cached teacher targets (None without a cache)."""
-    return None if targets is None else (targets[0][index], targets[1][index])
 
 
 class NativeEngine(Engine):
@@ -104,25 +98,14 @@ class NativeEngine(Engine):
 
     def _build_objective(self, vocab: Optional[int]) -> None:
         """The job's loss: cross-entropy, divergence from the teachers, hidden states."""
-        vocab = min(vocab or self.spec.model_arch.vocab_size, self.spec.model_arch.vocab_size, *(t.cfg.vocab_size for t in self.teachers))
         train = self.spec.train
-        self.objective = DistillObjective(self.spec, self.spec.grad_accum * train.micro_batch * train.seq_len, vocab,
+        self.objective = DistillObjective(self.spec, self.spec.grad_accum * train.micro_batch * train.seq_len, compared_vocab(self.spec, vocab, self.teachers),
                                           self.dims.tp_mesh.get_group() if self.tensor_parallel else None)
         if self.pipelined:  # from the cache: the last stage computes it, as the schedule's loss
             self.staged = StagedObjective(self.objective, self.spec.grad_accum)
 
-    @torch.no_grad()
-    def _teacher_logits(self, inputs: torch.Tensor) -> list[torch.Tensor]:
-        return [teacher(inputs) for teacher in self.teachers]
-
-    def _teacher(self, inputs: torch.Tensor, cached: Optional[tuple[torch.Tensor, torch.Tensor]]):
-        """The online teachers' logits for these inputs, or a micro-batch of the cache's top-k targets."""
-        if cached is not None:
-            return TopK(cached[0].to(self.device, non_blocking=True), cached[1].to(self.device, non_blocking=True))
-        return self._teacher_logits(inputs)
-
     def _distill_loss(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, cached) -> tuple[torch.Tensor, dict]:
-        logits, teacher = model(inputs), self._teacher(inputs, cached)
+        logits, teacher = model(inputs), teacher_targets(self.teachers, inputs, cached, self.device)
         hidden = None
         if self.hidden is not None:
             student_side, teacher_side = self.hidden
@@ -223,7 +206,7 @@ class NativeEngine(Engine):
                     # is the global-batch mean; FSDP averages over DP ranks.
                     loss, terms = self._loss(model(inputs), targets) / accum, {}
                 else:
-                    loss, terms = self._distill_loss(model, inputs, targets, _micro_batch(cached, i))
+                    loss, terms = self._distill_loss(model, inputs, targets, micro_batch(cached, i))
                 loss.backward()
             loss_sum += _local(loss.detach())
             for name, value in terms.items():
@@ -285,17 +268,14 @@ class NativeEngine(Engine):
             return super().evaluate(micro_batches)
         micro_batches = micro_batches.to(self.device, non_blocking=True)
         sums = self._held_out_pipelined(micro_batches, targets) if self.pipelined else self._held_out(micro_batches, targets)
-        sums /= micro_batches[..., 1:].numel()
-        if self.dims.shape.dp > 1:
-            dist.all_reduce(sums, op=dist.ReduceOp.AVG, group=self.dims.dp_group)
-        return dict(zip(EVAL_METRICS, sums.tolist()))
+        return self.objective.held_out_means(sums, micro_batches[..., 1:].numel(), self.dims.dp_group if self.dims.shape.dp > 1 else None)
 
     def _held_out(self, micro_batches: torch.Tensor, targets) -> torch.Tensor:
         model = self.parts[0].eval()
         sums = torch.zeros(len(EVAL_METRICS), device=self.device)
         with self._loss_context():
             for i, batch in enumerate(micro_batches):
-                teacher = self._teacher(batch[:, :-1], _micro_batch(targets, i))
+                teacher = teacher_targets(self.teachers, batch[:, :-1], micro_batch(targets, i), self.device)
                 sums += self.objective.held_out_sums(model(batch[:, :-1]), batch[:, 1:], teacher)
                 for side in self.hidden or ():
                     side.clear()

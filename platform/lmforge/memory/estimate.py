@@ -18,7 +18,7 @@ teacher's logits for one micro-batch.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from lmforge.distill.teacher import teacher_shapes
 from lmforge.memory import activations as act
@@ -106,8 +106,10 @@ def _states(spec: JobSpec, rank: int, teachers: tuple) -> StateBytes:
     if spec.engine == "deepspeed":
         zero = (spec.deepspeed.config or {}).get("zero_optimization", {})
         device = lambda key: (zero.get(key) or {}).get("device", "none") in ("cpu", "nvme")  # noqa: E731
-        return deepspeed_states(spec.model_arch, spec.parallel.dp, spec.train.precision, int(zero.get("stage", 0)) or 1,
-                                device("offload_optimizer"), device("offload_param"))
+        states = deepspeed_states(spec.model_arch, spec.parallel.dp, spec.train.precision, int(zero.get("stage", 0)) or 1,
+                                  device("offload_optimizer"), device("offload_param"))
+        # Online teachers are whole fp32 copies on every rank under DeepSpeed.
+        return replace(states, teacher=sum(FP32 * t.num_params() for t in teachers))
     return native_states(spec, rank, teachers)
 
 
