@@ -140,10 +140,12 @@ def _check_teacher(spec: JobSpec, teacher, name: str, vocabulary: dict, dataset_
     if _vocabulary(teacher.tokenizer()) != vocabulary:
         raise UserError(f"{name}: its tokenizer ({teacher.path}) is not the dataset's ({dataset_tokenizer}); teacher and student must share one")
     tp = spec.parallel.tp
-    if tp > 1 and teacher.cfg.vocab_size != spec.model_arch.vocab_size:
+    online = spec.distill.cache is None  # from a cache no teacher is built, so none is split
+    if online and tp > 1 and teacher.cfg.vocab_size != spec.model_arch.vocab_size:
         raise UserError(f"{name}: its vocab_size {teacher.cfg.vocab_size} differs from model.vocab_size {spec.model_arch.vocab_size}; "
-                        "with parallel.tp > 1 both vocabularies are split alike, so they must be equal")
-    if tp > 1 and (teacher.cfg.n_kv_heads % tp or teacher.cfg.n_heads % tp):
+                        "with parallel.tp > 1 an online teacher's vocabulary is split like the student's, so they must be equal "
+                        "(an offline cache, distill.cache, has no such limit)")
+    if online and tp > 1 and (teacher.cfg.n_kv_heads % tp or teacher.cfg.n_heads % tp):
         raise UserError(f"{name}: its {teacher.cfg.n_heads} heads ({teacher.cfg.n_kv_heads} key/value) do not split over parallel.tp {tp}")
     if spec.distill.hidden is not None:
         try:

@@ -262,24 +262,26 @@ def _teacher_with_the_datasets_tokenizer(tmp_path, hf_teacher, dataset):
     return out
 
 
-# name: (the teacher made from the Hugging Face one, more distill settings, what the message says)
+# name: (the teacher made from the Hugging Face one, more job settings, what the message says)
 TEACHER_REFUSALS = {
     "missing": (lambda tmp_path, hf_teacher, data: tmp_path / "nowhere", {}, "distill.teacher:", "does not exist"),
     "another tokenizer": (lambda tmp_path, hf_teacher, data: hf_teacher, {}, "distill.teacher: its tokenizer", "is not the dataset's"),
     "no tokenizer": (lambda tmp_path, hf_teacher, data: _teacher_without_a_tokenizer(tmp_path, hf_teacher), {},
                      "distill.teacher:", "has no tokenizer to compare with the dataset's"),
-    "a block it lacks": (_teacher_with_the_datasets_tokenizer, {"hidden": {"layers": {0: 1, 1: 5}}},
+    "a block it lacks": (_teacher_with_the_datasets_tokenizer, {"distill": {"hidden": {"layers": {0: 1, 1: 5}}}},
                          "distill.hidden.layers: teacher block 5 does not exist; the teacher has 2 blocks (0-1)"),
+    "another padded vocabulary under tp": (_teacher_with_the_datasets_tokenizer, {"parallel": {"dp": 1, "tp": 2}},
+                                           "distill.teacher: its vocab_size 320 differs from model.vocab_size 512", "distill.cache"),
 }
 
 
 @pytest.mark.parametrize("case", TEACHER_REFUSALS)
 def test_a_teacher_that_cannot_teach_this_student_is_refused(case, tmp_path, tiny_dataset, hf_teacher):
     """Before anything starts: a teacher that is not there, does not share the
-    dataset's tokenizer (a Hugging Face Llama with its own), or lacks a block the
-    layer map names."""
-    teacher, settings, *fragments = TEACHER_REFUSALS[case]
-    job = tiny_job(tmp_path, tiny_dataset, distill={"teacher": str(teacher(tmp_path, hf_teacher, tiny_dataset)), **settings})
+    dataset's tokenizer (a Hugging Face Llama with its own), lacks a block the layer
+    map names, or pads the vocabulary otherwise than a TP-split student."""
+    teacher, sections, *fragments = TEACHER_REFUSALS[case]
+    job = with_sections(tiny_job(tmp_path, tiny_dataset, distill={"teacher": str(teacher(tmp_path, hf_teacher, tiny_dataset))}), sections)
     assert_clean_error(run_cli("train", str(write_job(tmp_path, job)), cwd=tmp_path), *fragments)
     assert nothing_written(tmp_path)
 

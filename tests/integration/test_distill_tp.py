@@ -1,8 +1,9 @@
 """The KD loss on a vocabulary sharded over two tensor-parallel ranks (real gloo
 process groups): loss and the gradients of each rank's logit shard equal one
 process's on the whole vocabulary within 1e-5, for every divergence and for two
-teachers mixed, chunked; and with top-k targets, the teacher's k best found over the
-shards."""
+teachers mixed, chunked; with top-k targets, the teacher's k best found over the
+shards; and with a tokenizer smaller than the models' padded vocabulary, the padded
+rows given no probability in the last shard as one process slices them off."""
 
 import os
 import socket
@@ -29,15 +30,20 @@ def mixture(teacher, shard=slice(None)):
     return Mixture([teacher[..., shard], (0.5 * teacher + 1)[..., shard]], [0.3, 0.7])
 
 
-CASES = [*DIVERGENCES, "jsd-mixture", "jsd-topk", "forward_kl-topk"]
+CASES = [*DIVERGENCES, "jsd-mixture", "jsd-topk", "forward_kl-topk", "jsd-padded", "forward_kl-padded", "jsd-topk-padded"]
+
+
+def vocab(name: str) -> int:
+    """The tokenizer's vocabulary: the last 5 rows of the padded cases are padding."""
+    return V - 5 if name.endswith("padded") else V
 
 
 def targets(name: str, teacher, shard=slice(None), tp_group=None):
     """A case's teacher: dense logits (this rank's shard), two mixed, or their top-k."""
     if name.endswith("mixture"):
         return mixture(teacher, shard)
-    if name.endswith("topk"):
-        return top_k(teacher_log_probs(teacher[..., shard], T, V, tp_group), K, tp_group)
+    if "-topk" in name:
+        return top_k(teacher_log_probs(teacher[..., shard], T, vocab(name), tp_group), K, tp_group)
     return teacher[..., shard]
 
 
@@ -48,7 +54,7 @@ def divergence(name: str) -> Divergence:
 def whole_vocabulary(name: str):
     student, teacher, mask = inputs()
     student.requires_grad_()
-    loss = kd_loss_sum(student, targets(name, teacher), mask, divergence(name), T, V) / mask.sum()
+    loss = kd_loss_sum(student, targets(name, teacher), mask, divergence(name), T, vocab(name)) / mask.sum()
     loss.backward()
     return loss.item(), student.grad
 
@@ -64,7 +70,8 @@ def sharded(rank: int, port: int, results) -> None:
         for name in CASES:
             local = student[..., shard].clone().requires_grad_()
             group = dist.group.WORLD
-            loss = kd_loss_sum(local, targets(name, teacher, shard, group), mask, divergence(name), T, V, tp_group=group, chunk_tokens=4) / mask.sum()
+            loss = kd_loss_sum(local, targets(name, teacher, shard, group), mask, divergence(name), T, vocab(name), tp_group=group,
+                               chunk_tokens=4) / mask.sum()
             loss.backward()
             results[(rank, name)] = (loss.item(), local.grad)
     finally:

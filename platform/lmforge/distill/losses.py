@@ -24,6 +24,9 @@ DIVERGENCES = ("forward_kl", "reverse_kl", "jsd", "tvd", "skew_kl", "skew_revers
 # log(0) stands in as this: finite, so 0 * (log 0 - x) is 0 and never NaN (a tail
 # bucket that holds nothing, a student that puts no mass there).
 LOG_ZERO = math.log(1e-30)
+# A padded vocabulary row's logit in a TP shard: no probability, yet finite, so that
+# 0 * (its log-ratio) stays 0.
+PADDED_LOGIT = -1e30
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,20 @@ class SumOfShares(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return grad, None
+
+
+def within_vocab(logits: torch.Tensor, vocab: int, tp_group=None) -> torch.Tensor:
+    """The logits over the tokenizer's real vocabulary: the rows a model pads it with
+    sliced off or, in a vocabulary shard under TP, given no probability (fp32, as
+    `log_softmax` would make them)."""
+    if tp_group is None:
+        return logits[..., :vocab]
+    width = logits.shape[-1]
+    start = dist.get_rank(tp_group) * width
+    if start + width <= vocab:
+        return logits
+    padded = torch.arange(start, start + width, device=logits.device) >= vocab
+    return logits.float().masked_fill(padded, PADDED_LOGIT)
 
 
 def log_softmax(logits: torch.Tensor, tp_group=None) -> torch.Tensor:
@@ -165,8 +182,7 @@ def teacher_log_probs(teacher, temperature: float, vocab: int, tp_group=None) ->
     weighted sum of the teachers' probabilities, taken by logsumexp)."""
     if isinstance(teacher, torch.Tensor):
         teacher = Mixture([teacher], [1.0])
-    # A sharded vocabulary is the whole one: only whole rows can be sliced to the tokenizer's.
-    parts = [log_softmax((t if tp_group is not None else t[..., :vocab]).detach() / temperature, tp_group) for t in teacher.logits]
+    parts = [log_softmax(within_vocab(t.detach(), vocab, tp_group) / temperature, tp_group) for t in teacher.logits]
     if len(parts) == 1:
         return parts[0]
     weighted = torch.stack([part + math.log(weight) for part, weight in zip(parts, teacher.weights)])
@@ -178,9 +194,7 @@ def token_divergence(student_logits: torch.Tensor, teacher, div: Divergence, tem
     """D(teacher, student) per token (shape: the logits' without the last dim).
     `teacher`: dense logits of the student's shape, a `Mixture` of them, or `TopK`; `vocab`: the
     tokenizer's real size (rows beyond it, a model's padding, are dropped first)."""
-    if tp_group is None:
-        student_logits = student_logits[..., :vocab]
-    log_q = log_softmax(student_logits / temperature, tp_group)
+    log_q = log_softmax(within_vocab(student_logits, vocab, tp_group) / temperature, tp_group)
     if isinstance(teacher, TopK):  # k + 1 categories, the same on every TP rank
         log_p = with_tail(teacher.logprobs.float())
         log_q = with_tail(log_probs_at(log_q, teacher.ids, tp_group))
@@ -233,10 +247,8 @@ class _FusedForwardKL(torch.autograd.Function):
 
 
 def _fused_forward_kl(student: torch.Tensor, teacher, weights: torch.Tensor, temperature: float, vocab: int, tp_group, compiled: bool) -> torch.Tensor:
-    if tp_group is None:
-        student = student[..., :vocab]
     log_p = teacher_log_probs(teacher, temperature, vocab, tp_group)
-    partial = _FusedForwardKL.apply(student, log_p, weights, temperature, tp_group, compiled)
+    partial = _FusedForwardKL.apply(within_vocab(student, vocab, tp_group), log_p, weights, temperature, tp_group, compiled)
     return partial if tp_group is None else SumOfShares.apply(partial, tp_group)
 
 

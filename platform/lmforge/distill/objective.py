@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from lmforge.distill.hidden import hidden_loss_sum
-from lmforge.distill.losses import Divergence, Mixture, SumOfShares, TopK, kd_loss_sum, teacher_log_probs, top_k
+from lmforge.distill.losses import Divergence, Mixture, SumOfShares, TopK, kd_loss_sum, teacher_log_probs, top_k, within_vocab
 
 TERMS = ("ce_loss", "kd_loss", "hidden_loss")
 EVAL_METRICS = ("eval_loss", "eval_kl", "eval_top1")  # what `held_out_sums` adds up, in order
@@ -123,8 +123,9 @@ class DistillObjective:
     def _top1(self, logits: torch.Tensor) -> torch.Tensor:
         """The most likely token's id; under TP the smallest such id over all shards
         (torch.argmax's choice among ties)."""
+        logits = within_vocab(logits, self.vocab, self.tp_group)
         if self.tp_group is None:
-            return logits[..., :self.vocab].argmax(dim=-1)
+            return logits.argmax(dim=-1)
         best, index = logits.max(dim=-1)
         index = index + dist.get_rank(self.tp_group) * logits.shape[-1]
         top = best.clone()
