@@ -61,13 +61,37 @@ def build_cache(spec: JobSpec, address: Optional[str] = None, show_progress: boo
     prepared = (Path(spec.data.path) / MANIFEST).is_file()
     check_teachers(spec, read_manifest(spec.data.path) if prepared else None)
     started = connect(address)
+    tracker, status = None, "FAILED"
     try:
         if not prepared:
             prepare_dataset(PrepareOptions.for_job(spec, show_progress=show_progress))
-        return build_teacher_cache(spec, show_progress)
+        if spec.tracking.enabled:
+            from lmforge.tracking.mlflow_run import MlflowRun
+
+            tracker = MlflowRun(spec, role="cache")  # a child of the distillation job's run
+        manifest = build_teacher_cache(spec, show_progress)
+        if tracker:
+            _track_cache(tracker, spec, manifest)
+        status = "FINISHED"
+        return manifest
     finally:
+        if tracker:
+            tracker.finish(status)
         if started:
             ray.shutdown()
+
+
+def _track_cache(tracker, spec: JobSpec, manifest: dict) -> None:
+    from lmforge.distill.cache import tracking_params
+
+    tracker.log_params(tracking_params(spec))  # now that the cache is there: what its manifest says
+    data = manifest["dataset"]
+    for key in ("bytes_per_token", "dense_bf16_bytes_per_token", "bytes", "seconds"):
+        tracker.log_metric(key, manifest[key], 0)
+    # Tokens scored, both splits: each position of each sample once.
+    tokens = (data["num_samples"] + data["eval_samples"]) * data["seq_len"]
+    tracker.log_metric("tokens_per_s", tokens / max(manifest["seconds"], 1e-9), 0)
+    tracker.log_artifact(Path(spec.distill.cache) / MANIFEST)
 
 
 def generate(model, prompts, device: Optional[str] = None, dtype: str = "fp32", tokenizer: Optional[str] = None, **sampling) -> list[dict]:
@@ -210,8 +234,11 @@ def _run(plan: Plan, manifest: dict, console: Console, show_progress: bool, leas
         "latest_checkpoint": seen.latest_checkpoint,
         "mlflow_tracking_uri": spec.tracking_uri if tracker else None,
         "mlflow_run_id": tracker.run_id if tracker else None,
+        **({"mlflow_parent_run_id": tracker.parent_id} if tracker and tracker.parent_id else {}),
     }
     run_dir.write_summary(summary)
+    if tracker and seen.last_eval.get("step") == result["step"]:
+        tracker.log_evaluation(seen.last_eval, run_dir.summary_path)  # a distillation's: its own child run
     return summary
 
 

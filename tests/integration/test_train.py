@@ -232,10 +232,24 @@ def test_a_distillation_job_trains_through_the_controller(distill_run):
     assert [m.value for m in sorted(client.get_metric_history(run.info.run_id, "kd_loss"), key=lambda m: m.step)] == pytest.approx(
         [row["kd_loss"] for row in rows])
     assert [m.step for m in client.get_metric_history(run.info.run_id, "eval_kl")] == [6, 12]
+    # One parent run for the job: the training and the final evaluation nested under it.
+    parent, children = _job_runs(client, summary)
+    assert parent.info.status == "FINISHED" and parent.data.params["distill.teachers_sha256"] == ",".join(commits)
+    assert sorted(children) == ["evaluation", "train"] and children["train"].info.run_id == run.info.run_id
+    final = children["evaluation"]
+    assert {k: final.data.metrics[k] for k in ("eval_kl", "eval_top1")} == {k: summary[k] for k in ("eval_kl", "eval_top1")}
+    assert "summary.json" in {a.path for a in client.list_artifacts(final.info.run_id)}
     # The same student on cross-entropy alone (the teachers only measured): farther from them.
     alone = sdk.train(spec_from_dict(with_sections(copy.deepcopy(job), {"name": "ce-only", "distill": {"kd_weight": 0.0, "ce_weight": 1.0}})),
                       show_progress=False)
     assert summary["eval_kl"] < alone["eval_kl"]
+
+
+def _job_runs(client, summary: dict):
+    """A distillation job's parent run, and its child runs by role."""
+    parent = client.get_run(summary["mlflow_parent_run_id"])
+    children = client.search_runs([parent.info.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    return parent, {child.data.tags["lmforge.role"]: child for child in children}
 
 
 def _teacher_top_k(job: dict, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -283,6 +297,13 @@ def test_training_from_the_teacher_cache_matches_the_online_teachers(distill_run
     for term in ("loss", "ce_loss", "kd_loss"):
         assert [row[term] for row in got] == pytest.approx([row[term] for row in want], rel=2e-3)
     assert cached["eval_top1"] == pytest.approx(online["eval_top1"], abs=1e-9) and cached["eval_kl"] > 0
-    params = MlflowClient(tracking_uri=cached["mlflow_tracking_uri"]).get_run(cached["mlflow_run_id"]).data.params
+    client = MlflowClient(tracking_uri=cached["mlflow_tracking_uri"])
+    params = client.get_run(cached["mlflow_run_id"]).data.params
     assert params["distill.cache.k"] == "32" and float(params["distill.cache.bytes_per_token"]) == manifest["bytes_per_token"]
     assert json.loads(params["distill.cache.teachers"]) == manifest["teachers"]
+    # The cache's build is a child run of the same job as the training from it.
+    _, children = _job_runs(client, cached)
+    assert sorted(children) == ["cache", "evaluation", "train"]
+    build = children["cache"]
+    assert build.info.status == "FINISHED" and build.data.metrics["bytes_per_token"] == manifest["bytes_per_token"]
+    assert build.data.params["distill.cache.k"] == "32" and build.data.metrics["tokens_per_s"] > 0

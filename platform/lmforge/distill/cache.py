@@ -236,9 +236,9 @@ def tracking_params(spec) -> dict[str, str]:
     if not spec.distill:
         return {}
     params = {"distill.teachers_sha256": ",".join(weights_sha256(s.path) for s in spec.distill.sources)}
-    cache = teacher_cache(spec)
-    if cache is not None:
-        manifest = cache[1]
+    built = spec.distill.cache and (Path(spec.distill.cache) / MANIFEST).is_file()  # not while it is being built
+    if built:
+        manifest = teacher_cache(spec)[1]
         params |= {f"distill.cache.{key}": str(manifest[key]) for key in ("k", "temperature", "vocab", "bytes_per_token", "tokenizer_sha256")}
         params["distill.cache.teachers"] = json.dumps(manifest["teachers"])
     return params

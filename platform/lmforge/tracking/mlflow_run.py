@@ -1,5 +1,8 @@
 """One MLflow run per job: the flattened spec as params, per-step metrics, the spec
 as an artifact. A resumed job (same name and checkpoint dir) continues its run.
+
+A distillation job is a parent run with child runs: the teacher cache's build, the
+training, and the final evaluation of the trained student.
 """
 
 from __future__ import annotations
@@ -15,6 +18,9 @@ import yaml
 from lmforge.spec import JobSpec, flatten
 
 JOB_TAG = "lmforge.job"
+ROLE_TAG = "lmforge.role"  # "train", "cache" and "evaluation"; "job" for a distillation's parent
+PARENT_TAG = "mlflow.parentRunId"  # MLflow's own: its UI nests a run under that one
+EVAL_KEYS = ("eval_loss", "eval_ppl", "eval_kl", "eval_top1")
 METRIC_KEYS = ("loss", "ce_loss", "kd_loss", "hidden_loss", "lr", "grad_norm", "tokens_per_s", "mfu", "bubble", "bubble_theory", "step_time", "data_wait")
 
 for _noisy in ("alembic", "mlflow"):
@@ -36,38 +42,66 @@ def job_key(spec: JobSpec) -> str:
 
 
 class MlflowRun:
-    def __init__(self, spec: JobSpec, flush_every_s: float = 2.0):
+    """The run of one part of a job (`role`: its training, or a distillation's cache
+    build), under the job's parent run when it is a distillation."""
+
+    def __init__(self, spec: JobSpec, flush_every_s: float = 2.0, role: str = "train"):
         from mlflow.tracking import MlflowClient
 
-        self.spec, self.flush_every_s = spec, flush_every_s
+        self.spec, self.flush_every_s, self.role = spec, flush_every_s, role
         self.client = MlflowClient(tracking_uri=spec.tracking_uri)
         self._pending: list = []
         self._last_flush = time.time()
+        exp = self.client.get_experiment_by_name(spec.tracking.experiment)
+        self.exp_id = exp.experiment_id if exp else self.client.create_experiment(spec.tracking.experiment, artifact_location=artifact_root(spec.tracking_uri))
+        self.key = job_key(spec)
+        self.parent_id: str | None = None
         self.run_id, self.resumed = self._open_run()
 
+    def _latest(self, role: str, parent_id: str | None = None):
+        query = f"tags.`{JOB_TAG}` = '{self.key}' and tags.`{ROLE_TAG}` = '{role}'"
+        if parent_id:
+            query += f" and tags.`{PARENT_TAG}` = '{parent_id}'"
+        found = self.client.search_runs([self.exp_id], filter_string=query, max_results=1, order_by=["attributes.start_time DESC"])
+        return found[0] if found else None
+
     def _open_run(self) -> tuple[str, bool]:
-        exp = self.client.get_experiment_by_name(self.spec.tracking.experiment)
-        exp_id = exp.experiment_id if exp else self.client.create_experiment(self.spec.tracking.experiment, artifact_location=artifact_root(self.spec.tracking_uri))
-        key = job_key(self.spec)
-        if self.spec.checkpoint.resume:
-            found = self.client.search_runs([exp_id], filter_string=f"tags.`{JOB_TAG}` = '{key}'", max_results=1, order_by=["attributes.start_time DESC"])
+        if self.role == "train" and self.spec.checkpoint.resume:
+            found = self._latest("train")
             if found:
-                run_id = found[0].info.run_id
-                self.client.update_run(run_id, status="RUNNING")
+                run_id, self.parent_id = found.info.run_id, found.data.tags.get(PARENT_TAG)
+                for run in (run_id, self.parent_id):
+                    if run:
+                        self.client.update_run(run, status="RUNNING")
                 return run_id, True
-        run = self.client.create_run(exp_id, run_name=self.spec.name, tags={JOB_TAG: key, "lmforge.engine": self.spec.engine})
+        if self.spec.distill:
+            self.parent_id = self._job_run()
+        return self._child(self.role), False
+
+    def _job_run(self) -> str:
+        """A distillation's parent run: the latest one whose training has not begun (a
+        cache build made it), else a new one."""
+        parent = self._latest("job")
+        if parent is not None and self._latest("train", parent.info.run_id) is None:
+            self.client.update_run(parent.info.run_id, status="RUNNING")
+            return parent.info.run_id
+        run = self.client.create_run(self.exp_id, run_name=self.spec.name, tags={JOB_TAG: self.key, ROLE_TAG: "job"})
         self._log_spec(run.info.run_id)
-        return run.info.run_id, False
+        return run.info.run_id
+
+    def _child(self, role: str) -> str:
+        tags = {JOB_TAG: self.key, ROLE_TAG: role, "lmforge.engine": self.spec.engine}
+        if self.parent_id:
+            tags[PARENT_TAG] = self.parent_id
+        name = f"{self.spec.name} {role}" if self.parent_id else self.spec.name
+        run = self.client.create_run(self.exp_id, run_name=name, tags=tags)
+        self._log_spec(run.info.run_id)
+        return run.info.run_id
 
     def _log_spec(self, run_id: str) -> None:
-        from mlflow.entities import Param
-
         from lmforge.distill.cache import tracking_params
 
-        values = flatten(self.spec.model_dump(mode="json")) | tracking_params(self.spec)
-        params = [Param(k, str(v)[:6000]) for k, v in sorted(values.items())]
-        for i in range(0, len(params), 100):
-            self.client.log_batch(run_id, params=params[i : i + 100])
+        self._log_params(run_id, flatten(self.spec.model_dump(mode="json")) | tracking_params(self.spec))
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "job.yaml")
             with open(path, "w") as f:
@@ -110,6 +144,35 @@ class MlflowRun:
             self.client.log_batch(self.run_id, metrics=self._pending[i : i + 1000])
         self._pending, self._last_flush = [], time.time()
 
+    def log_params(self, values: dict) -> None:
+        self._log_params(self.run_id, values)
+
+    def _log_params(self, run_id: str, values: dict) -> None:
+        from mlflow.entities import Param
+
+        params = [Param(k, str(v)[:6000]) for k, v in sorted(values.items())]
+        for i in range(0, len(params), 100):
+            self.client.log_batch(run_id, params=params[i : i + 100])
+
     def finish(self, status: str) -> None:
+        """This run ends; so does, for now, the job's parent (a later part reopens it)."""
         self.flush()
         self.client.set_terminated(self.run_id, status=status)
+        if self.parent_id:
+            self.client.set_terminated(self.parent_id, status=status)
+
+    def log_evaluation(self, evaluation: dict, summary_path) -> str | None:
+        """A distillation's final evaluation as its own child run: the trained student's
+        held-out metrics at the last step, and the job's summary. Returns its run id."""
+        from mlflow.entities import Metric
+
+        if not self.parent_id:
+            return None
+        run_id = self._child("evaluation")
+        stamp = int(time.time() * 1000)
+        metrics = [Metric(k, float(v), stamp, evaluation["step"]) for k, v in evaluation.items() if k in EVAL_KEYS]
+        self.client.log_batch(run_id, metrics=metrics)
+        self.client.log_artifact(run_id, str(summary_path))
+        self.client.set_terminated(run_id, status="FINISHED")
+        self.client.set_terminated(self.parent_id, status="FINISHED")
+        return run_id
