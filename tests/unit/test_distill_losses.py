@@ -127,24 +127,31 @@ def test_top_k_with_a_tail_bucket_is_a_coarser_kl(name):
 
 
 def test_gradient_accumulation_gives_the_same_loss_and_gradients():
-    """One micro-batch of 8 or 8 of 1, each summed and divided by the global N: equal,
+    """GA 1 x micro 8, GA 8 x micro 1, and dp 2 x GA 4 (each rank dividing by its share
+    of the global N, the ranks' gradients then averaged, as FSDP and ZeRO do): equal,
     although the samples hold different numbers of unmasked tokens."""
     gen = torch.Generator().manual_seed(13)
     hidden, teacher = torch.randn(8, 6, 16, generator=gen), logits(8, 6, seed=14)
     mask = (torch.rand(8, 6, generator=gen) > 0.4).float()
     weight = torch.randn(V, 16, generator=gen)
-    results = []
-    for micro in (8, 1):
-        head = torch.nn.Parameter(weight.clone())
-        total = 0.0
-        for start in range(0, 8, micro):
-            part = slice(start, start + micro)
-            loss = kd_loss_sum(hidden[part] @ head.T, teacher[part], mask[part], Divergence("jsd", beta=0.5), T, V) / mask.sum()
-            loss.backward()
-            total += loss.item()
-        results.append((total, head.grad.clone()))
-    assert results[0][0] == pytest.approx(results[1][0], rel=1e-5)
-    assert (results[0][1] - results[1][1]).abs().max().item() < 1e-5
+
+    def train(dp: int, micro: int) -> tuple[float, torch.Tensor]:
+        total, grads = 0.0, []
+        for rank in range(dp):
+            head = torch.nn.Parameter(weight.clone())
+            for start in range(rank * 8 // dp, (rank + 1) * 8 // dp, micro):
+                part = slice(start, start + micro)
+                loss = kd_loss_sum(hidden[part] @ head.T, teacher[part], mask[part], Divergence("jsd", beta=0.5), T, V) / (mask.sum() / dp)
+                loss.backward()
+                total += loss.item() / dp
+            grads.append(head.grad)
+        return total, torch.stack(grads).mean(dim=0)
+
+    want = train(1, 8)
+    for dp, micro in ((1, 1), (2, 1)):
+        got = train(dp, micro)
+        assert got[0] == pytest.approx(want[0], rel=1e-5)
+        assert (got[1] - want[1]).abs().max().item() < 1e-5
 
 
 def test_hidden_losses_and_identity_adapters():
