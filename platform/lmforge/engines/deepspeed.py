@@ -98,7 +98,7 @@ class DeepSpeedEngine(Engine):
         before_update()  # DeepSpeed steps inside its backward loop; its checkpoints are synchronous anyway
         self.engine.train()
         lr = self.engine.get_lr()[0]
-        loss, terms = self._distill(micro_batches, targets) if self.objective else (self._cross_entropy(micro_batches), {})
+        loss, terms = self._accumulate(micro_batches, targets)
         if self.dims.shape.dp > 1:
             reduced = torch.stack([loss, *terms.values()])  # one collective for the loss and its terms
             dist.all_reduce(reduced, op=dist.ReduceOp.AVG, group=self.dims.dp_group)
@@ -110,30 +110,27 @@ class DeepSpeedEngine(Engine):
         finite = math.isfinite(loss.item()) and (norm is None or math.isfinite(grad_norm))
         return StepStats(loss=loss.item(), grad_norm=grad_norm, lr=lr, finite=finite, terms={k: v.item() for k, v in terms.items()})
 
-    def _cross_entropy(self, micro_batches: torch.Tensor) -> torch.Tensor:
-        loss_sum = torch.zeros((), device=self.device)
-        for batch in micro_batches:
-            logits = self.engine(batch[:, :-1])
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
-            # DeepSpeed divides by the accumulation steps and averages over DP ranks.
-            self.engine.backward(loss)
-            self.engine.step()
-            loss_sum += loss.detach()
-        return loss_sum / len(micro_batches)
-
-    def _distill(self, micro_batches: torch.Tensor, cached) -> tuple[torch.Tensor, dict]:
+    def _accumulate(self, micro_batches: torch.Tensor, cached) -> tuple[torch.Tensor, dict]:
+        """The step's loss on this rank and its terms (a distillation's), each micro-batch
+        stepped through DeepSpeed (which reduces and updates at the last)."""
         loss_sum, term_sums = torch.zeros((), device=self.device), {}
         for i, batch in enumerate(micro_batches):
-            inputs = batch[:, :-1]
-            loss, terms = self.objective(self.engine(inputs), batch[:, 1:], teacher_targets(self.teachers, inputs, micro_batch(cached, i), self.device))
-            # Each term is already divided by the step's tokens on this rank, so the
-            # micro-batches' losses add up to the step's: DeepSpeed must not divide again.
+            loss, terms = self._micro_batch_loss(batch, micro_batch(cached, i), len(micro_batches))
+            # Already the micro-batch's share of the step's loss: DeepSpeed must not divide again.
             self.engine.backward(loss, scale_wrt_gas=False)
             self.engine.step()
             loss_sum += loss.detach()
             for name, value in terms.items():
                 term_sums[name] = term_sums.get(name, 0) + value.detach()
         return loss_sum, term_sums
+
+    def _micro_batch_loss(self, batch: torch.Tensor, cached, accum: int) -> tuple[torch.Tensor, dict]:
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        logits = self.engine(inputs)
+        if self.objective is None:  # every micro-batch holds as many tokens: its mean over the accumulation
+            return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()) / accum, {}
+        # Each term is divided by the tokens this rank trains on per step (see DistillObjective).
+        return self.objective(logits, targets, teacher_targets(self.teachers, inputs, cached, self.device))
 
     @torch.no_grad()
     def eval_loss(self, micro_batches: torch.Tensor) -> float:
