@@ -82,9 +82,9 @@ def build_cache(spec: JobSpec, address: Optional[str] = None, show_progress: boo
 
 
 def _track_cache(tracker, spec: JobSpec, manifest: dict) -> None:
-    from lmforge.distill.cache import tracking_params
+    from lmforge.distill.cache import cache_params
 
-    tracker.log_params(tracking_params(spec))  # now that the cache is there: what its manifest says
+    tracker.log_params(cache_params(manifest))  # now that the cache is there: what its manifest says
     data = manifest["dataset"]
     for key in ("bytes_per_token", "dense_bf16_bytes_per_token", "bytes", "seconds"):
         tracker.log_metric(key, manifest[key], 0)

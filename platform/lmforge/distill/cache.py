@@ -237,11 +237,13 @@ def tracking_params(spec) -> dict[str, str]:
         return {}
     params = {"distill.teachers_sha256": ",".join(weights_sha256(s.path) for s in spec.distill.sources)}
     built = spec.distill.cache and (Path(spec.distill.cache) / MANIFEST).is_file()  # not while it is being built
-    if built:
-        manifest = teacher_cache(spec)[1]
-        params |= {f"distill.cache.{key}": str(manifest[key]) for key in ("k", "temperature", "vocab", "bytes_per_token", "tokenizer_sha256")}
-        params["distill.cache.teachers"] = json.dumps(manifest["teachers"])
-    return params
+    return params | (cache_params(teacher_cache(spec)[1]) if built else {})
+
+
+def cache_params(manifest: dict) -> dict[str, str]:
+    """A teacher cache's manifest as MLflow params: what it holds and was made from."""
+    params = {f"distill.cache.{key}": str(manifest[key]) for key in ("k", "temperature", "vocab", "bytes_per_token", "tokenizer_sha256")}
+    return params | {"distill.cache.teachers": json.dumps(manifest["teachers"])}
 
 
 def teacher_cache(spec) -> Optional[tuple[str, dict]]:

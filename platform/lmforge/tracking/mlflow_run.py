@@ -12,15 +12,16 @@ import logging
 import os
 import tempfile
 import time
+from functools import cached_property
 
 import yaml
 
 from lmforge.spec import JobSpec, flatten
+from lmforge.tracking import events
 
 JOB_TAG = "lmforge.job"
 ROLE_TAG = "lmforge.role"  # "train", "cache" and "evaluation"; "job" for a distillation's parent
 PARENT_TAG = "mlflow.parentRunId"  # MLflow's own: its UI nests a run under that one
-EVAL_KEYS = ("eval_loss", "eval_ppl", "eval_kl", "eval_top1")
 METRIC_KEYS = ("loss", "ce_loss", "kd_loss", "hidden_loss", "lr", "grad_norm", "tokens_per_s", "mfu", "bubble", "bubble_theory", "step_time", "data_wait")
 
 for _noisy in ("alembic", "mlflow"):
@@ -98,10 +99,16 @@ class MlflowRun:
         self._log_spec(run.info.run_id)
         return run.info.run_id
 
-    def _log_spec(self, run_id: str) -> None:
+    @cached_property
+    def _spec_params(self) -> dict:
+        """The job's params, computed once: a distillation's parent and child runs all
+        log them, and they include hashes of the teachers' weights (read in full)."""
         from lmforge.distill.cache import tracking_params
 
-        self._log_params(run_id, flatten(self.spec.model_dump(mode="json")) | tracking_params(self.spec))
+        return flatten(self.spec.model_dump(mode="json")) | tracking_params(self.spec)
+
+    def _log_spec(self, run_id: str) -> None:
+        self._log_params(run_id, self._spec_params)
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "job.yaml")
             with open(path, "w") as f:
@@ -170,7 +177,7 @@ class MlflowRun:
             return None
         run_id = self._child("evaluation")
         stamp = int(time.time() * 1000)
-        metrics = [Metric(k, float(v), stamp, evaluation["step"]) for k, v in evaluation.items() if k in EVAL_KEYS]
+        metrics = [Metric(k, float(v), stamp, evaluation["step"]) for k, v in events.METRICS["eval"](evaluation).items()]
         self.client.log_batch(run_id, metrics=metrics)
         self.client.log_artifact(run_id, str(summary_path))
         self.client.set_terminated(run_id, status="FINISHED")
