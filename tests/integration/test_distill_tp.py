@@ -30,7 +30,7 @@ def mixture(teacher, shard=slice(None)):
     return Mixture([teacher[..., shard], (0.5 * teacher + 1)[..., shard]], [0.3, 0.7])
 
 
-CASES = [*DIVERGENCES, "jsd-mixture", "jsd-topk", "forward_kl-topk", "jsd-padded", "forward_kl-padded", "jsd-topk-padded"]
+CASES = [*DIVERGENCES, "jsd-mixture", "jsd-topk", "forward_kl-topk", "jsd-padded", "forward_kl-padded", "jsd-topk-padded", "forward_kl-topk-padded"]
 
 
 def vocab(name: str) -> int:

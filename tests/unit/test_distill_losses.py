@@ -126,6 +126,38 @@ def test_top_k_with_a_tail_bucket_is_a_coarser_kl(name):
     assert kd_loss_sum(student, top_k(teacher, V), None, div, T, V).item() == pytest.approx(full.item(), rel=1e-5)
 
 
+def top_k_reference(student, targets):
+    """Forward KL over the top k and a tail bucket, from its definition in float64
+    probabilities, and its gradient by autograd."""
+    student = student.detach().double().requires_grad_()
+    q = (student / T).softmax(-1)
+    p_top, q_top = targets.logprobs.double().exp(), q.gather(-1, targets.ids)
+    p_tail, q_tail = 1 - p_top.sum(-1), 1 - q_top.sum(-1)
+    loss = T ** 2 * ((p_top * (p_top / q_top).log()).sum(-1) + p_tail * (p_tail / q_tail).log()).sum()
+    loss.backward()
+    return loss.item(), student.grad.float()
+
+
+def test_top_k_forward_kl_has_its_gradient_in_one_pass():
+    """The fused top-k forward KL (loss and gradient written out together) against the
+    definition: k < V through the tail bucket, k = V the full KL's (q - p) / T."""
+    student, teacher = logits(3, 8, seed=40), logits(3, 8, seed=41)
+    for k in (1, 4, 16, 49, V):
+        grads = []
+        for chunk in (None, 5):
+            leaf = student.clone().requires_grad_()
+            loss = kd_loss_sum(leaf, top_k(teacher, k), None, Divergence("forward_kl"), T, V, chunk_tokens=chunk)
+            loss.backward()
+            grads.append(leaf.grad)
+        if k < V:
+            want_loss, want_grad = top_k_reference(student, top_k(teacher, k))
+        else:
+            want_loss = kd_loss_sum(student, teacher, None, Divergence("forward_kl"), T, V).item()
+            want_grad = T * ((student / T).softmax(-1) - (teacher / T).softmax(-1))
+        assert loss.item() == pytest.approx(want_loss, rel=1e-5, abs=1e-6), k
+        assert all((g - want_grad).abs().max().item() < 1e-6 for g in grads), k
+
+
 def test_gradient_accumulation_gives_the_same_loss_and_gradients():
     """GA 1 x micro 8, GA 8 x micro 1, and dp 2 x GA 4 (each rank dividing by its share
     of the global N, the ranks' gradients then averaged, as FSDP and ZeRO do): equal,

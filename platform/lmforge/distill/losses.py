@@ -87,8 +87,8 @@ def within_vocab(logits: torch.Tensor, vocab: int, tp_group=None) -> torch.Tenso
     """The logits over the tokenizer's real vocabulary: the rows a model pads it with
     sliced off or, in a vocabulary shard under TP, given no probability (fp32, as
     `log_softmax` would make them)."""
-    if tp_group is None:
-        return logits[..., :vocab]
+    if tp_group is None:  # a slice only where there is padding: its backward is a vocabulary-wide copy
+        return logits if logits.shape[-1] <= vocab else logits[..., :vocab]
     width = logits.shape[-1]
     start = dist.get_rank(tp_group) * width
     if start + width <= vocab:
@@ -127,6 +127,9 @@ class TopK:
     ids: torch.Tensor  # (..., k) int64
     logprobs: torch.Tensor  # (..., k) float
 
+    def __len__(self) -> int:
+        return len(self.ids)
+
     def rows(self, index) -> "TopK":
         return TopK(self.ids[index], self.logprobs[index])
 
@@ -141,6 +144,9 @@ class Mixture:
 
     logits: list[torch.Tensor]
     weights: list[float]
+
+    def __len__(self) -> int:
+        return len(self.logits[0])
 
     def rows(self, index) -> "Mixture":
         return Mixture([t[index] for t in self.logits], self.weights)
@@ -204,52 +210,101 @@ def token_divergence(student_logits: torch.Tensor, teacher, div: Divergence, tem
     return per_token if tp_group is None else SumOfShares.apply(per_token, tp_group)
 
 
-def _forward_kl_and_grad(student: torch.Tensor, log_p: torch.Tensor, weights: torch.Tensor, temperature: float, tp_group=None):
-    """(the weighted sum of KL(p || q) over the rows, its gradient with respect to the
-    student's logits: (q - p) / T per row, weighted)."""
-    log_q = log_softmax(student / temperature, tp_group)
+def _forward_kl_and_grad(student: torch.Tensor, log_p: torch.Tensor, weights: torch.Tensor, temperature: float, tp_group, need_grad: bool):
+    """(the weighted sum over the rows of this shard's part of KL(p || q), its gradient
+    with respect to the student's logits: (q - p) / T per row, weighted). In place
+    where it can be: on a CPU a fresh vocabulary-wide buffer costs as much as a pass."""
+    log_q = log_softmax(student.float() * (1 / temperature), tp_group)
     p = log_p.exp()
-    loss = ((p * (log_p - log_q)).sum(dim=-1) * weights).sum()
-    return loss, (log_q.exp() - p) * (weights[:, None] / temperature)
+    loss = ((torch.linalg.vecdot(p, log_p) - torch.linalg.vecdot(p, log_q)) * weights).sum()
+    if not need_grad:
+        return loss, None
+    return loss, log_q.exp_().sub_(p).mul_(weights[:, None] / temperature)
+
+
+def _top_k_kl_and_grad(student: torch.Tensor, targets: TopK, weights: torch.Tensor, temperature: float, tp_group, need_grad: bool):
+    """(the weighted sum over the rows of KL(p || q) over the teacher's top k and a tail
+    bucket, as `with_tail` makes them, its gradient with respect to this shard's
+    student logits). With P the teacher's mass on its top k, p_t its tail, q_t the
+    student's tail and r = p_t / q_t, the gradient of a row is, over T,
+    q_j (P + p_t - r) + [j in top k] (r q_j - p_j); where `with_tail` clamps the
+    student's tail (no mass left to it) that term has no gradient: q_j P - [j in top k] p_j."""
+    log_q = log_softmax(student.float() * (1 / temperature), tp_group)
+    with torch.no_grad():  # the gather's TP sum is only a value here: the gradient is written out below
+        log_q_top = log_probs_at(log_q, targets.ids, tp_group)
+    log_p, log_q_tailed = with_tail(targets.logprobs.float()), with_tail(log_q_top)
+    loss = ((log_p.exp() * (log_p - log_q_tailed)).sum(dim=-1) * weights).sum()
+    if not need_grad:
+        return loss, None
+    p = log_p.exp()
+    p_top, p_tail = p[:, :-1], p[:, -1:]
+    held = torch.logsumexp(log_q_top, dim=-1, keepdim=True)
+    free = ((held < 0) & (-torch.expm1(held) > math.exp(LOG_ZERO))).float()  # with_tail's tail clamps inactive
+    ratio = free * (log_p[:, -1:] - log_q_tailed[:, -1:]).exp()
+    grad = log_q.exp_().mul_(p_top.sum(dim=-1, keepdim=True) + free * p_tail - ratio)
+    at_top = ratio * log_q_top.exp() - p_top
+    local = targets.ids
+    if tp_group is not None:  # this shard's ids only; the others add nothing
+        local = targets.ids - dist.get_rank(tp_group) * log_q.shape[-1]
+        held_here = (local >= 0) & (local < log_q.shape[-1])
+        local, at_top = local.clamp(0, log_q.shape[-1] - 1), torch.where(held_here, at_top, 0.0)
+    return loss, grad.scatter_add_(-1, local, at_top).mul_(weights[:, None] / temperature)
 
 
 _COMPILED: dict = {}
 
 
-def _kernel(compiled: bool, tp_group):
+def _kernel(kernel, compiled: bool, tp_group):
     """The eager function, or one inductor kernel of its passes (a vocabulary-sharded
     one stays eager: its normalizer needs collectives)."""
     if not compiled or tp_group is not None:
-        return _forward_kl_and_grad
-    if "forward_kl" not in _COMPILED:
-        _COMPILED["forward_kl"] = torch.compile(_forward_kl_and_grad, dynamic=None)
-    return _COMPILED["forward_kl"]
+        return kernel
+    if kernel not in _COMPILED:
+        _COMPILED[kernel] = torch.compile(kernel, dynamic=None)
+    return _COMPILED[kernel]
 
 
-class _FusedForwardKL(torch.autograd.Function):
-    """Forward KL summed over a chunk's tokens, with its gradient with respect to the
-    student's logits, (q - p) / T per token, computed in the same pass, as
-    cross-entropy's is: no log-probabilities kept for the backward, none recomputed.
-    Under TP the gradient of this rank's shard is the same formula (the softmax's
-    normalizer being the whole vocabulary's); the caller sums the shards' losses."""
+class _WithItsGradient(torch.autograd.Function):
+    """A loss summed over a chunk's tokens whose gradient with respect to the student's
+    logits `kernel` computes in the same pass, as cross-entropy's is: no
+    log-probabilities kept for the backward, none recomputed. Under TP the gradient of
+    this rank's shard is the same formula, the softmax's normalizer being the whole
+    vocabulary's."""
 
     @staticmethod
-    def forward(ctx, student: torch.Tensor, log_p: torch.Tensor, weights: torch.Tensor, temperature: float, tp_group, compiled: bool) -> torch.Tensor:
-        loss, grad = _kernel(compiled, tp_group)(student, log_p, weights, temperature, tp_group)
-        if ctx.needs_input_grad[0]:  # not when evaluating
+    def forward(ctx, student: torch.Tensor, kernel, targets, weights: torch.Tensor, temperature: float, tp_group, compiled: bool) -> torch.Tensor:
+        need_grad = ctx.needs_input_grad[0]  # not when evaluating
+        loss, grad = _kernel(kernel, compiled, tp_group)(student, targets, weights, temperature, tp_group, need_grad)
+        if need_grad:
             ctx.save_for_backward(grad.to(student.dtype))
         return loss
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (student_grad,) = ctx.saved_tensors
-        return student_grad * grad, None, None, None, None, None
+        return student_grad.mul_(grad), None, None, None, None, None, None
 
 
 def _fused_forward_kl(student: torch.Tensor, teacher, weights: torch.Tensor, temperature: float, vocab: int, tp_group, compiled: bool) -> torch.Tensor:
+    student = within_vocab(student, vocab, tp_group)
+    if isinstance(teacher, TopK):  # k + 1 categories, the same on every TP rank: the loss is too
+        # Eager even with parallel.compile: inductor's kernel of it measured slower on a CPU (bench/distill.py).
+        return _WithItsGradient.apply(student, _top_k_kl_and_grad, teacher, weights, temperature, tp_group, False)
     log_p = teacher_log_probs(teacher, temperature, vocab, tp_group)
-    partial = _FusedForwardKL.apply(within_vocab(student, vocab, tp_group), log_p, weights, temperature, tp_group, compiled)
+    partial = _WithItsGradient.apply(student, _forward_kl_and_grad, log_p, weights, temperature, tp_group, compiled)
     return partial if tp_group is None else SumOfShares.apply(partial, tp_group)
+
+
+def _chunks(rows, size: int):
+    """The rows in chunks of `size`: a split, not one slice each (a slice's backward is a
+    zeroed gradient of the whole input), and the rows themselves when one chunk holds
+    them (a split's backward would copy them)."""
+    count = len(rows)
+    if size >= count:
+        return [rows]
+    if isinstance(rows, torch.Tensor):
+        return rows.split(size)
+    return [rows.rows(slice(start, start + size)) for start in range(0, count, size)]
 
 
 def kd_loss_sum(student_logits: torch.Tensor, teacher, mask: Optional[torch.Tensor], div: Divergence, temperature: float,
@@ -258,7 +313,7 @@ def kd_loss_sum(student_logits: torch.Tensor, teacher, mask: Optional[torch.Tens
 
     With `chunk_tokens`, tokens go through in chunks whose fp32 log-probabilities are
     recomputed in the backward instead of kept, so no more than one chunk's are ever
-    alive for both sides at once. Forward KL on dense targets needs neither: its
+    alive for both sides at once. Forward KL (dense or top-k targets) needs neither: its
     gradient is computed with it, chunk by chunk, in the student's dtype (`compiled`:
     in one inductor kernel)."""
     flat_student = student_logits.flatten(0, -2)
@@ -266,8 +321,8 @@ def kd_loss_sum(student_logits: torch.Tensor, teacher, mask: Optional[torch.Tens
     tokens = flat_student.shape[0]
     weights = torch.ones(tokens, device=flat_student.device) if mask is None else mask.flatten().float()
     size = min(chunk_tokens or tokens, tokens) or 1
-    # Forward KL on dense targets has a closed-form gradient: one fused pass, as cross-entropy.
-    fused = (div.name == "forward_kl" or (div.name == "jsd" and div.beta == 0)) and not isinstance(teacher, TopK)
+    # Forward KL has a closed-form gradient, on dense or top-k targets: one fused pass, as cross-entropy.
+    fused = div.name == "forward_kl" or (div.name == "jsd" and div.beta == 0)
     # One chunk holds no more than a chunk's worth: nothing to save by recomputing it.
     recompute = size < tokens and torch.is_grad_enabled() and not fused
 
@@ -277,8 +332,6 @@ def kd_loss_sum(student_logits: torch.Tensor, teacher, mask: Optional[torch.Tens
         return (token_divergence(s, t, div, temperature, vocab, tp_group) * w).sum()
 
     total = torch.zeros((), device=flat_student.device)
-    for start in range(0, tokens, size):
-        rows = slice(start, start + size)
-        args = (flat_student[rows], flat_teacher[rows] if isinstance(flat_teacher, torch.Tensor) else flat_teacher.rows(rows), weights[rows])
+    for args in zip(_chunks(flat_student, size), _chunks(flat_teacher, size), _chunks(weights, size)):
         total = total + (checkpoint(compute, *args, use_reentrant=False) if recompute else compute(*args))
     return temperature ** 2 * total
