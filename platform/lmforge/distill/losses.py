@@ -233,10 +233,10 @@ def _top_k_kl_and_grad(student: torch.Tensor, targets: TopK, weights: torch.Tens
     with torch.no_grad():  # the gather's TP sum is only a value here: the gradient is written out below
         log_q_top = log_probs_at(log_q, targets.ids, tp_group)
     log_p, log_q_tailed = with_tail(targets.logprobs.float()), with_tail(log_q_top)
-    loss = ((log_p.exp() * (log_p - log_q_tailed)).sum(dim=-1) * weights).sum()
+    p = log_p.exp()
+    loss = ((p * (log_p - log_q_tailed)).sum(dim=-1) * weights).sum()
     if not need_grad:
         return loss, None
-    p = log_p.exp()
     p_top, p_tail = p[:, :-1], p[:, -1:]
     held = torch.logsumexp(log_q_top, dim=-1, keepdim=True)
     free = ((held < 0) & (-torch.expm1(held) > math.exp(LOG_ZERO))).float()  # with_tail's tail clamps inactive
@@ -282,6 +282,7 @@ class _WithItsGradient(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (student_grad,) = ctx.saved_tensors
+        # In place: a saved gradient is used once (no backward here retains the graph).
         return student_grad.mul_(grad), None, None, None, None, None, None
 
 
