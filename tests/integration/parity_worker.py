@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from lmforge.checkpoint.sharded import load_checkpoint
 from lmforge.checkpoint.store import CheckpointStore
 from lmforge.checkpoint.writer import CheckpointWriter
+from lmforge.cluster.runtime import tune_process
 from lmforge.engines import create_engine
 from lmforge.parallel.mesh import build_mesh
 from lmforge.parallel.shape import MeshShape
@@ -110,7 +111,7 @@ def main() -> None:
     parser.add_argument("--skip-steps", type=int, default=0, help="skip this many steps' batches (with model.init_from)")
     parser.add_argument("--cases", help="a JSON list of runs, each a dict of the options above: run one after another in this launch")
     args = parser.parse_args()
-    torch.set_num_threads(1)
+    tune_process(1)  # as a rank process is
     cuda = args.device == "cuda"
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

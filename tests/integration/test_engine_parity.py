@@ -30,8 +30,10 @@ THREE_D = ["parallel.pp=2", "parallel.tp=2"]
 # logits, and two blocks' outputs through adapters.
 DISTILL = [*DISTILL_LOGITS, "distill.hidden={layers: {0: 1, 3: 2}, loss: cosine}", "distill.hidden_weight=0.7"]
 DISTILL_TERMS = ["ce_loss", "hidden_loss", "kd_loss"]
-# From the offline cache instead (no hidden states), a pipeline's on its last stage.
-DISTILL_CACHE = [*DISTILL_LOGITS, *FROM_CACHE]
+# From the offline cache instead (no hidden states), a pipeline's on its last stage. At a
+# learning rate whose loss falls step by step: at 1e-2 it rose and fell, and a layout's
+# first-step rounding (6e-7) grew to 1e-4 by step 4 (measured under TP).
+DISTILL_CACHE = [*DISTILL_LOGITS, *FROM_CACHE, "optim.lr=3e-3"]
 
 # name: (ranks, --set items, options): see parity.Launches.
 CASES = {
@@ -147,7 +149,7 @@ def test_checkpoint_reshards_to_any_layout(reference, run, layout):
 
 
 @pytest.mark.parametrize("case, terms, tolerance", [("distill-dp2", DISTILL_TERMS, 1e-5), ("distill-tp2", DISTILL_TERMS, 1e-4),
-                                                     *((f"distill-cache-{layout}", ["ce_loss", "kd_loss"], 1e-4) for layout in ("pp2", "tp2"))])
+                                                     *((f"distill-cache-{layout}", ["ce_loss", "kd_loss"], 1e-5) for layout in ("pp2", "tp2"))])
 def test_distillation_matches_one_process(run, case, terms, tolerance):
     """A JSD + cross-entropy distillation, every term over the global batch: the same
     total and terms per step as one process, the total their weighted sum; the same
@@ -189,11 +191,9 @@ def test_distillation_adapters_are_checkpointed_and_left_out_of_the_export(run):
 def test_held_out_loss_matches_one_process(run, case):
     """`Engine.eval_loss` (forward only) before, during and after training, or after
     loading and at the end: one number for every fp32 layout within 1e-5 (measured:
-    1e-7 at most, TP and 3D included); bf16 within its training tolerance. The cached
-    top-k student under TP drifts to 3.5e-5 by step 6: its first step's gradients equal
-    one process's within 7e-7, and Adam magnifies the noise in near-zero gradients."""
+    1e-7 at most, TP and 3D included); bf16 within its training tolerance."""
     want, got = run(one_process(case))["eval"], run(case)["eval"]
-    tolerance = 2e-2 if case.startswith("bf16") else 1e-4 if case == "distill-cache-tp2" else 1e-5
+    tolerance = 2e-2 if case.startswith("bf16") else 1e-5
     assert set(got) <= set(want) and len(got) >= 2, (case, got)
     for step, loss in got.items():
         assert loss == pytest.approx(want[step], rel=tolerance), (case, step)

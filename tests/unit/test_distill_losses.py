@@ -118,10 +118,11 @@ def test_top_k_with_a_tail_bucket_is_a_coarser_kl(name):
     div = Divergence(name)
     full = kd_loss_sum(student, teacher, None, div, T, V)
     previous = -1.0
+    ulps = 4e-7 * full.item()  # a few fp32 roundings of the sums (at k = V the two are equal)
     for k in (1, 4, 16, 49):
         sparse = kd_loss_sum(student, top_k(teacher, k), None, div, T, V)
-        assert 0 <= sparse.item() <= full.item() + 1e-5
-        assert sparse.item() >= previous - 1e-5  # more categories, closer to the full KL
+        assert 0 <= sparse.item() <= full.item() + ulps
+        assert sparse.item() >= previous - ulps  # more categories, closer to the full KL
         previous = sparse.item()
     assert kd_loss_sum(student, top_k(teacher, V), None, div, T, V).item() == pytest.approx(full.item(), rel=1e-5)
 

@@ -12,7 +12,7 @@ from datetime import timedelta
 
 import ray
 
-from lmforge.cluster.runtime import WORKER_ENV
+from lmforge.cluster.runtime import WORKER_ENV, tune_process
 
 
 @ray.remote(num_cpus=0)
@@ -22,11 +22,9 @@ class Worker:
         # with a runtime_env of its own cannot take one of Ray's idle worker processes
         # and waits for a new one to start (measured: ~0.75 s more per 2-rank launch).
         os.environ.update(WORKER_ENV)
-        import torch
-
         import lmforge.trainer  # noqa: F401 - loaded while the other ranks start, not after the rendezvous
 
-        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        tune_process(int(os.environ.get("OMP_NUM_THREADS", "1")))
         self.rank, self.world_size = rank, world_size
 
     def address(self) -> tuple[str, int, str]:

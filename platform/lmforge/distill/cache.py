@@ -70,10 +70,11 @@ class TeacherTopK:
     def __init__(self, paths: list[str], weights: list[float], k: int, temperature: float, vocab: int, threads: int):
         import torch
 
-        from lmforge.models.build import build_model
         from lmforge.checkpoint.export import open_source
+        from lmforge.cluster.runtime import tune_process
+        from lmforge.models.build import build_model
 
-        torch.set_num_threads(threads)
+        tune_process(threads)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.teachers = []
         for path in paths:

@@ -210,22 +210,43 @@ def token_divergence(student_logits: torch.Tensor, teacher, div: Divergence, tem
     return per_token if tp_group is None else SumOfShares.apply(per_token, tp_group)
 
 
-def _forward_kl_and_grad(student: torch.Tensor, log_p: torch.Tensor, weights: torch.Tensor, temperature: float, tp_group, need_grad: bool):
-    """(the weighted sum over the rows of this shard's part of KL(p || q), its gradient
-    with respect to the student's logits: (q - p) / T per row, weighted). In place
-    where it can be: on a CPU a fresh vocabulary-wide buffer costs as much as a pass."""
-    log_q = log_softmax(student.float() * (1 / temperature), tp_group)
-    p = log_p.exp()
-    loss = ((torch.linalg.vecdot(p, log_p) - torch.linalg.vecdot(p, log_q)) * weights).sum()
-    if not need_grad:
-        return loss, None
-    return loss, log_q.exp_().sub_(p).mul_(weights[:, None] / temperature)
+def _softmax(logits: torch.Tensor, tp_group=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(probabilities over the last dim, the log of their normalizer per row), each
+    element's exp taken once. With `tp_group`, that dim is this rank's vocabulary shard
+    and the normalizer the whole vocabulary's."""
+    if tp_group is None:
+        probs = logits.softmax(dim=-1)
+        # The largest probability is exp(max - lse), computed as 1 / sum-exp: its log gives lse back exactly.
+        return probs, logits.amax(dim=-1) - probs.amax(dim=-1).log()
+    top = logits.amax(dim=-1, keepdim=True)
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=tp_group)
+    probs = (logits - top).exp_()
+    sum_exp = probs.sum(dim=-1, keepdim=True)
+    dist.all_reduce(sum_exp, group=tp_group)
+    return probs.div_(sum_exp), (top + sum_exp.log()).squeeze(-1)
+
+
+def _forward_kl_and_grad(student: torch.Tensor, teacher: torch.Tensor, weights: torch.Tensor, temperature: float, tp_group, need_grad: bool):
+    """(the weighted sum over the rows of this shard's part of KL(p || q), q - p: its
+    gradient with respect to the student's logits before each row's weight / T).
+    `teacher`: its logits divided by T (fp32). With a those, s = student / T and log A,
+    log S their softmax normalizers, KL(p || q) = sum_v p (a - s) - log A + log S: one
+    exp per element on each side, as many as cross-entropy's forward and backward take.
+    In place where it can be: on a CPU a fresh vocabulary-wide buffer costs a pass."""
+    p, teacher_lse = _softmax(teacher, tp_group)
+    scaled = student.float() * (1 / temperature)
+    q, student_lse = _softmax(scaled, tp_group)
+    per_row = torch.linalg.vecdot(p, torch.sub(teacher, scaled, out=scaled))
+    if tp_group is None or dist.get_rank(tp_group) == 0:  # the normalizers once, not once per shard
+        per_row = per_row + (student_lse - teacher_lse)
+    loss = (per_row * weights).sum()
+    return loss, q.sub_(p) if need_grad else None
 
 
 def _top_k_kl_and_grad(student: torch.Tensor, targets: TopK, weights: torch.Tensor, temperature: float, tp_group, need_grad: bool):
     """(the weighted sum over the rows of KL(p || q) over the teacher's top k and a tail
     bucket, as `with_tail` makes them, its gradient with respect to this shard's
-    student logits). With P the teacher's mass on its top k, p_t its tail, q_t the
+    student logits before each row's weight / T). With P the teacher's mass on its top k, p_t its tail, q_t the
     student's tail and r = p_t / q_t, the gradient of a row is, over T,
     q_j (P + p_t - r) + [j in top k] (r q_j - p_j); where `with_tail` clamps the
     student's tail (no mass left to it) that term has no gradient: q_j P - [j in top k] p_j."""
@@ -248,7 +269,7 @@ def _top_k_kl_and_grad(student: torch.Tensor, targets: TopK, weights: torch.Tens
         local = targets.ids - dist.get_rank(tp_group) * log_q.shape[-1]
         held_here = (local >= 0) & (local < log_q.shape[-1])
         local, at_top = local.clamp(0, log_q.shape[-1] - 1), torch.where(held_here, at_top, 0.0)
-    return loss, grad.scatter_add_(-1, local, at_top).mul_(weights[:, None] / temperature)
+    return loss, grad.scatter_add_(-1, local, at_top)
 
 
 _COMPILED: dict = {}
@@ -267,23 +288,24 @@ def _kernel(kernel, compiled: bool, tp_group):
 class _WithItsGradient(torch.autograd.Function):
     """A loss summed over a chunk's tokens whose gradient with respect to the student's
     logits `kernel` computes in the same pass, as cross-entropy's is: no
-    log-probabilities kept for the backward, none recomputed. Under TP the gradient of
-    this rank's shard is the same formula, the softmax's normalizer being the whole
-    vocabulary's."""
+    log-probabilities kept for the backward, none recomputed. The kernel leaves out each
+    row's factor weight / T, which the backward applies with the incoming gradient in
+    one pass. Under TP the gradient of this rank's shard is the same formula, the
+    softmax's normalizer being the whole vocabulary's."""
 
     @staticmethod
     def forward(ctx, student: torch.Tensor, kernel, targets, weights: torch.Tensor, temperature: float, tp_group, compiled: bool) -> torch.Tensor:
         need_grad = ctx.needs_input_grad[0]  # not when evaluating
         loss, grad = _kernel(kernel, compiled, tp_group)(student, targets, weights, temperature, tp_group, need_grad)
         if need_grad:
-            ctx.save_for_backward(grad.to(student.dtype))
+            ctx.save_for_backward(grad.to(student.dtype), weights * (1 / temperature))
         return loss
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        (student_grad,) = ctx.saved_tensors
+        student_grad, row_scale = ctx.saved_tensors
         # In place: a saved gradient is used once (no backward here retains the graph).
-        return student_grad.mul_(grad), None, None, None, None, None, None
+        return student_grad.mul_((row_scale * grad)[:, None]), None, None, None, None, None, None
 
 
 def _fused_forward_kl(student: torch.Tensor, teacher, weights: torch.Tensor, temperature: float, vocab: int, tp_group, compiled: bool) -> torch.Tensor:
@@ -291,8 +313,11 @@ def _fused_forward_kl(student: torch.Tensor, teacher, weights: torch.Tensor, tem
     if isinstance(teacher, TopK):  # k + 1 categories, the same on every TP rank: the loss is too
         # Eager even with parallel.compile: inductor's kernel of it measured slower on a CPU (bench/distill.py).
         return _WithItsGradient.apply(student, _top_k_kl_and_grad, teacher, weights, temperature, tp_group, False)
-    log_p = teacher_log_probs(teacher, temperature, vocab, tp_group)
-    partial = _WithItsGradient.apply(student, _forward_kl_and_grad, log_p, weights, temperature, tp_group, compiled)
+    if isinstance(teacher, Mixture):  # its log-probabilities are logits whose normalizer is 1
+        scaled_teacher = teacher_log_probs(teacher, temperature, vocab, tp_group)
+    else:
+        scaled_teacher = within_vocab(teacher.detach(), vocab, tp_group).float() * (1 / temperature)
+    partial = _WithItsGradient.apply(student, _forward_kl_and_grad, scaled_teacher, weights, temperature, tp_group, compiled)
     return partial if tp_group is None else SumOfShares.apply(partial, tp_group)
 
 
