@@ -203,6 +203,52 @@ def distill_cache(reference_run, tiny_dataset, tmp_path_factory) -> tuple[dict, 
     return job, sdk.build_cache(spec_from_dict(job), show_progress=False)
 
 
+INSTRUCT_PROMPTS = 24
+INSTRUCT_OPTIM = {"lr": 5e-3, "warmup_steps": 2, "decay_steps": 12}
+
+
+def write_prompts(path: Path, corpus: Path, count: int = INSTRUCT_PROMPTS) -> Path:
+    """A prompts file: the first line of each of the corpus' files, every third as a chat."""
+    import json
+
+    lines = [next(line for line in f.read_text().splitlines() if line.strip()).strip()[:16] for f in sorted(corpus.iterdir())]
+    with open(path, "w") as out:
+        for i in range(count):
+            text = lines[i % len(lines)] + f" #{i}"
+            # A chat's template costs a dozen tokens here: its content is kept short.
+            row = {"messages": [{"role": "user", "content": text[:6]}]} if i % 3 == 2 else {"prompt": text}
+            out.write(json.dumps(row) + "\n")
+    return path
+
+
+def instruct_job(tmp_path: Path, reference_dir: Path, prompts: Path, **sections) -> dict:
+    """The instruction-distillation tests' job: `reference_run`'s last two checkpoints
+    answer 24 prompts (twice each, 10 new tokens, their top 4 kept), a quarter held out,
+    into `tmp_path/sft`, which the tiny student then learns for 12 steps (answers and
+    soft targets), evaluating every 6."""
+    teachers = [{"path": str(reference_dir / "checkpoints" / f"step_{step:08d}")} for step in (REFERENCE_STEPS, REFERENCE_STEPS - 10)]
+    instruct = {"prompts": str(prompts), "eval_fraction": 0.25, "prompts_per_shard": 2,
+                "generate": {"max_new_tokens": 10, "temperature": 0.7, "n": 2, "seed": 5, "batch_size": 4},
+                "select": {"drop_truncated": False, "min_tokens": 3, "min_mean_logprob": -6.0}}
+    job = tiny_job(
+        tmp_path, tmp_path / "sft", name="instruct", train={"max_steps": 12, "seed": 2}, optim=INSTRUCT_OPTIM,
+        data={"path": str(tmp_path / "sft"), "shard_samples": 16, "prefetch_steps": 4}, eval={"interval": 6, "batches": 1},
+        distill={"teachers": teachers, "top_k": 4, "ce_weight": 1.0, "kd_weight": 1.0, "instruct": instruct},
+    )
+    return with_sections(job, sections)
+
+
+@pytest.fixture(scope="session")
+def instruct_dataset(reference_run, tiny_corpus, ray_session, tmp_path_factory) -> tuple[dict, dict]:
+    """(the job, the dataset's manifest) of `instruct_job`'s answers, generated once per session."""
+    from lmforge import sdk
+    from lmforge.spec import spec_from_dict
+
+    tmp = tmp_path_factory.mktemp("instruct")
+    job = instruct_job(tmp, Path(reference_run["run_dir"]), write_prompts(tmp / "prompts.jsonl", tiny_corpus))
+    return job, sdk.generate_answers(spec_from_dict(job), show_progress=False)
+
+
 MULTINODE_STEPS = 200  # at dp 1 enough steps (~10 s) remain for a node to join and the job to grow
 SPARED_STEPS = 60  # the spared run waits for no node: the first steps of the same schedule
 MULTINODE_SCRIPT_S = 900  # the scenarios' own bound: the script is killed, with its output in the error

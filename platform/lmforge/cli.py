@@ -46,6 +46,11 @@ def _parser() -> argparse.ArgumentParser:
     cache.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     cache.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else an embedded local cluster)")
     cache.add_argument("--no-progress", action="store_true")
+    answers = distill.add_parser("generate", help="have a distillation job's teachers answer distill.instruct.prompts into its dataset (data.path)")
+    answers.add_argument("job", help="job YAML file with a distill section naming teacher(s) and an instruct section")
+    answers.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    answers.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else an embedded local cluster)")
+    answers.add_argument("--no-progress", action="store_true")
 
     export = sub.add_parser("export", help="write a model directory (config.json, model.safetensors, tokenizer) from a checkpoint")
     export.add_argument("checkpoint", help="a committed step directory (e.g. runs/NAME/checkpoints/step_00000100), an lmforge export or a Hugging Face Llama directory")
@@ -168,6 +173,14 @@ def _cmd_distill(args) -> int:
     spec = load_spec(args.job, args.overrides)
     from lmforge import sdk
 
+    if args.distill_command == "generate":
+        manifest = sdk.generate_answers(spec, address=args.address, show_progress=not args.no_progress)
+        counts = manifest["instruct"]["counts"]
+        dropped = ", ".join(f"{n} {rule.replace('_', ' ')}" for rule, n in counts["dropped"].items() if n) or "none"
+        print(f"{counts['prompts']:,} prompts ({counts['prompt_too_long']:,} too long), {counts['answers']:,} answers, kept {counts['kept']:,} "
+              f"(dropped: {dropped}); {manifest['num_samples']:,} training samples, {manifest.get('eval', {}).get('num_samples', 0):,} held out; "
+              f"{manifest['seconds']} s -> {spec.with_absolute_paths().data.path}", file=sys.stderr)
+        return 0
     manifest = sdk.build_cache(spec, address=args.address, show_progress=not args.no_progress)
     tokens = manifest["dataset"]["num_samples"] * manifest["dataset"]["seq_len"]
     print(f"cached the teacher's top {manifest['k']} at temperature {manifest['temperature']:g} for {tokens:,} tokens "

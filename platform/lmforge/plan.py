@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 from lmforge.checkpoint.store import CheckpointStore, CommittedCheckpoint
+from lmforge.data.columns import is_masked
 from lmforge.data.heldout import check_held_out
 from lmforge.data.identity import describe, order_changes, order_inputs
 from lmforge.data.precheck import check_before_ray
@@ -112,8 +113,14 @@ def _vocabulary(tokenizer) -> dict:
 
 
 def check_distill(spec: JobSpec, manifest: Optional[dict]) -> None:
-    """The teachers can teach this student, and a teacher cache it names is this job's."""
+    """The teachers can teach this student, and a teacher cache it names (or the
+    instruction dataset it trains on) is this job's."""
     check_teachers(spec, manifest)
+    if spec.distill.instruct is not None:
+        check_instruct_dataset(spec, manifest)
+    elif manifest is not None and is_masked(manifest) and spec.distill.hidden is not None:
+        raise UserError(f"distill.hidden: {spec.data.path} is an instruction dataset, whose loss mask hidden-state distillation does not take; "
+                        "distill its logits")
     if spec.distill.cache:
         if manifest is None:
             raise UserError(f"distill.cache: {spec.data.path} is not prepared yet, so no cache can match it; "
@@ -121,9 +128,10 @@ def check_distill(spec: JobSpec, manifest: Optional[dict]) -> None:
         read_cache(spec, manifest)
 
 
-def check_teachers(spec: JobSpec, manifest: Optional[dict]) -> None:
-    """Every teacher opens, shares the dataset's tokenizer, and splits as the student does."""
-    dataset_tokenizer = _dataset_tokenizer(spec, manifest)
+def check_teachers(spec: JobSpec, manifest: Optional[dict], tokenizer=None) -> None:
+    """Every teacher opens, shares the dataset's tokenizer (or `tokenizer`, an instruction
+    distillation's), and splits as the student does."""
+    dataset_tokenizer = tokenizer or _dataset_tokenizer(spec, manifest)
     if dataset_tokenizer is None:
         raise UserError("data.tokenizer: not set, so preparing the data would train a new BPE, not the teacher's tokenizer; "
                         "set it to the teacher's tokenizer.json")
@@ -138,9 +146,10 @@ def _check_teacher(spec: JobSpec, teacher, name: str, vocabulary: dict, dataset_
         raise UserError(f"{name}: {teacher.path} has no tokenizer to compare with the dataset's; teacher and student must share one "
                         "(lmforge export --tokenizer ships one)")
     if _vocabulary(teacher.tokenizer()) != vocabulary:
-        raise UserError(f"{name}: its tokenizer ({teacher.path}) is not the dataset's ({dataset_tokenizer}); teacher and student must share one")
+        theirs = "the first teacher's" if not isinstance(dataset_tokenizer, (str, Path)) else f"the dataset's ({dataset_tokenizer})"
+        raise UserError(f"{name}: its tokenizer ({teacher.path}) is not {theirs}; teacher and student must share one")
     tp = spec.parallel.tp
-    online = spec.distill.cache is None  # from a cache no teacher is built, so none is split
+    online = spec.distill.online  # from a cache, or an instruction distillation's answers, no teacher is built, so none is split
     if online and tp > 1 and teacher.cfg.vocab_size != spec.model_arch.vocab_size:
         raise UserError(f"{name}: its vocab_size {teacher.cfg.vocab_size} differs from model.vocab_size {spec.model_arch.vocab_size}; "
                         "with parallel.tp > 1 an online teacher's vocabulary is split like the student's, so they must be equal "
@@ -152,6 +161,26 @@ def _check_teacher(spec: JobSpec, teacher, name: str, vocabulary: dict, dataset_
             check_hidden_layers(spec.distill.hidden.layers, teacher.cfg.n_layers, "teacher", "values")
         except ValueError as err:
             raise UserError(f"{err} ({teacher.path})") from None
+
+
+def check_instruct_dataset(spec: JobSpec, manifest: dict) -> None:
+    """`data.path` holds the answers of this job's teachers, with the soft targets its
+    KD term learns (the same k and temperature)."""
+    made = manifest.get("instruct")
+    if made is None:
+        raise UserError(f"data.path: {spec.data.path} is not an instruction dataset (no answers to learn); write one with "
+                        "`lmforge distill generate JOB` into another data.path")
+    d = spec.distill
+    if [(t["path"], t["weight"]) for t in made["teachers"]] != [(str(s.path), s.weight) for s in d.sources]:
+        raise UserError(f"data.path: {spec.data.path} holds answers of other teachers ({', '.join(t['path'] for t in made['teachers'])}); "
+                        "generate it again for this job's, or name those")
+    stored = made.get("soft_targets")
+    if d.top_k and stored is None:
+        raise UserError(f"distill.top_k: {spec.data.path} holds no soft targets (it was generated without distill.top_k); "
+                        "generate it again with top_k, or remove top_k and set kd_weight: 0")
+    if d.top_k and (stored["k"], stored["temperature"]) != (d.top_k, d.temperature):
+        raise UserError(f"distill.top_k: {spec.data.path} holds the teachers' top {stored['k']} at temperature {stored['temperature']:g}, "
+                        f"not top_k {d.top_k} at distill.temperature {d.temperature:g}; generate it again, or match them")
 
 
 def check_deepspeed(spec: JobSpec) -> None:
@@ -176,6 +205,9 @@ def preflight(spec: JobSpec) -> Plan:
     if (Path(spec.data.path) / MANIFEST).exists():
         manifest = read_manifest(spec.data.path)
         check_dataset(spec, manifest)
+    elif spec.distill is not None and spec.distill.instruct is not None:
+        raise UserError(f"data.path: {spec.data.path} holds no instruction dataset yet; write it with `lmforge distill generate JOB` "
+                        "(the teachers answer distill.instruct.prompts)")
     elif spec.data.source is None:
         raise UserError(f"data.path: {spec.data.path} holds no prepared dataset and data.source is not set")
     else:

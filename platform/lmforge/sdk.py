@@ -11,8 +11,10 @@ The CLI is a thin layer over these functions.
 
 from __future__ import annotations
 
+import json
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -60,25 +62,59 @@ def build_cache(spec: JobSpec, address: Optional[str] = None, show_progress: boo
     check_can_build(spec)
     prepared = (Path(spec.data.path) / MANIFEST).is_file()
     check_teachers(spec, read_manifest(spec.data.path) if prepared else None)
-    started = connect(address)
-    tracker, status = None, "FAILED"
-    try:
+    with _distill_stage(spec, "cache", address) as tracker:
         if not prepared:
             prepare_dataset(PrepareOptions.for_job(spec, show_progress=show_progress))
-        if spec.tracking.enabled:
-            from lmforge.tracking.mlflow_run import MlflowRun
-
-            tracker = MlflowRun(spec, role="cache")  # a child of the distillation job's run
         manifest = build_teacher_cache(spec, show_progress)
         if tracker:
             _track_cache(tracker, spec, manifest)
-        status = "FINISHED"
         return manifest
+
+
+def generate_answers(spec: JobSpec, address: Optional[str] = None, show_progress: bool = True) -> dict:
+    """An instruction distillation's dataset (`data.path`): its teachers' answers to
+    `distill.instruct.prompts`, selected, as SFT samples with their soft targets;
+    returns its manifest. Rerun after an interruption, it answers only what is left."""
+    from lmforge.distill.instruct.build import generate_dataset, plan_generation
+
+    spec = spec.with_absolute_paths()
+    plan = plan_generation(spec)  # every refusal before Ray starts
+    with _distill_stage(spec, "generate", address) as tracker:
+        manifest = generate_dataset(spec, plan, show_progress)
+        if tracker:
+            _track_generation(tracker, spec, manifest)
+        return manifest
+
+
+@contextmanager
+def _distill_stage(spec: JobSpec, role: str, address: Optional[str]):
+    """Ray joined (or started) and, when tracking, the stage's MLflow run as a child of
+    the distillation job's; both closed after, the run marked by how the stage ended."""
+    started = connect(address)
+    tracker, status = None, "FAILED"
+    try:
+        if spec.tracking.enabled:
+            from lmforge.tracking.mlflow_run import MlflowRun
+
+            tracker = MlflowRun(spec, role=role)
+        yield tracker
+        status = "FINISHED"
     finally:
         if tracker:
             tracker.finish(status)
         if started:
             ray.shutdown()
+
+
+def _track_generation(tracker, spec: JobSpec, manifest: dict) -> None:
+    counts = manifest["instruct"]["counts"]
+    tracker.log_params({f"distill.instruct.{key}": json.dumps(manifest["instruct"][key]) for key in ("generate", "select", "soft_targets")})
+    for key in ("prompts", "held_out_prompts", "prompt_too_long", "answers", "kept", "answer_tokens"):
+        tracker.log_metric(key, counts[key], 0)
+    for rule, count in counts["dropped"].items():
+        tracker.log_metric(f"dropped_{rule}", count, 0)
+    tracker.log_metric("seconds", manifest["seconds"], 0)
+    tracker.log_artifact(Path(spec.data.path) / MANIFEST)
 
 
 def _track_cache(tracker, spec: JobSpec, manifest: dict) -> None:

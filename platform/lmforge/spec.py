@@ -347,6 +347,10 @@ class JobSpec(_Section):
                 "teacher": local(self.distill.teacher) if self.distill.teacher else None,
                 "teachers": [t.model_copy(update={"path": local(t.path)}) for t in self.distill.teachers] if self.distill.teachers else None,
                 "cache": local(self.distill.cache) if self.distill.cache else None,
+                "instruct": self.distill.instruct.model_copy(update={
+                    "prompts": local(self.distill.instruct.prompts),
+                    "chat_template": local(self.distill.instruct.chat_template) if self.distill.instruct.chat_template else None,
+                }) if self.distill.instruct else None,
             }) if self.distill else None,
             "checkpoint": self.checkpoint.model_copy(update={"dir": local(self.checkpoint_dir)}),
             "tracking": self.tracking.model_copy(update={"uri": self.tracking_uri}),

@@ -156,7 +156,7 @@ def check_distill(spec: "JobSpec", model: ModelConfig) -> None:
         raise ValueError("distill.hidden: the deepspeed engine distills logits only; use engine: native for hidden-state distillation")
     if distill.hidden is not None:
         check_hidden_layers(distill.hidden.layers, model.n_layers, "student", "keys")
-    if spec.parallel.pp > 1 and distill.cache is None:
+    if spec.parallel.pp > 1 and distill.cache is None and distill.instruct is None:
         raise ValueError("distill.cache: with parallel.pp > 1 the teacher's targets come from an offline cache "
                          "(build it with `lmforge distill cache JOB`, then set distill.cache and distill.top_k)")
 

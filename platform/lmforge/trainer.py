@@ -61,7 +61,7 @@ class Trainer:
         self.writer = CheckpointWriter(self.store, spec.checkpoint, checkpoint_group, self._event)
         # Start reading ahead first: Ray Data's first read overlaps model building.
         self.layout = BatchLayout(spec.train.global_batch, spec.train.micro_batch, p.dp)
-        self.cache = teacher_cache(spec)  # (directory, manifest) of a distillation's offline targets
+        self.cache = teacher_cache(spec)  # (directory, manifest) of a distillation's offline targets (an instruction dataset's own)
         self.feed = BatchFeed(
             spec.data.path,
             manifest,
@@ -141,7 +141,7 @@ class Trainer:
             self.faults.before_step(step)
             # A checkpoint started at the last step may still be copying the weights.
             stats = self.engine.train_step(torch.from_numpy(fed.tokens.astype(np.int64)), before_update=self.writer.staged,
-                                           targets=_targets(fed.targets))
+                                           targets=_targets(fed.targets), loss_mask=_mask(fed.loss_mask))
         except torch.OutOfMemoryError as err:
             raise OutOfMemory(step, self.rank, train.micro_batch, memory_report(self.spec, self.rank, step, self.device, err)) from None
         self.faults.after_step()
@@ -178,7 +178,8 @@ class Trainer:
         """The held-out loss (and a distillation's agreement with the teacher): every
         layout reads the same samples, so each is one number."""
         began = time.perf_counter()
-        batches = [self.engine.evaluate(torch.from_numpy(tokens.astype(np.int64)), targets=_targets(targets)) for tokens, targets in self.held_out]
+        batches = [self.engine.evaluate(torch.from_numpy(tokens.astype(np.int64)), targets=_targets(targets), loss_mask=_mask(mask))
+                   for tokens, targets, mask in self.held_out]
         metrics = {name: float(np.mean([b[name] for b in batches])) for name in batches[0]}
         self._event({"event": "eval", "step": step, **metrics, "eval_ppl": math.exp(min(metrics["eval_loss"], 700.0)),
                      "batches": len(batches), "seconds": round(time.perf_counter() - began, 3)})
@@ -200,6 +201,10 @@ class Trainer:
         dist.all_gather(gathered, local, group=self.dims.dp_group)
         return torch.cat(gathered).cpu().tolist()
 
+
+
+def _mask(loss_mask):
+    return None if loss_mask is None else torch.from_numpy(loss_mask.astype(bool))
 
 
 def _targets(targets):

@@ -70,7 +70,8 @@ class Launches:
     `load` (continue from the named case's checkpoint), `export` (start from the named
     case's checkpoint exported by the real `lmforge export` CLI, in `export_format`,
     lmforge's by default; with `skip_steps`), `teacher` (distil from the named case's
-    checkpoint, exported the same way).
+    checkpoint, exported the same way), `masked` (learn only the tokens of a loss mask
+    shaped as an instruction dataset's: see parity_worker.loss_masks).
     The cases of one world size share a launch, except that a case which needs
     another case's checkpoint runs in a launch after the one that saves it."""
 
@@ -122,7 +123,7 @@ class Launches:
 
     def _case(self, name: str) -> dict:
         _, overrides, options = self.table[name]
-        case = {"overrides": list(overrides)} | {k: options[k] for k in ("steps", "save_at", "skip_steps") if k in options}
+        case = {"overrides": list(overrides)} | {k: options[k] for k in ("steps", "save_at", "skip_steps", "masked") if k in options}
         if "save_at" in options:
             case["save"] = str(self.checkpoint(name))
         if "load" in options:

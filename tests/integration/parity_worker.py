@@ -40,6 +40,14 @@ def held_out_batches(count: int = 2) -> list[torch.Tensor]:
     return [(torch.randint(0, 256, (8, 1), generator=gen) + torch.randint(1, 4, (8, 1), generator=gen) * torch.arange(17)) % 256 for _ in range(count)]
 
 
+def loss_masks(gen: torch.Generator, rows: int = 8, seq: int = 16) -> torch.Tensor:
+    """An instruction dataset's shape of loss mask: each sample's prompt (its first 1-6
+    targets) and padding (its last 0-5) not learnt."""
+    prompt, padding = torch.randint(1, 7, (rows, 1), generator=gen), torch.randint(0, 6, (rows, 1), generator=gen)
+    position = torch.arange(seq)
+    return (position >= prompt) & (position < seq - padding)
+
+
 def _device(offload) -> str | None:
     device = getattr(offload, "device", None)
     return None if device is None else str(getattr(device, "value", device))
@@ -109,6 +117,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--skip-steps", type=int, default=0, help="skip this many steps' batches (with model.init_from)")
+    parser.add_argument("--masked", action="store_true", help="learn only the tokens of a loss mask per sample (loss_masks)")
     parser.add_argument("--cases", help="a JSON list of runs, each a dict of the options above: run one after another in this launch")
     args = parser.parse_args()
     tune_process(1)  # as a rank process is
@@ -162,9 +171,14 @@ def run_case(args: argparse.Namespace, device: torch.device) -> None:
     targets = lambda batch: None if cache is None else cache(batch, lambda t: t.view(dp, -1, *t.shape[1:])[dims.dp_rank].reshape(  # noqa: E731
         spec.grad_accum, spec.train.micro_batch, *t.shape[1:]))
 
+    # The masks come from a generator of their own: the batches stay those of the other cases.
+    masks = torch.Generator().manual_seed(7)
+    held_out_masks = [loss_masks(masks) for _ in held_out_batches()]
+    mask_of = lambda mask: mask.view(dp, -1, 16)[dims.dp_rank].reshape(spec.grad_accum, spec.train.micro_batch, 16) if args.masked else None  # noqa: E731
+
     def evaluate(done: int) -> None:
         if done in (*EVAL_AFTER, args.steps) and done >= start:
-            measured = [engine.evaluate(share(batch), targets=targets(batch)) for batch in held_out_batches()]
+            measured = [engine.evaluate(share(batch), targets=targets(batch), loss_mask=mask_of(mask)) for batch, mask in zip(held_out_batches(), held_out_masks)]
             evals[done] = sum(m["eval_loss"] for m in measured) / 2
             if "eval_kl" in measured[0]:  # a distillation: its agreement with the teacher too
                 against_teacher[done] = {k: sum(m[k] for m in measured) / 2 for k in ("eval_kl", "eval_top1")}
@@ -174,10 +188,12 @@ def run_case(args: argparse.Namespace, device: torch.device) -> None:
         # Learnable sequences (arithmetic progressions) so the loss visibly falls.
         start_tok = torch.randint(0, 256, (8, 1), generator=gen)
         stride = torch.randint(1, 4, (8, 1), generator=gen)
+        mask = loss_masks(masks)
         if step < start:
             continue  # the batch was drawn so the generator stays in step
         global_batch = (start_tok + stride * torch.arange(17)) % 256
-        stats = engine.train_step(share(global_batch), before_update=lambda: states.update(measured=state_bytes(engine)), targets=targets(global_batch))
+        stats = engine.train_step(share(global_batch), before_update=lambda: states.update(measured=state_bytes(engine)), targets=targets(global_batch),
+                                  loss_mask=mask_of(mask))
         losses.append(stats.loss)
         terms.append(stats.terms)
         evaluate(step + 1)

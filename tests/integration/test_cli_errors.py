@@ -327,6 +327,53 @@ def test_a_teacher_cache_that_cannot_be_built_is_refused(change, fragment, tmp_p
     assert_clean_error(run_cli("distill", "cache", str(write_job(tmp_path, job)), cwd=tmp_path), fragment)
 
 
+# name: (the job's sections changed, given the instruct job and a tmp dir; the command; what the message says)
+INSTRUCT_REFUSALS = {
+    "a missing prompts file": (lambda job, tmp: {"instruct": {"prompts": str(tmp / "none.jsonl")}}, "generate",
+                               "distill.instruct.prompts: ", "none.jsonl does not exist"),
+    "an empty prompts file": (lambda job, tmp: {"instruct": {"prompts": _file(tmp / "empty.jsonl", "")}}, "generate", "holds no prompts"),
+    "no prompt column": (lambda job, tmp: {"instruct": {"prompts": _file(tmp / "p.jsonl", '{"question": "x"}\n')}}, "generate",
+                         "has neither a 'prompt' nor a 'messages' column"),
+    "messages not pairs": (lambda job, tmp: {"instruct": {"prompts": _file(tmp / "p.jsonl", '{"messages": [{"role": "user"}]}\n')}}, "generate",
+                           "distill.instruct.messages_column:", "{role, content} pairs"),
+    "every prompt too long": (lambda job, tmp: {"instruct": {"generate": {"max_new_tokens": 40}}}, "generate",
+                              "none of the 24 prompts fits", "train.seq_len + 1 = 33"),
+    "a dataset already there": (lambda job, tmp: {}, "generate", "data.path:", "already holds a dataset"),
+    "trained before generating": (lambda job, tmp: {"data": {"path": str(tmp / "nothing-yet")}}, "train",
+                                  "holds no instruction dataset yet; write it with `lmforge distill generate JOB`"),
+    "other soft targets": (lambda job, tmp: {"top_k": 2}, "train", "distill.top_k:", "holds the teachers' top 4 at temperature 1, not top_k 2"),
+    "other teachers": (lambda job, tmp: {"teachers": job["distill"]["teachers"][:1]}, "train", "data.path:", "holds answers of other teachers"),
+}
+
+
+def _file(path: Path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize("case", INSTRUCT_REFUSALS)
+def test_an_instruction_distillation_that_cannot_run_is_refused(case, tmp_path, instruct_dataset):
+    import copy
+
+    job, _ = instruct_dataset
+    change, command, *fragments = INSTRUCT_REFUSALS[case]
+    job = copy.deepcopy(job)
+    changed = change(job, tmp_path)
+    data = changed.pop("data", None)
+    instruct = changed.pop("instruct", {})
+    for key, value in instruct.items():
+        job["distill"]["instruct"][key] = value if not isinstance(value, dict) else {**job["distill"]["instruct"][key], **value}
+    job["distill"].update(changed)
+    if data:
+        job["data"].update(data)
+    elif command == "generate" and case != "a dataset already there":
+        job["data"]["path"] = str(tmp_path / "new")  # not the dataset that is there
+    job["output_dir"] = str(tmp_path / "runs")
+    args = ("distill", "generate") if command == "generate" else ("train",)
+    assert_clean_error(run_cli(*args, str(write_job(tmp_path, job)), cwd=tmp_path), *fragments)
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "new").exists() and not any(tmp_path.glob(".*answers*"))
+
+
 def test_job_larger_than_memory_per_worker_is_refused_with_an_alternative(tmp_path, tiny_dataset):
     from lmforge.memory.estimate import worst_rank
     from lmforge.planner.cluster import assumed_cluster

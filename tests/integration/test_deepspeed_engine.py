@@ -49,6 +49,9 @@ CASES = {
     **{f"{engine}-distill{kind}": (2, [*items, *DISTILL_LOGITS, *extra], {"teacher": "native-save"})
        for engine, items in (("native", []), ("zero3", zero(3)), ("zero2", zero(2))) for kind, extra in (("", []), ("-cache", FROM_CACHE))
        if (engine, kind) != ("zero2", "")},
+    # The same from the cache, learning only the tokens of an instruction dataset's loss mask.
+    **{f"{engine}-distill-cache-masked": (2, [*items, *DISTILL_LOGITS, *FROM_CACHE], {"teacher": "native-save", "masked": True})
+       for engine, items in (("native", []), ("zero2", zero(2)))},
 }
 
 
@@ -129,17 +132,17 @@ def test_exported_weights_move_between_engines(runs, source, target):
     assert continued[0] == pytest.approx(runs(saved)["losses"][3], rel=1e-5)
 
 
-@pytest.mark.parametrize("name", ["zero3-distill", "zero3-distill-cache", "zero2-distill-cache"])
+@pytest.mark.parametrize("name", ["zero3-distill", "zero3-distill-cache", "zero2-distill-cache", "zero2-distill-cache-masked"])
 def test_distillation_matches_native(runs, name):
     """A JSD + cross-entropy distillation under ZeRO (the online teacher whole on each
     rank): the total, each term, and the held-out loss, KL and top-1 agreement of the
-    native engine's same run."""
-    want, got = runs("native-distill" + ("-cache" if name.endswith("-cache") else "")), runs(name)
+    native engine's same run; also learning only an instruction dataset's masked-in tokens."""
+    want, got = runs("native-" + name.split("-", 1)[1]), runs(name)
     assert got["losses"] == pytest.approx(want["losses"], rel=1e-4)
     assert [sorted(t) for t in got["terms"]] == [["ce_loss", "kd_loss"]] * len(want["losses"])
     for term in ("ce_loss", "kd_loss"):
         assert [t[term] for t in got["terms"]] == pytest.approx([t[term] for t in want["terms"]], rel=1e-4, abs=2e-6)
-    assert want["losses"][-1] < want["losses"][0]
+    assert want["eval"][str(len(want["losses"]))] < want["eval"]["0"]
     assert got["eval"] == pytest.approx(want["eval"], rel=1e-4) and len(want["eval"]) >= 2
     assert sorted(got["against_teacher"]) == sorted(want["against_teacher"])
     for step, measured in want["against_teacher"].items():

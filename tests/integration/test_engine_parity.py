@@ -65,13 +65,22 @@ CASES = {
     "distill-load-one": (1, DISTILL, {"load": "distill-tp2", "teacher": "3d-save"}),
     **{f"distill-cache-{name}": (n, [*DISTILL_CACHE, *layout], {"teacher": "3d-save"}) for name, n, layout in
        (("one", 1, []), ("pp2", 2, [*PP2, *SCHEDULES["interleaved-1f1b"]]), ("tp2", 2, ["parallel.tp=2"]))},
+    # An instruction dataset's loss mask (parity_worker.loss_masks): cross-entropy over the
+    # global batch's learnt tokens, and the KD term from stored top-k targets on them.
+    **{f"sft-{name}": (n, layout, {"masked": True}) for name, n, layout in
+       (("one", 1, []), ("dp2", 2, []), ("tp2", 2, ["parallel.tp=2"]), ("pp2", 2, [*PP2, *SCHEDULES["1f1b"]]))},
+    **{f"sft-kd-{name}": (n, [*DISTILL_CACHE, *layout], {"teacher": "3d-save", "masked": True}) for name, n, layout in
+       (("one", 1, []), ("tp2", 2, ["parallel.tp=2"]), ("pp2", 2, [*PP2, *SCHEDULES["interleaved-1f1b"]]))},
 }
-ONE_PROCESS = ("reference", "distill-one", "distill-cache-one")
+ONE_PROCESS = ("reference", "distill-one", "distill-cache-one", "sft-one", "sft-kd-one")
 
 
 def one_process(case: str) -> str:
     """The single-process run a case is compared with."""
-    return "distill-cache-one" if case.startswith("distill-cache") else "distill-one" if case.startswith("distill") else "reference"
+    for prefix in ("sft-kd", "sft", "distill-cache", "distill"):
+        if case.startswith(prefix + "-"):
+            return f"{prefix}-one"
+    return "reference"
 
 
 @pytest.fixture(scope="module")
@@ -172,6 +181,24 @@ def test_distillation_matches_one_process(run, case, terms, tolerance):
         assert got["against_teacher"][step]["eval_kl"] == pytest.approx(measured["eval_kl"], rel=tolerance, abs=2e-6)
         assert got["against_teacher"][step]["eval_top1"] == pytest.approx(measured["eval_top1"], abs=1e-6)
         assert measured["eval_kl"] > 0 and 0 <= measured["eval_top1"] <= 1
+
+
+@pytest.mark.parametrize("case", ["sft-dp2", "sft-tp2", "sft-pp2", "sft-kd-tp2", "sft-kd-pp2"])
+def test_a_loss_mask_trains_alike_on_every_layout(run, case):
+    """Only the masked-in tokens are learnt, each term their sum over the global batch
+    divided by their count there (counted per step, over data-parallel ranks): the same
+    per-step losses and terms as one process, under FSDP, TP (loss_parallel's ignored
+    targets), a pipeline's schedule, and the KD term from stored top-k targets."""
+    want, got = run(one_process(case)), run(case)
+    assert got["losses"] == pytest.approx(want["losses"], rel=1e-5)
+    for name in want["terms"][0]:
+        assert [t[name] for t in got["terms"]] == pytest.approx([t[name] for t in want["terms"]], rel=1e-5, abs=2e-6)
+    # Each step masks other tokens, so the training loss jumps about: the held-out loss
+    # (the same masks at every evaluation) is what falls.
+    assert want["eval"][str(len(want["losses"]))] < want["eval"]["0"]
+    # The mask is what is learnt: the same batches, unmasked, give other losses.
+    unmasked = run("distill-cache-one" if case.startswith("sft-kd") else "reference")["losses"]
+    assert want["losses"] != pytest.approx(unmasked, rel=1e-4)
 
 
 def test_distillation_adapters_are_checkpointed_and_left_out_of_the_export(run):

@@ -1,6 +1,7 @@
 """Packing documents into fixed samples, and the tokenizer it uses."""
 
 import numpy as np
+import pytest
 
 from lmforge.data.packing import Packer, ShardWriter, held_out
 from lmforge.data.tokenizer import EOS_TOKEN, eos_id, train_bpe
@@ -47,24 +48,33 @@ def test_held_out_documents_are_spread_evenly():
     assert sum(held_out(i, 0.37) for i in range(1000)) == 370
 
 
-def test_held_out_batches_split_over_ranks_like_a_step(tmp_path):
+@pytest.mark.parametrize("masked", [False, True])
+def test_held_out_batches_split_over_ranks_like_a_step(tmp_path, masked):
     """Batch b is held-out samples b*G.. in id order; ranks take a step's slices, and
-    a batch may straddle two shards."""
+    a batch may straddle two shards. An instruction dataset's loss masks come with
+    their samples."""
     from lmforge.data.heldout import HeldOutBatches
     from lmforge.data.order import BatchLayout
 
     writer = ShardWriter(tmp_path / "eval", seq_len=3, shard_samples=5)
     (tmp_path / "eval").mkdir()
     rows = np.arange(23 * 4, dtype=np.int32).reshape(23, 4)
-    writer.add(rows)
+    masks = (np.arange(23 * 3).reshape(23, 3) % 4 != 0).astype(np.uint8)
+    writer.add(rows, **({"loss_mask": masks} if masked else {}))
     writer.close()
     manifest = {"shard_samples": 5, "seq_len": 3, "eval": {"dir": "eval", "shards": writer.shards, "num_samples": 23}}
+    if masked:
+        manifest["instruct"] = {}
     for dp in (1, 2, 4):
         layout = BatchLayout(global_batch=8, micro_batch=2 if dp < 4 else 1, dp=dp)
         read = [list(HeldOutBatches(str(tmp_path), manifest, layout, rank, batches=2)) for rank in range(dp)]
-        assert all(targets is None for batches in read for _, targets in batches)  # no teacher cache
-        per_rank = [[tokens for tokens, _ in batches] for batches in read]
-        assert all(b.shape == (layout.accum, layout.micro_batch, 4) for batches in per_rank for b in batches)
-        for batch in range(2):
-            joined = np.concatenate([per_rank[rank][batch].reshape(-1, 4) for rank in range(dp)])
-            assert (joined == rows[batch * 8 : (batch + 1) * 8]).all(), (dp, batch)
+        assert all(targets is None for batches in read for _, targets, _ in batches)  # no teacher cache
+        for column, (width, want) in enumerate([(4, rows), (3, masks if masked else None)]):
+            per_rank = [[batch[column * 2] for batch in batches] for batches in read]
+            if want is None:
+                assert all(b is None for batches in per_rank for b in batches)
+                continue
+            assert all(b.shape == (layout.accum, layout.micro_batch, width) for batches in per_rank for b in batches)
+            for batch in range(2):
+                joined = np.concatenate([per_rank[rank][batch].reshape(-1, width) for rank in range(dp)])
+                assert (joined == want[batch * 8 : (batch + 1) * 8]).all(), (dp, batch)

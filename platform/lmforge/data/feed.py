@@ -6,7 +6,8 @@ and hands out whole chunks of steps. The trainer (`BatchFeed`) keeps the next
 chunk requested, so it only waits on an object reference: reading never
 competes with the training loop for its interpreter. A distillation from the
 offline teacher cache streams its shards, which mirror the dataset's, beside the
-tokens in the same order: each sample's top-k targets travel with it.
+tokens in the same order: each sample's top-k targets travel with it. An instruction
+dataset's samples carry their loss mask (and their teachers' top-k) in its own shards.
 """
 
 from __future__ import annotations
@@ -20,23 +21,16 @@ from typing import Iterator, Optional
 import numpy as np
 import ray
 
+from lmforge.data.columns import sample_columns, target_columns
 from lmforge.data.order import BatchLayout, GlobalOrder
 
 
-def token_rows(width: int):
-    """A batch's rows of tokens, each [seq_len+1]."""
-    def decode(batch) -> list[np.ndarray]:
-        return list(batch.column("tokens").combine_chunks().flatten().to_numpy().reshape(-1, width))
-    return ["tokens"], decode
-
-
-def target_rows(seq_len: int, k: int):
-    """A teacher cache batch's rows, each (top-k ids [seq_len, k], log-probabilities [seq_len, k])."""
-    def decode(batch) -> list[tuple[np.ndarray, np.ndarray]]:
-        ids = batch.column("topk_ids").combine_chunks().flatten().to_numpy().reshape(-1, seq_len, k)
-        logprobs = batch.column("topk_logprobs").combine_chunks().flatten().to_numpy().reshape(-1, seq_len, k)
-        return list(zip(ids, logprobs))
-    return ["topk_ids", "topk_logprobs"], decode
+def decoder(columns: dict[str, tuple]):
+    """(column names, a function from a batch to one tuple of values per sample)."""
+    def decode(batch) -> list[tuple]:
+        values = [batch.column(name).combine_chunks().flatten().to_numpy().reshape(-1, *shape) for name, shape in columns.items()]
+        return list(zip(*values))
+    return list(columns), decode
 
 
 class EpochStream:
@@ -82,7 +76,8 @@ class EpochStream:
 
 
 class Source:
-    """One set of shards read by window: the dataset's tokens, or the teacher cache's targets."""
+    """One set of shards read by window: the dataset's tokens (and what its samples carry
+    beside them), or the teacher cache's targets."""
 
     def __init__(self, paths: list[str], order: GlobalOrder, rows):
         self.paths, self.order, self.rows_of = paths, order, rows
@@ -105,28 +100,30 @@ class Source:
 class FeedReader:
     def __init__(self, data_path: str, manifest: dict, order: GlobalOrder, layout: BatchLayout, dp_rank: int,
                  cache: Optional[tuple[str, dict]] = None):
+        """`cache`: (its directory, its manifest) of top-k targets in shards named as the
+        dataset's, read beside them; the dataset's own directory when its samples carry them."""
         files = [s["file"] for s in manifest["shards"]]
-        self.sources = [Source([str(Path(data_path) / f) for f in files], order, token_rows(manifest["seq_len"] + 1))]
-        if cache is not None:  # (its directory, its manifest): shards named as the dataset's
-            path, cache_manifest = cache
-            self.sources.append(Source([str(Path(path) / f) for f in files], order, target_rows(manifest["seq_len"], cache_manifest["k"])))
+        own = cache is not None and Path(cache[0]) == Path(data_path)
+        columns = sample_columns(manifest, cache[1]["k"] if own else None)
+        self.sources = [Source([str(Path(data_path) / f) for f in files], order, decoder(columns))]
+        if cache is not None and not own:
+            targets = target_columns(manifest["seq_len"], cache[1]["k"])
+            self.sources.append(Source([str(Path(cache[0]) / f) for f in files], order, decoder(targets)))
+            columns = {**columns, **targets}  # a new dict: the first source decodes its own columns
+        self.columns = list(columns)
         self.order, self.layout, self.dp_rank = order, layout, dp_rank
 
-    def chunk(self, first_step: int, steps: int) -> tuple:
-        """(sample ids, tokens[, top-k ids, top-k log-probabilities]) of this rank for
-        `steps` steps, step-major."""
+    def chunk(self, first_step: int, steps: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """(sample ids, {column: values}: tokens, and what the samples carry beside them)
+        of this rank for `steps` steps, step-major."""
         ids, rows = [], []
         for step in range(first_step, first_step + steps):
             start, count = self.layout.rank_positions(step, self.dp_rank)
             step_ids = self.order.ids(start, count)
             for position, sample in zip(range(start, start + count), step_ids):
-                rows.append([source.row(position, int(sample)) for source in self.sources])
+                rows.append([value for source in self.sources for value in source.row(position, int(sample))])
             ids.append(step_ids)
-        tokens = np.stack([row[0] for row in rows])
-        if len(self.sources) == 1:
-            return np.concatenate(ids), tokens
-        targets = [row[1] for row in rows]
-        return np.concatenate(ids), tokens, np.stack([t[0] for t in targets]), np.stack([t[1] for t in targets])
+        return np.concatenate(ids), {name: np.stack([row[i] for row in rows]) for i, name in enumerate(self.columns)}
 
 
 @dataclass
@@ -138,6 +135,7 @@ class FedStep:
     tokens: np.ndarray  # [accum, micro, seq_len+1]
     waited: float  # seconds the trainer waited for it
     targets: Optional[tuple[np.ndarray, np.ndarray]] = None  # from the teacher cache: top-k ids, log-probs [accum, micro, seq_len, k]
+    loss_mask: Optional[np.ndarray] = None  # an instruction dataset's: the next tokens learnt [accum, micro, seq_len]
 
 
 class BatchFeed:
@@ -165,14 +163,15 @@ class BatchFeed:
     def _receive(self) -> float:
         first, ref = self._in_flight.popleft()
         began = time.perf_counter()
-        ids, *arrays = ray.get(ref)
+        ids, columns = ray.get(ref)
         waited = time.perf_counter() - began
         self._request()
         per, shape = self.layout.per_rank, (self.layout.accum, self.layout.micro_batch)
         for i in range(self.prefetch_steps):
             rows = slice(i * per, (i + 1) * per)
-            tokens, *targets = [a[rows].reshape(*shape, *a.shape[1:]) for a in arrays]
-            self._buffer.append(FedStep(first + i, ids[rows], tokens, 0.0, tuple(targets) or None))
+            step = {name: a[rows].reshape(*shape, *a.shape[1:]) for name, a in columns.items()}
+            targets = (step["topk_ids"], step["topk_logprobs"]) if "topk_ids" in step else None
+            self._buffer.append(FedStep(first + i, ids[rows], step["tokens"], 0.0, targets, step.get("loss_mask")))
         return waited
 
     def next(self) -> FedStep:

@@ -14,6 +14,7 @@ from typing import Optional
 import numpy as np
 import pyarrow.parquet as pq
 
+from lmforge.data.columns import sample_columns, target_columns
 from lmforge.data.order import BatchLayout
 from lmforge.errors import UserError
 
@@ -64,13 +65,13 @@ class HeldOutBatches:
         held = manifest["eval"]
         self.directory = Path(data_path) / held["dir"]
         self.shards = held["shards"]
-        self.shard_samples, self.seq_len = manifest["shard_samples"], manifest["seq_len"]
+        self.shard_samples, self.seq_len, self.manifest = manifest["shard_samples"], manifest["seq_len"], manifest
         self.layout, self.dp_rank, self.batches, self.cache = layout, dp_rank, batches, cache
         self._read: list[tuple] | None = None
 
     def __iter__(self):
         """(tokens [accum, micro, seq_len+1], top-k ids and log-probs [accum, micro, seq_len, k] or
-        None) for each global batch in turn."""
+        None, the loss mask [accum, micro, seq_len] or None) for each global batch in turn."""
         if self._read is None:
             self._read = list(self._read_batches())
         return iter(self._read)
@@ -78,15 +79,17 @@ class HeldOutBatches:
     def _read_batches(self):
         # The batches are the split's first samples: read those shards, keep this rank's rows.
         files = [shard["file"] for shard in self.shards[: -(-self.batches * self.layout.global_batch // self.shard_samples)]]
-        columns = [_rows(self.directory, files, "tokens", (self.seq_len + 1,))]
-        if self.cache is not None:
+        own = self.cache is not None and Path(self.cache[0]) == self.directory  # an instruction dataset's own top-k
+        columns = {name: _rows(self.directory, files, name, shape) for name, shape in sample_columns(self.manifest, self.cache[1] if own else None).items()}
+        if self.cache is not None and not own:
             directory, k = self.cache
-            columns += [_rows(Path(directory), files, name, (self.seq_len, k)) for name in ("topk_ids", "topk_logprobs")]
+            columns |= {name: _rows(Path(directory), files, name, shape) for name, shape in target_columns(self.seq_len, k).items()}
         shape = (self.layout.accum, self.layout.micro_batch)
         for batch in range(self.batches):
             first, count = self.layout.rank_positions(batch, self.dp_rank)
-            tokens, *targets = [c[first : first + count].reshape(*shape, *c.shape[1:]).copy() for c in columns]
-            yield tokens, tuple(targets) or None
+            taken = {name: c[first : first + count].reshape(*shape, *c.shape[1:]).copy() for name, c in columns.items()}
+            targets = (taken["topk_ids"], taken["topk_logprobs"]) if "topk_ids" in taken else None
+            yield taken["tokens"], targets, taken.get("loss_mask")
 
 
 def _rows(directory: Path, files: list[str], column: str, row_shape: tuple) -> np.ndarray:

@@ -24,13 +24,16 @@ class ShardWriter:
 
     def __init__(self, directory: Path, seq_len: int, shard_samples: int):
         self.directory, self.width, self.shard_samples = directory, seq_len + 1, shard_samples
-        self.pending: list[np.ndarray] = []
+        self.pending: list[dict[str, np.ndarray]] = []
         self.pending_rows = 0
         self.next_id = 0
         self.shards: list[dict] = []
 
-    def add(self, samples: np.ndarray) -> None:
-        self.pending.append(samples)
+    def add(self, samples: np.ndarray, **columns: np.ndarray) -> None:
+        """`samples`: int32 [rows, seq_len+1]; `columns`: more columns, row for row with
+        them, a value or a fixed-width list each (an instruction dataset's loss mask, soft
+        targets and where each answer came from)."""
+        self.pending.append({"tokens": samples, **columns})
         self.pending_rows += len(samples)
         while self.pending_rows >= self.shard_samples:
             self._flush(self.shard_samples)
@@ -40,14 +43,14 @@ class ShardWriter:
             self._flush(self.pending_rows)
 
     def _flush(self, rows: int) -> None:
-        block = np.concatenate(self.pending)
-        chunk, rest = block[:rows], block[rows:]
-        self.pending, self.pending_rows = ([rest] if len(rest) else []), len(rest)
+        block = {name: np.concatenate([part[name] for part in self.pending]) for name in self.pending[0]}
+        self.pending = [{name: values[rows:] for name, values in block.items()}] if self.pending_rows > rows else []
+        self.pending_rows -= rows
         ids = np.arange(self.next_id, self.next_id + rows, dtype=np.int64)
-        tokens = pa.FixedSizeListArray.from_arrays(pa.array(chunk.reshape(-1), pa.int32()), self.width)
+        columns = {name: _column(values[:rows]) for name, values in block.items()}
         name = f"shard-{len(self.shards):05d}.parquet"
         path = self.directory / name
-        pq.write_table(pa.table({"sample_id": ids, "tokens": tokens}), path)
+        pq.write_table(pa.table({"sample_id": ids, **columns}), path)
         self.shards.append({
             "file": name,
             "first_sample_id": int(self.next_id),
@@ -56,6 +59,12 @@ class ShardWriter:
             "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
         })
         self.next_id += rows
+
+
+def _column(values: np.ndarray) -> pa.Array:
+    if values.ndim == 1:
+        return pa.array(values)
+    return pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1)), values.shape[1])
 
 
 class Packer:

@@ -14,6 +14,7 @@ import os
 import shutil
 import time
 from dataclasses import dataclass, field
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Optional
 
@@ -227,17 +228,10 @@ def _held_out_entry(held: Split, opts: PrepareOptions) -> dict:
     }
 
 
-class _NoProgress:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
 
 def _progress(enabled: bool):
     if not enabled:
-        return _NoProgress()
+        return nullcontext()  # enters as None: no bar
     return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("documents"), TimeElapsedColumn())
 
 

@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Optional
 import numpy as np
@@ -100,8 +101,9 @@ class TeacherTopK:
                 "topk_logprobs": values.to(torch.float16).reshape(rows, -1).cpu().numpy()}
 
 
-def _pool(cluster: dict) -> dict:
-    """A GPU per actor when the cluster has GPUs; else two single-CPU actors (or one)."""
+def actor_pool(cluster: dict) -> dict:
+    """A pool of model actors: a GPU per actor when the cluster has GPUs; else two
+    single-CPU actors (or one)."""
     gpus = int(cluster.get("GPU", 0))
     if gpus:
         return {"concurrency": gpus, "num_gpus": 1, "threads": 4}
@@ -170,7 +172,7 @@ def build_cache(spec, show_progress: bool = True) -> dict:
     identity = made_from(spec, dataset)
     began = time.time()
     vocab = min(dataset["tokenizer"]["vocab_size"], *(_teacher_vocab(s.path) for s in d.sources))
-    pool = _pool(ray.cluster_resources())
+    pool = actor_pool(ray.cluster_resources())
     actor = {"compute": ray.data.ActorPoolStrategy(size=pool["concurrency"]), "num_gpus": pool.get("num_gpus", 0), "num_cpus": pool.get("num_cpus", 0)}
     scorer = {"paths": [str(s.path) for s in d.sources], "weights": [s.weight for s in d.sources], "k": d.top_k,
               "temperature": d.temperature, "vocab": vocab, "threads": pool["threads"]}
@@ -219,16 +221,9 @@ def _manifest(identity: dict, dataset: dict, staging: Path, vocab: int, seconds:
 
 def _progress(enabled: bool):
     if not enabled:
-        return _Quiet()
+        return nullcontext()  # enters as None: no bar
     return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("shards"), TimeElapsedColumn())
 
-
-class _Quiet:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def tracking_params(spec) -> dict[str, str]:
@@ -248,11 +243,16 @@ def cache_params(manifest: dict) -> dict[str, str]:
 
 
 def teacher_cache(spec) -> Optional[tuple[str, dict]]:
-    """(directory, manifest) of the job's teacher cache, as checked before launch; None
-    without one."""
-    if not (spec.distill and spec.distill.cache):
+    """(directory, manifest) of the job's teacher cache, as checked before launch; for an
+    instruction distillation with stored soft targets, the dataset itself (its samples
+    carry their teachers' top-k); None without either."""
+    d = spec.distill
+    if d is not None and d.instruct is not None and d.top_k:
+        manifest = json.loads((Path(spec.data.path) / MANIFEST).read_text())
+        return spec.data.path, {"k": d.top_k, **({"eval": manifest["eval"]} if "eval" in manifest else {})}
+    if not (d and d.cache):
         return None
-    return spec.distill.cache, json.loads((Path(spec.distill.cache) / MANIFEST).read_text())
+    return d.cache, json.loads((Path(d.cache) / MANIFEST).read_text())
 
 
 def read_cache(spec, dataset: dict) -> dict:

@@ -1,7 +1,8 @@
 """The job file's `distill:` section: the teacher (or several, mixed), the divergence
-and its settings, the weights of each loss term, sparse (top-k) targets, and the
-intermediate layers to match. Torch-free, like the rest of the spec; the rules
-between it and other sections are in `spec_rules.py`.
+and its settings, the weights of each loss term, sparse (top-k) targets, the
+intermediate layers to match, and instruction distillation's prompts, generation and
+selection. Torch-free, like the rest of the spec; the rules between it and other
+sections are in `spec_rules.py`.
 """
 
 from __future__ import annotations
@@ -35,6 +36,44 @@ class HiddenSpec(BaseModel):
         return self
 
 
+class GenerateSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    max_new_tokens: int = Field(64, gt=0, description="tokens a teacher may write per answer")
+    temperature: float = Field(1.0, ge=0, description="sampling temperature (0: greedy)")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling: the smallest set of tokens holding this much probability")
+    top_k: int = Field(0, ge=0, description="sample among the k most likely tokens (0: all)")
+    n: int = Field(1, gt=0, le=64, description="answers each teacher writes per prompt")
+    seed: int = Field(0, description="answers are a function of it, the prompt and the answer's index: the same on any rerun")
+    batch_size: int = Field(16, gt=0, description="sequences a teacher generates at once (one KV cache)")
+
+
+class SelectSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    drop_truncated: bool = Field(True, description="drop answers cut off by max_new_tokens (finish reason 'length')")
+    min_tokens: int = Field(1, ge=1, description="drop answers with fewer tokens")
+    max_tokens: Optional[int] = Field(None, gt=0, description="drop answers with more tokens")
+    min_mean_logprob: Optional[float] = Field(None, le=0, description="drop answers whose mean token log-probability under their teacher is lower")
+    dedupe: bool = Field(True, description="drop an answer identical to one kept before for the same prompt")
+    teachers: Literal["best", "all"] = Field(
+        "best", description="several teachers: keep, per prompt and answer index, the answer with the best mean log-probability, or all of them"
+    )
+
+
+class InstructSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    prompts: str = Field(..., description="JSONL or Parquet of prompts (a local path or an fsspec URI)")
+    prompt_column: str = Field("prompt", description="the column holding a prompt's text")
+    messages_column: str = Field("messages", description="or the column holding a chat: a list of {role, content}")
+    chat_template: Optional[str] = Field(None, description="a Jinja chat template file; default: the teacher's tokenizer_config.json, else lmforge's")
+    eval_fraction: float = Field(0.0, ge=0, lt=1, description="share of the prompts held out: their answers are the dataset's held-out split")
+    prompts_per_shard: int = Field(32, gt=0, description="prompts per unit of work: each unit's answers are written once, and kept across a rerun")
+    generate: GenerateSpec = Field(default_factory=GenerateSpec)
+    select: SelectSpec = Field(default_factory=SelectSpec)
+
+
 class DistillSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -53,6 +92,9 @@ class DistillSpec(BaseModel):
     top_k: Optional[int] = Field(None, gt=0, description="sparse targets: the teacher's k most likely tokens, the rest of its mass as one bucket")
     cache: Optional[str] = Field(None, description="an offline teacher cache (`lmforge distill cache JOB` builds it) instead of online teachers")
     chunk_tokens: int = Field(1024, gt=0, description="tokens whose fp32 log-probabilities are alive at once in the loss")
+    instruct: Optional[InstructSpec] = Field(
+        None, description="instruction distillation: the teachers answer these prompts (`lmforge distill generate JOB`) into data.path"
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> "DistillSpec":
@@ -65,9 +107,28 @@ class DistillSpec(BaseModel):
             raise ValueError("distill.hidden: the teacher cache holds next-token targets, not hidden states; match layers with an online teacher")
         if self.cache is not None and self.top_k is None:
             raise ValueError("distill.cache: the cache keeps the teacher's k most likely tokens per position; set distill.top_k (e.g. 128)")
+        if self.instruct is not None:
+            self._instruct_consistent()
         if self.hidden is not None and self.teachers is not None and len(self.teachers) > 1:
             raise ValueError("distill.hidden: matches one teacher's layers; with several teachers distill their logits only")
         return self
+
+    def _instruct_consistent(self) -> None:
+        """The student learns the teachers' answers and, with kd_weight, their top-k
+        distributions stored beside them: no online teacher, no other cache."""
+        if self.cache is not None:
+            raise ValueError("distill.cache: an instruction distillation's dataset holds its teachers' top-k targets itself; remove distill.cache")
+        if self.hidden is not None:
+            raise ValueError("distill.hidden: an instruction distillation learns from stored answers, not from a teacher's layers")
+        if self.kd_weight and self.top_k is None:
+            raise ValueError("distill.kd_weight: learning the teachers' distributions on their answers needs them stored; "
+                             "set distill.top_k (e.g. 16), or kd_weight: 0 for answers alone")
+
+    @property
+    def online(self) -> bool:
+        """Whether the teachers run beside the student on every rank (not from a cache, nor
+        an instruction distillation's stored answers)."""
+        return self.cache is None and self.instruct is None
 
     @property
     def sources(self) -> list[TeacherSpec]:

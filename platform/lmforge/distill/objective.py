@@ -2,7 +2,8 @@
 cross-entropy on the data, the divergence from the teacher and the distance of
 matched intermediate layers, each term divided by the tokens a rank trains on per
 step (FSDP then averages over ranks, so every term is its sum over the global batch
-divided by N).
+divided by N). On an instruction dataset only the answers' tokens count: the labels
+carry the ignore index elsewhere, and N is counted per step.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ from torch.distributed.tensor import DTensor
 
 from lmforge.distill.hidden import hidden_loss_sum
 from lmforge.distill.losses import Divergence, Mixture, SumOfShares, TopK, kd_loss_sum, teacher_log_probs, top_k, within_vocab
+from lmforge.engines.loss_mask import learnt_mask
 
 TERMS = ("ce_loss", "kd_loss", "hidden_loss")
-EVAL_METRICS = ("eval_loss", "eval_kl", "eval_top1")  # what `held_out_sums` adds up, in order
+EVAL_METRICS = ("eval_loss", "eval_kl", "eval_top1")  # what `held_out_sums` adds up, in order,
+HELD_OUT_SUMS = len(EVAL_METRICS) + 1  # and then the tokens it counted
 
 
 def _local(value: torch.Tensor) -> torch.Tensor:
@@ -47,6 +50,8 @@ class DistillObjective:
         self.weights = [source.weight for source in self.settings.sources]
         self.tokens_per_rank, self.vocab, self.tp_group = tokens_per_rank, vocab, tp_group
         self.compiled = spec.parallel.compile  # the loss compiled with the blocks
+        # Stored answers without their soft targets leave nothing of the teacher to compare with.
+        self.measures_teacher = not (self.settings.instruct is not None and self.settings.top_k is None)
 
     @property
     def term_names(self) -> list[str]:
@@ -55,23 +60,27 @@ class DistillObjective:
         return [name for name, on in zip(TERMS, (s.ce_weight, s.kd_weight, s.hidden is not None)) if on]
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor, teacher: list[torch.Tensor] | TopK,
-                 hidden: Optional[tuple[list[torch.Tensor], list[torch.Tensor]]] = None) -> tuple[torch.Tensor, dict]:
+                 hidden: Optional[tuple[list[torch.Tensor], list[torch.Tensor]]] = None,
+                 learnt: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict]:
         """(the weighted loss, {term: its value}) of one micro-batch. `teacher`: one logits
         tensor per online teacher, or the cache's top-k targets; `hidden`: the adapted
-        student outputs and the teacher's, pair by pair."""
+        student outputs and the teacher's, pair by pair; `learnt`: a masked step's N / dp
+        (`targets` then hold IGNORE_INDEX where nothing is learnt)."""
         s = self.settings
+        per_rank = self.tokens_per_rank if learnt is None else learnt
+        mask = None if learnt is None else learnt_mask(targets)
         terms = {}
         if s.ce_weight:
-            terms["ce_loss"] = _cross_entropy_sum(logits, targets) / self.tokens_per_rank
+            terms["ce_loss"] = _cross_entropy_sum(logits, targets) / per_rank
         if s.kd_weight:
-            kd = kd_loss_sum(_local(logits), self._targets(teacher), None, self.divergence, s.temperature, self.vocab, self.tp_group, s.chunk_tokens,
+            kd = kd_loss_sum(_local(logits), self._targets(teacher), mask, self.divergence, s.temperature, self.vocab, self.tp_group, s.chunk_tokens,
                              compiled=self.compiled)
-            terms["kd_loss"] = kd / self.tokens_per_rank
+            terms["kd_loss"] = kd / per_rank
         if hidden is not None:
-            total = hidden_loss_sum(*hidden, None, s.hidden.loss)
+            total = hidden_loss_sum(*hidden, mask, s.hidden.loss)
             if self.hidden_group is not None:
                 total = SumOfShares.apply(total, self.hidden_group)
-            terms["hidden_loss"] = total / self.tokens_per_rank
+            terms["hidden_loss"] = total / per_rank
         weights = {"ce_loss": s.ce_weight, "kd_loss": s.kd_weight, "hidden_loss": s.hidden_weight}
         total = sum(weights[name] * value for name, value in terms.items())
         return total, terms
@@ -93,32 +102,35 @@ class DistillObjective:
         return top_k(teacher_log_probs(teacher, self.settings.temperature, self.vocab, self.tp_group), k, self.tp_group)
 
     def held_out_sums(self, logits: torch.Tensor, targets: torch.Tensor, teacher: list[torch.Tensor] | TopK) -> torch.Tensor:
-        """Sums over one held-out micro-batch's tokens of the student's cross-entropy,
-        KL(teacher || student), and top-1 agreement with the teacher (the teachers'
-        mixture). Online: the full KL at temperature 1. From the cache: the top-k KL
-        with its tail bucket at the cache's temperature (what the cache holds)."""
+        """Sums over one held-out micro-batch's learnt tokens (all but IGNORE_INDEX
+        targets) of the student's cross-entropy, KL(teacher || student), and top-1
+        agreement with the teacher (the teachers' mixture), then the tokens counted.
+        Online: the full KL at temperature 1. From the cache: the top-k KL with its
+        tail bucket at the cache's temperature (what the cache holds)."""
         ce = _cross_entropy_sum(logits, targets)
+        mask = learnt_mask(targets)
+        if not self.measures_teacher:
+            return torch.stack([ce.detach(), torch.zeros_like(ce), torch.zeros_like(ce), mask.sum().float()])
         student = _local(logits)
         if isinstance(teacher, TopK):
-            kl = kd_loss_sum(student, teacher, None, Divergence("forward_kl"), self.settings.temperature, self.vocab, self.tp_group,
+            kl = kd_loss_sum(student, teacher, mask, Divergence("forward_kl"), self.settings.temperature, self.vocab, self.tp_group,
                              self.settings.chunk_tokens) / self.settings.temperature ** 2
             teacher_top1 = teacher.ids[..., 0]  # stored most likely first
         else:
             teacher = self._teacher(teacher)
-            kl = kd_loss_sum(student, teacher, None, Divergence("forward_kl"), 1.0, self.vocab, self.tp_group, self.settings.chunk_tokens)
+            kl = kd_loss_sum(student, teacher, mask, Divergence("forward_kl"), 1.0, self.vocab, self.tp_group, self.settings.chunk_tokens)
             scores = teacher if isinstance(teacher, torch.Tensor) else teacher_log_probs(teacher, 1.0, self.vocab, self.tp_group)
             teacher_top1 = self._top1(scores)
-        agree = (self._top1(student) == teacher_top1).sum()
-        return torch.stack([ce.detach(), kl.detach(), agree.float()])
+        agree = ((self._top1(student) == teacher_top1) & mask).sum()
+        return torch.stack([ce.detach(), kl.detach(), agree.float(), mask.sum().float()])
 
-    @staticmethod
-    def held_out_means(sums: torch.Tensor, tokens: int, dp_group=None) -> dict[str, float]:
+    def held_out_means(self, sums: torch.Tensor, dp_group=None) -> dict[str, float]:
         """`held_out_sums` added up over a rank's micro-batches, as per-token means over
-        the held-out global batch (averaged over `dp_group`, every rank holding as many tokens)."""
-        sums = sums / tokens
+        the held-out global batch (summed over `dp_group` first)."""
         if dp_group is not None:
-            dist.all_reduce(sums, op=dist.ReduceOp.AVG, group=dp_group)
-        return dict(zip(EVAL_METRICS, sums.tolist()))
+            dist.all_reduce(sums, group=dp_group)
+        means = dict(zip(EVAL_METRICS, (sums[:-1] / sums[-1].clamp(min=1)).tolist()))
+        return means if self.measures_teacher else {"eval_loss": means["eval_loss"]}
 
     def _top1(self, logits: torch.Tensor) -> torch.Tensor:
         """The most likely token's id; under TP the smallest such id over all shards

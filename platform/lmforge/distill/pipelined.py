@@ -22,6 +22,7 @@ class StagedObjective:
         self.objective, self.microbatches = objective, microbatches
         self.cached: Optional[TopK] = None
         self.held_out = False
+        self.learnt: Optional[torch.Tensor] = None
         # Per micro-batch (by its first row): torch calls the loss once more for a
         # micro-batch when it infers backward metadata after a switch from eval() to
         # training, and that call must not count twice.
@@ -33,10 +34,12 @@ class StagedObjective:
         rows = torch.arange(tokens.shape[0], device=tokens.device, dtype=tokens.dtype)
         return torch.cat([rows[:, None], tokens], dim=1)
 
-    def begin(self, cached: tuple[torch.Tensor, torch.Tensor], device: torch.device, held_out: bool = False) -> None:
-        """A step's (or a held-out batch's) cached targets, [accum, micro, seq, k] each."""
-        ids, logprobs = (t.flatten(0, 1).to(device, non_blocking=True) for t in cached)
-        self.cached, self.held_out, self.results = TopK(ids, logprobs), held_out, {}
+    def begin(self, cached: tuple[torch.Tensor, torch.Tensor], device: torch.device, held_out: bool = False,
+              learnt: Optional[torch.Tensor] = None) -> None:
+        """A step's (or a held-out batch's) cached targets, [accum, micro, seq, k] each;
+        `learnt`: a masked step's N / dp."""
+        self.cached = None if cached is None else TopK(*(t.flatten(0, 1).to(device, non_blocking=True) for t in cached))
+        self.held_out, self.learnt, self.results = held_out, learnt, {}
 
     def totals(self, size: int, device: torch.device) -> torch.Tensor:
         """The terms (in `term_names` order), or the held-out sums, over the micro-batches
@@ -45,11 +48,11 @@ class StagedObjective:
 
     def __call__(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         rows, tokens = target[:, 0], target[:, 1:]
-        teacher = self.cached.rows(rows)
+        teacher = None if self.cached is None else self.cached.rows(rows)  # none: answers alone (an instruction dataset's)
         if self.held_out:
             self.results[int(rows[0])] = self.objective.held_out_sums(logits, tokens, teacher)
             return torch.zeros((), device=logits.device)
-        loss, terms = self.objective(logits, tokens, teacher)
+        loss, terms = self.objective(logits, tokens, teacher, learnt=self.learnt)
         self.results[int(rows[0])] = torch.stack([terms[name].detach() for name in self.objective.term_names])
         # The objective divides by the step's tokens; the schedule averages over its
         # micro-batches (it scales the gradients by 1/microbatches) as for cross-entropy.

@@ -49,7 +49,7 @@ def teacher_shapes(spec) -> tuple[ModelConfig, ...]:
     """The shapes of a distillation job's online teachers, in `distill.sources` order
     (none for another job, or one from the offline cache): what memory estimates count
     beside the student."""
-    if not spec.distill or spec.distill.cache:
+    if not spec.distill or not spec.distill.online:
         return ()
     return _shapes(tuple(source.path for source in spec.distill.sources), spec.distill.teacher is not None)
 

@@ -33,24 +33,27 @@ class Engine(ABC):
 
     @abstractmethod
     def train_step(self, micro_batches: torch.Tensor, before_update: Callable[[], None] = lambda: None,
-                   targets: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> StepStats:
+                   targets: Optional[tuple[torch.Tensor, torch.Tensor]] = None, loss_mask: Optional[torch.Tensor] = None) -> StepStats:
         """One optimizer step over this rank's micro-batches [accum, micro, seq_len+1].
         `before_update` runs after the backward passes, before any weight or optimizer
         state changes (a checkpoint's background copy must have finished by then).
-        `targets`: a distillation's teacher from its offline cache, top-k ids and
-        log-probabilities [accum, micro, seq_len, k]."""
+        `targets`: a distillation's teacher from its offline cache (or an instruction
+        dataset), top-k ids and log-probabilities [accum, micro, seq_len, k].
+        `loss_mask` [accum, micro, seq_len]: only the next tokens it marks are learnt,
+        the loss their mean over the global batch (an instruction dataset's answers)."""
 
-    def eval_loss(self, micro_batches: torch.Tensor) -> float:
+    def eval_loss(self, micro_batches: torch.Tensor, loss_mask: Optional[torch.Tensor] = None) -> float:
         """The mean token loss of one held-out global batch, forward only (this rank's
         micro-batches [accum, micro, seq_len+1]); the same number on every rank."""
         raise NotImplementedError(f"{type(self).__name__} does not evaluate")
 
-    def evaluate(self, micro_batches: torch.Tensor, targets: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> dict[str, float]:
+    def evaluate(self, micro_batches: torch.Tensor, targets: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                 loss_mask: Optional[torch.Tensor] = None) -> dict[str, float]:
         """What one held-out global batch measures (this rank's micro-batches): its
         `eval_loss`, and for a distillation job `eval_kl` (KL(teacher || student) per
         token) and `eval_top1` (the share of tokens where both rank the same token first);
-        `targets` as for `train_step`."""
-        return {"eval_loss": self.eval_loss(micro_batches)}
+        `targets` and `loss_mask` as for `train_step`."""
+        return {"eval_loss": self.eval_loss(micro_batches, loss_mask)}
 
     def modules(self) -> list[torch.nn.Module]:
         """The model's modules on this rank (pipeline stages, or the one model)."""

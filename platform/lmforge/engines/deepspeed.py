@@ -22,9 +22,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lmforge.distill.objective import EVAL_METRICS, DistillObjective, compared_vocab
+from lmforge.distill.objective import HELD_OUT_SUMS, DistillObjective, compared_vocab
 from lmforge.distill.teacher import build_teacher, micro_batch, teacher_targets
 from lmforge.engines.base import Engine, StepStats, warmup_cosine
+from lmforge.engines.loss_mask import learnt_per_rank, next_token_labels
 from lmforge.models import build_model
 from lmforge.parallel.checkpointing import apply_activation_checkpointing
 from lmforge.parallel.mesh import ParallelDims
@@ -60,6 +61,10 @@ def to_universal(step_dir: str) -> str:
     return out
 
 
+def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor, reduction: str) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction=reduction)
+
+
 class DeepSpeedEngine(Engine):
     checkpoint_format = "deepspeed"
 
@@ -84,7 +89,7 @@ class DeepSpeedEngine(Engine):
         """Logits distillation (the spec refuses hidden states here): online teachers as
         plain frozen modules, or the cache's targets with the batches."""
         d, train = self.spec.distill, self.spec.train
-        if d.cache is None:
+        if d.online:
             self.teachers = [build_teacher(source.path, self.device, lambda teacher: teacher) for source in d.sources]
         self.objective = DistillObjective(self.spec, self.spec.grad_accum * train.micro_batch * train.seq_len,
                                           compared_vocab(self.spec, vocab, self.teachers))
@@ -93,12 +98,13 @@ class DeepSpeedEngine(Engine):
         opt = self.spec.optim
         return torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(opt.warmup_steps, self.spec.decay_steps, opt.min_lr_ratio))
 
-    def train_step(self, micro_batches: torch.Tensor, before_update: Callable[[], None] = lambda: None, targets=None) -> StepStats:
+    def train_step(self, micro_batches: torch.Tensor, before_update: Callable[[], None] = lambda: None, targets=None,
+                   loss_mask: Optional[torch.Tensor] = None) -> StepStats:
         micro_batches = micro_batches.to(self.device, non_blocking=True)
         before_update()  # DeepSpeed steps inside its backward loop; its checkpoints are synchronous anyway
         self.engine.train()
         lr = self.engine.get_lr()[0]
-        loss, terms = self._accumulate(micro_batches, targets)
+        loss, terms = self._accumulate(micro_batches, *self._labels(micro_batches, loss_mask), targets)
         if self.dims.shape.dp > 1:
             reduced = torch.stack([loss, *terms.values()])  # one collective for the loss and its terms
             dist.all_reduce(reduced, op=dist.ReduceOp.AVG, group=self.dims.dp_group)
@@ -110,12 +116,17 @@ class DeepSpeedEngine(Engine):
         finite = math.isfinite(loss.item()) and (norm is None or math.isfinite(grad_norm))
         return StepStats(loss=loss.item(), grad_norm=grad_norm, lr=lr, finite=finite, terms={k: v.item() for k, v in terms.items()})
 
-    def _accumulate(self, micro_batches: torch.Tensor, cached) -> tuple[torch.Tensor, dict]:
+    def _labels(self, micro_batches: torch.Tensor, loss_mask) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(next tokens, IGNORE_INDEX where the loss mask is 0; N / dp for a masked batch)."""
+        labels = next_token_labels(micro_batches, loss_mask)
+        return labels, None if loss_mask is None else learnt_per_rank(labels, self.dims.dp_group, self.dims.shape.dp)
+
+    def _accumulate(self, micro_batches: torch.Tensor, labels: torch.Tensor, learnt, cached) -> tuple[torch.Tensor, dict]:
         """The step's loss on this rank and its terms (a distillation's), each micro-batch
         stepped through DeepSpeed (which reduces and updates at the last)."""
         loss_sum, term_sums = torch.zeros((), device=self.device), {}
         for i, batch in enumerate(micro_batches):
-            loss, terms = self._micro_batch_loss(batch, micro_batch(cached, i), len(micro_batches))
+            loss, terms = self._micro_batch_loss(batch[:, :-1], labels[i], learnt, micro_batch(cached, i), len(micro_batches))
             # Already the micro-batch's share of the step's loss: DeepSpeed must not divide again.
             self.engine.backward(loss, scale_wrt_gas=False)
             self.engine.step()
@@ -124,35 +135,40 @@ class DeepSpeedEngine(Engine):
                 term_sums[name] = term_sums.get(name, 0) + value.detach()
         return loss_sum, term_sums
 
-    def _micro_batch_loss(self, batch: torch.Tensor, cached, accum: int) -> tuple[torch.Tensor, dict]:
-        inputs, targets = batch[:, :-1], batch[:, 1:]
+    def _micro_batch_loss(self, inputs: torch.Tensor, labels: torch.Tensor, learnt, cached, accum: int) -> tuple[torch.Tensor, dict]:
         logits = self.engine(inputs)
         if self.objective is None:  # every micro-batch holds as many tokens: its mean over the accumulation
-            return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()) / accum, {}
+            if learnt is not None:  # a masked batch's do not: each one's sum over N / dp
+                return _cross_entropy(logits, labels, "sum") / learnt, {}
+            return _cross_entropy(logits, labels, "mean") / accum, {}
         # Each term is divided by the tokens this rank trains on per step (see DistillObjective).
-        return self.objective(logits, targets, teacher_targets(self.teachers, inputs, cached, self.device))
+        return self.objective(logits, labels, teacher_targets(self.teachers, inputs, cached, self.device), learnt=learnt)
 
     @torch.no_grad()
-    def eval_loss(self, micro_batches: torch.Tensor) -> float:
+    def eval_loss(self, micro_batches: torch.Tensor, loss_mask: Optional[torch.Tensor] = None) -> float:
         micro_batches = micro_batches.to(self.device, non_blocking=True)
         self.engine.eval()
-        losses = [F.cross_entropy(self.engine(batch[:, :-1]).flatten(0, 1).float(), batch[:, 1:].flatten()) for batch in micro_batches]
-        loss = torch.stack(losses).mean()
+        labels, learnt = self._labels(micro_batches, loss_mask)
+        if learnt is None:
+            loss = torch.stack([_cross_entropy(self.engine(batch[:, :-1]), labels[i], "mean") for i, batch in enumerate(micro_batches)]).mean()
+        else:
+            loss = sum(_cross_entropy(self.engine(batch[:, :-1]), labels[i], "sum") for i, batch in enumerate(micro_batches)) / learnt
         if self.dims.shape.dp > 1:
             dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.dims.dp_group)
         return loss.item()
 
     @torch.no_grad()
-    def evaluate(self, micro_batches: torch.Tensor, targets=None) -> dict[str, float]:
+    def evaluate(self, micro_batches: torch.Tensor, targets=None, loss_mask: Optional[torch.Tensor] = None) -> dict[str, float]:
         if self.objective is None:
-            return super().evaluate(micro_batches)
+            return super().evaluate(micro_batches, loss_mask=loss_mask)
         micro_batches = micro_batches.to(self.device, non_blocking=True)
         self.engine.eval()
-        sums = torch.zeros(len(EVAL_METRICS), device=self.device)
+        labels = next_token_labels(micro_batches, loss_mask)
+        sums = torch.zeros(HELD_OUT_SUMS, device=self.device)
         for i, batch in enumerate(micro_batches):
             teacher = teacher_targets(self.teachers, batch[:, :-1], micro_batch(targets, i), self.device)
-            sums += self.objective.held_out_sums(self.engine(batch[:, :-1]), batch[:, 1:], teacher)
-        return self.objective.held_out_means(sums, micro_batches[..., 1:].numel(), self.dims.dp_group if self.dims.shape.dp > 1 else None)
+            sums += self.objective.held_out_sums(self.engine(batch[:, :-1]), labels[i], teacher)
+        return self.objective.held_out_means(sums, self.dims.dp_group if self.dims.shape.dp > 1 else None)
 
     def modules(self) -> list[torch.nn.Module]:
         return [self.engine.module]

@@ -26,10 +26,11 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from lmforge.distill.hidden import ADAPTERS, BlockOutputs, HiddenAdapters
-from lmforge.distill.objective import EVAL_METRICS, DistillObjective, compared_vocab
+from lmforge.distill.objective import HELD_OUT_SUMS, DistillObjective, compared_vocab
 from lmforge.distill.pipelined import StagedObjective
 from lmforge.distill.teacher import build_teacher, micro_batch, teacher_targets
 from lmforge.engines.base import Engine, StepStats, warmup_cosine
+from lmforge.engines.loss_mask import learnt_per_rank, next_token_labels
 from lmforge.models import Transformer, materialize
 from lmforge.parallel.checkpointing import apply_activation_checkpointing
 from lmforge.parallel.compile import apply_compile
@@ -63,7 +64,7 @@ class NativeEngine(Engine):
         self.sharded = needs_wrapping(dims.shape, spec.train.precision)
         # The teacher first: its width sizes the student's hidden-state adapters. With an
         # offline cache there is none: its targets come with the batches.
-        online = spec.distill is not None and spec.distill.cache is None
+        online = spec.distill is not None and spec.distill.online
         self.teachers = [build_teacher(source.path, device, self._parallelize) for source in spec.distill.sources] if online else []
         with torch.device("meta"):
             whole = Transformer(spec.model_arch)
@@ -84,6 +85,7 @@ class NativeEngine(Engine):
         self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, factor) for o in self.optimizers]
         self.grad_clip = opt.grad_clip
         self.objective = self.staged = None
+        self.learnt: Optional[torch.Tensor] = None  # a masked step's N / dp, for the pipeline schedule's loss
         if spec.distill:
             self._build_objective(vocab)
         if self.pipelined:
@@ -104,7 +106,7 @@ class NativeEngine(Engine):
         if self.pipelined:  # from the cache: the last stage computes it, as the schedule's loss
             self.staged = StagedObjective(self.objective, self.spec.grad_accum)
 
-    def _distill_loss(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, cached) -> tuple[torch.Tensor, dict]:
+    def _distill_loss(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, cached, learnt) -> tuple[torch.Tensor, dict]:
         logits, teacher = model(inputs), teacher_targets(self.teachers, inputs, cached, self.device)
         hidden = None
         if self.hidden is not None:
@@ -112,7 +114,7 @@ class NativeEngine(Engine):
             layers = self.spec.distill.hidden.layers
             adapted = list(getattr(model, ADAPTERS)(*student_side.take(layers)))
             hidden = (adapted, teacher_side.take(layers.values()))
-        return self.objective(logits, targets, teacher, hidden)
+        return self.objective(logits, targets, teacher, hidden, learnt)
 
     def _cut(self, whole: nn.Module) -> list[nn.Module]:
         if not self.pipelined:
@@ -153,21 +155,41 @@ class NativeEngine(Engine):
 
     def _timed_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         with self.compute.span():  # the schedule computes the loss outside the stage's chunk
-            return self._loss(logits, targets) if self.staged is None else self.staged(logits, targets)
+            if self.staged is not None:
+                return self.staged(logits, targets)
+            if self.learnt is None:
+                return self._loss(logits, targets)
+            # The schedule averages its micro-batches' losses: each one's sum over N/dp, times their count.
+            return self._loss_sum(logits, targets) / self.learnt * self.spec.grad_accum
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+    def _loss_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Over the learnt tokens (IGNORE_INDEX labels add nothing)."""
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+
+    def _labels(self, micro_batches: torch.Tensor, loss_mask) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(next tokens, IGNORE_INDEX where the loss mask is 0; N / dp for a masked batch,
+        else None: every token counts and each micro-batch's mean serves)."""
+        labels = next_token_labels(micro_batches, loss_mask)
+        return labels, None if loss_mask is None else learnt_per_rank(labels, self.dims.dp_group, self.dims.shape.dp)
 
     def _loss_context(self):
         # With TP the logits are vocabulary-sharded DTensors: loss_parallel computes
         # the cross-entropy without gathering them.
         return loss_parallel() if self.tensor_parallel else nullcontext()
 
-    def train_step(self, micro_batches: torch.Tensor, before_update: Callable[[], None] = lambda: None, targets=None) -> StepStats:
+    def train_step(self, micro_batches: torch.Tensor, before_update: Callable[[], None] = lambda: None, targets=None,
+                   loss_mask: Optional[torch.Tensor] = None) -> StepStats:
         micro_batches = micro_batches.to(self.device, non_blocking=True)
         for part in self.parts:
             part.train()
-        (loss, terms), bubble = self._pipeline_step(micro_batches, targets) if self.pipelined else (self._accumulate(micro_batches, targets), None)
+        labels, learnt = self._labels(micro_batches, loss_mask)
+        if self.pipelined:
+            (loss, terms), bubble = self._pipeline_step(micro_batches, labels, learnt, targets)
+        else:
+            (loss, terms), bubble = self._accumulate(micro_batches, labels, learnt, targets), None
         lr = self.schedulers[0].get_last_lr()[0]
         if terms:  # reduced with the loss: one collective
             reduced = torch.stack([loss, *terms.values()])
@@ -191,7 +213,7 @@ class NativeEngine(Engine):
             stats.bubble, stats.bubble_theory = bubble, self.bubble_theory
         return stats
 
-    def _accumulate(self, micro_batches: torch.Tensor, cached=None) -> tuple[torch.Tensor, dict]:
+    def _accumulate(self, micro_batches: torch.Tensor, labels: torch.Tensor, learnt, cached=None) -> tuple[torch.Tensor, dict]:
         """The step's loss on this rank, and its terms (a distillation job's)."""
         model, accum = self.parts[0], micro_batches.shape[0]
         loss_sum = torch.zeros((), device=self.device)
@@ -200,31 +222,34 @@ class NativeEngine(Engine):
             if self.sharded:
                 model.set_requires_gradient_sync(i == accum - 1)
             with self._loss_context():
-                inputs, targets = batch[:, :-1], batch[:, 1:]
+                inputs, targets = batch[:, :-1], labels[i]
                 if self.objective is None:
                     # Every sample has the same token count, so the mean of micro-batch means
-                    # is the global-batch mean; FSDP averages over DP ranks.
-                    loss, terms = self._loss(model(inputs), targets) / accum, {}
+                    # is the global-batch mean; FSDP averages over DP ranks. A masked batch's
+                    # micro-batches hold different counts: each one's sum over N / dp.
+                    loss = self._loss(model(inputs), targets) / accum if learnt is None else self._loss_sum(model(inputs), targets) / learnt
+                    terms = {}
                 else:
-                    loss, terms = self._distill_loss(model, inputs, targets, micro_batch(cached, i))
+                    loss, terms = self._distill_loss(model, inputs, targets, micro_batch(cached, i), learnt)
                 loss.backward()
             loss_sum += _local(loss.detach())
             for name, value in terms.items():
                 term_sums[name] = term_sums.get(name, 0) + value.detach()
         return loss_sum, term_sums
 
-    def _pipeline_step(self, micro_batches: torch.Tensor, cached=None) -> tuple[tuple[torch.Tensor, dict], float]:
+    def _pipeline_step(self, micro_batches: torch.Tensor, labels: torch.Tensor, learnt, cached=None) -> tuple[tuple[torch.Tensor, dict], float]:
         """One schedule over this rank's micro-batches. Returns the mean loss and a
         distillation's terms (they live on the last stage; summed over the pipeline group
         so every rank reports them), and the bubble: the share of the schedule's time a
         rank spent not computing, averaged over the pipeline's ranks."""
         losses: list[torch.Tensor] = []
+        self.learnt = learnt
         if self.staged is not None:
-            self.staged.begin(cached, self.device)
+            self.staged.begin(cached, self.device, learnt=learnt)
         self.compute.take()
         step_watch = Stopwatch(self.device)
         with self._loss_context(), step_watch.span():
-            self.schedule.step(*self._stage_inputs(micro_batches), target=self._stage_target(micro_batches), losses=losses)
+            self.schedule.step(*self._stage_inputs(micro_batches), target=self._stage_target(labels), losses=losses)
         bubble = 1.0 - self.compute.take() / max(step_watch.take(), 1e-9)
         names = self.objective.term_names if self.staged is not None else []
         terms = self.staged.totals(len(names), self.device) if names else torch.zeros(0, device=self.device)
@@ -235,60 +260,65 @@ class NativeEngine(Engine):
     def _stage_inputs(self, micro_batches: torch.Tensor) -> tuple:
         return (micro_batches.flatten(0, 1)[:, :-1],) if self.has_first else ()
 
-    def _stage_target(self, micro_batches: torch.Tensor):
+    def _stage_target(self, labels: torch.Tensor):
         if not self.has_last:
             return None
-        tokens = micro_batches.flatten(0, 1)[:, 1:]
+        tokens = labels.flatten(0, 1)
         return tokens if self.staged is None else self.staged.target(tokens)
 
     def _last_stage_mean(self, losses: list[torch.Tensor]) -> torch.Tensor:
         return torch.stack([_local(l.detach()) for l in losses]).mean() if self.has_last else torch.zeros((), device=self.device)
 
     @torch.no_grad()
-    def eval_loss(self, micro_batches: torch.Tensor) -> float:
+    def eval_loss(self, micro_batches: torch.Tensor, loss_mask: Optional[torch.Tensor] = None) -> float:
         micro_batches = micro_batches.to(self.device, non_blocking=True)
         for part in self.parts:
             part.eval()
+        labels, self.learnt = self._labels(micro_batches, loss_mask)
         with self._loss_context():
             if self.pipelined:
                 losses: list[torch.Tensor] = []
-                self.schedule.eval(*self._stage_inputs(micro_batches), target=self._stage_target(micro_batches), losses=losses)
+                self.schedule.eval(*self._stage_inputs(micro_batches), target=self._stage_target(labels), losses=losses)
                 loss = self._last_stage_mean(losses)
                 dist.all_reduce(loss, group=self.dims.pp_group)
             else:
                 model = self.parts[0]
-                loss = torch.stack([_local(self._loss(model(batch[:, :-1]), batch[:, 1:])) for batch in micro_batches]).mean()
+                if self.learnt is None:
+                    loss = torch.stack([_local(self._loss(model(batch[:, :-1]), labels[i])) for i, batch in enumerate(micro_batches)]).mean()
+                else:
+                    loss = sum(_local(self._loss_sum(model(batch[:, :-1]), labels[i])) for i, batch in enumerate(micro_batches)) / self.learnt
         if self.dims.shape.dp > 1:
             dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.dims.dp_group)
         return loss.item()
 
     @torch.no_grad()
-    def evaluate(self, micro_batches: torch.Tensor, targets=None) -> dict[str, float]:
+    def evaluate(self, micro_batches: torch.Tensor, targets=None, loss_mask: Optional[torch.Tensor] = None) -> dict[str, float]:
         if self.objective is None:
-            return super().evaluate(micro_batches)
+            return super().evaluate(micro_batches, loss_mask=loss_mask)
         micro_batches = micro_batches.to(self.device, non_blocking=True)
-        sums = self._held_out_pipelined(micro_batches, targets) if self.pipelined else self._held_out(micro_batches, targets)
-        return self.objective.held_out_means(sums, micro_batches[..., 1:].numel(), self.dims.dp_group if self.dims.shape.dp > 1 else None)
+        labels = next_token_labels(micro_batches, loss_mask)
+        sums = self._held_out_pipelined(micro_batches, labels, targets) if self.pipelined else self._held_out(micro_batches, labels, targets)
+        return self.objective.held_out_means(sums, self.dims.dp_group if self.dims.shape.dp > 1 else None)
 
-    def _held_out(self, micro_batches: torch.Tensor, targets) -> torch.Tensor:
+    def _held_out(self, micro_batches: torch.Tensor, labels: torch.Tensor, targets) -> torch.Tensor:
         model = self.parts[0].eval()
-        sums = torch.zeros(len(EVAL_METRICS), device=self.device)
+        sums = torch.zeros(HELD_OUT_SUMS, device=self.device)
         with self._loss_context():
             for i, batch in enumerate(micro_batches):
                 teacher = teacher_targets(self.teachers, batch[:, :-1], micro_batch(targets, i), self.device)
-                sums += self.objective.held_out_sums(model(batch[:, :-1]), batch[:, 1:], teacher)
+                sums += self.objective.held_out_sums(model(batch[:, :-1]), labels[i], teacher)
                 for side in self.hidden or ():
                     side.clear()
         return sums
 
-    def _held_out_pipelined(self, micro_batches: torch.Tensor, targets) -> torch.Tensor:
+    def _held_out_pipelined(self, micro_batches: torch.Tensor, labels: torch.Tensor, targets) -> torch.Tensor:
         """The held-out sums from the last stage (the schedule's forward only), on every rank."""
         for part in self.parts:
             part.eval()
         self.staged.begin(targets, self.device, held_out=True)
         with self._loss_context():
-            self.schedule.eval(*self._stage_inputs(micro_batches), target=self._stage_target(micro_batches))
-        sums = self.staged.totals(len(EVAL_METRICS), self.device)
+            self.schedule.eval(*self._stage_inputs(micro_batches), target=self._stage_target(labels))
+        sums = self.staged.totals(HELD_OUT_SUMS, self.device)
         dist.all_reduce(sums, group=self.dims.pp_group)
         return sums
 

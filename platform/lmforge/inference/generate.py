@@ -25,6 +25,10 @@ class Generation:
     logprobs: list[float] = field(default_factory=list)  # of each under the model (temperature 1, no penalty)
     finish_reason: str = "length"  # "stop": an end-of-text token or a stop string
     text: str = ""
+    # With `soft_targets=(k, T)`: at each new token's position, the model's k most likely
+    # tokens and their log-probabilities at temperature T, most likely first ([tokens, k]).
+    top_ids: Optional[torch.Tensor] = None
+    top_logprobs: Optional[torch.Tensor] = None
 
     def as_dict(self) -> dict:
         return {"text": self.text, "tokens": self.tokens, "logprobs": self.logprobs, "finish_reason": self.finish_reason}
@@ -38,13 +42,24 @@ def _forward(model: Transformer, tokens: torch.Tensor, cache: KVCache) -> torch.
     return logits[:, -1]
 
 
+def _sample(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor, generator, row_generators) -> torch.Tensor:
+    """The next token of each row: from one generator for the batch, or (`row_generators`)
+    each row from its own, so that a row's tokens do not depend on its batch."""
+    if row_generators is None or params.greedy:
+        return next_tokens(logits, params, seen, generator)
+    return torch.cat([next_tokens(logits[row:row + 1], params, seen[row:row + 1], g) for row, g in enumerate(row_generators)])
+
+
 @torch.no_grad()
 def generate_ids(model: Transformer, prompts: list[list[int]], params: SamplingParams, eos_ids: frozenset[int] = frozenset(),
                  vocab: Optional[int] = None, use_cache: bool = True,
-                 stopped: Optional[Callable[[int, list[int]], bool]] = None) -> list[Generation]:
+                 stopped: Optional[Callable[[int, list[int]], bool]] = None, row_seeds: Optional[list[int]] = None,
+                 soft_targets: Optional[tuple[int, float]] = None) -> list[Generation]:
     """`vocab`: the tokenizer's real size (a model's padded rows never sampled);
     `use_cache=False` recomputes the whole sequence each step (the baseline the cache
-    is measured against); `stopped(row, new_tokens)` ends a row early (stop strings)."""
+    is measured against); `stopped(row, new_tokens)` ends a row early (stop strings);
+    `row_seeds`: a seed per row instead of `params.seed`; `soft_targets` (k, T): keep
+    the top k at each new token's position (distillation's soft targets)."""
     cfg, param = model.cfg, next(model.parameters())
     device, vocab = param.device, vocab or cfg.vocab_size
     batch, longest = len(prompts), max(len(p) for p in prompts)
@@ -58,6 +73,8 @@ def generate_ids(model: Transformer, prompts: list[list[int]], params: SamplingP
         tokens[row, longest - len(prompt):longest] = torch.tensor(prompt)
         seen[row, prompt] = True
     generator = torch.Generator(device).manual_seed(params.seed) if params.seed is not None else None
+    row_generators = None if row_seeds is None else [torch.Generator(device).manual_seed(seed) for seed in row_seeds]
+    tops: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def new_cache(capacity: int) -> KVCache:
         return KVCache(cfg, pad, capacity, param.dtype, device)
@@ -68,8 +85,12 @@ def generate_ids(model: Transformer, prompts: list[list[int]], params: SamplingP
     running = set(range(batch))
     for step in range(params.max_new_tokens):
         logits = logits[:, :vocab].float()
-        chosen = next_tokens(logits, params, seen, generator)
+        chosen = _sample(logits, params, seen, generator, row_generators)
         logprobs = logits.log_softmax(dim=-1).gather(-1, chosen[:, None]).squeeze(-1)
+        if soft_targets is not None:
+            k, temperature = soft_targets
+            values, ids = (logits / temperature).log_softmax(dim=-1).topk(k, dim=-1)
+            tops.append((ids, values))
         for row, token, logprob in zip(range(batch), chosen.tolist(), logprobs.tolist()):
             if row not in running:
                 continue
@@ -87,6 +108,10 @@ def generate_ids(model: Transformer, prompts: list[list[int]], params: SamplingP
             logits = _forward(model, chosen[:, None], cache)
         else:
             logits = _forward(model, tokens[:, :position + 1], new_cache(position + 1))
+    if tops:
+        ids, values = (torch.stack(part, dim=1).cpu() for part in zip(*tops))  # [batch, steps, k]
+        for row, result in enumerate(out):
+            result.top_ids, result.top_logprobs = ids[row, :len(result.tokens)], values[row, :len(result.tokens)]
     return out
 
 
