@@ -159,7 +159,7 @@ def _cmd_train(args) -> int:
     if summary["mlflow_run_id"]:
         lines += [
             f"  MLflow run    : {summary['mlflow_run_id']} ({summary['mlflow_tracking_uri']})",
-            *([f"  MLflow job run: {summary['mlflow_parent_run_id']} (its training, cache and evaluation runs nested)"]
+            *([f"  MLflow job run: {summary['mlflow_parent_run_id']} (its stages' runs nested: cache or generate, train, evaluation)"]
               if summary.get("mlflow_parent_run_id") else []),
             f"  open the UI   : mlflow ui --backend-store-uri {summary['mlflow_tracking_uri']}",
         ]
