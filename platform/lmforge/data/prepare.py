@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
 import time
 from dataclasses import dataclass, field
 from contextlib import nullcontext
@@ -27,6 +25,7 @@ from lmforge.data.corpus import read_documents
 from lmforge.data.packing import Packer, ShardWriter, held_out
 from lmforge.data.precheck import check_before_ray
 from lmforge.data.tokenizer import end_of_text_token, eos_id, load_tokenizer, tokenizer_sha256, train_bpe
+from lmforge.data.staging import staged
 from lmforge.errors import UserError
 
 MANIFEST = "manifest.json"
@@ -158,11 +157,7 @@ def prepare_dataset(opts: PrepareOptions) -> dict:
         _tokenize_batch, fn_kwargs={"tokenizer_json": tokenizer.to_str()}, batch_size=32, batch_format="numpy", num_cpus=0.5
     )
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = out.parent / f".{out.name}.staging-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
-    try:
+    with staged(out) as staging:
         train = Split(staging, eos, opts)
         held = Split(staging / EVAL_DIR, eos, opts) if opts.eval_fraction or eval_files else None
         with _progress(opts.show_progress) as progress:
@@ -200,13 +195,7 @@ def prepare_dataset(opts: PrepareOptions) -> dict:
         if held is not None:
             manifest["eval"] = _held_out_entry(held, opts)
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=2))
-        if out.exists():
-            out.rmdir()  # only an empty directory may be replaced
-        staging.rename(out)
         return manifest
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
 
 
 def _held_out_entry(held: Split, opts: PrepareOptions) -> dict:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -26,6 +25,7 @@ import ray
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from lmforge.data.prepare import EVAL_DIR, read_manifest
+from lmforge.data.staging import staged
 from lmforge.errors import UserError
 
 FORMAT = "lmforge.teacher-topk.v1"
@@ -71,17 +71,12 @@ class TeacherTopK:
     def __init__(self, paths: list[str], weights: list[float], k: int, temperature: float, vocab: int, threads: int):
         import torch
 
-        from lmforge.checkpoint.export import open_source
         from lmforge.cluster.runtime import tune_process
-        from lmforge.models.build import build_model
+        from lmforge.distill.teacher import load_whole
 
         tune_process(threads)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.teachers = []
-        for path in paths:
-            source = open_source(path, name="distill.teacher")
-            weights_of = source.read_tensors() if source.kind == "checkpoint" else str(source.path)
-            self.teachers.append(build_model(source.cfg, self.device, weights=weights_of).eval())
+        self.teachers = load_whole(paths, self.device)
         self.weights, self.k, self.temperature, self.vocab = weights, k, temperature, vocab
 
     def __call__(self, batch: dict) -> dict:
@@ -179,10 +174,7 @@ def build_cache(spec, show_progress: bool = True) -> dict:
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True  # shards are written in sample order
     ctx.enable_progress_bars = False
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = out.parent / f".{out.name}.staging-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    try:
+    with staged(out) as staging:
         splits = _splits(data_path, dataset, staging)
         with _progress(show_progress) as progress:
             for name, directory, shards, target in splits:
@@ -193,13 +185,7 @@ def build_cache(spec, show_progress: bool = True) -> dict:
                 _write_split(scored, shards, target, progress, task)
         manifest = _manifest(identity, dataset, staging, vocab, time.time() - began)
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=2))
-        if out.exists():
-            out.rmdir()  # only an empty directory may be replaced
-        staging.rename(out)
         return manifest
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
 
 
 def _teacher_vocab(path: str) -> int:

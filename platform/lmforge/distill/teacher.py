@@ -28,6 +28,19 @@ def build_teacher(path: str, device: torch.device, parallelize: Callable[[nn.Mod
     return parallelize(teacher).eval()
 
 
+def load_whole(paths: list[str], device: torch.device) -> list[nn.Module]:
+    """Teachers whole on one device, in eval mode: an inference actor's (the teacher
+    cache's scorer, instruction distillation's answers)."""
+    from lmforge.models.build import build_model
+
+    teachers = []
+    for path in paths:
+        source = open_source(path, name="distill.teacher")
+        weights = source.read_tensors() if source.kind == "checkpoint" else str(source.path)
+        teachers.append(build_model(source.cfg, device, weights=weights).eval())
+    return teachers
+
+
 Cached = Optional[tuple[torch.Tensor, torch.Tensor]]  # a step's cache targets: top-k ids and log-probabilities
 
 

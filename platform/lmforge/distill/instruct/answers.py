@@ -40,17 +40,11 @@ class TeacherAnswers:
                  out_dir: str, threads: int):
         import torch
 
-        from lmforge.checkpoint.export import open_source
         from lmforge.cluster.runtime import tune_process
-        from lmforge.models.build import build_model
+        from lmforge.distill.teacher import load_whole
 
         tune_process(threads)
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.teachers = []
-        for path in paths:
-            source = open_source(path, name="distill.teacher")
-            weights = source.read_tensors() if source.kind == "checkpoint" else str(source.path)
-            self.teachers.append(build_model(source.cfg, self.device, weights=weights).eval())
+        self.teachers = load_whole(paths, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
         self.settings, self.eos_ids, self.vocab = settings, frozenset({eos_id}), vocab
         self.soft_targets, self.out_dir = soft_targets, Path(out_dir)
 

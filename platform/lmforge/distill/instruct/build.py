@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from lmforge.distill.instruct.answers import TeacherAnswers, read_answers, unit_
 from lmforge.distill.instruct.prompts import chat_template, read_prompts
 from lmforge.distill.instruct.samples import write_samples
 from lmforge.distill.instruct.selection import RULES, select
+from lmforge.data.staging import staged
 from lmforge.errors import UserError
 
 SETTINGS = "settings.json"
@@ -178,11 +178,7 @@ def _write_dataset(spec, plan: Plan, work: Path, seconds: float) -> dict:
     kept, dropped = select(answers, d.instruct.select, len(d.sources))
     held = answers.column("held_out").to_pylist()
     out = Path(spec.data.path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = out.parent / f".{out.name}.staging-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
-    try:
+    with staged(out) as staging:
         splits = {}
         for name, directory, rows in (("train", staging, [r for r in kept if not held[r]]), ("eval", staging / EVAL_DIR, [r for r in kept if held[r]])):
             if not rows:
@@ -199,13 +195,7 @@ def _write_dataset(spec, plan: Plan, work: Path, seconds: float) -> dict:
         plan.tokenizer.save(str(staging / "tokenizer.json"))
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=2))
         work.rename(staging / ANSWERS_DIR)
-        if out.exists():
-            out.rmdir()  # only an empty directory may be replaced
-        staging.rename(out)
         return manifest
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
 
 
 def _manifest(spec, plan: Plan, answers: pa.Table, dropped: dict, splits: dict, seconds: float) -> dict:
