@@ -96,13 +96,13 @@ class TeacherTopK:
                 "topk_logprobs": values.to(torch.float16).reshape(rows, -1).cpu().numpy()}
 
 
-def actor_pool(cluster: dict) -> dict:
+def actor_pool(cluster: dict, actors: Optional[int] = None) -> dict:
     """A pool of model actors: a GPU per actor when the cluster has GPUs; else two
-    single-CPU actors (or one)."""
+    single-CPU actors (or one); `actors` of them when given."""
     gpus = int(cluster.get("GPU", 0))
     if gpus:
-        return {"concurrency": gpus, "num_gpus": 1, "threads": 4}
-    return {"concurrency": max(1, min(2, int(cluster.get("CPU", 1)) // 2)), "num_cpus": 1, "threads": 1}
+        return {"concurrency": actors or gpus, "num_gpus": 1, "threads": 4}
+    return {"concurrency": actors or max(1, min(2, int(cluster.get("CPU", 1)) // 2)), "num_cpus": 1, "threads": 1}
 
 
 def _write_split(scored, shards: list[dict], out: Path, progress, task) -> None:

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 from contextlib import nullcontext
 from pathlib import Path
+from typing import Iterator
 
 import pyarrow as pa
 import ray
@@ -138,9 +139,11 @@ def _work_dir(spec, plan: Plan, show_progress: bool) -> Path:
     return work
 
 
-def _answer_units(spec, plan: Plan, work: Path, pending: list[int], show_progress: bool) -> None:
+def answered_units(spec, plan: Plan, work: Path, pending: list[int]) -> Iterator[tuple[list[int], int]]:
+    """The teachers' actor pool over the `pending` units, each unit's answers written to
+    `work` by the actor; yields (the units just written, their new tokens) as they come."""
     d = spec.distill
-    pool = actor_pool(ray.cluster_resources())
+    pool = actor_pool(ray.cluster_resources(), d.instruct.actors)
     writer = {"paths": [str(s.path) for s in d.sources], "settings": d.instruct.generate.model_dump(), "eos_id": plan.eos,
               "vocab": plan.tokenizer.get_vocab_size(), "soft_targets": (d.top_k, d.temperature) if d.top_k else None,
               "out_dir": str(work), "threads": pool["threads"]}
@@ -150,16 +153,20 @@ def _answer_units(spec, plan: Plan, work: Path, pending: list[int], show_progres
     answered = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
         TeacherAnswers, fn_constructor_kwargs=writer, batch_size=1, batch_format="numpy",
         compute=ray.data.ActorPoolStrategy(size=pool["concurrency"]), num_cpus=pool.get("num_cpus", 0), num_gpus=pool.get("num_gpus", 0))
+    for batch in answered.iter_batches(batch_size=None, batch_format="numpy"):
+        yield [int(u) for u in batch["unit"]], int(batch["tokens"].sum())
+
+
+def _answer_units(spec, plan: Plan, work: Path, pending: list[int], show_progress: bool) -> None:
     prompts = sum(len(plan.units[u]) for u in pending)
     with _progress(show_progress) as progress:
         task = progress.add_task("answering prompts", total=prompts, rate="") if progress else None
         began, tokens = time.time(), 0
-        for batch in answered.iter_batches(batch_size=None, batch_format="numpy"):
-            tokens += int(batch["tokens"].sum())
+        for units, new_tokens in answered_units(spec, plan, work, pending):
+            tokens += new_tokens
             if progress is not None:
                 seconds = max(time.time() - began, 1e-9)
-                progress.update(task, advance=sum(len(plan.units[int(u)]) for u in batch["unit"]),
-                                rate=f"{tokens / seconds:,.0f} tokens/s")
+                progress.update(task, advance=sum(len(plan.units[u]) for u in units), rate=f"{tokens / seconds:,.0f} tokens/s")
 
 
 def _progress(enabled: bool):
