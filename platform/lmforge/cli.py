@@ -52,6 +52,12 @@ def _parser() -> argparse.ArgumentParser:
     answers.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else an embedded local cluster)")
     answers.add_argument("--no-progress", action="store_true")
 
+    stages = distill.add_parser("run", help="run a distillation pipeline's stages in order, each from the previous stage's student (resumes)")
+    stages.add_argument("pipeline", help="pipeline YAML file: name, stages [{name, kind: train|instruct|evaluate, job, set}]")
+    stages.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else an embedded local cluster)")
+    stages.add_argument("--no-progress", action="store_true")
+    stages.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+
     export = sub.add_parser("export", help="write a model directory (config.json, model.safetensors, tokenizer) from a checkpoint")
     export.add_argument("checkpoint", help="a committed step directory (e.g. runs/NAME/checkpoints/step_00000100), an lmforge export or a Hugging Face Llama directory")
     export.add_argument("--out", required=True, help="new directory to write (usable as model.init_from)")
@@ -167,7 +173,30 @@ def _cmd_train(args) -> int:
     return 0
 
 
+def _cmd_pipeline(args) -> int:
+    from lmforge.distill.pipeline import load_pipeline
+
+    load_pipeline(args.pipeline)  # a bad pipeline or stage job fails before torch and Ray load
+    from lmforge import sdk
+
+    result = sdk.run_pipeline(args.pipeline, address=args.address, show_progress=not args.no_progress)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    lines = [f"done: pipeline {result['pipeline']} ({result['directory']})"]
+    for name, done in result["stages"].items():
+        numbers = done.get("summary", {}) | done.get("metrics", {})
+        shown = ", ".join(f"{key} {numbers[key]:.4f}" for key in ("final_loss", "eval_loss", "answers_nll") if numbers.get(key) is not None)
+        lines.append(f"  {name:<14}: {done['kind']}, {shown}" + (f" -> {done['student']}" if done.get("student") else ""))
+    if result["mlflow_run_id"]:
+        lines.append(f"  MLflow run    : {result['mlflow_run_id']} ({result['mlflow_tracking_uri']}), the stages' runs nested under it")
+    print("\n".join(lines))
+    return 0
+
+
 def _cmd_distill(args) -> int:
+    if args.distill_command == "run":
+        return _cmd_pipeline(args)
     from lmforge.spec import load_spec
 
     spec = load_spec(args.job, args.overrides)

@@ -5,6 +5,7 @@ script or a notebook.
     spec = sdk.load("jobs/quickstart.yaml", overrides=["train.max_steps=20"])
     summary = sdk.train(spec)
     sdk.generate("runs/quickstart/checkpoints/step_00000200", "def main(", max_new_tokens=32)
+    sdk.run_pipeline("jobs/distill-pipeline.yaml")
 
 The CLI is a thin layer over these functions.
 """
@@ -84,6 +85,14 @@ def generate_answers(spec: JobSpec, address: Optional[str] = None, show_progress
         if tracker:
             _track_generation(tracker, spec, manifest)
         return manifest
+
+
+def run_pipeline(path, address: Optional[str] = None, show_progress: bool = True) -> dict:
+    """Run a distillation pipeline file's stages in order, each from the previous stage's
+    student (`lmforge.distill.pipeline`); rerun, it resumes at the stage that stopped."""
+    from lmforge.distill.pipeline import run_pipeline as run
+
+    return run(path, address, show_progress)
 
 
 @contextmanager
@@ -272,10 +281,28 @@ def _run(plan: Plan, manifest: dict, console: Console, show_progress: bool, leas
         "mlflow_run_id": tracker.run_id if tracker else None,
         **({"mlflow_parent_run_id": tracker.parent_id} if tracker and tracker.parent_id else {}),
     }
+    answered = _student_answers(spec, seen.latest_checkpoint, run_dir, view)
+    if answered:
+        summary["student_answers"] = answered["metrics"]
     run_dir.write_summary(summary)
     if tracker and seen.last_eval.get("step") == result["step"]:
-        tracker.log_evaluation(seen.last_eval, run_dir.summary_path)  # a distillation's: its own child run
+        tracker.log_evaluation(seen.last_eval, run_dir.summary_path, answered)  # a distillation's: its own child run
     return summary
+
+
+def _student_answers(spec: JobSpec, checkpoint: Optional[str], run_dir: RunDir, view: ProgressView) -> Optional[dict]:
+    """An instruction distillation's trained student answering its held-out prompts."""
+    from lmforge.distill.instruct.evaluate import after_training
+
+    if checkpoint is None or not (spec.distill and spec.distill.instruct):
+        return None
+    answered = after_training(spec, checkpoint, run_dir.path)
+    if answered:
+        m = answered["metrics"]
+        view.print(f"held-out prompts: the student's NLL of its teachers' answers {m['answers_nll']:.4f}; it answered "
+                   f"{m['held_out_prompts']} of them greedily, {m['student_answer_tokens']:.1f} tokens on average, "
+                   f"{m['student_finish_stop']:.0%} ended by itself ({run_dir.path / 'student_answers.jsonl'})")
+    return answered
 
 
 def _follow(controller, handle, lease: JobLease) -> dict:

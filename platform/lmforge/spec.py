@@ -153,6 +153,9 @@ class TrackingSpec(_Section):
     enabled: bool = True
     uri: Optional[str] = Field(None, description="MLflow tracking URI; default sqlite:///<output_dir>/mlflow.db")
     experiment: str = "lmforge"
+    parent_run_id: Optional[str] = Field(
+        None, description="an MLflow run this job's runs nest under (`lmforge distill run` sets it to its pipeline's run)"
+    )
 
 
 class ResourcesSpec(_Section):

@@ -41,6 +41,9 @@ class Condition:
     def __and__(self, other: "Condition") -> "Condition":
         return Condition(lambda: self() and other(), f"{self.what} and {other.what}")
 
+    def __or__(self, other: "Condition") -> "Condition":
+        return Condition(lambda: self() or other(), f"{self.what} or {other.what}")
+
 
 def reached_step(run_dir: Path, step: int) -> Condition:
     return Condition(lambda: steps_done(run_dir) >= step, f"step {step} in {run_dir.name}/metrics.jsonl")

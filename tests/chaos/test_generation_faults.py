@@ -1,14 +1,18 @@
 """An instruction distillation's generation killed midway and run again: every prompt
-answered once, and the same dataset as a run that nothing interrupted."""
+answered once, and the same dataset as a run that nothing interrupted. A distillation
+pipeline killed in its second stage and run again: it resumes there."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
 import yaml
 
-from chaos import Condition, wait_until
-from conftest import INSTRUCT_PROMPTS, instruct_job, write_prompts
+from chaos import Condition, actor_processes, committed, wait_until
+from conftest import INSTRUCT_OPTIM, INSTRUCT_PROMPTS, instruct_job, tiny_job, with_sections, write_prompts
 
 
 def test_a_killed_generation_rerun_answers_the_rest_and_writes_the_same_bytes(instruct_dataset, reference_run, tiny_corpus, ray_session, tmp_path):
@@ -41,3 +45,81 @@ def test_a_killed_generation_rerun_answers_the_rest_and_writes_the_same_bytes(in
     for name in files:
         assert (Path(job["data"]["path"]) / name).read_bytes() == (want / name).read_bytes(), name
     assert manifest["instruct"]["counts"] == instruct_dataset[1]["instruct"]["counts"]
+
+
+def _answers_nll(model_dir: Path, dataset: Path) -> float:
+    """A model's mean NLL per answer token over every held-out answer, by plain torch."""
+    import pyarrow.parquet as pq
+
+    from lmforge.checkpoint.export import open_source
+    from lmforge.models.build import build_model
+
+    source = open_source(model_dir)
+    model = build_model(source.cfg, "cpu", weights=source.read_tensors()).eval()
+    held = pq.read_table(sorted(str(f) for f in (dataset / "eval").glob("shard-*.parquet"))).to_pydict()
+    tokens, mask = torch.tensor(held["tokens"], dtype=torch.long), torch.tensor(held["loss_mask"], dtype=torch.bool)
+    with torch.no_grad():
+        losses = torch.nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten(), reduction="none")
+    return losses[mask.flatten()].mean().item()
+
+
+def test_a_pipeline_killed_in_its_second_stage_resumes_there(instruct_dataset, tiny_dataset, ray_session, tmp_path):
+    """Three stages: the tiny student on the raw corpus, then on the teachers' answers
+    (kind instruct, its dataset already generated), then evaluated on the held-out
+    prompts. `lmforge distill run` is SIGKILLed once the second stage committed step 4;
+    run again, it leaves the first stage alone, resumes the second from step 4 with the
+    first stage's student under it, and evaluates. One MLflow run holds the stages'."""
+    from mlflow.tracking import MlflowClient
+
+    from lmforge import sdk
+    from lmforge.tracking.mlflow_run import PARENT_TAG, ROLE_TAG
+
+    general = tiny_job(tmp_path, tiny_dataset, train={"max_steps": 4, "seed": 2}, optim=INSTRUCT_OPTIM)
+    task = with_sections(json.loads(json.dumps(instruct_dataset[0])), {"train": {"max_steps": 8}, "checkpoint": {"interval": 4, "keep": 3},
+                                                                       "eval": {"interval": 4, "batches": 1}})
+    (tmp_path / "general.yaml").write_text(yaml.safe_dump(general))
+    (tmp_path / "task.yaml").write_text(yaml.safe_dump(task))
+    pipeline = tmp_path / "pipeline.yaml"
+    pipeline.write_text(yaml.safe_dump({"name": "progressive", "output_dir": str(tmp_path / "runs"), "tracking": {"experiment": "pipeline"},
+                                        "stages": [{"name": "general", "kind": "train", "job": "general.yaml"},
+                                                   {"name": "task", "kind": "instruct", "job": "task.yaml"},
+                                                   {"name": "check", "kind": "evaluate", "job": "task.yaml"}]}))
+    runs = tmp_path / "runs"
+    command = [sys.executable, "-m", "lmforge", "distill", "run", str(pipeline), "--no-progress", "--address", ray_session.get_runtime_context().gcs_address]
+    driver = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(committed(runs / "progressive-task", 4) | Condition(lambda: driver.poll() is not None, "the driver to exit"), timeout_s=240)
+    finally:
+        driver.kill()
+        _, stderr = driver.communicate()
+    state = json.loads((runs / "progressive" / "pipeline.json").read_text())
+    assert list(state["stages"]) == ["general"], stderr[-3000:]
+    wait_until(Condition(lambda: not actor_processes("Worker") and not actor_processes("Controller"), "the killed driver's actors to exit"), timeout_s=60)
+    first = (runs / "progressive-general" / "metrics.jsonl").read_text()
+
+    result = sdk.run_pipeline(pipeline, show_progress=False)
+    assert (runs / "progressive-general" / "metrics.jsonl").read_text() == first  # not run again
+    stages = result["stages"]
+    assert stages["task"]["summary"]["start_step"] == 4 and stages["task"]["summary"]["final_step"] == 8
+    student = runs / "progressive" / "students"
+    check = stages["check"]["metrics"]
+    assert stages["check"]["model"] == str(student / "task")
+    assert check["answers_nll"] == pytest.approx(_answers_nll(student / "task", Path(task["data"]["path"])), rel=1e-5)
+    assert check["answers_nll"] < _answers_nll(student / "general", Path(task["data"]["path"]))
+    table = [json.loads(line) for line in Path(stages["check"]["answers"]).read_text().splitlines()]
+    held = {i for i in range(INSTRUCT_PROMPTS) if i % 4 == 3}
+    assert len(table) == check["held_out_prompts"] and {row["prompt_index"] for row in table} <= held and table[0]["teacher_answer"]
+
+    client = MlflowClient(result["mlflow_tracking_uri"])
+    runs_of = {r.info.run_id: r for r in client.search_runs([client.get_experiment_by_name("pipeline").experiment_id])}
+    top = runs_of[result["mlflow_run_id"]]
+    assert top.info.status == "FINISHED" and top.data.tags[ROLE_TAG] == "pipeline"
+    nested = {(r.data.tags[ROLE_TAG], r.info.run_name) for r in runs_of.values() if r.data.tags.get(PARENT_TAG) == top.info.run_id}
+    assert nested == {("train", "progressive-general"), ("job", "progressive-task"), ("evaluation", "progressive-check evaluation")}, nested
+    task_job = next(r for r in runs_of.values() if r.info.run_name == "progressive-task" and r.data.tags[ROLE_TAG] == "job")
+    under_task = {r.data.tags[ROLE_TAG] for r in runs_of.values() if r.data.tags.get(PARENT_TAG) == task_job.info.run_id}
+    assert under_task == {"train", "evaluation"}, under_task
+    train_run = next(r for r in runs_of.values() if r.data.tags.get(PARENT_TAG) == task_job.info.run_id and r.data.tags[ROLE_TAG] == "train")
+    assert train_run.data.params["model.init_from"] == str(student / "general")
+    evaluation = next(r for r in runs_of.values() if r.info.run_name == "progressive-check evaluation")
+    assert "student_answers.json" in {a.path for a in client.list_artifacts(evaluation.info.run_id)}

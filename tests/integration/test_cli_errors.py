@@ -392,3 +392,44 @@ def test_job_larger_than_memory_per_worker_is_refused_with_an_alternative(tmp_pa
     assert nothing_written(tmp_path)
     job["resources"]["memory_per_worker"] = "1KiB"
     assert_clean_error(run_cli("train", str(write_job(tmp_path, job)), cwd=tmp_path), "no layout of 2 workers fits")
+
+
+def _stage(name: str, kind: str, job: str = "general.yaml", **more) -> dict:
+    return {"name": name, "kind": kind, "job": job, **more}
+
+
+# name: (the pipeline's stages; what the message says). Jobs: general.yaml (the tiny
+# student), wide.yaml (a wider one), task.yaml (an instruction distillation).
+PIPELINE_REFUSALS = {
+    "an unknown kind": ([_stage("a", "train"), _stage("b", "finetune")], "stages.1.kind: Input should be 'train', 'instruct' or 'evaluate'"),
+    "a student unlike the previous": ([_stage("a", "train"), _stage("b", "train", "wide.yaml")],
+                                      "stages[1] (b): its student is not the previous stage's (a): model differs in dim (96 vs 64)"),
+    "an evaluation first": ([_stage("a", "evaluate", "task.yaml")], "stages[0] (a): kind evaluate: judges the previous stage's student"),
+    "instruct without prompts": ([_stage("a", "instruct")], "stages[0] (a): kind instruct: its job (general.yaml) has no distill.instruct"),
+    "instructions as kind train": ([_stage("a", "train", "task.yaml")], "give the stage kind: instruct"),
+    "a later stage's own init_from": ([_stage("a", "train"), _stage("b", "train", set=["model.init_from=elsewhere"])],
+                                      "stages[1] (b): model.init_from: a stage starts from the previous stage's student"),
+    "a missing job file": ([_stage("a", "train", "none.yaml")], "stages[0] (a):", "none.yaml: cannot read job file"),
+    "a bad override": ([_stage("a", "train", set=["train.max_stepz=3"])], "stages[0] (a):", "train.max_stepz: unknown field"),
+    "two stages of one name": ([_stage("a", "train"), _stage("a", "train")], "stages: two stages are named 'a'"),
+    "a finished stage changed": ([_stage("a", "train", set=["train.max_steps=3"])], "stages[0] (a) changed since it finished"),
+}
+
+
+@pytest.mark.parametrize("case", PIPELINE_REFUSALS)
+def test_a_pipeline_that_cannot_run_is_refused(case, tmp_path):
+    """Every stage's job is read and checked against the stage before it before
+    anything runs: one line naming the pipeline file and the stage, exit 2."""
+    from conftest import instruct_job
+
+    stages, *fragments = PIPELINE_REFUSALS[case]
+    general = tiny_job(tmp_path, tmp_path / "data")
+    write_job(tmp_path, general).rename(tmp_path / "general.yaml")
+    write_job(tmp_path, tiny_job(tmp_path, tmp_path / "data", model={"preset": "tiny", "vocab_size": 512, "dim": 96})).rename(tmp_path / "wide.yaml")
+    write_job(tmp_path, instruct_job(tmp_path, tmp_path / "teacher", tmp_path / "prompts.jsonl")).rename(tmp_path / "task.yaml")
+    if case == "a finished stage changed":  # the state a run of it with other settings left
+        (tmp_path / "runs" / "p").mkdir(parents=True)
+        (tmp_path / "runs" / "p" / "pipeline.json").write_text(json.dumps({"stages": {"a": {"identity": "another", "kind": "train"}}}))
+    (tmp_path / "pipeline.yaml").write_text(yaml.safe_dump({"name": "p", "output_dir": str(tmp_path / "runs"), "stages": stages}))
+    assert_clean_error(run_cli("distill", "run", str(tmp_path / "pipeline.yaml"), cwd=tmp_path), "pipeline.yaml: ", *fragments)
+    assert sorted(p.name for p in (tmp_path / "runs").rglob("*")) == (["p", "pipeline.json"] if case == "a finished stage changed" else [])

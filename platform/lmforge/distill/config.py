@@ -71,6 +71,10 @@ class InstructSpec(BaseModel):
     eval_fraction: float = Field(0.0, ge=0, lt=1, description="share of the prompts held out: their answers are the dataset's held-out split")
     prompts_per_shard: int = Field(32, gt=0, description="prompts per unit of work: each unit's answers are written once, and kept across a rerun")
     actors: Optional[int] = Field(None, gt=0, description="teacher actors answering at once; default: a GPU each, else up to two single-CPU ones")
+    eval_answers: int = Field(
+        32, ge=0, description="held-out prompts the trained student answers (greedy) after training, for the table of prompt, "
+        "teacher answer and student answer (0: none)"
+    )
     generate: GenerateSpec = Field(default_factory=GenerateSpec)
     select: SelectSpec = Field(default_factory=SelectSpec)
 

@@ -1,8 +1,9 @@
 """One MLflow run per job: the flattened spec as params, per-step metrics, the spec
 as an artifact. A resumed job (same name and checkpoint dir) continues its run.
 
-A distillation job is a parent run with child runs: the teacher cache's build, the
-training, and the final evaluation of the trained student.
+A distillation job is a parent run with child runs: the teacher cache's build (or the
+teachers' answers), the training, and the final evaluation of the trained student. A
+stage of a distillation pipeline nests under the pipeline's run (`tracking.parent_run_id`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from lmforge.spec import JobSpec, flatten
 from lmforge.tracking import events
 
 JOB_TAG = "lmforge.job"
-ROLE_TAG = "lmforge.role"  # "train", "cache" and "evaluation"; "job" for a distillation's parent
+ROLE_TAG = "lmforge.role"  # "train", "cache", "generate" and "evaluation"; "job" for a distillation's parent; "pipeline"
 PARENT_TAG = "mlflow.parentRunId"  # MLflow's own: its UI nests a run under that one
 METRIC_KEYS = ("loss", "ce_loss", "kd_loss", "hidden_loss", "lr", "grad_norm", "tokens_per_s", "mfu", "bubble", "bubble_theory", "step_time", "data_wait")
 
@@ -34,6 +35,11 @@ def artifact_root(tracking_uri: str) -> str | None:
     if not tracking_uri.startswith("sqlite:///"):
         return None
     return os.path.join(os.path.dirname(os.path.abspath(tracking_uri.removeprefix("sqlite:///"))), "mlartifacts")
+
+
+def experiment_id(client, name: str, tracking_uri: str) -> str:
+    exp = client.get_experiment_by_name(name)
+    return exp.experiment_id if exp else client.create_experiment(name, artifact_location=artifact_root(tracking_uri))
 
 
 def job_key(spec: JobSpec) -> str:
@@ -53,8 +59,7 @@ class MlflowRun:
         self.client = MlflowClient(tracking_uri=spec.tracking_uri)
         self._pending: list = []
         self._last_flush = time.time()
-        exp = self.client.get_experiment_by_name(spec.tracking.experiment)
-        self.exp_id = exp.experiment_id if exp else self.client.create_experiment(spec.tracking.experiment, artifact_location=artifact_root(spec.tracking_uri))
+        self.exp_id = experiment_id(self.client, spec.tracking.experiment, spec.tracking_uri)
         self.key = job_key(spec)
         self.parent_id: str | None = None
         self.run_id, self.resumed = self._open_run()
@@ -86,18 +91,23 @@ class MlflowRun:
         if parent is not None and self._latest("train", parent.info.run_id) is None:
             self.client.update_run(parent.info.run_id, status="RUNNING")
             return parent.info.run_id
-        run = self.client.create_run(self.exp_id, run_name=self.spec.name, tags={JOB_TAG: self.key, ROLE_TAG: "job"})
+        run = self.client.create_run(self.exp_id, run_name=self.spec.name, tags={JOB_TAG: self.key, ROLE_TAG: "job", **self._outer_tag})
         self._log_spec(run.info.run_id)
         return run.info.run_id
 
     def _child(self, role: str) -> str:
         tags = {JOB_TAG: self.key, ROLE_TAG: role, "lmforge.engine": self.spec.engine}
-        if self.parent_id:
-            tags[PARENT_TAG] = self.parent_id
+        tags |= {PARENT_TAG: self.parent_id} if self.parent_id else self._outer_tag
         name = f"{self.spec.name} {role}" if self.parent_id else self.spec.name
         run = self.client.create_run(self.exp_id, run_name=name, tags=tags)
         self._log_spec(run.info.run_id)
         return run.info.run_id
+
+    @property
+    def _outer_tag(self) -> dict:
+        """The job's top run nests under the run it is part of (a pipeline's), if any."""
+        outer = self.spec.tracking.parent_run_id
+        return {PARENT_TAG: outer} if outer else {}
 
     @cached_property
     def _spec_params(self) -> dict:
@@ -168,18 +178,30 @@ class MlflowRun:
         if self.parent_id:
             self.client.set_terminated(self.parent_id, status=status)
 
-    def log_evaluation(self, evaluation: dict, summary_path) -> str | None:
+    def log_evaluation(self, evaluation: dict, summary_path, answered: dict | None = None) -> str | None:
         """A distillation's final evaluation as its own child run: the trained student's
-        held-out metrics at the last step, and the job's summary. Returns its run id."""
-        from mlflow.entities import Metric
-
+        held-out metrics at the last step, and the job's summary; an instruction
+        distillation's also the student's answers to held-out prompts (`answered`: their
+        metrics, and the table beside its teachers' answers). Returns its run id."""
         if not self.parent_id:
             return None
         run_id = self._child("evaluation")
-        stamp = int(time.time() * 1000)
-        metrics = [Metric(k, float(v), stamp, evaluation["step"]) for k, v in events.METRICS["eval"](evaluation).items()]
-        self.client.log_batch(run_id, metrics=metrics)
+        log_answers(self.client, run_id, answered or {"metrics": {}}, evaluation["step"], events.METRICS["eval"](evaluation))
         self.client.log_artifact(run_id, str(summary_path))
         self.client.set_terminated(run_id, status="FINISHED")
         self.client.set_terminated(self.parent_id, status="FINISHED")
         return run_id
+
+
+def log_answers(client, run_id: str, answered: dict, step: int, more: dict | None = None) -> None:
+    """A student's held-out metrics (`more` beside its answers'), and its answers' table
+    (MLflow's table artifact, which its UI shows and a judge reads)."""
+    from mlflow.entities import Metric
+
+    from lmforge.distill.instruct.evaluate import TABLE
+
+    stamp = int(time.time() * 1000)
+    values = (more or {}) | answered["metrics"]
+    client.log_batch(run_id, metrics=[Metric(k, float(v), stamp, step) for k, v in values.items()])
+    if answered.get("table"):
+        client.log_table(run_id, {column: [row[column] for row in answered["table"]] for column in answered["table"][0]}, TABLE)
