@@ -189,7 +189,7 @@ def run_pipeline(path: str | os.PathLike, address: Optional[str] = None, show_pr
     pipeline, stages = load_pipeline(path)
     directory = Path(pipeline.output_dir).absolute() / pipeline.name
     state = PipelineState(directory, Path(path), stages)
-    started = connect(address)
+    started = any(not state.done(stage) for stage in stages) and connect(address)  # nothing left to run: no Ray
     tracker = PipelineRun(pipeline, stages[0].job, state.data.get("mlflow_run_id"), Path(path)) if pipeline.tracking.enabled else None
     if tracker:
         state.data["mlflow_run_id"] = tracker.run_id
@@ -200,9 +200,9 @@ def run_pipeline(path: str | os.PathLike, address: Optional[str] = None, show_pr
             done = state.done(stage)
             if done:
                 console.print(f"stage {stage.index + 1}/{len(stages)} {stage.entry.name}: finished before" +
-                              (f"; its student: {done['student']}" if done.get("student") else ""), highlight=False)
+                              (f"; its student: {done['student']}" if done.get("student") else ""), highlight=False, soft_wrap=True)
                 continue
-            console.print(f"stage {stage.index + 1}/{len(stages)} {stage.entry.name} ({stage.entry.kind}): {stage.entry.job}", highlight=False)
+            console.print(f"stage {stage.index + 1}/{len(stages)} {stage.entry.name} ({stage.entry.kind}): {stage.entry.job}", highlight=False, soft_wrap=True)
             job = stage.job.with_changes("tracking", parent_run_id=tracker.run_id) if tracker else stage.job
             result = RUNNERS[stage.entry.kind](stage, job, show_progress, console, tracker)
             state.finish(stage, result)
@@ -262,7 +262,7 @@ def _evaluate(stage: Stage, job: JobSpec, show_progress: bool, console: Console,
     m = answered["metrics"]
     console.print(f"  {stage.previous_student}: NLL of the teachers' held-out answers {m['answers_nll']:.4f} "
                   f"({m['answer_tokens']} tokens); answered {m['held_out_prompts']} held-out prompts, {m['student_answer_tokens']:.1f} "
-                  f"tokens on average, {m['student_finish_stop']:.0%} ended by itself -> {out / ANSWERS_FILE}", highlight=False)
+                  f"tokens on average, {m['student_finish_stop']:.0%} ended by itself -> {out / ANSWERS_FILE}", highlight=False, soft_wrap=True)
     if tracker:
         tracker.log_evaluation(stage, answered)
     return {"model": str(stage.previous_student), "metrics": m, "answers": str(out / ANSWERS_FILE)}
