@@ -156,9 +156,22 @@ def check_distill(spec: "JobSpec", model: ModelConfig) -> None:
         raise ValueError("distill.hidden: the deepspeed engine distills logits only; use engine: native for hidden-state distillation")
     if distill.hidden is not None:
         check_hidden_layers(distill.hidden.layers, model.n_layers, "student", "keys")
+    if distill.on_policy is not None:
+        check_on_policy(spec)
     if spec.parallel.pp > 1 and distill.cache is None and distill.instruct is None:
         raise ValueError("distill.cache: with parallel.pp > 1 the teacher's targets come from an offline cache "
                          "(build it with `lmforge distill cache JOB`, then set distill.cache and distill.top_k)")
+
+
+def check_on_policy(spec: "JobSpec") -> None:
+    """The student generates with whole-model forwards: every rank holds every layer."""
+    if spec.parallel.pp > 1:
+        raise ValueError("distill.on_policy: the student writes its continuations with the whole model on each rank, which "
+                         "pipeline parallelism splits; use parallel.pp: 1 (data and tensor parallelism work)")
+    new_tokens = spec.distill.on_policy.max_new_tokens
+    if new_tokens >= spec.train.seq_len:
+        raise ValueError(f"distill.on_policy.max_new_tokens: {new_tokens} leaves no prompt in a row of train.seq_len "
+                         f"{spec.train.seq_len}; use fewer")
 
 
 def check_hidden_layers(layers: dict[int, int], n_layers: int, whose: str, side: str) -> None:

@@ -24,6 +24,7 @@ from lmforge.data.heldout import HeldOutBatches, eval_batches
 from lmforge.data.identity import order_inputs
 from lmforge.data.order import BatchLayout, GlobalOrder
 from lmforge.distill.cache import teacher_cache
+from lmforge.distill.on_policy import OnPolicy
 from lmforge.engines import create_engine
 from lmforge.errors import OutOfMemory
 from lmforge.guards.divergence import DivergenceGuard
@@ -75,6 +76,7 @@ class Trainer:
         if self.device.type == "cuda" and not spec.resources.memory_per_worker:
             check_fits(spec, torch.cuda.get_device_properties(self.device).total_memory, f"{torch.cuda.get_device_name(self.device)} memory")
         self.engine = create_engine(spec, self.dims, self.device, vocab=manifest["tokenizer"]["vocab_size"])
+        self.on_policy = OnPolicy(spec, manifest["tokenizer"]["eos_id"]) if spec.distill and spec.distill.on_policy else None
         self.held_out = None
         if spec.eval is not None:
             held_cache = (str(Path(self.cache[0]) / self.cache[1]["eval"]["dir"]), self.cache[1]["k"]) if self.cache else None
@@ -139,9 +141,10 @@ class Trainer:
         train = self.spec.train
         try:
             self.faults.before_step(step)
+            rollout = self.on_policy.for_step(step, fed.ids) if self.on_policy else None
             # A checkpoint started at the last step may still be copying the weights.
             stats = self.engine.train_step(torch.from_numpy(fed.tokens.astype(np.int64)), before_update=self.writer.staged,
-                                           targets=_targets(fed.targets), loss_mask=_mask(fed.loss_mask))
+                                           targets=_targets(fed.targets), loss_mask=_mask(fed.loss_mask), on_policy=rollout)
         except torch.OutOfMemoryError as err:
             raise OutOfMemory(step, self.rank, train.micro_batch, memory_report(self.spec, self.rank, step, self.device, err)) from None
         self.faults.after_step()
@@ -171,6 +174,8 @@ class Trainer:
         if stats.bubble is not None:
             row.update(bubble=stats.bubble, bubble_theory=stats.bubble_theory)
         row.update(stats.terms)
+        if self.on_policy:
+            row["on_policy"] = int(rollout is not None)  # the step learnt the student's own continuations
         self._event(row)
         return row
 

@@ -92,6 +92,12 @@ def test_overrides_are_parsed_as_yaml_values():
         (["distill.teacher=t", "parallel.pp=2"], "distill.cache: with parallel.pp > 1 the teacher's targets come from an offline cache (build it with `lmforge distill cache JOB`"),
         (["distill.teacher=t", "engine=deepspeed", "deepspeed.config={}", "distill.hidden={layers: {0: 1}}"],
          "distill.hidden: the deepspeed engine distills logits only; use engine: native"),
+        (["distill.teacher=t", "distill.on_policy={}", "parallel.pp=2"], "distill.on_policy: the student writes its continuations with the whole model"),
+        (["distill.teacher=t", "distill.on_policy={}", "distill.cache=c", "distill.top_k=8"], "distill.on_policy: the teachers score the student's own"),
+        (["distill.teacher=t", "distill.on_policy={}", "distill.hidden={layers: {0: 1}}"], "distill.on_policy: learns the teachers' token distributions"),
+        (["distill.teacher=t", "distill.on_policy={}", "distill.kd_weight=0", "distill.ce_weight=1"], "distill.on_policy: its steps learn the divergence"),
+        (["distill.teacher=t", "distill.on_policy={max_new_tokens: 256}"], "distill.on_policy.max_new_tokens: 256 leaves no prompt in a row of train.seq_len 128"),
+        (["distill.teacher=t", "distill.on_policy={fraction: 0}"], "distill.on_policy.fraction: Input should be greater than 0"),
     ],
 )
 def test_contradictions_name_the_field(overrides, field):

@@ -1,7 +1,7 @@
 """The job file's `distill:` section: the teacher (or several, mixed), the divergence
 and its settings, the weights of each loss term, sparse (top-k) targets, the
-intermediate layers to match, and instruction distillation's prompts, generation and
-selection. Torch-free, like the rest of the spec; the rules between it and other
+intermediate layers to match, instruction distillation's prompts, generation and
+selection, and on-policy steps. Torch-free, like the rest of the spec; the rules between it and other
 sections are in `spec_rules.py`.
 """
 
@@ -79,6 +79,16 @@ class InstructSpec(BaseModel):
     select: SelectSpec = Field(default_factory=SelectSpec)
 
 
+class OnPolicySpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    fraction: float = Field(0.5, gt=0, le=1, description="share of the steps on which the student continues the batch's prompts and "
+                            "learns the teachers' distributions on its own tokens")
+    max_new_tokens: int = Field(32, gt=0, description="tokens the student writes per prompt (fewer when the row ends first)")
+    temperature: float = Field(1.0, ge=0, description="the student's sampling temperature (0: greedy)")
+    loss: Loss = Field("reverse_kl", description="the divergence on the student's tokens (reverse KL: mode-seeking, as in GKD)")
+
+
 class DistillSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -101,6 +111,11 @@ class DistillSpec(BaseModel):
         None, description="instruction distillation: the teachers answer these prompts (`lmforge distill generate JOB`) into data.path"
     )
 
+    on_policy: Optional[OnPolicySpec] = Field(
+        None, description="on-policy distillation (GKD): on a share of the steps the student writes continuations and learns the "
+        "online teachers' distributions on them"
+    )
+
     @model_validator(mode="after")
     def _consistent(self) -> "DistillSpec":
         if (self.teacher is None) == (self.teachers is None):
@@ -116,7 +131,19 @@ class DistillSpec(BaseModel):
             self._instruct_consistent()
         if self.hidden is not None and self.teachers is not None and len(self.teachers) > 1:
             raise ValueError("distill.hidden: matches one teacher's layers; with several teachers distill their logits only")
+        if self.on_policy is not None:
+            self._on_policy_consistent()
         return self
+
+    def _on_policy_consistent(self) -> None:
+        """The teachers score tokens the student has just written: they run online."""
+        if self.cache is not None:
+            raise ValueError("distill.on_policy: the teachers score the student's own continuations online; an offline cache cannot "
+                             "hold them (remove distill.cache)")
+        if self.hidden is not None:
+            raise ValueError("distill.on_policy: learns the teachers' token distributions; match layers (distill.hidden) in a job without it")
+        if self.kd_weight == 0:
+            raise ValueError("distill.on_policy: its steps learn the divergence from the teachers; distill.kd_weight must be above 0")
 
     def _instruct_consistent(self) -> None:
         """The student learns the teachers' answers and, with kd_weight, their top-k
@@ -125,15 +152,15 @@ class DistillSpec(BaseModel):
             raise ValueError("distill.cache: an instruction distillation's dataset holds its teachers' top-k targets itself; remove distill.cache")
         if self.hidden is not None:
             raise ValueError("distill.hidden: an instruction distillation learns from stored answers, not from a teacher's layers")
-        if self.kd_weight and self.top_k is None:
+        if self.kd_weight and self.top_k is None and self.on_policy is None:
             raise ValueError("distill.kd_weight: learning the teachers' distributions on their answers needs them stored; "
                              "set distill.top_k (e.g. 16), or kd_weight: 0 for answers alone")
 
     @property
     def online(self) -> bool:
-        """Whether the teachers run beside the student on every rank (not from a cache, nor
-        an instruction distillation's stored answers)."""
-        return self.cache is None and self.instruct is None
+        """Whether the teachers run beside the student on every rank: not from a cache, nor
+        (unless on-policy) from an instruction distillation's stored answers."""
+        return self.cache is None and (self.instruct is None or self.on_policy is not None)
 
     @property
     def sources(self) -> list[TeacherSpec]:

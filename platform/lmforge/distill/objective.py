@@ -47,6 +47,8 @@ class DistillObjective:
         # With sequence parallelism each TP rank holds its part of the sequence's hidden states.
         self.hidden_group = tp_group if spec.parallel.sequence_parallel else None
         self.divergence = Divergence(self.settings.loss, beta=self.settings.beta, skew=self.settings.skew)
+        on_policy = self.settings.on_policy
+        self.on_policy_divergence = Divergence(on_policy.loss, beta=self.settings.beta, skew=self.settings.skew) if on_policy else None
         self.weights = [source.weight for source in self.settings.sources]
         self.tokens_per_rank, self.vocab, self.tp_group = tokens_per_rank, vocab, tp_group
         self.compiled = spec.parallel.compile  # the loss compiled with the blocks
@@ -61,14 +63,20 @@ class DistillObjective:
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor, teacher: list[torch.Tensor] | TopK,
                  hidden: Optional[tuple[list[torch.Tensor], list[torch.Tensor]]] = None,
-                 learnt: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict]:
+                 learnt: Optional[torch.Tensor] = None, on_policy: bool = False) -> tuple[torch.Tensor, dict]:
         """(the weighted loss, {term: its value}) of one micro-batch. `teacher`: one logits
         tensor per online teacher, or the cache's top-k targets; `hidden`: the adapted
         student outputs and the teacher's, pair by pair; `learnt`: a masked step's N / dp
-        (`targets` then hold IGNORE_INDEX where nothing is learnt)."""
+        (`targets` then hold IGNORE_INDEX where nothing is learnt). `on_policy`: the
+        tokens learnt are the student's own, so the only term is `distill.on_policy.loss`
+        from the teachers (cross-entropy on them would teach the student its own samples)."""
         s = self.settings
         per_rank = self.tokens_per_rank if learnt is None else learnt
         mask = None if learnt is None else learnt_mask(targets)
+        if on_policy:
+            kd = kd_loss_sum(_local(logits), self._targets(teacher), mask, self.on_policy_divergence, s.temperature, self.vocab, self.tp_group,
+                             s.chunk_tokens, compiled=self.compiled)
+            return s.kd_weight * kd / per_rank, {"kd_loss": kd / per_rank}
         terms = {}
         if s.ce_weight:
             terms["ce_loss"] = _cross_entropy_sum(logits, targets) / per_rank

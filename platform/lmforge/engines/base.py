@@ -9,9 +9,12 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
+
+if TYPE_CHECKING:
+    from lmforge.distill.on_policy import Rollout
 
 
 @dataclass
@@ -33,14 +36,17 @@ class Engine(ABC):
 
     @abstractmethod
     def train_step(self, micro_batches: torch.Tensor, before_update: Callable[[], None] = lambda: None,
-                   targets: Optional[tuple[torch.Tensor, torch.Tensor]] = None, loss_mask: Optional[torch.Tensor] = None) -> StepStats:
+                   targets: Optional[tuple[torch.Tensor, torch.Tensor]] = None, loss_mask: Optional[torch.Tensor] = None,
+                   on_policy: Optional[Rollout] = None) -> StepStats:
         """One optimizer step over this rank's micro-batches [accum, micro, seq_len+1].
         `before_update` runs after the backward passes, before any weight or optimizer
         state changes (a checkpoint's background copy must have finished by then).
         `targets`: a distillation's teacher from its offline cache (or an instruction
         dataset), top-k ids and log-probabilities [accum, micro, seq_len, k].
         `loss_mask` [accum, micro, seq_len]: only the next tokens it marks are learnt,
-        the loss their mean over the global batch (an instruction dataset's answers)."""
+        the loss their mean over the global batch (an instruction dataset's answers).
+        `on_policy`: an on-policy step's rollout: the student first continues each row's
+        prompt, and learns the online teachers' distributions on its own tokens."""
 
     def eval_loss(self, micro_batches: torch.Tensor, loss_mask: Optional[torch.Tensor] = None) -> float:
         """The mean token loss of one held-out global batch, forward only (this rank's

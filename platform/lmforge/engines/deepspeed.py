@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lmforge.distill.objective import HELD_OUT_SUMS, DistillObjective, compared_vocab
+from lmforge.distill.on_policy import Rollout
 from lmforge.distill.teacher import build_teacher, micro_batch, teacher_targets
 from lmforge.engines.base import Engine, StepStats, warmup_cosine
 from lmforge.engines.loss_mask import learnt_per_rank, next_token_labels
@@ -99,12 +100,15 @@ class DeepSpeedEngine(Engine):
         return torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(opt.warmup_steps, self.spec.decay_steps, opt.min_lr_ratio))
 
     def train_step(self, micro_batches: torch.Tensor, before_update: Callable[[], None] = lambda: None, targets=None,
-                   loss_mask: Optional[torch.Tensor] = None) -> StepStats:
+                   loss_mask: Optional[torch.Tensor] = None, on_policy: Optional[Rollout] = None) -> StepStats:
         micro_batches = micro_batches.to(self.device, non_blocking=True)
         before_update()  # DeepSpeed steps inside its backward loop; its checkpoints are synchronous anyway
         self.engine.train()
         lr = self.engine.get_lr()[0]
-        loss, terms = self._accumulate(micro_batches, *self._labels(micro_batches, loss_mask), targets)
+        if on_policy is not None:  # the student's continuations replace the data's, scored by the online teachers
+            micro_batches, loss_mask = on_policy.continue_prompts(self.engine, micro_batches, loss_mask, self.objective.vocab)
+            targets = None
+        loss, terms = self._accumulate(micro_batches, *self._labels(micro_batches, loss_mask), targets, on_policy is not None)
         if self.dims.shape.dp > 1:
             reduced = torch.stack([loss, *terms.values()])  # one collective for the loss and its terms
             dist.all_reduce(reduced, op=dist.ReduceOp.AVG, group=self.dims.dp_group)
@@ -121,12 +125,12 @@ class DeepSpeedEngine(Engine):
         labels = next_token_labels(micro_batches, loss_mask)
         return labels, None if loss_mask is None else learnt_per_rank(labels, self.dims.dp_group, self.dims.shape.dp)
 
-    def _accumulate(self, micro_batches: torch.Tensor, labels: torch.Tensor, learnt, cached) -> tuple[torch.Tensor, dict]:
+    def _accumulate(self, micro_batches: torch.Tensor, labels: torch.Tensor, learnt, cached, on_policy: bool = False) -> tuple[torch.Tensor, dict]:
         """The step's loss on this rank and its terms (a distillation's), each micro-batch
         stepped through DeepSpeed (which reduces and updates at the last)."""
         loss_sum, term_sums = torch.zeros((), device=self.device), {}
         for i, batch in enumerate(micro_batches):
-            loss, terms = self._micro_batch_loss(batch[:, :-1], labels[i], learnt, micro_batch(cached, i), len(micro_batches))
+            loss, terms = self._micro_batch_loss(batch[:, :-1], labels[i], learnt, micro_batch(cached, i), len(micro_batches), on_policy)
             # Already the micro-batch's share of the step's loss: DeepSpeed must not divide again.
             self.engine.backward(loss, scale_wrt_gas=False)
             self.engine.step()
@@ -135,14 +139,14 @@ class DeepSpeedEngine(Engine):
                 term_sums[name] = term_sums.get(name, 0) + value.detach()
         return loss_sum, term_sums
 
-    def _micro_batch_loss(self, inputs: torch.Tensor, labels: torch.Tensor, learnt, cached, accum: int) -> tuple[torch.Tensor, dict]:
+    def _micro_batch_loss(self, inputs: torch.Tensor, labels: torch.Tensor, learnt, cached, accum: int, on_policy: bool = False) -> tuple[torch.Tensor, dict]:
         logits = self.engine(inputs)
         if self.objective is None:  # every micro-batch holds as many tokens: its mean over the accumulation
             if learnt is not None:  # a masked batch's do not: each one's sum over N / dp
                 return _cross_entropy(logits, labels, "sum") / learnt, {}
             return _cross_entropy(logits, labels, "mean") / accum, {}
         # Each term is divided by the tokens this rank trains on per step (see DistillObjective).
-        return self.objective(logits, labels, teacher_targets(self.teachers, inputs, cached, self.device), learnt=learnt)
+        return self.objective(logits, labels, teacher_targets(self.teachers, inputs, cached, self.device), learnt=learnt, on_policy=on_policy)
 
     @torch.no_grad()
     def eval_loss(self, micro_batches: torch.Tensor, loss_mask: Optional[torch.Tensor] = None) -> float:

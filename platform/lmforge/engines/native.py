@@ -27,6 +27,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from lmforge.distill.hidden import ADAPTERS, BlockOutputs, HiddenAdapters
 from lmforge.distill.objective import HELD_OUT_SUMS, DistillObjective, compared_vocab
+from lmforge.distill.on_policy import Rollout
 from lmforge.distill.pipelined import StagedObjective
 from lmforge.distill.teacher import build_teacher, micro_batch, teacher_targets
 from lmforge.engines.base import Engine, StepStats, warmup_cosine
@@ -106,7 +107,7 @@ class NativeEngine(Engine):
         if self.pipelined:  # from the cache: the last stage computes it, as the schedule's loss
             self.staged = StagedObjective(self.objective, self.spec.grad_accum)
 
-    def _distill_loss(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, cached, learnt) -> tuple[torch.Tensor, dict]:
+    def _distill_loss(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, cached, learnt, on_policy: bool) -> tuple[torch.Tensor, dict]:
         logits, teacher = model(inputs), teacher_targets(self.teachers, inputs, cached, self.device)
         hidden = None
         if self.hidden is not None:
@@ -114,7 +115,7 @@ class NativeEngine(Engine):
             layers = self.spec.distill.hidden.layers
             adapted = list(getattr(model, ADAPTERS)(*student_side.take(layers)))
             hidden = (adapted, teacher_side.take(layers.values()))
-        return self.objective(logits, targets, teacher, hidden, learnt)
+        return self.objective(logits, targets, teacher, hidden, learnt, on_policy)
 
     def _cut(self, whole: nn.Module) -> list[nn.Module]:
         if not self.pipelined:
@@ -181,15 +182,18 @@ class NativeEngine(Engine):
         return loss_parallel() if self.tensor_parallel else nullcontext()
 
     def train_step(self, micro_batches: torch.Tensor, before_update: Callable[[], None] = lambda: None, targets=None,
-                   loss_mask: Optional[torch.Tensor] = None) -> StepStats:
+                   loss_mask: Optional[torch.Tensor] = None, on_policy: Optional[Rollout] = None) -> StepStats:
         micro_batches = micro_batches.to(self.device, non_blocking=True)
         for part in self.parts:
             part.train()
+        if on_policy is not None:  # the student's continuations replace the data's (the spec refuses pipelines)
+            micro_batches, loss_mask = on_policy.continue_prompts(self.parts[0], micro_batches, loss_mask, self.objective.vocab, self.objective.tp_group)
+            targets = None  # the teachers score the new tokens online
         labels, learnt = self._labels(micro_batches, loss_mask)
         if self.pipelined:
             (loss, terms), bubble = self._pipeline_step(micro_batches, labels, learnt, targets)
         else:
-            (loss, terms), bubble = self._accumulate(micro_batches, labels, learnt, targets), None
+            (loss, terms), bubble = self._accumulate(micro_batches, labels, learnt, targets, on_policy is not None), None
         lr = self.schedulers[0].get_last_lr()[0]
         if terms:  # reduced with the loss: one collective
             reduced = torch.stack([loss, *terms.values()])
@@ -213,7 +217,7 @@ class NativeEngine(Engine):
             stats.bubble, stats.bubble_theory = bubble, self.bubble_theory
         return stats
 
-    def _accumulate(self, micro_batches: torch.Tensor, labels: torch.Tensor, learnt, cached=None) -> tuple[torch.Tensor, dict]:
+    def _accumulate(self, micro_batches: torch.Tensor, labels: torch.Tensor, learnt, cached=None, on_policy: bool = False) -> tuple[torch.Tensor, dict]:
         """The step's loss on this rank, and its terms (a distillation job's)."""
         model, accum = self.parts[0], micro_batches.shape[0]
         loss_sum = torch.zeros((), device=self.device)
@@ -230,7 +234,7 @@ class NativeEngine(Engine):
                     loss = self._loss(model(inputs), targets) / accum if learnt is None else self._loss_sum(model(inputs), targets) / learnt
                     terms = {}
                 else:
-                    loss, terms = self._distill_loss(model, inputs, targets, micro_batch(cached, i), learnt)
+                    loss, terms = self._distill_loss(model, inputs, targets, micro_batch(cached, i), learnt, on_policy)
                 loss.backward()
             loss_sum += _local(loss.detach())
             for name, value in terms.items():
