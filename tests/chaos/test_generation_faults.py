@@ -68,15 +68,20 @@ def test_a_pipeline_killed_in_its_second_stage_resumes_there(instruct_dataset, t
     (kind instruct, its dataset already generated), then evaluated on the held-out
     prompts. `lmforge distill run` is SIGKILLed once the second stage committed step 4;
     run again, it leaves the first stage alone, resumes the second from step 4 with the
-    first stage's student under it, and evaluates. One MLflow run holds the stages'."""
+    first stage's student under it (on-policy steps chosen by step, before and after the
+    restart), and evaluates. One MLflow run holds the stages'."""
     from mlflow.tracking import MlflowClient
 
     from lmforge import sdk
+    from lmforge.distill.on_policy import OnPolicy
+    from lmforge.spec import spec_from_dict
     from lmforge.tracking.mlflow_run import PARENT_TAG, ROLE_TAG
 
     general = tiny_job(tmp_path, tiny_dataset, train={"max_steps": 4, "seed": 2}, optim=INSTRUCT_OPTIM)
+    # The task stage also has on-policy steps (1-6 of 8 at its seed): the student continues the prompts, the teachers online.
     task = with_sections(json.loads(json.dumps(instruct_dataset[0])), {"train": {"max_steps": 8}, "checkpoint": {"interval": 4, "keep": 3},
                                                                        "eval": {"interval": 4, "batches": 1}})
+    task["distill"]["on_policy"] = {"fraction": 0.5, "max_new_tokens": 8}
     (tmp_path / "general.yaml").write_text(yaml.safe_dump(general))
     (tmp_path / "task.yaml").write_text(yaml.safe_dump(task))
     pipeline = tmp_path / "pipeline.yaml"
@@ -101,6 +106,10 @@ def test_a_pipeline_killed_in_its_second_stage_resumes_there(instruct_dataset, t
     assert (runs / "progressive-general" / "metrics.jsonl").read_text() == first  # not run again
     stages = result["stages"]
     assert stages["task"]["summary"]["start_step"] == 4 and stages["task"]["summary"]["final_step"] == 8
+    steps = {row["step"]: row for row in map(json.loads, (runs / "progressive-task" / "metrics.jsonl").read_text().splitlines()) if "loss" in row and row.get("event") is None}
+    on_policy = OnPolicy(spec_from_dict(task), eos=0)
+    assert sorted(steps) == list(range(1, 9)) and {s for s, row in steps.items() if row["on_policy"]} == {s for s in steps if on_policy.chooses(s)} == set(range(1, 7))
+    assert all(("ce_loss" in row) != bool(row["on_policy"]) and row["kd_loss"] > 0 for row in steps.values())
     student = runs / "progressive" / "students"
     check = stages["check"]["metrics"]
     assert stages["check"]["model"] == str(student / "task")

@@ -25,6 +25,7 @@ from lmforge.checkpoint.sharded import load_checkpoint
 from lmforge.checkpoint.store import CheckpointStore
 from lmforge.checkpoint.writer import CheckpointWriter
 from lmforge.cluster.runtime import tune_process
+from lmforge.distill.on_policy import OnPolicy
 from lmforge.engines import create_engine
 from lmforge.parallel.mesh import build_mesh
 from lmforge.parallel.shape import MeshShape
@@ -167,6 +168,10 @@ def run_case(args: argparse.Namespace, device: torch.device) -> None:
     losses, terms, states, evals, against_teacher = [], [], {}, {}, {}
     share = lambda batch: batch.view(dp, -1, 17)[dims.dp_rank].reshape(spec.grad_accum, spec.train.micro_batch, 17)  # noqa: E731
 
+    # On-policy steps: the row's sample id is its place in the global batch, counted over the steps.
+    on_policy = OnPolicy(spec, eos=0) if spec.distill and spec.distill.on_policy else None
+    rollout = lambda step: on_policy and on_policy.for_step(step + 1, (torch.arange(8) + 8 * step).view(dp, -1)[dims.dp_rank].numpy())  # noqa: E731
+
     cache = CachedTargets(spec) if spec.distill and spec.distill.cache else None
     targets = lambda batch: None if cache is None else cache(batch, lambda t: t.view(dp, -1, *t.shape[1:])[dims.dp_rank].reshape(  # noqa: E731
         spec.grad_accum, spec.train.micro_batch, *t.shape[1:]))
@@ -193,7 +198,7 @@ def run_case(args: argparse.Namespace, device: torch.device) -> None:
             continue  # the batch was drawn so the generator stays in step
         global_batch = (start_tok + stride * torch.arange(17)) % 256
         stats = engine.train_step(share(global_batch), before_update=lambda: states.update(measured=state_bytes(engine)), targets=targets(global_batch),
-                                  loss_mask=mask_of(mask))
+                                  loss_mask=mask_of(mask), on_policy=rollout(step))
         losses.append(stats.loss)
         terms.append(stats.terms)
         evaluate(step + 1)

@@ -31,6 +31,7 @@ def zero(stage: int) -> list[str]:
 # checkpoint share one launch, and the runs that continue them share a few more.
 TEN = {"steps": 10}
 ENGINES = {"native": [], "deepspeed": zero(3)}
+ON_POLICY = "distill.on_policy={fraction: 0.5, max_new_tokens: 6}"  # steps 3 and 6 of 6 at this seed
 CASES = {
     "native": (2, [], TEN),
     **{name: (2, [*zero(stage), *offload], TEN) for name, (stage, offload) in STAGES.items()},
@@ -49,6 +50,9 @@ CASES = {
     **{f"{engine}-distill{kind}": (2, [*items, *DISTILL_LOGITS, *extra], {"teacher": "native-save"})
        for engine, items in (("native", []), ("zero3", zero(3)), ("zero2", zero(2))) for kind, extra in (("", []), ("-cache", FROM_CACHE))
        if (engine, kind) != ("zero2", "")},
+    # Online, with on-policy steps (the student's continuations scored by the teacher).
+    **{f"{engine}-distill-on-policy": (2, [*items, *DISTILL_LOGITS, ON_POLICY], {"teacher": "native-save"})
+       for engine, items in (("native", []), ("zero3", zero(3)))},
     # The same from the cache, learning only the tokens of an instruction dataset's loss mask.
     **{f"{engine}-distill-cache-masked": (2, [*items, *DISTILL_LOGITS, *FROM_CACHE], {"teacher": "native-save", "masked": True})
        for engine, items in (("native", []), ("zero2", zero(2)))},
@@ -132,16 +136,18 @@ def test_exported_weights_move_between_engines(runs, source, target):
     assert continued[0] == pytest.approx(runs(saved)["losses"][3], rel=1e-5)
 
 
-@pytest.mark.parametrize("name", ["zero3-distill", "zero3-distill-cache", "zero2-distill-cache", "zero2-distill-cache-masked"])
+@pytest.mark.parametrize("name", ["zero3-distill", "zero3-distill-cache", "zero2-distill-cache", "zero2-distill-cache-masked", "zero3-distill-on-policy"])
 def test_distillation_matches_native(runs, name):
     """A JSD + cross-entropy distillation under ZeRO (the online teacher whole on each
     rank): the total, each term, and the held-out loss, KL and top-1 agreement of the
-    native engine's same run; also learning only an instruction dataset's masked-in tokens."""
+    native engine's same run; also learning only an instruction dataset's masked-in
+    tokens, and with on-policy steps (the kd term alone, on the student's continuations)."""
     want, got = runs("native-" + name.split("-", 1)[1]), runs(name)
     assert got["losses"] == pytest.approx(want["losses"], rel=1e-4)
-    assert [sorted(t) for t in got["terms"]] == [["ce_loss", "kd_loss"]] * len(want["losses"])
+    on_policy = {2, 5} if name.endswith("on-policy") else set()
+    assert [sorted(t) for t in got["terms"]] == [["kd_loss"] if i in on_policy else ["ce_loss", "kd_loss"] for i in range(len(want["losses"]))]
     for term in ("ce_loss", "kd_loss"):
-        assert [t[term] for t in got["terms"]] == pytest.approx([t[term] for t in want["terms"]], rel=1e-4, abs=2e-6)
+        assert [t.get(term) for t in got["terms"]] == pytest.approx([t.get(term) for t in want["terms"]], rel=1e-4, abs=2e-6)
     assert want["eval"][str(len(want["losses"]))] < want["eval"]["0"]
     assert got["eval"] == pytest.approx(want["eval"], rel=1e-4) and len(want["eval"]) >= 2
     assert sorted(got["against_teacher"]) == sorted(want["against_teacher"])

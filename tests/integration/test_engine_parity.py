@@ -35,6 +35,8 @@ DISTILL_TERMS = ["ce_loss", "hidden_loss", "kd_loss"]
 # first-step rounding (6e-7) grew to 1e-4 by step 4 (measured under TP).
 DISTILL_CACHE = [*DISTILL_LOGITS, *FROM_CACHE, "optim.lr=3e-3"]
 
+ON_POLICY = [*DISTILL_LOGITS, "distill.on_policy={fraction: 0.5, max_new_tokens: 6}"]
+
 # name: (ranks, --set items, options): see parity.Launches.
 CASES = {
     "reference": (1, [], {}),
@@ -71,13 +73,18 @@ CASES = {
        (("one", 1, []), ("dp2", 2, []), ("tp2", 2, ["parallel.tp=2"]), ("pp2", 2, [*PP2, *SCHEDULES["1f1b"]]))},
     **{f"sft-kd-{name}": (n, [*DISTILL_CACHE, *layout], {"teacher": "3d-save", "masked": True}) for name, n, layout in
        (("one", 1, []), ("tp2", 2, ["parallel.tp=2"]), ("pp2", 2, [*PP2, *SCHEDULES["interleaved-1f1b"]]))},
+    # On-policy steps (3 and 6 of 6 at this seed): the student continues each row (after its first 11 tokens, or
+    # its loss mask's prompt), the teacher FSDP-sharded or TP-split as the student is.
+    **{f"on-policy-{name}": (n, [*ON_POLICY, *layout], {"teacher": "3d-save", **options}) for name, n, layout, options in
+       (("one", 1, [], {}), ("dp2", 2, [], {}), ("tp2", 2, ["parallel.tp=2"], {}),
+        ("masked-one", 1, [], {"masked": True}), ("masked-tp2", 2, ["parallel.tp=2"], {"masked": True}))},
 }
-ONE_PROCESS = ("reference", "distill-one", "distill-cache-one", "sft-one", "sft-kd-one")
+ONE_PROCESS = ("reference", "distill-one", "distill-cache-one", "sft-one", "sft-kd-one", "on-policy-one", "on-policy-masked-one")
 
 
 def one_process(case: str) -> str:
     """The single-process run a case is compared with."""
-    for prefix in ("sft-kd", "sft", "distill-cache", "distill"):
+    for prefix in ("on-policy-masked", "on-policy", "sft-kd", "sft", "distill-cache", "distill"):
         if case.startswith(prefix + "-"):
             return f"{prefix}-one"
     return "reference"
@@ -199,6 +206,25 @@ def test_a_loss_mask_trains_alike_on_every_layout(run, case):
     # The mask is what is learnt: the same batches, unmasked, give other losses.
     unmasked = run("distill-cache-one" if case.startswith("sft-kd") else "reference")["losses"]
     assert want["losses"] != pytest.approx(unmasked, rel=1e-4)
+
+
+@pytest.mark.parametrize("case, tolerance", [("on-policy-dp2", 1e-5), ("on-policy-tp2", 1e-4), ("on-policy-masked-tp2", 1e-4)])
+def test_on_policy_distillation_matches_one_process(run, case, tolerance):
+    """On-policy steps (the student's sampled continuations, the teacher's reverse KL on
+    them alone) between off-policy ones: each row's tokens are a function of its seed,
+    step and sample id, so FSDP and TP (each position's logits gathered from the
+    vocabulary shards to sample) write the same continuations and give one process's
+    losses; prompts from the data's last tokens, or from a loss mask's prompt."""
+    want, got = run(one_process(case)), run(case)
+    assert got["losses"] == pytest.approx(want["losses"], rel=tolerance)
+    on_policy_steps = [i for i, terms in enumerate(want["terms"]) if sorted(terms) == ["kd_loss"]]
+    assert on_policy_steps == [2, 5] and all(sorted(t) == ["ce_loss", "kd_loss"] for i, t in enumerate(want["terms"]) if i not in on_policy_steps)
+    assert [sorted(t) for t in got["terms"]] == [sorted(t) for t in want["terms"]]
+    for step, terms in enumerate(want["terms"]):
+        assert got["terms"][step]["kd_loss"] == pytest.approx(terms["kd_loss"], rel=tolerance, abs=2e-6)
+    # The prompts differ (a loss mask's, or all but the last 6 tokens), and so do the steps that continue them.
+    other = run("on-policy-one" if "masked" in case else "on-policy-masked-one")["losses"]
+    assert want["losses"][2] != pytest.approx(other[2], rel=1e-3)
 
 
 def test_distillation_adapters_are_checkpointed_and_left_out_of_the_export(run):

@@ -23,7 +23,7 @@ from lmforge.tracking import events
 JOB_TAG = "lmforge.job"
 ROLE_TAG = "lmforge.role"  # "train", "cache", "generate" and "evaluation"; "job" for a distillation's parent; "pipeline"
 PARENT_TAG = "mlflow.parentRunId"  # MLflow's own: its UI nests a run under that one
-METRIC_KEYS = ("loss", "ce_loss", "kd_loss", "hidden_loss", "lr", "grad_norm", "tokens_per_s", "mfu", "bubble", "bubble_theory", "step_time", "data_wait")
+METRIC_KEYS = ("loss", "ce_loss", "kd_loss", "hidden_loss", "on_policy", "lr", "grad_norm", "tokens_per_s", "mfu", "bubble", "bubble_theory", "step_time", "data_wait")
 
 for _noisy in ("alembic", "mlflow"):
     logging.getLogger(_noisy).setLevel(logging.WARNING)
