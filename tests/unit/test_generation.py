@@ -56,7 +56,7 @@ def test_cache_decode_logits_equal_a_full_recompute(models):
     follow = torch.randint(0, VOCAB, (len(PROMPTS), 12), generator=torch.Generator().manual_seed(3))
     ids, _ = left_padded(PROMPTS)
     pad = torch.tensor([ids.shape[1] - len(p) for p in PROMPTS])
-    cache = KVCache(model.cfg, pad, ids.shape[1] + follow.shape[1], torch.float32, torch.device("cpu"))
+    cache = KVCache(model.cfg, pad, ids.shape[1] + follow.shape[1], torch.device("cpu"))
     worst = 0.0
     with torch.no_grad():
         cache.begin(ids.shape[1])

@@ -1,7 +1,9 @@
-"""On-policy distillation against independent references: the student's continuations
-are the inference module's generation (KV cache, each row alone) token for token,
-greedy and sampled, stopping at end-of-text; an on-policy step's loss is the reverse
+"""On-policy distillation against independent references: the student's continuations,
+from a KV cache or whole-row forwards, are the inference module's generation of each
+row alone token for token, greedy and sampled, stopping at end-of-text; an on-policy step's loss is the reverse
 KL on those tokens computed with plain torch; the steps chosen follow the fraction."""
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -23,8 +25,11 @@ SEQ, VOCAB, NEW = 16, 96, 5
 MODEL = {"preset": "tiny", "vocab_size": VOCAB, "n_layers": 2}
 
 
-def student():
-    return build_model(spec_from_dict({"name": "t", "data": {"path": "d"}, "model": MODEL}).model_arch, seed=3).eval()
+def student(context: int = 256):
+    """`context` below a row plus its new tokens: the rollout takes whole-row forwards
+    (its way under tensor parallelism) instead of the KV cache."""
+    cfg = spec_from_dict({"name": "t", "data": {"path": "d"}, "model": MODEL}).model_arch
+    return build_model(dataclasses.replace(cfg, max_seq_len=context), seed=3).eval()
 
 
 def batches(rows: int = 6) -> torch.Tensor:
@@ -50,8 +55,9 @@ def reference_continuation(model, prompt: list[int], seed: int, temperature: flo
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 @pytest.mark.parametrize("masked", [False, True])
-def test_continuations_are_the_inference_modules_generation(temperature, masked):
-    model, tokens = student(), batches()
+@pytest.mark.parametrize("context", [256, SEQ + NEW], ids=["kv-cache", "whole-rows"])
+def test_continuations_are_the_inference_modules_generation(temperature, masked, context):
+    model, tokens = student(context), batches()
     loss_mask = masks() if masked else None
     seeds = np.arange(100, 106)
     # End-of-text: the first row's first greedy token, so that at least one row stops early.

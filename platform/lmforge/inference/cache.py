@@ -13,11 +13,12 @@ from lmforge.models.config import ModelConfig
 
 
 class KVCache:
-    def __init__(self, cfg: ModelConfig, pad: torch.Tensor, capacity: int, dtype: torch.dtype, device: torch.device):
-        """`pad[b]`: how many padding slots precede sequence b; `capacity`: slots per sequence."""
-        shape = (len(pad), cfg.n_kv_heads, capacity, cfg.head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
+    def __init__(self, cfg: ModelConfig, pad: torch.Tensor, capacity: int, device: torch.device):
+        """`pad[b]`: how many padding slots precede sequence b; `capacity`: slots per sequence.
+        A layer's slots are allocated at its first keys, with their heads and dtype (a
+        tensor-parallel rank's share of the heads; a mixed-precision forward's dtype)."""
+        self.keys: list = [None] * cfg.n_layers
+        self.values: list = [None] * cfg.n_layers
         self.pad = pad.to(device)
         self.capacity = capacity
         self.length = 0  # slots filled
@@ -64,6 +65,9 @@ class LayerCache:
         """Store this forward's keys and values (batch, kv_heads, new, head_dim); all so far."""
         cache, start = self.cache, self.cache.length
         end = start + k.shape[2]
+        if cache.keys[self.index] is None:
+            shape = (k.shape[0], k.shape[1], cache.capacity, k.shape[3])
+            cache.keys[self.index], cache.values[self.index] = k.new_zeros(shape), v.new_zeros(shape)
         keys, values = cache.keys[self.index], cache.values[self.index]
         keys[:, :, start:end] = k
         values[:, :, start:end] = v

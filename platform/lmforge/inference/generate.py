@@ -54,12 +54,14 @@ def _sample(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor, ge
 def generate_ids(model: Transformer, prompts: list[list[int]], params: SamplingParams, eos_ids: frozenset[int] = frozenset(),
                  vocab: Optional[int] = None, use_cache: bool = True,
                  stopped: Optional[Callable[[int, list[int]], bool]] = None, row_seeds: Optional[list[int]] = None,
-                 soft_targets: Optional[tuple[int, float]] = None) -> list[Generation]:
+                 soft_targets: Optional[tuple[int, float]] = None, go_on: Optional[Callable[[bool], bool]] = None) -> list[Generation]:
     """`vocab`: the tokenizer's real size (a model's padded rows never sampled);
     `use_cache=False` recomputes the whole sequence each step (the baseline the cache
     is measured against); `stopped(row, new_tokens)` ends a row early (stop strings);
     `row_seeds`: a seed per row instead of `params.seed`; `soft_targets` (k, T): keep
-    the top k at each new token's position (distillation's soft targets)."""
+    the top k at each new token's position (distillation's soft targets); `go_on`:
+    given whether a row still runs here, whether to take another step (a sharded model's
+    ranks must all run the same forwards)."""
     cfg, param = model.cfg, next(model.parameters())
     device, vocab = param.device, vocab or cfg.vocab_size
     batch, longest = len(prompts), max(len(p) for p in prompts)
@@ -77,7 +79,7 @@ def generate_ids(model: Transformer, prompts: list[list[int]], params: SamplingP
     tops: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def new_cache(capacity: int) -> KVCache:
-        return KVCache(cfg, pad, capacity, param.dtype, device)
+        return KVCache(cfg, pad, capacity, device)
 
     cache = new_cache(total)
     logits = _forward(model, tokens[:, :longest], cache)
@@ -99,7 +101,7 @@ def generate_ids(model: Transformer, prompts: list[list[int]], params: SamplingP
             if (params.stop_at_eos and token in eos_ids) or (stopped is not None and stopped(row, out[row].tokens)):
                 out[row].finish_reason = "stop"
                 running.discard(row)
-        if not running or step == params.max_new_tokens - 1:
+        if not (go_on(bool(running)) if go_on else running) or step == params.max_new_tokens - 1:
             break
         position = longest + step
         tokens[:, position] = chosen
