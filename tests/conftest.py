@@ -52,6 +52,16 @@ def private_ray_env():
     return PRIVATE_RAY_ENV
 
 
+@pytest.fixture
+def one_rank(tmp_path):
+    """A torch.distributed group of this process alone (gloo), for an engine in a unit test."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg-store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
 @pytest.fixture(scope="session")
 def ray_session(private_ray_env):
     import logging

@@ -147,7 +147,7 @@ def test_distillation_matches_native(runs, name):
     on_policy = {2, 5} if name.endswith("on-policy") else set()
     assert [sorted(t) for t in got["terms"]] == [["kd_loss"] if i in on_policy else ["ce_loss", "kd_loss"] for i in range(len(want["losses"]))]
     for term in ("ce_loss", "kd_loss"):
-        assert [t.get(term) for t in got["terms"]] == pytest.approx([t.get(term) for t in want["terms"]], rel=1e-4, abs=2e-6)
+        assert [t.get(term, 0.0) for t in got["terms"]] == pytest.approx([t.get(term, 0.0) for t in want["terms"]], rel=1e-4, abs=2e-6)
     assert want["eval"][str(len(want["losses"]))] < want["eval"]["0"]
     assert got["eval"] == pytest.approx(want["eval"], rel=1e-4) and len(want["eval"]) >= 2
     assert sorted(got["against_teacher"]) == sorted(want["against_teacher"])

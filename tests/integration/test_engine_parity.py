@@ -74,10 +74,10 @@ CASES = {
     **{f"sft-kd-{name}": (n, [*DISTILL_CACHE, *layout], {"teacher": "3d-save", "masked": True}) for name, n, layout in
        (("one", 1, []), ("tp2", 2, ["parallel.tp=2"]), ("pp2", 2, [*PP2, *SCHEDULES["interleaved-1f1b"]]))},
     # On-policy steps (3 and 6 of 6 at this seed): the student continues each row (after its first 11 tokens, or
-    # its loss mask's prompt), the teacher FSDP-sharded or TP-split as the student is.
+    # its loss mask's prompt), the teacher FSDP-sharded or TP-split as the student is (tp2 without a mask
+    # passed too, cut for suite time: the prompts' rule is the unit tests').
     **{f"on-policy-{name}": (n, [*ON_POLICY, *layout], {"teacher": "3d-save", **options}) for name, n, layout, options in
-       (("one", 1, [], {}), ("dp2", 2, [], {}), ("tp2", 2, ["parallel.tp=2"], {}),
-        ("masked-one", 1, [], {"masked": True}), ("masked-tp2", 2, ["parallel.tp=2"], {"masked": True}))},
+       (("one", 1, [], {}), ("dp2", 2, [], {}), ("masked-one", 1, [], {"masked": True}), ("masked-tp2", 2, ["parallel.tp=2"], {"masked": True}))},
 }
 ONE_PROCESS = ("reference", "distill-one", "distill-cache-one", "sft-one", "sft-kd-one", "on-policy-one", "on-policy-masked-one")
 
@@ -208,7 +208,7 @@ def test_a_loss_mask_trains_alike_on_every_layout(run, case):
     assert want["losses"] != pytest.approx(unmasked, rel=1e-4)
 
 
-@pytest.mark.parametrize("case, tolerance", [("on-policy-dp2", 1e-5), ("on-policy-tp2", 1e-4), ("on-policy-masked-tp2", 1e-4)])
+@pytest.mark.parametrize("case, tolerance", [("on-policy-dp2", 1e-5), ("on-policy-masked-tp2", 1e-4)])
 def test_on_policy_distillation_matches_one_process(run, case, tolerance):
     """On-policy steps (the student's sampled continuations, the teacher's reverse KL on
     them alone) between off-policy ones: each row's tokens are a function of its seed,

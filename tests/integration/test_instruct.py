@@ -122,3 +122,21 @@ def test_a_student_learns_its_teachers_answers(instruct_dataset, tiny_dataset, t
     # Measured: 6.25 before, 5.28 after the raw corpus, 5.05 after the answers.
     nll = {"before": before, "raw corpus": held_out_nll(trained(raw), job), "answers": evals[12]["eval_loss"]}
     assert nll["answers"] < nll["before"] and nll["answers"] < nll["raw corpus"], nll
+
+
+def test_prompts_too_long_for_a_sample_are_dropped_and_counted(instruct_dataset, tmp_path):
+    """A prompt that leaves no room for max_new_tokens in train.seq_len + 1 is not
+    answered: counted under prompt_too_long, the others planned in order (no Ray needed)."""
+    from lmforge.distill.instruct.build import plan_generation
+    from lmforge.spec import spec_from_dict
+
+    job = json.loads(json.dumps(instruct_dataset[0]))
+    short, long = "def add(a, b):", "def " + "_".join(f"name{i}" for i in range(40)) + "():"
+    texts = [short, long, short.replace("add", "sub"), long + " pass", short.replace("add", "mul")]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    job["distill"]["instruct"] |= {"prompts": str(prompts), "eval_fraction": 0.0}
+    job["data"]["path"] = str(tmp_path / "sft")
+    plan = plan_generation(spec_from_dict(job))
+    assert plan.prompts == 5 and plan.too_long == 2
+    assert [index for unit in plan.units for index, _, _ in unit] == [0, 2, 4]

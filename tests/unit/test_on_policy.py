@@ -8,7 +8,6 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from lmforge.distill.on_policy import OnPolicy, Rollout
@@ -91,13 +90,6 @@ def test_the_steps_chosen_follow_the_fraction_and_the_seed():
     assert other != chosen
     rollout = OnPolicy(spec_from_dict(base), eos=0).for_step(next(s for s in range(1, 801) if chosen[s - 1]), np.array([4, 4, 5]))
     assert rollout.row_seeds[0] == rollout.row_seeds[1] != rollout.row_seeds[2]  # a row's seed: the step and its sample id
-
-
-@pytest.fixture
-def one_rank(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_an_on_policy_step_learns_reverse_kl_on_the_students_own_tokens(one_rank, tmp_path):
