@@ -72,7 +72,7 @@ class Rollout:
         # A rank with no row to continue still runs the forwards its peers run.
         prompts = [tokens[row, :lengths[row]].tolist() for row in rows] or [[self.eos]]
         results = generate_ids(model, prompts, self._params(), frozenset({self.eos}), vocab,
-                               row_seeds=[int(seeds[row]) for row in rows] or [0], go_on=_anyone)
+                               row_seeds=[int(seeds[row]) for row in rows] or [0], go_on=lambda running: _anyone(running, tokens.device))
         written = [[] for _ in lengths]
         for row, result in zip(rows, results):
             written[row] = result.tokens[:rooms[row]]
@@ -86,7 +86,7 @@ class Rollout:
         written: list[list[int]] = [[] for _ in lengths]
         running = [room > 0 for room in rooms]
         for _ in range(self.max_new_tokens):
-            if not _anyone(any(running)):
+            if not _anyone(any(running), tokens.device):
                 break
             at = torch.tensor([length + len(new) - 1 for length, new in zip(lengths, written)], device=tokens.device)
             logits = _gathered(model(tokens[:, :-1]), at.clamp(max=tokens.shape[-1] - 2), tp_group)[:, :vocab].float()
@@ -123,10 +123,11 @@ def _gathered(logits: torch.Tensor, positions: torch.Tensor, tp_group) -> torch.
     return torch.cat(shards, dim=-1)
 
 
-def _anyone(running: bool) -> bool:
+def _anyone(running: bool, device: torch.device) -> bool:
     """Whether any rank still has a row to continue: all ranks run the same forwards
-    (FSDP gathers and TP's collectives take every rank)."""
-    flag = torch.tensor(int(running))
+    (FSDP gathers and TP's collectives take every rank). On `device`: NCCL reduces
+    GPU tensors only."""
+    flag = torch.tensor(int(running), device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
