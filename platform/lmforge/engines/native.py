@@ -35,7 +35,7 @@ from lmforge.engines.loss_mask import learnt_per_rank, next_token_labels
 from lmforge.models import Transformer, materialize
 from lmforge.parallel.checkpointing import apply_activation_checkpointing
 from lmforge.parallel.compile import apply_compile
-from lmforge.parallel.fsdp import apply_fsdp, needs_wrapping
+from lmforge.parallel.fsdp import apply_fsdp, gathered_across_forwards, needs_wrapping
 from lmforge.parallel.mesh import ParallelDims
 from lmforge.parallel.pipeline import (
     Stopwatch,
@@ -187,7 +187,9 @@ class NativeEngine(Engine):
         for part in self.parts:
             part.train()
         if on_policy is not None:  # the student's continuations replace the data's (the spec refuses pipelines)
-            micro_batches, loss_mask = on_policy.continue_prompts(self.parts[0], micro_batches, loss_mask, self.objective.vocab, self.objective.tp_group)
+            with gathered_across_forwards(self.parts[0], self.spec.parallel.zero) if self.sharded else nullcontext():
+                micro_batches, loss_mask = on_policy.continue_prompts(self.parts[0], micro_batches, loss_mask, self.objective.vocab,
+                                                                      self.objective.tp_group)
             targets = None  # the teachers score the new tokens online
         labels, learnt = self._labels(micro_batches, loss_mask)
         if self.pipelined:

@@ -6,9 +6,11 @@ the root wraps what is left (embeddings, final norm, output head).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from torch import nn
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from lmforge.parallel.mesh import ParallelDims
 from lmforge.parallel.shape import MeshShape
@@ -30,6 +32,22 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, zero: int, precision: str, 
         fully_shard(block, **options)
     fully_shard(model, **options)
     return model
+
+
+@contextmanager
+def gathered_across_forwards(model: nn.Module, zero: int):
+    """Many forwards in a row with no backward (generation): each unit's weights are
+    gathered by the first and kept until the last (FSDP2's switch for evaluation),
+    instead of an all-gather per unit per forward; then freed, and the unit set back."""
+    units = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]  # the root keeps its weights anyway
+    for unit in units:
+        unit.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.reshard()
+            unit.set_reshard_after_forward(zero == 3, recurse=False)
 
 
 def needs_wrapping(shape: MeshShape, precision: str) -> bool:
