@@ -181,3 +181,14 @@ def test_several_teachers_are_mixed_by_their_normalized_weights():
     spec = spec_from_dict(BASE, ["distill.teachers=[{path: a, weight: 3}, {path: b}]"])
     assert [(t.path, t.weight) for t in spec.distill.sources] == [("a", 0.75), ("b", 0.25)]
     assert [(t.path, t.weight) for t in spec_from_dict(BASE, ["distill.teacher=a"]).distill.sources] == [("a", 1.0)]
+
+
+def test_an_on_policy_instruction_distillation_runs_its_teachers_online():
+    """Stored answers alone need no teacher at training time; on-policy steps score the
+    student's tokens, so the teachers are built online, and soft targets become optional."""
+    instruct = ["distill.teacher=t", "distill.instruct={prompts: p}", "distill.kd_weight=1"]
+    with pytest.raises(UserError, match="distill.kd_weight: learning the teachers' distributions on their answers needs them stored"):
+        spec_from_dict(BASE, instruct)
+    on_policy = spec_from_dict(BASE, [*instruct, "distill.on_policy={}"]).distill
+    assert on_policy.online and on_policy.top_k is None and on_policy.on_policy.loss == "reverse_kl"
+    assert not spec_from_dict(BASE, [*instruct, "distill.top_k=4"]).distill.online
