@@ -1,8 +1,8 @@
 """The job file's `distill:` section: the teacher (or several, mixed), the divergence
 and its settings, the weights of each loss term, sparse (top-k) targets, the
 intermediate layers to match, instruction distillation's prompts, generation and
-selection, and on-policy steps. Torch-free, like the rest of the spec; the rules between it and other
-sections are in `spec_rules.py`.
+selection, and on-policy steps. Torch-free, like the rest of the spec; the rules
+between it and other sections are in `spec_rules.py`.
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@ distributions on those tokens rather than on the data's.
 
 Which steps, and each row's tokens, are functions of the seed, the step and the
 sample id alone: every layout, and a run resumed from a checkpoint, writes the same
-continuations. The student generates with the inference module (a KV cache; FSDP and
-DeepSpeed gather its weights per forward), or under tensor parallelism with whole-row
-forwards; every rank runs the same number of forwards.
+continuations. The student generates with the inference module (a KV cache), or under
+tensor parallelism with whole-row forwards; every rank runs the same number of
+forwards (the engine decides how its weights are gathered meanwhile).
 """
 
 from __future__ import annotations
