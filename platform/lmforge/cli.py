@@ -80,6 +80,55 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="fp32", help="fp32 (default), bf16 or fp16")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt: text, tokens, logprobs, finish_reason")
 
+    quant = sub.add_parser("quantize", help="weight-only int8 or int4 quantization of a model's Linear layers (torchao), with its perplexity and size against the source")
+    quant.add_argument("model", help="an lmforge export, a Hugging Face Llama directory or a committed step directory")
+    quant.add_argument("--method", required=True, help="int8 (per output channel) or int4 (group-wise)")
+    quant.add_argument("--group-size", type=int, default=128, help="int4: weights per scale and zero point (32, 64, 128 or 256; default 128)")
+    quant.add_argument("--out", required=True, help="new directory to write (loads in lmforge generate and lmforge serve)")
+    quant.add_argument("--eval-data", help="a prepared dataset whose held-out split measures perplexity (default: the one the model was trained on)")
+    quant.add_argument("--eval-samples", type=int, default=256, help="held-out samples to measure on (default 256)")
+    quant.add_argument("--tokenizer", help="tokenizer.json to ship (default: the model's, or its dataset's)")
+    quant.add_argument("--tracking-uri", help="MLflow store (default: MLFLOW_TRACKING_URI, else sqlite:///runs/mlflow.db)")
+    quant.add_argument("--no-tracking", action="store_true", help="record no MLflow run")
+    quant.add_argument("--json", action="store_true", help="print the report as JSON")
+
+    srv = sub.add_parser("serve", help="serve a model with an OpenAI-compatible API on Ray Serve (continuous batching)")
+    srv.add_argument("model", help="an lmforge export, a quantized directory, a Hugging Face Llama directory or a committed step directory")
+    srv.add_argument("--name", help="the model's name in requests and /v1/models (default: the directory's name)")
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--replicas", default="1", help="replicas of the model, or auto (Serve scales 1..--max-replicas on load)")
+    srv.add_argument("--max-replicas", type=int, default=4, help="--replicas auto: the most replicas (default 4)")
+    srv.add_argument("--batching", default="continuous", help="continuous (default), request (Ray Serve's @serve.batch) or off")
+    srv.add_argument("--max-running", type=int, default=16, help="sequences decoding together per replica (default 16)")
+    srv.add_argument("--max-waiting", type=int, default=256, help="sequences queued per replica before 503 (default 256)")
+    srv.add_argument("--max-n", type=int, default=8, help="the largest n a request may ask for (default 8)")
+    srv.add_argument("--cache-size", type=int, default=256, help="temperature-0 responses kept for identical requests (0: none)")
+    srv.add_argument("--api-key", help="require Authorization: Bearer KEY on /v1 (default: LMFORGE_API_KEY, else none)")
+    srv.add_argument("--route-prefix", default="/", help="URL prefix of this model's routes (several models on one cluster)")
+    srv.add_argument("--app-name", help="Serve application name (default: --name)")
+    srv.add_argument("--chat-template", help="Jinja chat template file (default: the model's tokenizer_config.json, else lmforge's)")
+    srv.add_argument("--tokenizer", help="tokenizer.json (default: the model's, or its dataset's)")
+    srv.add_argument("--device", help="cpu or cuda (default: cuda when there is one)")
+    srv.add_argument("--cpus-per-replica", type=float, default=1.0)
+    srv.add_argument("--threads", type=int, default=1, help="torch threads per replica (default 1)")
+    srv.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else an embedded local cluster)")
+
+    evaluate = sub.add_parser("eval", help="evaluation commands").add_subparsers(dest="eval_command", required=True)
+    judge = evaluate.add_parser("judge", help="pairwise LLM-as-judge of two OpenAI-compatible models, each pair judged in both orders")
+    judge.add_argument("--a", required=True, help="model A: an OpenAI-compatible base URL (http://host:port/v1), optionally URL#model")
+    judge.add_argument("--b", required=True, help="model B: as --a")
+    judge.add_argument("--judge", required=True, help="the judge: as --a (any OpenAI-compatible chat model)")
+    judge.add_argument("--prompts", required=True, help="JSONL file: one {\"prompt\": ...} (or {\"messages\": [...]}) per line")
+    judge.add_argument("--out", required=True, help="directory for report.json and judgments.jsonl")
+    judge.add_argument("--max-tokens", type=int, default=256, help="answer length for A and B (default 256)")
+    judge.add_argument("--judge-max-tokens", type=int, default=512)
+    judge.add_argument("--concurrency", type=int, default=8, help="requests in flight at once (default 8)")
+    judge.add_argument("--api-key", help="key for the endpoints (default: OPENAI_API_KEY, else none)")
+    judge.add_argument("--tracking-uri", help="MLflow store (default: MLFLOW_TRACKING_URI, else sqlite:///runs/mlflow.db)")
+    judge.add_argument("--no-tracking", action="store_true")
+    judge.add_argument("--json", action="store_true", help="print the report as JSON")
+
     plan = sub.add_parser("plan", help="per-rank memory breakdown of a job, and the layouts that fit a cluster")
     plan.add_argument("job", help="job YAML file")
     plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -233,22 +282,102 @@ GENERATE_FLAGS = {key: "--" + key.replace("_", "-") for key in ("max_new_tokens"
 
 
 def _cmd_generate(args) -> int:
-    from lmforge.inference.generate import Generator
     from lmforge.inference.sampling import SamplingParams
     from lmforge.sdk import default_device
+    from lmforge.serve.quantize import load_generator
 
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop,
     )
     params.check(GENERATE_FLAGS)  # before the model loads
-    generator = Generator.load(args.model, args.device or default_device(), args.dtype, args.tokenizer)
+    generator = load_generator(args.model, args.device or default_device(), args.dtype, args.tokenizer)
     for prompt, result in zip(args.prompt, generator.generate(args.prompt, params, GENERATE_FLAGS)):
         if args.json:
             print(json.dumps({"prompt": prompt} | result.as_dict()))
         else:
             print(prompt + result.text)
             print(f"[{len(result.tokens)} tokens, {result.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def _cmd_quantize(args) -> int:
+    from lmforge.serve.quantize_run import QuantizeOptions, quantize_model
+
+    opts = QuantizeOptions(model=args.model, method=args.method, out=args.out, group_size=args.group_size, eval_data=args.eval_data,
+                           eval_samples=args.eval_samples, tokenizer=args.tokenizer, tracking_uri=args.tracking_uri, tracking=not args.no_tracking)
+    opts.check()  # before torch loads the model
+    report = quantize_model(opts, say=lambda line: print(line, file=sys.stderr))
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print("\n".join([
+        f"quantized {args.model} to {report['method']}" + (f" (group {report['group_size']})" if report["group_size"] else "") + f" -> {args.out}",
+        f"  with          : {report['library']}",
+        f"  Linear weights: {report['linear_bytes']:,} bytes, {report['linear_ratio_vs_bf16']:.3f}x bf16 ({report['linear_bytes_bf16']:,})",
+        f"  whole model   : {report['model_bytes']:,} bytes, {report['model_ratio_vs_bf16']:.3f}x bf16 ({report['model_bytes_bf16']:,})",
+        f"  perplexity    : {report['quantized_perplexity']:.4f} against {report['source_perplexity']:.4f} unquantized "
+        f"({100 * (report['perplexity_ratio'] - 1):+.2f}%), {report['eval_samples']} held-out samples of {report['eval_data']}",
+        *([f"  MLflow run    : {report['mlflow_run_id']} ({report['mlflow_tracking_uri']})"] if report.get("mlflow_run_id") else []),
+    ]))
+    return 0
+
+
+def _serve_options(args):
+    from pathlib import Path
+
+    from lmforge.serve.api import key_digest
+    from lmforge.serve.backend import ServerOptions
+    from lmforge.serve.engine import MODES
+
+    if args.batching not in MODES:
+        raise UserError(f"--batching: {args.batching!r} is not one of {', '.join(MODES)}")
+    if args.replicas != "auto" and not (args.replicas.isdigit() and int(args.replicas) >= 1):
+        raise UserError(f"--replicas: a number of at least 1 or auto, got {args.replicas!r}")
+    for flag in ("max_running", "max_waiting", "max_n", "threads", "max_replicas", "port"):
+        if getattr(args, flag) < 1:
+            raise UserError(f"--{flag.replace('_', '-')}: must be at least 1, got {getattr(args, flag)}")
+    if args.cache_size < 0:
+        raise UserError(f"--cache-size: must be >= 0, got {args.cache_size}")
+    if not args.route_prefix.startswith("/"):
+        raise UserError(f"--route-prefix: must start with /, got {args.route_prefix!r}")
+    if args.chat_template and not Path(args.chat_template).is_file():
+        raise UserError(f"--chat-template: {args.chat_template} does not exist")
+    if not Path(args.model).exists():
+        raise UserError(f"MODEL: {args.model} does not exist")
+    key = args.api_key or os.environ.get("LMFORGE_API_KEY")
+    name = args.name or Path(args.model).resolve().name
+    return ServerOptions(model=str(Path(args.model).resolve()), name=name, batching=args.batching, max_running=args.max_running,
+                         max_waiting=args.max_waiting, max_n=args.max_n, cache_size=args.cache_size, api_key_sha256=key_digest(key) if key else None,
+                         device=args.device or "cpu", tokenizer=args.tokenizer, threads=args.threads,
+                         chat_template=str(Path(args.chat_template).resolve()) if args.chat_template else None)
+
+
+def _cmd_serve(args) -> int:
+    options = _serve_options(args)
+    from lmforge.serve.app import check_model, serve_model
+
+    check_model(options.model, options.tokenizer)
+    replicas = args.replicas if args.replicas == "auto" else int(args.replicas)
+    gpus = 1.0 if options.device == "cuda" else 0.0
+    serve_model(options, args.host, args.port, replicas, args.cpus_per_replica, gpus, args.address, args.route_prefix,
+                args.app_name or options.name, say=lambda line: print(line, file=sys.stderr, flush=True))
+    return 0
+
+
+def _cmd_eval(args) -> int:
+    from lmforge.serve.judge import JudgeOptions, run_judge
+
+    opts = JudgeOptions(a=args.a, b=args.b, judge=args.judge, prompts=args.prompts, out=args.out, max_tokens=args.max_tokens,
+                        judge_max_tokens=args.judge_max_tokens, concurrency=args.concurrency,
+                        api_key=args.api_key or os.environ.get("OPENAI_API_KEY"), tracking_uri=args.tracking_uri, tracking=not args.no_tracking)
+    report = run_judge(opts, say=lambda line: print(line, file=sys.stderr, flush=True))
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    rates = report["rates"]
+    print(f"judged {report['prompts']} prompts in both orders: A wins {rates['win']:.1%}, loses {rates['loss']:.1%}, "
+          f"ties {rates['tie']:.1%}, inconsistent {rates['inconsistent']:.1%} ({report['unparsable']} unparsable verdicts) -> {args.out}")
     return 0
 
 
@@ -268,7 +397,8 @@ def main(argv: list[str] | None = None) -> int:
 
             print(__version__)
             return 0
-        commands = {"data": _cmd_prepare, "distill": _cmd_distill, "export": _cmd_export, "generate": _cmd_generate, "plan": _cmd_plan, "train": _cmd_train}
+        commands = {"data": _cmd_prepare, "distill": _cmd_distill, "eval": _cmd_eval, "export": _cmd_export, "generate": _cmd_generate,
+                    "plan": _cmd_plan, "quantize": _cmd_quantize, "serve": _cmd_serve, "train": _cmd_train}
         return commands[args.command](args)
     except UserError as err:
         print(f"lmforge: error: {err}", file=sys.stderr)

@@ -70,7 +70,7 @@ def open_source(path: str | os.PathLike, tokenizer: Optional[str] = None, name: 
 def _checkpoint_source(step_dir: Path) -> ModelSource:
     state = committed_state(step_dir)
     source = ModelSource(step_dir, "checkpoint", ModelConfig(**state["model"]), lambda: read_checkpoint(step_dir)[1],
-                         record={"checkpoint": str(step_dir), "step": state["step"], "format": state.get("format", "dcp")})
+                         record={"checkpoint": str(step_dir.absolute()), "step": state["step"], "format": state.get("format", "dcp")})
     dataset = Path(state.get("data_path") or "")
     manifest = dataset / "manifest.json"
     if manifest.is_file():  # the tokenizer of the dataset it was trained on

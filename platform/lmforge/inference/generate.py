@@ -153,13 +153,13 @@ class Generator:
     def generate(self, prompts: list[str], params: SamplingParams, names: Optional[dict] = None) -> list[Generation]:
         params.check(names)
         prompt_ids = [self.encode(p, params, (names or {}).get("prompt", "prompt")) for p in prompts]
-        stopped = self._stop_strings(params.stop) if params.stop else None
+        stopped = self.stop_checker(params.stop) if params.stop else None
         results = generate_ids(self.model, prompt_ids, params, self.eos_ids, self.tokenizer.get_vocab_size(), stopped=stopped)
         for result in results:
             result.text = self._text(result.tokens, params.stop)
         return results
 
-    def _stop_strings(self, stop: list[str]) -> Callable[[int, list[int]], bool]:
+    def stop_checker(self, stop: list[str]) -> Callable[[int, list[int]], bool]:
         def stopped(row: int, tokens: list[int]) -> bool:
             # Only the last tokens can complete a stop string that was not there before (a
             # character is at most 4 byte-level tokens).

@@ -39,7 +39,7 @@ def read_prompts(instruct, template: Optional[str]) -> list[Prompt]:
     rows = _rows(instruct.prompts)
     if not rows:
         raise UserError(f"distill.instruct.prompts: {instruct.prompts} holds no prompts")
-    render = functools.cache(lambda: _renderer(template))  # compiled at the first chat, if any
+    render = functools.cache(lambda: chat_renderer(template))  # compiled at the first chat, if any
     prompts = []
     for index, row in enumerate(rows):
         text = _text(row, index, instruct, render)
@@ -98,22 +98,23 @@ def _is_message(message) -> bool:
             and isinstance(message["content"], str))
 
 
-def _renderer(template: Optional[str]):
-    """A chat as the teacher reads it, by a Jinja template in a sandbox (a template is
-    code from a model directory or a user's file: it gets no Python objects)."""
+def chat_renderer(template: Optional[str], name: str = "distill.instruct.chat_template"):
+    """A chat as the model reads it, by a Jinja template in a sandbox (a template is
+    code from a model directory or a user's file: it gets no Python objects); `name`:
+    where the template came from, for messages."""
     from jinja2 import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     try:
         compiled = ImmutableSandboxedEnvironment(keep_trailing_newline=True).from_string(template or DEFAULT_CHAT_TEMPLATE)
     except TemplateError as err:
-        raise UserError(f"distill.instruct.chat_template: not a Jinja template ({err})") from None
+        raise UserError(f"{name}: not a Jinja template ({err})") from None
 
     def render(messages: list[dict]) -> str:
         try:
             return compiled.render(messages=messages, add_generation_prompt=True, bos_token="", eos_token="")
         except TemplateError as err:
-            raise UserError(f"distill.instruct.chat_template: rendering a chat failed ({err})") from None
+            raise UserError(f"{name}: rendering a chat failed ({err})") from None
     return render
 
 

@@ -1,0 +1,111 @@
+"""`lmforge serve`: the model as a Ray Serve application, one FastAPI ingress per
+replica (a fixed number, or Serve's autoscaling on ongoing requests), until the
+command is interrupted; then the application is deleted and an embedded Ray stops.
+
+Several `lmforge serve` commands may share one cluster, each under its own
+application name and route prefix (Serve has one HTTP port per cluster).
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+from typing import Optional, Union
+
+from ray import serve
+
+from lmforge.errors import UserError
+from lmforge.serve.api import build_api
+from lmforge.serve.backend import Backend, ServerOptions
+
+
+@serve.ingress()
+class ModelServer:
+    def __init__(self, options: ServerOptions):
+        self.backend = Backend(options)
+
+    def __serve_build_asgi_app__(self):
+        return build_api(self.backend)
+
+
+def application(options: ServerOptions, replicas: Union[int, str], cpus: float, gpus: float, max_replicas: int = 4):
+    """The bound Serve application."""
+    config = {
+        # Serve's own cap on requests a replica holds: above the engine's, which queues.
+        "max_ongoing_requests": options.max_running + options.max_waiting,
+        "ray_actor_options": {"num_cpus": cpus, "num_gpus": gpus,
+                              "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(options.threads)}}},
+        "health_check_period_s": 5,
+    }
+    if replicas == "auto":
+        config["autoscaling_config"] = {"min_replicas": 1, "max_replicas": max_replicas, "target_ongoing_requests": options.max_running}
+    else:
+        config["num_replicas"] = replicas
+    return serve.deployment(ModelServer, name="ModelServer").options(**config).bind(options)
+
+
+def check_model(path: str, tokenizer: Optional[str]) -> None:
+    """Before anything starts: the model opens (headers only) and has a tokenizer."""
+    from lmforge.checkpoint.export import open_source
+    from lmforge.serve.quantize import QUANTIZATION, is_quantized
+
+    if is_quantized(path):
+        if not (Path(path) / "config.json").is_file() or not (tokenizer or (Path(path) / "tokenizer.json").is_file()):
+            raise UserError(f"MODEL: {path} has {QUANTIZATION} but lacks config.json or tokenizer.json")
+        return
+    source = open_source(path, tokenizer)
+    if source.tokenizer_json is None:
+        raise UserError(f"MODEL: {path} has no tokenizer to turn prompts into tokens; pass --tokenizer tokenizer.json")
+
+
+def serve_model(options: ServerOptions, host: str, port: int, replicas: Union[int, str], cpus: float, gpus: float,
+                address: Optional[str], route_prefix: str, app_name: str, say=print, ready=None) -> None:
+    """Deploy, say where, and keep serving until SIGINT or SIGTERM."""
+    import ray
+
+    from lmforge.cluster.runtime import connect
+
+    import logging
+
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)  # the command says where it serves
+    started_ray = connect(address)
+    try:
+        serve.start(http_options={"host": host, "port": port})  # joins a running Serve as it is
+        bound = _http_port()
+        if bound != port:
+            raise UserError(f"--port: Serve on this cluster already listens on port {bound}; pass --port {bound}")
+        serve.run(application(options, replicas, cpus, gpus), name=app_name, route_prefix=route_prefix, blocking=False)
+        base = f"http://{host}:{port}{route_prefix.rstrip('/')}"
+        say(f"serving {options.name} ({options.batching} batching, up to {options.max_running} sequences per replica) at {base}/v1"
+            f"{' (API key required)' if options.api_key_sha256 else ''}; Ctrl-C stops")
+        if ready is not None:
+            ready(base)
+        _wait_for_signal()
+    finally:
+        try:
+            serve.delete(app_name)
+        except Exception:  # noqa: BLE001 - the cluster may be going away already
+            pass
+        if started_ray:
+            serve.shutdown()
+            ray.shutdown()
+
+
+def _http_port() -> Optional[int]:
+    """The port Serve's proxies listen on (set by whoever started Serve on the cluster)."""
+    from ray.serve.context import _get_global_client
+
+    return _get_global_client().http_config.port
+
+
+def _wait_for_signal() -> None:
+    """Until SIGINT or SIGTERM (handled here: a shell starts background jobs with SIGINT ignored)."""
+    stop: list[int] = []
+    previous = {sig: signal.signal(sig, lambda number, _: stop.append(number)) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while not stop:
+            time.sleep(0.2)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,253 @@
+"""One replica's model and the life of a request on it: checked against the context
+and the server's limits, answered from the response cache or turned into sequences
+for the engine, and their tokens turned back into text, logprobs and usage (a whole
+response, or streaming chunks as the tokens come)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import AsyncIterator, Optional
+
+from lmforge.inference.sampling import SamplingParams
+from lmforge.serve.engine import Sequence, Token, make_engine
+from lmforge.serve.metrics import ServerMetrics
+from lmforge.serve.protocol import APIError, ChatRequest, CompletionRequest, Shape, logprobs_object, new_id, sse, usage
+
+
+@dataclass
+class ServerOptions:
+    model: str  # a model directory, quantized directory or committed checkpoint
+    name: str  # what clients call it (`model` in requests)
+    batching: str = "continuous"  # continuous | request | off
+    max_running: int = 16  # sequences decoding together
+    max_waiting: int = 256  # sequences queued for a slot; more are refused (503)
+    max_n: int = 8
+    cache_size: int = 256  # responses kept for identical temperature-0 requests (0: none)
+    api_key_sha256: Optional[str] = None  # the key's digest: the key itself never enters Serve's config
+    device: str = "cpu"
+    tokenizer: Optional[str] = None
+    chat_template: Optional[str] = None  # a Jinja file; default: the model's tokenizer_config.json, else lmforge's
+    threads: int = 1
+
+
+class ResponseCache:
+    """Bounded LRU of whole responses to temperature-0 requests."""
+
+    def __init__(self, size: int):
+        self.size, self.entries = size, OrderedDict()
+
+    def get(self, key: str) -> Optional[dict]:
+        if key in self.entries:
+            self.entries.move_to_end(key)
+            return self.entries[key]
+        return None
+
+    def put(self, key: str, value: dict) -> None:
+        if self.size:
+            self.entries[key] = value
+            self.entries.move_to_end(key)
+            while len(self.entries) > self.size:
+                self.entries.popitem(last=False)
+
+
+class Choice:
+    """One sequence's tokens so far and the text a client has been sent of them."""
+
+    def __init__(self, index: int, backend: "Backend", stops: list[str], with_logprobs: bool):
+        self.index, self.backend, self.stops, self.with_logprobs = index, backend, stops, with_logprobs
+        self.tokens, self.logprobs, self.tops, self.pieces = [], [], [], []
+        self.sent, self.finish_reason, self.previous = "", None, None
+
+    def add(self, token: Token) -> tuple[str, Optional[dict]]:
+        """The new text a client may see now (held back: a partial character, or what may
+        be the start of a stop string), and this token's logprobs when asked."""
+        self.tokens.append(token.id)
+        self.finish_reason = token.finish_reason
+        text = self.backend.decode(self.tokens)
+        cuts = [text.find(s) for s in self.stops if s in text]
+        if cuts:
+            text = text[:min(cuts)]
+        elif self.finish_reason is None:
+            text = text.rstrip("\ufffd")
+            held = max((n for s in self.stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+            text = text[:len(text) - held]
+        delta = text[len(self.sent):] if text.startswith(self.sent) else ""
+        self.sent = self.sent + delta
+        if not self.with_logprobs:
+            return delta, None
+        piece = self.backend.decode([token.id])
+        top = [(self.backend.decode([t]), lp) for t, lp in token.top]
+        self.pieces.append(piece), self.logprobs.append(token.logprob), self.tops.append(top)
+        return delta, {"pieces": [piece], "logprobs": [token.logprob], "tops": [top]}
+
+    def as_dict(self, kind: str) -> dict:
+        logprobs = logprobs_object(kind, self.pieces, self.logprobs, self.tops) if self.with_logprobs else None
+        return {"index": self.index, "text": self.sent, "logprobs": logprobs, "finish_reason": self.finish_reason}
+
+
+class Backend:
+    def __init__(self, options: ServerOptions):
+        import torch
+
+        from lmforge.distill.instruct.prompts import chat_renderer
+        from lmforge.serve.quantize import load_generator
+
+        torch.set_num_threads(options.threads)
+        self.options, self.name = options, options.name
+        self.generator = load_generator(options.model, options.device, tokenizer=options.tokenizer)
+        self.tokenizer, self.context = self.generator.tokenizer, self.generator.model.cfg.max_seq_len
+        self.metrics = ServerMetrics(options.name, lambda: self.engine.counts)
+        self.engine = make_engine(options.batching, self.generator.model, self.generator.eos_ids, self.tokenizer.get_vocab_size(),
+                                  options.max_running, self.metrics.batch)
+        self.cache = ResponseCache(options.cache_size)
+        self.render_chat = chat_renderer(self._chat_template(), "chat_template")
+
+    def _chat_template(self) -> Optional[str]:
+        from pathlib import Path
+
+        if self.options.chat_template:
+            return Path(self.options.chat_template).read_text()
+        config = Path(self.options.model) / "tokenizer_config.json"
+        template = json.loads(config.read_text()).get("chat_template") if config.is_file() else None
+        return template if isinstance(template, str) else None
+
+    def decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def model_card(self) -> dict:
+        return {"id": self.name, "object": "model", "created": 0, "owned_by": "lmforge", "max_model_len": self.context}
+
+    # -- a request ------------------------------------------------------------------------
+
+    def prepare(self, kind: str, request: CompletionRequest | ChatRequest) -> tuple[list[list[int]], SamplingParams]:
+        """The prompts' tokens and the sampling settings; APIError for what cannot be served."""
+        if request.model != self.name:
+            raise APIError(400, f"model: {request.model!r} is not served here (GET /v1/models lists {self.name!r})", "model", "model_not_found")
+        if request.n > self.options.max_n:
+            raise APIError(400, f"n: at most {self.options.max_n} choices per request, got {request.n}", "n")
+        if kind == "completion" and request.echo:
+            raise APIError(400, "echo: not supported", "echo")
+        if kind == "chat":
+            from lmforge.errors import UserError
+
+            try:
+                texts, field = [self.render_chat([{"role": m.role, "content": m.text} for m in request.messages])], "messages"
+            except UserError as err:
+                raise APIError(400, str(err), "messages") from None
+        else:
+            texts, field = request.prompts, "prompt"
+        prompts = [self.tokenizer.encode(text).ids for text in texts]
+        longest = max(map(len, prompts), default=0)
+        if not prompts or min(map(len, prompts)) == 0:
+            raise APIError(400, f"{field}: an empty prompt; give at least one token of text", field)
+        if longest >= self.context:
+            raise APIError(400, f"{field}: {longest} tokens; the model's context is {self.context} tokens", field, "context_length_exceeded")
+        limit_field = "max_completion_tokens" if kind == "chat" and request.max_completion_tokens else "max_tokens"
+        max_tokens = (request.max_completion_tokens or request.max_tokens) if kind == "chat" else request.max_tokens
+        max_tokens = max_tokens or self.context - longest
+        if longest + max_tokens > self.context:
+            raise APIError(400, f"{limit_field}: {max_tokens} new tokens after a prompt of {longest} exceed the model's context of "
+                           f"{self.context} tokens (at most {self.context - longest})", limit_field, "context_length_exceeded")
+        params = SamplingParams(max_new_tokens=max_tokens, temperature=request.temperature, top_k=max(request.top_k, 0),
+                                top_p=request.top_p, repetition_penalty=request.repetition_penalty, seed=request.seed, stop=request.stop)
+        return prompts, params
+
+    async def answer(self, kind: str, request: CompletionRequest | ChatRequest) -> dict | AsyncIterator[str]:
+        """A whole response, or (streaming) its server-sent events."""
+        arrived = time.perf_counter()
+        prompts, params = self.prepare(kind, request)
+        self.metrics.prompt_tokens(sum(map(len, prompts)))
+        shape = Shape(kind, new_id("cmpl" if kind == "completion" else "chatcmpl"), self.name)
+        key = json.dumps([kind, request.model_dump(exclude={"stream", "stream_options"})], sort_keys=True) if params.greedy else None
+        cached = self.cache.get(key) if key and self.options.cache_size else None
+        if cached is not None:
+            self.metrics.cache_hit()
+            return self._replay(shape, cached, request.include_usage) if request.stream else shape.response(*cached)
+        running, waiting = self.engine.counts
+        choices_count = len(prompts) * request.n
+        if waiting + choices_count > self.options.max_waiting:
+            raise APIError(503, f"the server has {waiting} sequences waiting (limit {self.options.max_waiting}); retry later", kind="server_overloaded")
+        with_logprobs = (request.logprobs is not None) if kind == "completion" else request.logprobs
+        top = request.top_logprobs or 0
+        choices = [Choice(i, self, params.stop, with_logprobs) for i in range(choices_count)]
+        base_seed = request.seed if request.seed is not None else random.randrange(2**62)
+        started = self._start(prompts, params, request.n, base_seed, top, choices)
+        prompt_tokens = sum(map(len, prompts))
+        if request.stream:
+            return self._stream(shape, started, choices, prompt_tokens, request.include_usage, arrived, key)
+        async for _ in self._tokens(*started, choices, arrived):
+            pass
+        result = ([choice.as_dict(kind) for choice in choices], usage(prompt_tokens, sum(len(c.tokens) for c in choices)))
+        if key:
+            self.cache.put(key, result)
+        return shape.response(*result)
+
+    def _start(self, prompts, params, n, base_seed, top, choices):
+        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+        seqs = []
+        stopped = self.generator.stop_checker(params.stop) if params.stop else None
+        for i, choice in enumerate(choices):
+            def emit(token, index=i):
+                loop.call_soon_threadsafe(queue.put_nowait, (index, token))
+            seqs.append(Sequence(prompts[i // n], params, emit, seed=base_seed + i, top_logprobs=top,
+                                 stopped=(lambda tokens: stopped(0, tokens)) if stopped else None))
+        for seq in seqs:
+            self.engine.submit(seq)
+        return seqs, queue
+
+    async def _tokens(self, seqs, queue, choices, arrived):
+        """(choice, its new text, its logprobs) as each token arrives; the engine lets go
+        of every unfinished sequence when the consumer stops listening."""
+        left, first = len(seqs), True
+        try:
+            while left:
+                index, token = await queue.get()
+                if token.finish_reason and token.finish_reason.startswith("error"):
+                    raise APIError(500, f"generation failed: {token.finish_reason.removeprefix('error: ')}", kind="server_error")
+                now, choice = time.perf_counter(), choices[index]
+                self.metrics.token(now - choice.previous if choice.previous else None, now - arrived if first else None)
+                choice.previous, first = now, False
+                delta, logprobs = choice.add(token)
+                if token.finish_reason:
+                    left -= 1
+                yield choice, delta, logprobs
+            self.metrics.finished(time.perf_counter() - arrived, [c.finish_reason for c in choices])
+        finally:
+            for seq, choice in zip(seqs, choices):
+                if choice.finish_reason is None:
+                    self.engine.cancel(seq)
+
+    async def _stream(self, shape, started, choices, prompt_tokens, include_usage, arrived, key):
+        if shape.kind == "chat":
+            for choice in choices:
+                yield sse(shape.chunk(choice.index, None, None, None, first=True, with_usage=include_usage))
+        try:
+            async for choice, delta, logprobs in self._tokens(*started, choices, arrived):
+                if delta or logprobs or choice.finish_reason:
+                    lp = logprobs_object(shape.kind, logprobs["pieces"], logprobs["logprobs"], logprobs["tops"]) if logprobs else None
+                    yield sse(shape.chunk(choice.index, delta, lp, choice.finish_reason, with_usage=include_usage))
+        except APIError as err:
+            yield sse(err.body())
+            yield sse("[DONE]")
+            return
+        use = usage(prompt_tokens, sum(len(c.tokens) for c in choices))
+        if key:
+            self.cache.put(key, ([choice.as_dict(shape.kind) for choice in choices], use))
+        if include_usage:
+            yield sse(shape.usage_chunk(use))
+        yield sse("[DONE]")
+
+    async def _replay(self, shape, cached, include_usage):
+        choices, use = cached
+        for choice in choices:
+            if shape.kind == "chat":
+                yield sse(shape.chunk(choice["index"], None, None, None, first=True, with_usage=include_usage))
+            yield sse(shape.chunk(choice["index"], choice["text"], choice["logprobs"], choice["finish_reason"], with_usage=include_usage))
+        if include_usage:
+            yield sse(shape.usage_chunk(use))
+        yield sse("[DONE]")

@@ -1,0 +1,242 @@
+"""A replica's generation engines, behind one interface (`submit`, `cancel`):
+
+- `ContinuousBatcher`: one decode loop over a shared slot cache in its own thread;
+  a sequence that arrives joins at the next step and a finished one leaves at once
+  (iteration-level scheduling), with a bound on running sequences and a waiting queue.
+  With one slot it is the no-batching baseline.
+- `RequestBatcher`: Ray Serve's `@serve.batch` gathers whole requests and runs each
+  batch to its end (request-level batching), for comparison.
+
+Each sequence's tokens are sampled from its own generator, so what it generates does
+not depend on which others share its steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from lmforge.inference.generate import generate_ids
+from lmforge.inference.sampling import SamplingParams, next_tokens
+from lmforge.inference.slots import SlotCache
+
+MODES = ("continuous", "request", "off")
+
+
+@dataclass
+class Token:
+    """One generated token as a sequence's listener receives it."""
+
+    id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the most likely tokens and their log-probabilities, when asked
+    finish_reason: Optional[str] = None  # set on the sequence's last token: "stop" or "length"
+
+
+@dataclass
+class Sequence:
+    prompt: list[int]
+    params: SamplingParams
+    emit: Callable[[Token], None]  # called from the engine's thread
+    seed: int = 0
+    top_logprobs: int = 0
+    stopped: Optional[Callable[[list[int]], bool]] = None  # a stop string was generated
+    tokens: list[int] = field(default_factory=list)
+    cancelled: bool = False
+    slot: int = -1
+    submitted: float = field(default_factory=time.perf_counter)
+
+
+class _Sampler:
+    """The next token of one sequence from its logits, and when the sequence ends."""
+
+    def __init__(self, eos_ids: frozenset[int], vocab: int):
+        self.eos_ids, self.vocab = eos_ids, vocab
+
+    def first(self, seq: Sequence, device: torch.device) -> None:
+        seq.generator = torch.Generator(device).manual_seed(seq.seed)
+        seq.seen = torch.zeros(1, self.vocab, dtype=torch.bool, device=device)
+        seq.seen[0, seq.prompt] = True
+
+    def take(self, seq: Sequence, logits: torch.Tensor) -> bool:
+        """Sample from `logits` (vocab,), tell the listener; whether the sequence ended."""
+        logits = logits[None, :self.vocab].float()
+        token = int(next_tokens(logits, seq.params, seq.seen, seq.generator)[0])
+        logprobs = logits[0].log_softmax(dim=-1)
+        top = []
+        if seq.top_logprobs:
+            values, ids = logprobs.topk(seq.top_logprobs)
+            top = list(zip(ids.tolist(), values.tolist()))
+        seq.tokens.append(token)
+        seq.seen[0, token] = True
+        finish = None
+        if (seq.params.stop_at_eos and token in self.eos_ids) or (seq.stopped is not None and seq.stopped(seq.tokens)):
+            finish = "stop"
+        elif len(seq.tokens) >= seq.params.max_new_tokens:
+            finish = "length"
+        seq.emit(Token(token, float(logprobs[token]), top, finish))
+        return finish is not None
+
+
+class ContinuousBatcher:
+    def __init__(self, model, eos_ids: frozenset[int], vocab: int, max_running: int, on_step: Callable[[int], None] = lambda n: None):
+        self.model, self.max_running, self.on_step = model, max_running, on_step
+        self.device = next(model.parameters()).device
+        self.sampler = _Sampler(eos_ids, vocab)
+        self.cache = SlotCache(model.cfg, max_running, model.cfg.max_seq_len, self.device)
+        self.free = list(range(max_running))
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._wake = threading.Condition()
+        self._thread = threading.Thread(target=self._loop, name="lmforge-decode", daemon=True)
+        self._thread.start()
+
+    @property
+    def counts(self) -> tuple[int, int]:
+        """(running, waiting)."""
+        return len(self.running), len(self.waiting)
+
+    def submit(self, seq: Sequence) -> None:
+        with self._wake:
+            self.waiting.append(seq)
+            self._wake.notify()
+
+    def cancel(self, seq: Sequence) -> None:
+        seq.cancelled = True  # it leaves at the next step
+
+    def _loop(self) -> None:
+        with torch.inference_mode():
+            while True:
+                with self._wake:
+                    self._wake.wait_for(lambda: self.waiting or self.running)
+                try:
+                    self._admit()
+                    if self.running:
+                        self._step()
+                except Exception as err:  # noqa: BLE001 - the loop must outlive one bad step
+                    self._fail(err)
+
+    def _fail(self, err: Exception) -> None:
+        """End every running sequence with an error; the loop serves the next ones."""
+        for seq in self.running:
+            seq.emit(Token(-1, 0.0, [], f"error: {type(err).__name__}: {err}"))
+            self._leave(seq)
+        self.running = []
+        self.free = list(range(self.max_running))
+
+    def _admit(self) -> None:
+        """Prefill waiting sequences into free slots, each sampling its first token."""
+        while self.free:
+            with self._wake:
+                if not self.waiting:
+                    return
+                seq = self.waiting.popleft()
+            if seq.cancelled:
+                continue
+            seq.slot = self.free.pop()
+            self.running.append(seq)
+            self.sampler.first(seq, self.device)
+            logits = self._forward([seq.slot], torch.tensor([seq.prompt], device=self.device))
+            if self.sampler.take(seq, logits[0]):
+                self._leave(seq)
+                self.running.remove(seq)
+
+    def _step(self) -> None:
+        """One new token for every running sequence, in one forward."""
+        self.running = [seq for seq in self.running if not (seq.cancelled and self._leave(seq))]
+        if not self.running:
+            return
+        self.on_step(len(self.running))
+        last = torch.tensor([[seq.tokens[-1]] for seq in self.running], device=self.device)
+        logits = self._forward([seq.slot for seq in self.running], last)
+        ended = [seq for row, seq in enumerate(self.running) if self.sampler.take(seq, logits[row])]
+        for seq in ended:
+            self._leave(seq)
+        self.running = [seq for seq in self.running if seq not in ended]
+
+    def _forward(self, rows: list[int], tokens: torch.Tensor) -> torch.Tensor:
+        self.cache.begin(rows, tokens.shape[1])
+        logits = self.model(tokens, self.cache)[:, -1]
+        self.cache.advance()
+        return logits
+
+    def _leave(self, seq: Sequence) -> bool:
+        self.cache.free(seq.slot)
+        self.free.append(seq.slot)
+        return True
+
+
+class RequestBatcher:
+    """Whole requests batched by `@serve.batch`: a batch's sequences are prefilled
+    together (left-padded) and run until the last of them ends; sequences with
+    different sampling settings run one group after another."""
+
+    def __init__(self, model, eos_ids: frozenset[int], vocab: int, max_batch: int, on_step: Callable[[int], None] = lambda n: None):
+        from ray import serve
+
+        self.model, self.eos_ids, self.vocab, self.on_step = model, eos_ids, vocab, on_step
+        self.running = self.waiting = 0
+        self._lock = threading.Lock()  # one batch on the model at a time
+        self._batched = serve.batch(max_batch_size=max_batch, batch_wait_timeout_s=0.01)(self._run)
+
+    @property
+    def counts(self) -> tuple[int, int]:
+        return self.running, self.waiting
+
+    def submit(self, seq: Sequence) -> None:
+        """From the replica's event loop."""
+        self.waiting += 1
+        asyncio.get_running_loop().create_task(self._batched(seq))
+
+    def cancel(self, seq: Sequence) -> None:
+        seq.cancelled = True  # a batch runs to its end; its tokens go nowhere
+
+    async def _run(self, seqs: list[Sequence]) -> list[None]:
+        self.waiting -= len(seqs)
+        self.running += len(seqs)
+        try:
+            await asyncio.to_thread(self._generate, seqs)
+        finally:
+            self.running -= len(seqs)
+        return [None] * len(seqs)
+
+    def _generate(self, seqs: list[Sequence]) -> None:
+        key = lambda seq: (repr(seq.params), seq.top_logprobs)  # noqa: E731 - a grouping key
+        with self._lock, torch.inference_mode():
+            for _, group in itertools.groupby(sorted(seqs, key=key), key=key):
+                group = list(group)
+                self.on_step(len(group))
+                stops = [seq.stopped for seq in group]
+                top = group[0].top_logprobs
+                try:
+                    results = generate_ids(self.model, [seq.prompt for seq in group], group[0].params, self.eos_ids, self.vocab,
+                                           stopped=(lambda row, tokens: stops[row] is not None and stops[row](tokens)),
+                                           row_seeds=[seq.seed for seq in group], soft_targets=(top, 1.0) if top else None)
+                except Exception as err:  # noqa: BLE001 - reported to the group's listeners
+                    for seq in group:
+                        seq.emit(Token(-1, 0.0, [], f"error: {type(err).__name__}: {err}"))
+                    continue
+                for seq, result in zip(group, results):
+                    self._replay(seq, result)
+
+    def _replay(self, seq: Sequence, result) -> None:
+        last = len(result.tokens) - 1
+        for i, (token, logprob) in enumerate(zip(result.tokens, result.logprobs)):
+            seq.tokens.append(token)
+            top = list(zip(result.top_ids[i].tolist(), result.top_logprobs[i].tolist())) if result.top_ids is not None else []
+            seq.emit(Token(token, logprob, top, result.finish_reason if i == last else None))
+
+
+def make_engine(mode: str, model, eos_ids: frozenset[int], vocab: int, max_running: int, on_step: Callable[[int], None]):
+    if mode == "continuous":
+        return ContinuousBatcher(model, eos_ids, vocab, max_running, on_step)
+    if mode == "off":
+        return ContinuousBatcher(model, eos_ids, vocab, 1, on_step)
+    return RequestBatcher(model, eos_ids, vocab, max_running, on_step)

@@ -1,0 +1,162 @@
+"""The OpenAI API as lmforge serves it: request bodies (with vLLM's extras `top_k` and
+`repetition_penalty`), errors in OpenAI's JSON shape, and the response and
+streaming-chunk objects of completions and chat completions."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+
+class APIError(Exception):
+    """Answered as `{"error": {message, type, param, code}}` with this status."""
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # fields of OpenAI's this server does not use (user, ...)
+
+    model: str
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=-1)  # vLLM's extra; -1 or 0: no limit
+    repetition_penalty: float = Field(1.0, gt=0)
+    n: int = Field(1, ge=1)
+    stop: Optional[Union[str, list[str]]] = Field(None, validate_default=True)
+    seed: Optional[int] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, stop):
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if any(not s for s in stops):
+            raise ValueError("an empty stop string would stop at once")
+        if len(stops) > 4:
+            raise ValueError("at most 4 stop strings")
+        return stops
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Sampling):
+    prompt: Union[str, list[str]]
+    max_tokens: Optional[int] = Field(16, ge=1)
+    logprobs: Optional[int] = Field(None, ge=0, le=5)
+    echo: bool = False
+
+    @property
+    def prompts(self) -> list[str]:
+        return [self.prompt] if isinstance(self.prompt, str) else self.prompt
+
+    @property
+    def top_logprobs(self) -> int:
+        return self.logprobs or 0
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant", "developer"]
+    content: Union[str, list[TextPart]]
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Optional[int] = Field(None, ge=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(None, ge=0, le=5)
+
+
+def parse(model: type[BaseModel], body: object) -> BaseModel:
+    """The request, or a 400 naming the first field that is wrong."""
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as err:
+        first = err.errors()[0]
+        param = ".".join(str(part) for part in first["loc"]) or None
+        raise APIError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param) from None
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+
+
+class Shape:
+    """How one endpoint's responses and chunks look: `completion` or `chat`."""
+
+    def __init__(self, kind: str, request_id: str, model: str):
+        self.kind, self.id, self.model, self.created = kind, request_id, model, int(time.time())
+
+    def _object(self, obj: str, choices: list, extra: Optional[dict] = None) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices} | (extra or {})
+
+    def response(self, choices: list[dict], use: dict) -> dict:
+        """`choices`: {index, text, logprobs, finish_reason}."""
+        if self.kind == "completion":
+            return self._object("text_completion", choices, {"usage": use})
+        return self._object("chat.completion", [
+            {"index": c["index"], "message": {"role": "assistant", "content": c["text"]}, "logprobs": c["logprobs"],
+             "finish_reason": c["finish_reason"]} for c in choices], {"usage": use})
+
+    def chunk(self, index: int, text: Optional[str], logprobs: Optional[dict], finish_reason: Optional[str],
+              first: bool = False, with_usage: bool = False) -> dict:
+        extra = {"usage": None} if with_usage else None
+        if self.kind == "completion":
+            return self._object("text_completion", [{"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}], extra)
+        delta = ({"role": "assistant", "content": ""} if first else {}) | ({"content": text} if text else {})
+        return self._object("chat.completion.chunk", [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}], extra)
+
+    def usage_chunk(self, use: dict) -> dict:
+        return self._object("text_completion" if self.kind == "completion" else "chat.completion.chunk", [], {"usage": use})
+
+
+def logprobs_object(kind: str, pieces: list[str], logprobs: list[float], tops: list[list[tuple[str, float]]], offset: int = 0) -> dict:
+    """Tokens (as text) and their log-probabilities in the endpoint's format."""
+    if kind == "completion":
+        offsets, at = [], offset
+        for piece in pieces:
+            offsets.append(at)
+            at += len(piece)
+        return {"tokens": pieces, "token_logprobs": logprobs, "top_logprobs": [dict(top) for top in tops], "text_offset": offsets}
+    return {"content": [
+        {"token": piece, "logprob": logprob, "bytes": list(piece.encode()),
+         "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in top]}
+        for piece, logprob, top in zip(pieces, logprobs, tops)]}
+
+
+def sse(payload: dict | str) -> str:
+    import json
+
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"

@@ -1,0 +1,93 @@
+"""Continuous batching against generation of each sequence alone (`generate_ids`, the
+reference tested against transformers): sequences that join while others decode,
+leave at different lengths, share at most `max_running` slots, and sample from their
+own seeds produce exactly what each would alone; a cancelled sequence frees its slot."""
+
+import threading
+import time
+
+import pytest
+
+from lmforge.inference.generate import generate_ids
+from lmforge.inference.sampling import SamplingParams
+from lmforge.models.build import build_model
+from lmforge.models.config import PRESETS
+from lmforge.serve.engine import ContinuousBatcher, Sequence
+
+PROMPTS = [[11, 42, 7, 99, 3, 250, 18, 64], [5, 77, 123], [200, 9, 31, 44, 150], [1, 2], [300, 301, 302, 303, 304, 305]]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model(PRESETS["tiny"], seed=5).eval()
+
+
+class Listener:
+    def __init__(self):
+        self.tokens, self.logprobs, self.finish = [], [], None
+        self.done = threading.Event()
+
+    def __call__(self, token):
+        self.tokens.append(token.id)
+        self.logprobs.append(token.logprob)
+        if token.finish_reason:
+            self.finish = token.finish_reason
+            self.done.set()
+
+
+def run_staggered(engine, params_of, seeds, gap_s=0.01):
+    """Submit each prompt a little after the previous, so later ones join running decodes."""
+    listeners = [Listener() for _ in PROMPTS]
+    for prompt, params, seed, listener in zip(PROMPTS, params_of, seeds, listeners):
+        engine.submit(Sequence(prompt, params, listener, seed=seed))
+        time.sleep(gap_s)
+    for listener in listeners:
+        assert listener.done.wait(60)
+    return listeners
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_joining_and_leaving_sequences_generate_what_each_would_alone(model, temperature):
+    # Different lengths: sequences leave at different steps while others keep going.
+    params_of = [SamplingParams(max_new_tokens=n, temperature=temperature, top_k=50, stop_at_eos=False) for n in (40, 7, 25, 60, 3)]
+    seeds = [100 + i for i in range(len(PROMPTS))]
+    sizes = []
+    engine = ContinuousBatcher(model, frozenset(), model.cfg.vocab_size, max_running=3, on_step=sizes.append)
+    got = run_staggered(engine, params_of, seeds)
+    for prompt, params, seed, listener in zip(PROMPTS, params_of, seeds, got):
+        alone = generate_ids(model, [prompt], params, row_seeds=[seed])[0]
+        assert listener.tokens == alone.tokens
+        assert listener.finish == "length"
+        assert listener.logprobs == pytest.approx(alone.logprobs, abs=1e-4)
+    assert max(sizes) == 3, "the bound on running sequences was never reached, or exceeded"
+    assert engine.counts == (0, 0) and sorted(engine.free) == [0, 1, 2]
+
+
+def test_end_of_text_and_stop_end_a_sequence_early(model):
+    greedy = SamplingParams(max_new_tokens=30, temperature=0)
+    alone = generate_ids(model, [PROMPTS[0]], greedy)[0].tokens
+    engine = ContinuousBatcher(model, frozenset({alone[4]}), model.cfg.vocab_size, max_running=2)
+    eos, stopped = Listener(), Listener()
+    engine.submit(Sequence(PROMPTS[0], greedy, eos))
+    engine.submit(Sequence(PROMPTS[0], SamplingParams(max_new_tokens=30, temperature=0, stop_at_eos=False), stopped,
+                           stopped=lambda tokens: tokens[-1] == alone[2]))
+    assert eos.done.wait(30) and stopped.done.wait(30)
+    assert (eos.tokens, eos.finish) == (alone[:5], "stop")
+    assert (stopped.tokens, stopped.finish) == (alone[:3], "stop")
+
+
+def test_a_cancelled_sequence_leaves_and_frees_its_slot(model):
+    engine = ContinuousBatcher(model, frozenset(), model.cfg.vocab_size, max_running=1)
+    long, after = Listener(), Listener()
+    seq = Sequence(PROMPTS[1], SamplingParams(max_new_tokens=200, temperature=0, stop_at_eos=False), long)
+    engine.submit(seq)
+    while len(long.tokens) < 3:
+        time.sleep(0.005)
+    engine.cancel(seq)
+    # The one slot is free again: a later sequence is served, and exactly as alone.
+    params = SamplingParams(max_new_tokens=5, temperature=0)
+    engine.submit(Sequence(PROMPTS[2], params, after))
+    assert after.done.wait(30)
+    assert after.tokens == generate_ids(model, [PROMPTS[2]], params)[0].tokens
+    assert len(long.tokens) < 200 and long.finish is None
+    assert engine.counts == (0, 0) and engine.free == [0]
