@@ -1,0 +1,345 @@
+"""`lmforge serve` on the session's Ray cluster, against the official `openai` client and
+raw HTTP: two real `lmforge serve` processes (the reference run's model as "teacher";
+an int8 quantization of an earlier checkpoint as "student", behind an API key) and
+the teacher again with request-level batching and with none. Checked: answers equal
+generation of each prompt alone, in all three modes; streaming's event format;
+errors in OpenAI's shape while serving goes on; the response cache; a client that
+disconnects mid-stream frees its sequence; and `lmforge eval judge` end to end.
+
+The judge is a scripted OpenAI-compatible server (a GPT-4-class judge cannot run
+here): it records what it is sent and answers by a rule the test knows.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx2 as httpx  # the HTTP client the openai package is built on
+import openai
+import pytest
+
+from cli import run_cli
+from conftest import REFERENCE_STEPS, SESSION_MLFLOW
+from lmforge.distill.instruct.prompts import DEFAULT_CHAT_TEMPLATE
+from lmforge.inference.sampling import SamplingParams
+from lmforge.serve.quantize import load_generator
+from multinode import free_port
+
+pytestmark = pytest.mark.ray
+KEY = "test-key-not-a-secret"
+PROMPTS = ["def ", "import os\n", "class Foo:\n    ", "for i in range(", "return self.", "# A comment\n", "x = [", "if __name__"]
+
+
+@dataclass
+class Serving:
+    port: int
+    teacher: Path
+    student: Path
+
+    def url(self, prefix: str) -> str:
+        return f"http://127.0.0.1:{self.port}/{prefix}"
+
+    def client(self, prefix: str, key: str = "none") -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url(prefix) + "/v1", api_key=key, max_retries=0)
+
+    def metrics(self, prefix: str) -> dict[str, float]:
+        text = httpx.get(self.url(prefix) + "/metrics").text
+        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line and not line.startswith("#")}
+
+
+def step_dir(reference_run, step: int) -> Path:
+    return Path(reference_run["run_dir"]) / "checkpoints" / f"step_{step:08d}"
+
+
+def wait_healthy(url: str, process=None, log: Path | None = None, timeout_s: float = 180) -> None:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if process is not None and process.poll() is not None:
+            pytest.fail(f"lmforge serve exited with {process.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    pytest.fail(f"{url} never became healthy" + (f":\n{log.read_text()[-3000:]}" if log else ""))
+
+
+@pytest.fixture(scope="module")
+def serving(ray_session, reference_run, tiny_dataset, tmp_path_factory):
+    from ray import serve
+
+    from lmforge.serve.app import application
+    from lmforge.serve.backend import ServerOptions
+
+    tmp = tmp_path_factory.mktemp("serve")
+    teacher, earlier, student = tmp / "teacher", tmp / "earlier", tmp / "student"
+    assert run_cli("export", str(step_dir(reference_run, REFERENCE_STEPS)), "--out", str(teacher), cwd=tmp).returncode == 0
+    assert run_cli("export", str(step_dir(reference_run, REFERENCE_STEPS - 20)), "--out", str(earlier), cwd=tmp).returncode == 0
+    quantized = run_cli("quantize", str(earlier), "--method", "int8", "--out", str(student), "--eval-data", str(tiny_dataset),
+                        "--eval-samples", "4", "--no-tracking", cwd=tmp)
+    assert quantized.returncode == 0, quantized.stderr
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    address = ray_session.get_runtime_context().gcs_address
+    processes = []
+    for name, model, env in (("teacher", teacher, {}), ("student", student, {"LMFORGE_API_KEY": KEY})):
+        log = tmp / f"{name}.log"
+        command = [sys.executable, "-m", "lmforge", "serve", str(model), "--name", name, "--route-prefix", f"/{name}", "--port", str(port),
+                   "--address", address, "--cpus-per-replica", "0.5", "--max-running", "4"]
+        processes.append((subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=os.environ | env), log))
+    for mode in ("request", "off"):
+        options = ServerOptions(model=str(teacher), name="teacher", batching=mode, max_running=4)
+        serve.run(application(options, 1, 0.5, 0.0), name=f"teacher-{mode}", route_prefix=f"/{mode}", blocking=False)
+    serving = Serving(port, teacher, student)
+    for (process, log), prefix in zip(processes, ("teacher", "student")):
+        wait_healthy(serving.url(prefix), process, log)
+    for mode in ("request", "off"):
+        wait_healthy(serving.url(mode))
+    yield serving
+    for process, _ in processes:
+        process.send_signal(signal.SIGTERM)
+    for process, log in processes:
+        assert process.wait(60) == 0, log.read_text()[-3000:]
+    serve.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(serving):
+    """The teacher in this process: what each prompt generates alone."""
+    return load_generator(str(serving.teacher))
+
+
+def alone(reference, prompt: str, max_tokens: int) -> str:
+    return reference.generate([prompt], SamplingParams(max_new_tokens=max_tokens, temperature=0))[0].text
+
+
+def test_openai_client_completions_chat_and_streaming(serving, reference):
+    client = serving.client("teacher")
+    assert [m.id for m in client.models.list().data] == ["teacher"]
+
+    done = client.completions.create(model="teacher", prompt=PROMPTS[0], max_tokens=12, temperature=0, logprobs=2)
+    choice = done.choices[0]
+    assert choice.text == alone(reference, PROMPTS[0], 12)
+    assert done.usage.prompt_tokens == len(reference.tokenizer.encode(PROMPTS[0]).ids)
+    assert done.usage.completion_tokens == len(choice.logprobs.tokens) and choice.finish_reason in ("length", "stop")
+    assert all(len(top) == 2 for top in choice.logprobs.top_logprobs)
+    assert all(lp <= max(top.values()) + 1e-6 for lp, top in zip(choice.logprobs.token_logprobs, choice.logprobs.top_logprobs))
+
+    streamed = list(client.completions.create(model="teacher", prompt=PROMPTS[0], max_tokens=12, temperature=0, stream=True, seed=1))
+    assert "".join(chunk.choices[0].text for chunk in streamed) == choice.text
+    assert streamed[-1].choices[0].finish_reason == choice.finish_reason
+
+    messages = [{"role": "user", "content": "Write a loop."}]
+    chat = client.chat.completions.create(model="teacher", messages=messages, max_completion_tokens=10, temperature=0)
+    rendered = DEFAULT_CHAT_TEMPLATE.replace("{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}",
+                                             "<|user|>\nWrite a loop.\n").replace("{% if add_generation_prompt %}<|assistant|>\n{% endif %}", "<|assistant|>\n")
+    assert chat.choices[0].message.content == alone(reference, rendered, 10)
+    assert chat.choices[0].message.role == "assistant"
+
+    chunks = list(client.chat.completions.create(model="teacher", messages=messages, max_tokens=10, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == chat.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == chat.usage.total_tokens
+
+    # The raw events: `data: {json}` lines, the last `data: [DONE]`.
+    with httpx.stream("POST", serving.url("teacher") + "/v1/completions", json={
+            "model": "teacher", "prompt": PROMPTS[1], "max_tokens": 5, "temperature": 0, "stream": True}) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in response.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines) and lines[-1] == "data: [DONE]"
+    assert json.loads(lines[0][6:])["object"] == "text_completion"
+
+
+def test_sampling_options_n_seed_and_stop(serving, reference):
+    client = serving.client("teacher")
+    sampled = dict(model="teacher", prompt=PROMPTS[2], max_tokens=16, temperature=1.0, n=3)
+    first = client.completions.create(**sampled, seed=7, extra_body={"top_k": 50})
+    again = client.completions.create(**sampled, seed=7, extra_body={"top_k": 50})
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    assert [c.text for c in first.choices] == [c.text for c in again.choices], "a seed repeats its samples"
+    assert len({c.text for c in first.choices}) > 1, "each choice samples on its own"
+
+    greedy = alone(reference, PROMPTS[3], 24)
+    stop = greedy[3:5]
+    cut = client.completions.create(model="teacher", prompt=PROMPTS[3], max_tokens=24, temperature=0, stop=[stop])
+    assert cut.choices[0].text == greedy[:greedy.find(stop)] and cut.choices[0].finish_reason == "stop"
+
+
+def test_greedy_outputs_are_identical_with_continuous_request_and_no_batching(serving, reference):
+    modes = ("teacher", "request", "off")
+    jobs = [(mode, prompt) for prompt in PROMPTS for mode in modes]
+    before = serving.metrics("teacher")
+
+    def ask(job):
+        mode, prompt = job
+        # A seed apart from the cache key: each request is generated, not answered from the cache.
+        reply = serving.client(mode).completions.create(model="teacher", prompt=prompt, max_tokens=24, temperature=0, seed=hash(job) % 1000)
+        return reply.choices[0].text
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        texts = dict(zip(jobs, pool.map(ask, jobs)))
+    for prompt in PROMPTS:
+        expected = alone(reference, prompt, 24)
+        assert [texts[(mode, prompt)] for mode in modes] == [expected] * 3, prompt
+    after = serving.metrics("teacher")
+    steps = after['lmforge:batch_size_count{model_name="teacher"}'] - before.get('lmforge:batch_size_count{model_name="teacher"}', 0)
+    single = after['lmforge:batch_size_bucket{le="1.0",model_name="teacher"}'] - before.get('lmforge:batch_size_bucket{le="1.0",model_name="teacher"}', 0)
+    assert single < steps, "continuous batching never decoded two sequences in one step"
+    assert after['lmforge:num_requests_running{model_name="teacher"}'] == 0
+
+
+def test_bad_requests_get_openai_errors_and_serving_goes_on(serving):
+    url = serving.url("teacher") + "/v1/completions"
+    ok = {"model": "teacher", "prompt": "def ", "max_tokens": 4}
+    cases = [
+        (ok | {"prompt": "x " * 400}, "prompt", "context_length_exceeded"),
+        (ok | {"max_tokens": 1000}, "max_tokens", "context_length_exceeded"),
+        (ok | {"model": "gpt-4"}, "model", "model_not_found"),
+        (ok | {"n": 99}, "n", None),
+        (ok | {"temperature": -1}, "temperature", None),
+        ({"model": "teacher"}, "prompt", None),
+    ]
+    for body, param, code in cases:
+        response = httpx.post(url, json=body)
+        assert response.status_code == 400, body
+        error = response.json()["error"]
+        assert (error["param"], error["code"], error["type"]) == (param, code, "invalid_request_error"), error
+        assert error["message"]
+    malformed = httpx.post(url, content=b"{not json", headers={"content-type": "application/json"})
+    assert malformed.status_code == 400 and "malformed JSON" in malformed.json()["error"]["message"]
+    with pytest.raises(openai.BadRequestError):
+        serving.client("teacher").completions.create(model="nope", prompt="x", max_tokens=2)
+    assert httpx.post(url, json=ok).status_code == 200
+    assert serving.metrics("teacher")['lmforge:request_errors_total{model_name="teacher",status="400"}'] >= len(cases) + 2
+
+
+def test_api_key_guards_the_v1_routes(serving):
+    with pytest.raises(openai.AuthenticationError):
+        serving.client("student").models.list()
+    with pytest.raises(openai.AuthenticationError):
+        serving.client("student", "wrong").models.list()
+    assert [m.id for m in serving.client("student", KEY).models.list().data] == ["student"]
+    assert httpx.get(serving.url("student") + "/health").status_code == 200
+
+
+def test_identical_greedy_requests_are_answered_from_the_cache(serving):
+    hits = 'lmforge:response_cache_hits_total{model_name="teacher"}'
+    before = serving.metrics("teacher").get(hits, 0)
+    request = dict(model="teacher", prompt="def cached(", max_tokens=8, temperature=0)
+    first = serving.client("teacher").completions.create(**request)
+    second = serving.client("teacher").completions.create(**request)
+    assert serving.metrics("teacher")[hits] == before + 1
+    assert second.choices[0].text == first.choices[0].text and second.id != first.id
+    streamed = list(serving.client("teacher").completions.create(**request, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == first.choices[0].text
+    assert serving.metrics("teacher")[hits] == before + 2
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_sequence(serving):
+    steps = 'lmforge:batch_size_sum{model_name="teacher"}'
+    running = 'lmforge:num_requests_running{model_name="teacher"}'
+    before = serving.metrics("teacher").get(steps, 0)
+    max_tokens = 250
+    with httpx.stream("POST", serving.url("teacher") + "/v1/completions", json={
+            "model": "teacher", "prompt": "def ", "max_tokens": max_tokens, "temperature": 0, "stream": True, "seed": 3,
+            "stop": ["never appears \x00"]}) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+    deadline = time.time() + 20
+    while serving.metrics("teacher")[running] != 0 and time.time() < deadline:
+        time.sleep(0.05)
+    assert serving.metrics("teacher")[running] == 0
+    time.sleep(1.0)  # had it kept decoding, it would reach max_tokens by now
+    generated = serving.metrics("teacher")[steps] - before
+    assert generated < max_tokens - 1, "the sequence kept decoding after its client left"
+    assert serving.client("teacher").completions.create(model="teacher", prompt="x", max_tokens=2, temperature=0).choices
+
+
+# -- the judge -------------------------------------------------------------------------
+
+ANSWER = re.compile(r"\[The Start of Assistant ([AB])'s Answer\]\n(.*?)\n\[The End of Assistant \1's Answer\]", re.S)
+
+
+class ScriptedJudge:
+    """An OpenAI-compatible chat endpoint that records each request and answers by the
+    model asked for: "longer" (the longer answer wins, equal lengths tie), "always-a",
+    "garbage" (no verdict at all)."""
+
+    def __init__(self):
+        import uvicorn
+        from fastapi import FastAPI
+
+        self.requests, app = [], FastAPI()
+
+        @app.get("/v1/models")
+        def models():
+            return {"object": "list", "data": [{"id": "longer", "object": "model", "created": 0, "owned_by": "test"}]}
+
+        @app.post("/v1/chat/completions")
+        def chat(body: dict):
+            self.requests.append(body)
+            shown = dict(ANSWER.findall(body["messages"][-1]["content"]))
+            longer = "C" if len(shown["A"]) == len(shown["B"]) else "A" if len(shown["A"]) > len(shown["B"]) else "B"
+            reply = {"longer": f"A has more detail [[B]]? No: [[{longer}]]", "always-a": "A", "garbage": "I cannot decide."}[body["model"]]
+            return {"id": "j", "object": "chat.completion", "created": 0, "model": body["model"],
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": reply}, "finish_reason": "stop"}],
+                    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        threading.Thread(target=self.server.run, daemon=True).start()
+        while not self.server.started:
+            time.sleep(0.05)
+
+    def url(self, model: str) -> str:
+        return f"http://127.0.0.1:{self.port}/v1#{model}"
+
+
+def test_judge_compares_student_and_teacher_in_both_orders(serving, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    rows = [{"prompt": p} for p in PROMPTS[:4]] + [{"messages": [{"role": "user", "content": "Say hi."}]}]
+    prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    judge = ScriptedJudge()
+    try:
+        def run(model: str, out: str):
+            result = run_cli("eval", "judge", "--a", serving.url("student") + "/v1", "--b", serving.url("teacher") + "/v1",
+                             "--judge", judge.url(model), "--prompts", str(prompts), "--out", str(tmp_path / out), "--max-tokens", "16",
+                             "--api-key", KEY, "--tracking-uri", SESSION_MLFLOW, "--json", cwd=tmp_path)
+            assert result.returncode == 0, result.stderr
+            return json.loads(result.stdout)
+
+        report = run("longer", "longer")
+        assert report["prompts"] == len(rows) and len(judge.requests) == 2 * len(rows)
+        for row in report["per_prompt"]:
+            sent = [dict(ANSWER.findall(r["messages"][-1]["content"])) for r in judge.requests if row["question"] in r["messages"][-1]["content"]]
+            # Both orders, exactly the answers the two servers gave.
+            assert sorted((s["A"], s["B"]) for s in sent) == sorted([(row["answer_a"], row["answer_b"]), (row["answer_b"], row["answer_a"])])
+            a, b = len(row["answer_a"]), len(row["answer_b"])
+            assert row["outcome"] == ("tie" if a == b else "win" if a > b else "loss")
+        assert all(r["messages"][0]["role"] == "system" and "[[C]]" in r["messages"][0]["content"] for r in judge.requests)
+        assert report["counts"]["inconsistent"] == 0 and sum(report["rates"].values()) == pytest.approx(1.0)
+        assert [json.loads(line) for line in (tmp_path / "longer" / "judgments.jsonl").read_text().splitlines()] == report["per_prompt"]
+
+        biased = run("always-a", "always-a")
+        assert biased["counts"]["inconsistent"] == len(rows) and biased["rates"]["inconsistent"] == 1.0
+        unparsable = run("garbage", "garbage")
+        assert unparsable["counts"]["unparsable"] == len(rows) and unparsable["unparsable"] == 2 * len(rows)
+
+        from mlflow.tracking import MlflowClient
+
+        logged = MlflowClient(SESSION_MLFLOW).get_run(biased["mlflow_run_id"])
+        assert logged.data.metrics["inconsistent_rate"] == 1.0 and logged.data.params["b"].endswith("#teacher")
+    finally:
+        judge.server.should_exit = True
