@@ -109,14 +109,14 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--app-name", help="Serve application name (default: --name)")
     srv.add_argument("--chat-template", help="Jinja chat template file (default: the model's tokenizer_config.json, else lmforge's)")
     srv.add_argument("--tokenizer", help="tokenizer.json (default: the model's, or its dataset's)")
-    srv.add_argument("--device", help="cpu or cuda (default: cuda when there is one)")
+    srv.add_argument("--device", help="cpu or cuda (default: cuda when the cluster has GPUs; each replica then asks for one)")
     srv.add_argument("--cpus-per-replica", type=float, default=1.0)
     srv.add_argument("--threads", type=int, default=1, help="torch threads per replica (default 1)")
     srv.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else an embedded local cluster)")
 
     evaluate = sub.add_parser("eval", help="evaluation commands").add_subparsers(dest="eval_command", required=True)
     judge = evaluate.add_parser("judge", help="pairwise LLM-as-judge of two OpenAI-compatible models, each pair judged in both orders")
-    judge.add_argument("--a", required=True, help="model A: an OpenAI-compatible base URL (http://host:port/v1), optionally URL#model")
+    judge.add_argument("--a", required=True, help="model A: an OpenAI-compatible base URL (http://host:port/v1, optionally URL#model) or a model directory")
     judge.add_argument("--b", required=True, help="model B: as --a")
     judge.add_argument("--judge", required=True, help="the judge: as --a (any OpenAI-compatible chat model)")
     judge.add_argument("--prompts", required=True, help="JSONL file: one {\"prompt\": ...} (or {\"messages\": [...]}) per line")
@@ -349,18 +349,18 @@ def _serve_options(args):
     name = args.name or Path(args.model).resolve().name
     return ServerOptions(model=str(Path(args.model).resolve()), name=name, batching=args.batching, max_running=args.max_running,
                          max_waiting=args.max_waiting, max_n=args.max_n, cache_size=args.cache_size, api_key_sha256=key_digest(key) if key else None,
-                         device=args.device or "cpu", tokenizer=args.tokenizer, threads=args.threads,
+                         device=args.device, tokenizer=args.tokenizer, threads=args.threads,
                          chat_template=str(Path(args.chat_template).resolve()) if args.chat_template else None)
 
 
 def _cmd_serve(args) -> int:
     options = _serve_options(args)
-    from lmforge.serve.app import check_model, serve_model
+    from lmforge.serve.app import check_model, check_port, serve_model
 
-    check_model(options.model, options.tokenizer)
+    check_port(args.host, args.port, args.address)
+    check_model(args.model, args.tokenizer)  # as the user typed it, for messages
     replicas = args.replicas if args.replicas == "auto" else int(args.replicas)
-    gpus = 1.0 if options.device == "cuda" else 0.0
-    serve_model(options, args.host, args.port, replicas, args.cpus_per_replica, gpus, args.address, args.route_prefix,
+    serve_model(options, args.host, args.port, replicas, args.cpus_per_replica, args.address, args.route_prefix,
                 args.app_name or options.name, say=lambda line: print(line, file=sys.stderr, flush=True))
     return 0
 

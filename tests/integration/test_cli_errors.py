@@ -433,3 +433,37 @@ def test_a_pipeline_that_cannot_run_is_refused(case, tmp_path):
     (tmp_path / "pipeline.yaml").write_text(yaml.safe_dump({"name": "p", "output_dir": str(tmp_path / "runs"), "stages": stages}))
     assert_clean_error(run_cli("distill", "run", str(tmp_path / "pipeline.yaml"), cwd=tmp_path), "pipeline.yaml: ", *fragments)
     assert sorted(p.name for p in (tmp_path / "runs").rglob("*")) == (["p", "pipeline.json"] if case == "a finished stage changed" else [])
+
+
+SERVE_REFUSALS = {
+    "a missing model": (["absent"], "MODEL: absent does not exist"),
+    "a directory of no known format": (["empty"], "MODEL: empty", "config.json"),
+    "a partial model": (["partial"], "partial", "model.safetensors"),
+    "an unknown batching": (["partial", "--batching", "dynamic"], "--batching: 'dynamic' is not one of continuous, request, off"),
+    "no replicas": (["partial", "--replicas", "0"], "--replicas: a number of at least 1 or auto"),
+    "a bad route prefix": (["partial", "--route-prefix", "v1"], "--route-prefix: must start with /"),
+}
+
+
+@pytest.mark.parametrize("case", SERVE_REFUSALS)
+def test_a_model_that_cannot_be_served_is_refused(case, tmp_path):
+    """Before Ray or the model load: one line naming the flag or the model, exit 2."""
+    args, *fragments = SERVE_REFUSALS[case]
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "partial").mkdir()
+    (tmp_path / "partial" / "config.json").write_text(json.dumps({"model": {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
+                                                                            "vocab_size": 512, "ffn_hidden": 172}}))
+    assert_clean_error(run_cli("serve", *args, cwd=tmp_path), *fragments)
+
+
+def test_serve_refuses_a_port_in_use(tmp_path):
+    """As its own process (no Ray in it yet): the port is checked before a cluster starts."""
+    import socket
+
+    (tmp_path / "m").mkdir()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run_cli_process("serve", "m", "--port", str(port), cwd=tmp_path, timeout_s=120)
+    assert_clean_error(result, f"127.0.0.1:{port} is in use")

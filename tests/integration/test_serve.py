@@ -313,8 +313,8 @@ def test_judge_compares_student_and_teacher_in_both_orders(serving, tmp_path):
     prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
     judge = ScriptedJudge()
     try:
-        def run(model: str, out: str):
-            result = run_cli("eval", "judge", "--a", serving.url("student") + "/v1", "--b", serving.url("teacher") + "/v1",
+        def run(model: str, out: str, a: str = serving.url("student") + "/v1"):
+            result = run_cli("eval", "judge", "--a", a, "--b", serving.url("teacher") + "/v1",
                              "--judge", judge.url(model), "--prompts", str(prompts), "--out", str(tmp_path / out), "--max-tokens", "16",
                              "--api-key", KEY, "--tracking-uri", SESSION_MLFLOW, "--json", cwd=tmp_path)
             assert result.returncode == 0, result.stderr
@@ -332,8 +332,10 @@ def test_judge_compares_student_and_teacher_in_both_orders(serving, tmp_path):
         assert report["counts"]["inconsistent"] == 0 and sum(report["rates"].values()) == pytest.approx(1.0)
         assert [json.loads(line) for line in (tmp_path / "longer" / "judgments.jsonl").read_text().splitlines()] == report["per_prompt"]
 
-        biased = run("always-a", "always-a")
+        # A as the student's directory, answered in the judge's own process: the same answers as served.
+        biased = run("always-a", "always-a", a=str(serving.student))
         assert biased["counts"]["inconsistent"] == len(rows) and biased["rates"]["inconsistent"] == 1.0
+        assert [row["answer_a"] for row in biased["per_prompt"]] == [row["answer_a"] for row in report["per_prompt"]]
         unparsable = run("garbage", "garbage")
         assert unparsable["counts"]["unparsable"] == len(rows) and unparsable["unparsable"] == 2 * len(rows)
 

@@ -100,6 +100,9 @@ def open_model_dir(path: str | os.PathLike) -> ModelDir:
     """Its format, shape and weights checked (names and shapes, nothing loaded yet);
     ValueError naming the file that is missing or wrong."""
     path = Path(path)
+    if (path / "quantization.json").is_file():
+        raise ValueError(f"{path}: a quantized model directory holds no full-precision weights; "
+                         "it loads in lmforge generate and lmforge serve")
     fmt, cfg = read_model_config(path)
     if fmt == "hf":
         if not (path / TOKENIZER).is_file():

@@ -59,28 +59,34 @@ def check_model(path: str, tokenizer: Optional[str]) -> None:
         raise UserError(f"MODEL: {path} has no tokenizer to turn prompts into tokens; pass --tokenizer tokenizer.json")
 
 
-def serve_model(options: ServerOptions, host: str, port: int, replicas: Union[int, str], cpus: float, gpus: float,
-                address: Optional[str], route_prefix: str, app_name: str, say=print, ready=None) -> None:
+def serve_model(options: ServerOptions, host: str, port: int, replicas: Union[int, str], cpus: float,
+                address: Optional[str], route_prefix: str, app_name: str, say=print) -> None:
     """Deploy, say where, and keep serving until SIGINT or SIGTERM."""
+    import dataclasses
+    import logging
+
     import ray
 
     from lmforge.cluster.runtime import connect
 
-    import logging
-
     logging.getLogger("ray.serve").setLevel(logging.WARNING)  # the command says where it serves
     started_ray = connect(address)
     try:
+        if options.device is None:  # replicas run where the cluster's accelerators are
+            options = dataclasses.replace(options, device="cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu")
+        gpus = 1.0 if options.device == "cuda" else 0.0
         serve.start(http_options={"host": host, "port": port})  # joins a running Serve as it is
         bound = _http_port()
         if bound != port:
             raise UserError(f"--port: Serve on this cluster already listens on port {bound}; pass --port {bound}")
-        serve.run(application(options, replicas, cpus, gpus), name=app_name, route_prefix=route_prefix, blocking=False)
+        try:  # returns once the replicas are up
+            serve.run(application(options, replicas, cpus, gpus), name=app_name, route_prefix=route_prefix, blocking=False)
+        except RuntimeError as err:  # a replica failed to start: its last line says why
+            last = [line for line in str(err).splitlines() if line.strip()][-1:] or ["(no message)"]
+            raise UserError(f"MODEL: {options.model}: the server's replica failed to start: {last[0].strip()}") from None
         base = f"http://{host}:{port}{route_prefix.rstrip('/')}"
-        say(f"serving {options.name} ({options.batching} batching, up to {options.max_running} sequences per replica) at {base}/v1"
-            f"{' (API key required)' if options.api_key_sha256 else ''}; Ctrl-C stops")
-        if ready is not None:
-            ready(base)
+        say(f"serving {options.name} ({options.batching} batching, up to {options.max_running} sequences per replica, "
+            f"{options.device}) at {base}/v1{' (API key required)' if options.api_key_sha256 else ''}; Ctrl-C stops")
         _wait_for_signal()
     finally:
         try:
@@ -90,6 +96,21 @@ def serve_model(options: ServerOptions, host: str, port: int, replicas: Union[in
         if started_ray:
             serve.shutdown()
             ray.shutdown()
+
+
+def check_port(host: str, port: int, address: Optional[str]) -> None:
+    """A cluster this command starts will bind the port for Serve: it must be free."""
+    import socket
+
+    from lmforge.cluster.runtime import embedded_resources
+
+    if embedded_resources(address) is None:
+        return  # joining a cluster, whose Serve may listen there already
+    with socket.socket() as sock:
+        try:
+            sock.bind((host, port))
+        except OSError as err:
+            raise UserError(f"--port: {host}:{port} is in use ({err.strerror}); pass another --port") from None
 
 
 def _http_port() -> Optional[int]:

@@ -29,10 +29,22 @@ class ServerOptions:
     max_n: int = 8
     cache_size: int = 256  # responses kept for identical temperature-0 requests (0: none)
     api_key_sha256: Optional[str] = None  # the key's digest: the key itself never enters Serve's config
-    device: str = "cpu"
+    device: Optional[str] = None  # cpu or cuda; None: decided when the cluster is known
     tokenizer: Optional[str] = None
     chat_template: Optional[str] = None  # a Jinja file; default: the model's tokenizer_config.json, else lmforge's
     threads: int = 1
+
+
+def chat_template_of(model: str, override: Optional[str] = None) -> Optional[str]:
+    """The Jinja chat template: `override`'s file, else the model directory's
+    tokenizer_config.json `chat_template`, else None (lmforge's default)."""
+    from pathlib import Path
+
+    if override:
+        return Path(override).read_text()
+    config = Path(model) / "tokenizer_config.json"
+    template = json.loads(config.read_text()).get("chat_template") if config.is_file() else None
+    return template if isinstance(template, str) else None
 
 
 class ResponseCache:
@@ -99,22 +111,13 @@ class Backend:
 
         torch.set_num_threads(options.threads)
         self.options, self.name = options, options.name
-        self.generator = load_generator(options.model, options.device, tokenizer=options.tokenizer)
+        self.generator = load_generator(options.model, options.device or "cpu", tokenizer=options.tokenizer)
         self.tokenizer, self.context = self.generator.tokenizer, self.generator.model.cfg.max_seq_len
         self.metrics = ServerMetrics(options.name, lambda: self.engine.counts)
         self.engine = make_engine(options.batching, self.generator.model, self.generator.eos_ids, self.tokenizer.get_vocab_size(),
                                   options.max_running, self.metrics.batch)
         self.cache = ResponseCache(options.cache_size)
-        self.render_chat = chat_renderer(self._chat_template(), "chat_template")
-
-    def _chat_template(self) -> Optional[str]:
-        from pathlib import Path
-
-        if self.options.chat_template:
-            return Path(self.options.chat_template).read_text()
-        config = Path(self.options.model) / "tokenizer_config.json"
-        template = json.loads(config.read_text()).get("chat_template") if config.is_file() else None
-        return template if isinstance(template, str) else None
+        self.render_chat = chat_renderer(chat_template_of(options.model, options.chat_template), "chat_template")
 
     def decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
@@ -154,7 +157,8 @@ class Backend:
             raise APIError(400, f"{limit_field}: {max_tokens} new tokens after a prompt of {longest} exceed the model's context of "
                            f"{self.context} tokens (at most {self.context - longest})", limit_field, "context_length_exceeded")
         params = SamplingParams(max_new_tokens=max_tokens, temperature=request.temperature, top_k=max(request.top_k, 0),
-                                top_p=request.top_p, repetition_penalty=request.repetition_penalty, seed=request.seed, stop=request.stop)
+                                top_p=request.top_p, repetition_penalty=request.repetition_penalty, seed=request.seed, stop=request.stop,
+                                stop_at_eos=not request.ignore_eos)
         return prompts, params
 
     async def answer(self, kind: str, request: CompletionRequest | ChatRequest) -> dict | AsyncIterator[str]:
@@ -201,21 +205,25 @@ class Backend:
         return seqs, queue
 
     async def _tokens(self, seqs, queue, choices, arrived):
-        """(choice, its new text, its logprobs) as each token arrives; the engine lets go
-        of every unfinished sequence when the consumer stops listening."""
+        """Lists of (choice, its new text, its logprobs): the tokens that arrived since the
+        last list (under load several, which a stream sends as one event). The engine
+        lets go of every unfinished sequence when the consumer stops listening."""
         left, first = len(seqs), True
         try:
             while left:
-                index, token = await queue.get()
-                if token.finish_reason and token.finish_reason.startswith("error"):
-                    raise APIError(500, f"generation failed: {token.finish_reason.removeprefix('error: ')}", kind="server_error")
-                now, choice = time.perf_counter(), choices[index]
-                self.metrics.token(now - choice.previous if choice.previous else None, now - arrived if first else None)
-                choice.previous, first = now, False
-                delta, logprobs = choice.add(token)
-                if token.finish_reason:
-                    left -= 1
-                yield choice, delta, logprobs
+                arrivals = [await queue.get()]
+                while not queue.empty():
+                    arrivals.append(queue.get_nowait())
+                now, batch = time.perf_counter(), []
+                for index, token in arrivals:
+                    if token.finish_reason and token.finish_reason.startswith("error"):
+                        raise APIError(500, f"generation failed: {token.finish_reason.removeprefix('error: ')}", kind="server_error")
+                    choice = choices[index]
+                    self.metrics.token(now - choice.previous if choice.previous else None, now - arrived if first else None)
+                    choice.previous, first = now, False
+                    batch.append((choice, *choice.add(token)))
+                    left -= token.finish_reason is not None
+                yield batch
             self.metrics.finished(time.perf_counter() - arrived, [c.finish_reason for c in choices])
         finally:
             for seq, choice in zip(seqs, choices):
@@ -227,10 +235,11 @@ class Backend:
             for choice in choices:
                 yield sse(shape.chunk(choice.index, None, None, None, first=True, with_usage=include_usage))
         try:
-            async for choice, delta, logprobs in self._tokens(*started, choices, arrived):
-                if delta or logprobs or choice.finish_reason:
-                    lp = logprobs_object(shape.kind, logprobs["pieces"], logprobs["logprobs"], logprobs["tops"]) if logprobs else None
-                    yield sse(shape.chunk(choice.index, delta, lp, choice.finish_reason, with_usage=include_usage))
+            async for batch in self._tokens(*started, choices, arrived):
+                events = [sse(shape.chunk(choice.index, delta, logprobs, choice.finish_reason, with_usage=include_usage))
+                          for choice, delta, logprobs in _merged(shape.kind, batch) if delta or logprobs or choice.finish_reason]
+                if events:
+                    yield "".join(events)
         except APIError as err:
             yield sse(err.body())
             yield sse("[DONE]")
@@ -251,3 +260,15 @@ class Backend:
         if include_usage:
             yield sse(shape.usage_chunk(use))
         yield sse("[DONE]")
+
+
+def _merged(kind: str, batch: list[tuple]) -> list[tuple]:
+    """One (choice, text, logprobs object) per choice from its tokens in `batch`, in order."""
+    merged: dict[int, list] = {}
+    for choice, delta, logprobs in batch:
+        entry = merged.setdefault(choice.index, [choice, "", None])
+        entry[1] += delta
+        if logprobs:
+            entry[2] = {key: (entry[2] or {}).get(key, []) + value for key, value in logprobs.items()}
+    return [(choice, text, logprobs_object(kind, lp["pieces"], lp["logprobs"], lp["tops"]) if lp else None)
+            for choice, text, lp in merged.values()]

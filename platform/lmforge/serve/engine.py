@@ -55,33 +55,44 @@ class Sequence:
 
 
 class _Sampler:
-    """The next token of one sequence from its logits, and when the sequence ends."""
+    """The next token of each sequence from its logits, and when the sequence ends."""
 
     def __init__(self, eos_ids: frozenset[int], vocab: int):
         self.eos_ids, self.vocab = eos_ids, vocab
 
     def first(self, seq: Sequence, device: torch.device) -> None:
         seq.generator = torch.Generator(device).manual_seed(seq.seed)
-        seq.seen = torch.zeros(1, self.vocab, dtype=torch.bool, device=device)
-        seq.seen[0, seq.prompt] = True
+        seq.seen = None
+        if seq.params.repetition_penalty != 1.0:  # the only rule that looks at earlier tokens
+            seq.seen = torch.zeros(1, self.vocab, dtype=torch.bool, device=device)
+            seq.seen[0, seq.prompt] = True
 
-    def take(self, seq: Sequence, logits: torch.Tensor) -> bool:
-        """Sample from `logits` (vocab,), tell the listener; whether the sequence ended."""
-        logits = logits[None, :self.vocab].float()
-        token = int(next_tokens(logits, seq.params, seq.seen, seq.generator)[0])
-        logprobs = logits[0].log_softmax(dim=-1)
+    def take(self, seqs: list[Sequence], logits: torch.Tensor) -> list[bool]:
+        """Sample each row of `logits` (rows, vocab) for its sequence and tell its
+        listener; which sequences ended. Greedy rows take one argmax together."""
+        logits = logits[:, :self.vocab].float()
+        logprobs = logits.log_softmax(dim=-1)
+        chosen = logits.argmax(dim=-1).tolist()
+        for row, seq in enumerate(seqs):
+            if not seq.params.greedy or seq.seen is not None:
+                chosen[row] = int(next_tokens(logits[row:row + 1], seq.params, seq.seen, seq.generator)[0])
+        chosen_logprobs = logprobs.gather(1, torch.tensor(chosen, device=logits.device)[:, None]).squeeze(1).tolist()
+        return [self._tell(seq, token, logprob, logprobs[row]) for row, (seq, token, logprob) in enumerate(zip(seqs, chosen, chosen_logprobs))]
+
+    def _tell(self, seq: Sequence, token: int, logprob: float, row_logprobs: torch.Tensor) -> bool:
         top = []
         if seq.top_logprobs:
-            values, ids = logprobs.topk(seq.top_logprobs)
+            values, ids = row_logprobs.topk(seq.top_logprobs)
             top = list(zip(ids.tolist(), values.tolist()))
         seq.tokens.append(token)
-        seq.seen[0, token] = True
+        if seq.seen is not None:
+            seq.seen[0, token] = True
         finish = None
         if (seq.params.stop_at_eos and token in self.eos_ids) or (seq.stopped is not None and seq.stopped(seq.tokens)):
             finish = "stop"
         elif len(seq.tokens) >= seq.params.max_new_tokens:
             finish = "length"
-        seq.emit(Token(token, float(logprobs[token]), top, finish))
+        seq.emit(Token(token, logprob, top, finish))
         return finish is not None
 
 
@@ -144,7 +155,7 @@ class ContinuousBatcher:
             self.running.append(seq)
             self.sampler.first(seq, self.device)
             logits = self._forward([seq.slot], torch.tensor([seq.prompt], device=self.device))
-            if self.sampler.take(seq, logits[0]):
+            if self.sampler.take([seq], logits)[0]:
                 self._leave(seq)
                 self.running.remove(seq)
 
@@ -156,7 +167,7 @@ class ContinuousBatcher:
         self.on_step(len(self.running))
         last = torch.tensor([[seq.tokens[-1]] for seq in self.running], device=self.device)
         logits = self._forward([seq.slot for seq in self.running], last)
-        ended = [seq for row, seq in enumerate(self.running) if self.sampler.take(seq, logits[row])]
+        ended = [seq for seq, done in zip(self.running, self.sampler.take(self.running, logits)) if done]
         for seq in ended:
             self._leave(seq)
         self.running = [seq for seq in self.running if seq not in ended]

@@ -1,8 +1,9 @@
-"""`lmforge eval judge`: pairwise LLM-as-judge over OpenAI-compatible endpoints. Models A
-and B answer each prompt; the judge sees every pair twice, in both orders (MT-Bench's
-pairwise prompt, verdicts [[A]], [[B]] or [[C]] for a tie). Two verdicts that agree
-decide the prompt; two that disagree make it inconsistent (position bias); a verdict
-that cannot be parsed, or an endpoint's error, is counted, never a crash.
+"""`lmforge eval judge`: pairwise LLM-as-judge over OpenAI-compatible endpoints (A and B
+may also be model directories, answered in this process). A and B answer each prompt;
+the judge sees every pair twice, in both orders (MT-Bench's pairwise prompt, verdicts
+[[A]], [[B]] or [[C]] for a tie). Two verdicts that agree decide the prompt; two that
+disagree make it inconsistent (position bias); a verdict that cannot be parsed, or an
+endpoint's error, is counted, never a crash.
 """
 
 from __future__ import annotations
@@ -53,11 +54,40 @@ class Endpoint:
     model: Optional[str]  # None: the first that /v1/models lists
 
     @classmethod
-    def parse(cls, flag: str, value: str) -> "Endpoint":
+    def parse(cls, flag: str, value: str, local_allowed: bool) -> "Endpoint | LocalModel":
         url, _, model = value.partition("#")
+        if local_allowed and not re.match(r"^https?://", value) and Path(value).exists():
+            return LocalModel(flag, value)
         if not re.match(r"^https?://[^/\s]+", url):
-            raise UserError(f"{flag}: {value!r} is not an OpenAI-compatible base URL (http://host:port/v1, optionally #model)")
+            raise UserError(f"{flag}: {value!r} is not an OpenAI-compatible base URL (http://host:port/v1, optionally #model)"
+                            + (" or a model directory" if local_allowed else ""))
         return cls(flag, url.rstrip("/"), model or None)
+
+
+class LocalModel:
+    """--a or --b given as a model directory: answered greedily in this process."""
+
+    def __init__(self, flag: str, path: str):
+        from lmforge.distill.instruct.prompts import chat_renderer
+        from lmforge.sdk import default_device
+        from lmforge.serve.backend import chat_template_of
+        from lmforge.serve.quantize import load_generator
+
+        self.flag, self.base_url, self.model = flag, str(Path(path).resolve()), Path(path).resolve().name
+        self.generator = load_generator(path, default_device())
+        self.render = chat_renderer(chat_template_of(path), "chat_template")
+        self.lock = asyncio.Lock()  # one generation at a time on the model
+
+    async def answer(self, messages: list[dict], max_tokens: int) -> str:
+        from lmforge.inference.sampling import SamplingParams
+
+        prompt = self.render(messages)
+        room = self.generator.model.cfg.max_seq_len - len(self.generator.tokenizer.encode(prompt).ids)
+        if room < 1:
+            raise ValueError(f"the prompt fills the model's context of {self.generator.model.cfg.max_seq_len} tokens")
+        params = SamplingParams(max_new_tokens=min(max_tokens, room), temperature=0)
+        async with self.lock:
+            return (await asyncio.to_thread(self.generator.generate, [prompt], params))[0].text
 
 
 def parse_verdict(text: Optional[str]) -> Optional[str]:
@@ -116,14 +146,14 @@ class Judging:
         from openai import AsyncOpenAI
 
         self.opts = opts
-        self.endpoints = {name: Endpoint.parse(f"--{name}", getattr(opts, name)) for name in ("a", "b", "judge")}
+        self.endpoints = {name: Endpoint.parse(f"--{name}", getattr(opts, name), name != "judge") for name in ("a", "b", "judge")}
         self.clients = {name: AsyncOpenAI(base_url=e.base_url, api_key=opts.api_key or "none", max_retries=2, timeout=600)
-                        for name, e in self.endpoints.items()}
+                        for name, e in self.endpoints.items() if isinstance(e, Endpoint)}
         self.limit = asyncio.Semaphore(opts.concurrency)
 
     async def resolve_models(self) -> None:
         for name, endpoint in self.endpoints.items():
-            if endpoint.model is None:
+            if isinstance(endpoint, Endpoint) and endpoint.model is None:
                 try:
                     listed = await self.clients[name].models.list()
                 except Exception as err:  # noqa: BLE001 - any client error is the user's endpoint
@@ -136,6 +166,8 @@ class Judging:
         """(the reply, None) or (None, the error)."""
         async with self.limit:
             try:
+                if isinstance(self.endpoints[name], LocalModel):
+                    return await self.endpoints[name].answer(messages, max_tokens), None
                 reply = await self.clients[name].chat.completions.create(
                     model=self.endpoints[name].model, messages=messages, max_tokens=max_tokens, temperature=0)
                 return reply.choices[0].message.content or "", None

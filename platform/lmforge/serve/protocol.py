@@ -40,6 +40,7 @@ class _Sampling(BaseModel):
     seed: Optional[int] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
+    ignore_eos: bool = False  # vLLM's extra: generate max_tokens whatever the model says (benchmarks)
 
     @field_validator("stop")
     @classmethod

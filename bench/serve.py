@@ -1,0 +1,210 @@
+"""Serving under load: a bounded load generator on loopback against `lmforge serve`'s
+application with continuous, request-level (`@serve.batch`) and no batching, and an
+int8 quantization of the same model with continuous batching, all deployed at once
+on one Ray Serve. For each concurrency, each side gets the same fixed number of
+streamed requests (the `openai` client, greedy, `ignore_eos` so every answer is
+`--max-tokens` long; the response cache is off): output tokens/s, time to first token
+and end-to-end latency p50/p99, errors. Sides alternate within each repeat, repeats
+go on until each target ratio's spread is smaller than its distance from the target
+(at most `--max-repeats`, within `--time-limit`), since machines here are shared.
+
+Targets: continuous >= 3x no batching in tokens/s at concurrency 8; at concurrency 1,
+continuous adds <= 10% to TTFT p50; zero errors.
+
+    python bench/serve.py [--model DIR] [--max-tokens 32] [--concurrency 1,8,32] [--max-repeats 6]
+
+The model defaults to the newest checkpoint of `runs/quickstart` (exported), else the
+`small` preset with seeded weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+SIDES = ("continuous", "request", "off", "int8")
+TARGETS = {"continuous / off tok/s @8": (3.0, "min"), "continuous / off TTFT p50 @1": (1.10, "max")}
+
+
+def model_dir(args, tmp: Path) -> Path:
+    from lmforge.checkpoint.export import export_model
+
+    if args.model:
+        return Path(args.model)
+    steps = sorted(Path("runs/quickstart/checkpoints").glob("step_*"))
+    out = tmp / "fp32"
+    if steps:
+        export_model(steps[-1], out)
+        return out
+    from lmforge.data.corpus import stdlib_files
+    from lmforge.data.tokenizer import EOS_TOKEN, tokenizer_files, train_bpe
+    from lmforge.models import PRESETS
+    from lmforge.models.build import build_model
+    from lmforge.models.weights import write_model_dir
+
+    cfg = PRESETS["small"]
+    tokenizer = train_bpe([Path(f).read_text(errors="replace") for f in stdlib_files()[:20]], 1024)
+    write_model_dir(out, "lmforge", cfg, build_model(cfg, seed=0).state_dict(), eos_id=tokenizer.token_to_id(EOS_TOKEN),
+                    files=tokenizer_files(tokenizer.to_str(), EOS_TOKEN, cfg.max_seq_len))
+    return out
+
+
+def int8_dir(source_dir: Path, tmp: Path) -> Path:
+    from lmforge.checkpoint.export import open_source
+    from lmforge.models.build import build_model
+    from lmforge.serve.quantize import quantize_blocks, write_quantized
+
+    source = open_source(source_dir)
+    model = build_model(source.cfg, weights=source.read_tensors())
+    quantize_blocks(model, "int8", 0)
+    write_quantized(tmp / "int8", source, model, "int8", 0)
+    return tmp / "int8"
+
+
+def prompts(count: int) -> list[str]:
+    """Real text of varied lengths: slices of standard-library sources."""
+    from lmforge.data.corpus import stdlib_files
+
+    texts = [text for text in (Path(f).read_text(errors="replace") for f in stdlib_files()[:200]) if len(text) > 1000][:64]
+    return [texts[i % len(texts)][(37 * i) % 500:][: 60 + (29 * i) % 140] for i in range(count)]
+
+
+async def load(url: str, texts: list[str], concurrency: int, max_tokens: int) -> dict:
+    """Each text once, at most `concurrency` in flight."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=url, api_key="none", max_retries=0, timeout=300)
+    limit = asyncio.Semaphore(concurrency)
+    ttfts, e2es, tokens, errors = [], [], [], []
+
+    async def one(text: str):
+        async with limit:
+            began = time.perf_counter()
+            first = None
+            try:
+                stream = await client.completions.create(model="model", prompt=text, max_tokens=max_tokens, temperature=0, stream=True,
+                                                         stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+                async for chunk in stream:
+                    if chunk.choices and chunk.choices[0].text and first is None:
+                        first = time.perf_counter() - began
+                    if chunk.usage:
+                        tokens.append(chunk.usage.completion_tokens)
+                ttfts.append(first if first is not None else time.perf_counter() - began)
+                e2es.append(time.perf_counter() - began)
+            except Exception as err:  # noqa: BLE001 - counted, the load goes on
+                errors.append(f"{type(err).__name__}: {err}")
+
+    began = time.perf_counter()
+    await asyncio.gather(*(one(t) for t in texts))
+    wall = time.perf_counter() - began
+    await client.close()
+    return {"tok_s": sum(tokens) / wall, "ttft_p50": pct(ttfts, 50), "ttft_p99": pct(ttfts, 99), "e2e_p50": pct(e2es, 50),
+            "e2e_p99": pct(e2es, 99), "errors": len(errors), "error_samples": errors[:2]}
+
+
+def pct(values: list[float], q: int) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def deploy(model: Path, int8: Path, max_running: int) -> int:
+    import ray
+    from ray import serve
+
+    from lmforge.serve.app import application
+    from lmforge.serve.backend import ServerOptions
+
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    with __import__("socket").socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    for side in SIDES:
+        options = ServerOptions(model=str(int8 if side == "int8" else model), name="model", batching="continuous" if side == "int8" else side,
+                                max_running=max_running, cache_size=0, device="cpu")
+        serve.run(application(options, 1, 0.5, 0.0), name=side, route_prefix=f"/{side}", blocking=False)
+    return port
+
+
+def settled(history: dict[str, list[float]]) -> bool:
+    for name, (target, _) in TARGETS.items():
+        values = history.get(name, [])
+        if len(values) < 3:
+            return False
+        spread = max(values) - min(values)
+        if spread >= abs(statistics.median(values) - target):
+            return False
+    return True
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--concurrency", default="1,8,32")
+    parser.add_argument("--max-running", type=int, default=32, help="continuous and request batching: sequences per step")
+    parser.add_argument("--max-repeats", type=int, default=6)
+    parser.add_argument("--time-limit", type=float, default=900, help="seconds; no new repeat starts after it")
+    args = parser.parse_args()
+    levels = [int(c) for c in args.concurrency.split(",")]
+    started = time.time()
+    with tempfile.TemporaryDirectory() as tmp_dir:
+        tmp = Path(tmp_dir)
+        model = model_dir(args, tmp)
+        port = deploy(model, int8_dir(model, tmp), args.max_running)
+        cells: dict[tuple[int, str], list[dict]] = {}
+        history: dict[str, list[float]] = {}
+        for repeat in range(args.max_repeats):
+            for concurrency in levels:
+                texts = prompts(max(8, 2 * concurrency))
+                order = SIDES if repeat % 2 == 0 else tuple(reversed(SIDES))
+                for side in order:
+                    url = f"http://127.0.0.1:{port}/{side}/v1"
+                    cells.setdefault((concurrency, side), []).append(asyncio.run(load(url, texts, concurrency, args.max_tokens)))
+            last = {key: runs[-1] for key, runs in cells.items()}
+            if 8 in levels:
+                history.setdefault("continuous / off tok/s @8", []).append(last[(8, "continuous")]["tok_s"] / last[(8, "off")]["tok_s"])
+            if 1 in levels:
+                history.setdefault("continuous / off TTFT p50 @1", []).append(last[(1, "continuous")]["ttft_p50"] / last[(1, "off")]["ttft_p50"])
+            print(f"repeat {repeat + 1}: " + ", ".join(f"{k} {v[-1]:.3f}" for k, v in history.items()), flush=True)
+            if settled(history) or time.time() - started > args.time_limit:
+                break
+        report(cells, history, model, args)
+
+
+def report(cells, history, model, args) -> None:
+    print(f"\nmodel {model}, {args.max_tokens} tokens per answer, medians of {len(next(iter(cells.values())))} repeats")
+    print(f"{'conc':>4} {'side':<11} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'e2e p50':>8} {'e2e p99':>8} {'errors':>6}")
+    errors = 0
+    for (concurrency, side), runs in sorted(cells.items(), key=lambda kv: (kv[0][0], SIDES.index(kv[0][1]))):
+        med = {key: statistics.median(r[key] for r in runs) for key in ("tok_s", "ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99")}
+        count = sum(r["errors"] for r in runs)
+        errors += count
+        print(f"{concurrency:>4} {side:<11} {med['tok_s']:>8.1f} {med['ttft_p50'] * 1e3:>7.1f}ms {med['ttft_p99'] * 1e3:>7.1f}ms "
+              f"{med['e2e_p50']:>7.3f}s {med['e2e_p99']:>7.3f}s {count:>6}")
+        for sample in (s for r in runs for s in r["error_samples"]):
+            print(f"     error: {sample}")
+    for name, values in history.items():
+        target, kind = TARGETS[name]
+        median = statistics.median(values)
+        met = median >= target if kind == "min" else median <= target
+        print(f"{name}: {median:.3f} (repeats {', '.join(f'{v:.3f}' for v in values)}; spread {max(values) - min(values):.3f}), "
+              f"target {'>=' if kind == 'min' else '<='} {target}: {'met' if met else 'NOT met'}")
+    for concurrency in sorted({c for c, _ in cells}):
+        ratio = lambda a, b: statistics.median(r["tok_s"] for r in cells[(concurrency, a)]) / statistics.median(r["tok_s"] for r in cells[(concurrency, b)])  # noqa: E731
+        print(f"@{concurrency}: continuous / off {ratio('continuous', 'off'):.2f}x, request / off {ratio('request', 'off'):.2f}x, "
+              f"continuous / request {ratio('continuous', 'request'):.2f}x, int8 / fp32 (continuous) {ratio('int8', 'continuous'):.2f}x tok/s")
+    print(f"errors: {errors} (target 0)")
+
+
+if __name__ == "__main__":
+    main()
