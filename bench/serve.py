@@ -135,6 +135,30 @@ def deploy(model: Path, int8: Path, max_running: int) -> int:
     return port
 
 
+def engine_alone(model: Path, slots: int, sequences: int, max_tokens: int) -> float:
+    """Tokens/s of the continuous engine in this process, no HTTP: `sequences` greedy
+    prompts submitted at once to an engine of `slots` slots."""
+    import threading
+
+    import torch
+
+    from lmforge.inference.sampling import SamplingParams
+    from lmforge.serve.engine import ContinuousBatcher, Sequence
+    from lmforge.serve.quantize import load_generator
+
+    torch.set_num_threads(1)
+    generator = load_generator(str(model))
+    engine = ContinuousBatcher(generator.model, frozenset(), generator.tokenizer.get_vocab_size(), slots)
+    done, params = threading.Semaphore(0), SamplingParams(max_new_tokens=max_tokens, temperature=0, stop_at_eos=False)
+    encoded = [generator.tokenizer.encode(text).ids for text in prompts(sequences)]
+    began = time.perf_counter()
+    for ids in encoded:
+        engine.submit(Sequence(ids, params, lambda token: token.finish_reason and done.release()))
+    for _ in range(sequences):
+        done.acquire()
+    return sequences * max_tokens / (time.perf_counter() - began)
+
+
 def settled(history: dict[str, list[float]]) -> bool:
     for name, (target, _) in TARGETS.items():
         values = history.get(name, [])
@@ -163,6 +187,7 @@ def main() -> None:
         port = deploy(model, int8_dir(model, tmp), args.max_running)
         cells: dict[tuple[int, str], list[dict]] = {}
         history: dict[str, list[float]] = {}
+        engine: list[float] = []
         for repeat in range(args.max_repeats):
             for concurrency in levels:
                 texts = prompts(max(8, 2 * concurrency))
@@ -175,10 +200,14 @@ def main() -> None:
                 history.setdefault("continuous / off tok/s @8", []).append(last[(8, "continuous")]["tok_s"] / last[(8, "off")]["tok_s"])
             if 1 in levels:
                 history.setdefault("continuous / off TTFT p50 @1", []).append(last[(1, "continuous")]["ttft_p50"] / last[(1, "off")]["ttft_p50"])
+            # The same batching without HTTP, Serve or a client: where the rest of the time goes.
+            engine.append(engine_alone(model, 8, 8, args.max_tokens) / engine_alone(model, 1, 8, args.max_tokens))
             print(f"repeat {repeat + 1}: " + ", ".join(f"{k} {v[-1]:.3f}" for k, v in history.items()), flush=True)
             if settled(history) or time.time() - started > args.time_limit:
                 break
         report(cells, history, model, args)
+        print(f"engine alone (no HTTP), 8 sequences: 8 slots / 1 slot {statistics.median(engine):.2f}x tok/s "
+              f"(repeats {', '.join(f'{v:.2f}' for v in engine)})")
 
 
 def report(cells, history, model, args) -> None:

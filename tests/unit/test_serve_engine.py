@@ -23,24 +23,30 @@ def model():
 
 
 class Listener:
-    def __init__(self):
-        self.tokens, self.logprobs, self.finish = [], [], None
+    def __init__(self, then=None):
+        self.tokens, self.logprobs, self.finish, self.then = [], [], None, then
         self.done = threading.Event()
 
     def __call__(self, token):
         self.tokens.append(token.id)
         self.logprobs.append(token.logprob)
+        if len(self.tokens) == 2 and self.then:  # from the engine's thread: the next joins mid-decode
+            self.then()
         if token.finish_reason:
             self.finish = token.finish_reason
             self.done.set()
 
 
-def run_staggered(engine, params_of, seeds, gap_s=0.01):
-    """Submit each prompt a little after the previous, so later ones join running decodes."""
-    listeners = [Listener() for _ in PROMPTS]
-    for prompt, params, seed, listener in zip(PROMPTS, params_of, seeds, listeners):
-        engine.submit(Sequence(prompt, params, listener, seed=seed))
-        time.sleep(gap_s)
+def run_chained(engine, params_of, seeds):
+    """Each prompt submitted when the one before has its second token, so every later
+    sequence arrives while earlier ones are decoding (no timing involved)."""
+    listeners = []
+    for prompt, params, seed in reversed(list(zip(PROMPTS, params_of, seeds))):
+        after = listeners[0] if listeners else None
+        listener = Listener(None if after is None else (lambda seq=after.sequence: engine.submit(seq)))
+        listener.sequence = Sequence(prompt, params, listener, seed=seed)
+        listeners.insert(0, listener)
+    engine.submit(listeners[0].sequence)
     for listener in listeners:
         assert listener.done.wait(60)
     return listeners
@@ -53,7 +59,7 @@ def test_joining_and_leaving_sequences_generate_what_each_would_alone(model, tem
     seeds = [100 + i for i in range(len(PROMPTS))]
     sizes = []
     engine = ContinuousBatcher(model, frozenset(), model.cfg.vocab_size, max_running=3, on_step=sizes.append)
-    got = run_staggered(engine, params_of, seeds)
+    got = run_chained(engine, params_of, seeds)
     for prompt, params, seed, listener in zip(PROMPTS, params_of, seeds, got):
         alone = generate_ids(model, [prompt], params, row_seeds=[seed])[0]
         assert listener.tokens == alone.tokens

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -192,17 +193,40 @@ class Backend:
         return shape.response(*result)
 
     def _start(self, prompts, params, n, base_seed, top, choices):
-        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+        queue, post = asyncio.Queue(), self._mailbox()
         seqs = []
         stopped = self.generator.stop_checker(params.stop) if params.stop else None
         for i, choice in enumerate(choices):
             def emit(token, index=i):
-                loop.call_soon_threadsafe(queue.put_nowait, (index, token))
+                post(queue, (index, token))
             seqs.append(Sequence(prompts[i // n], params, emit, seed=base_seed + i, top_logprobs=top,
                                  stopped=(lambda tokens: stopped(0, tokens)) if stopped else None))
         for seq in seqs:
             self.engine.submit(seq)
         return seqs, queue
+
+    def _mailbox(self):
+        """How the engine's thread hands tokens to this event loop: into a list, with one
+        wake-up of the loop for all that arrive before it runs (a decode step's tokens
+        for every request), not one per token."""
+        if getattr(self, "_post", None) is None:
+            loop, pending, lock = asyncio.get_running_loop(), [], threading.Lock()
+
+            def deliver():
+                with lock:
+                    items = pending[:]
+                    pending.clear()
+                for queue, item in items:
+                    queue.put_nowait(item)
+
+            def post(queue, item):
+                with lock:
+                    pending.append((queue, item))
+                    first = len(pending) == 1
+                if first:
+                    loop.call_soon_threadsafe(deliver)
+            self._post = post
+        return self._post
 
     async def _tokens(self, seqs, queue, choices, arrived):
         """Lists of (choice, its new text, its logprobs): the tokens that arrived since the

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -51,7 +50,8 @@ class Sequence:
     tokens: list[int] = field(default_factory=list)
     cancelled: bool = False
     slot: int = -1
-    submitted: float = field(default_factory=time.perf_counter)
+    generator: Optional[torch.Generator] = None  # set when it starts: on the model's device
+    seen: Optional[torch.Tensor] = None  # its tokens so far, for a repetition penalty
 
 
 class _Sampler:
