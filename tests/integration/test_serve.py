@@ -225,6 +225,21 @@ def test_bad_requests_get_openai_errors_and_serving_goes_on(serving):
     assert serving.metrics("teacher")['lmforge:request_errors_total{model_name="teacher",status="400"}'] >= len(cases) + 2
 
 
+def test_replicas_fixed_or_autoscaled_and_a_gpu_each_on_gpu_clusters(tmp_path):
+    """The deployment `lmforge serve` asks Serve for (its config only: no GPU here)."""
+    from lmforge.serve.app import application
+    from lmforge.serve.backend import ServerOptions
+
+    options = ServerOptions(model=str(tmp_path), name="m", max_running=4, max_waiting=12)
+    fixed = application(options, 2, 1.0, 1.0)._bound_deployment
+    assert fixed.num_replicas == 2 and fixed.ray_actor_options["num_gpus"] == 1.0
+    assert fixed.max_ongoing_requests == 16  # the engine's queue, not Serve's default of 5, bounds a replica
+    auto = application(options, "auto", 1.0, 0.0, max_replicas=3)._bound_deployment
+    scaling = auto._deployment_config.autoscaling_config
+    assert (scaling.min_replicas, scaling.max_replicas, scaling.target_ongoing_requests) == (1, 3, 4)
+    assert auto.ray_actor_options["num_gpus"] == 0.0
+
+
 def test_api_key_guards_the_v1_routes(serving):
     with pytest.raises(openai.AuthenticationError):
         serving.client("student").models.list()

@@ -119,6 +119,7 @@ class Backend:
                                   options.max_running, self.metrics.batch)
         self.cache = ResponseCache(options.cache_size)
         self.render_chat = chat_renderer(chat_template_of(options.model, options.chat_template), "chat_template")
+        self._post = None  # made on the event loop that serves requests (see _mailbox)
 
     def decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
@@ -166,14 +167,15 @@ class Backend:
         """A whole response, or (streaming) its server-sent events."""
         arrived = time.perf_counter()
         prompts, params = self.prepare(kind, request)
-        self.metrics.prompt_tokens(sum(map(len, prompts)))
+        prompt_tokens = sum(map(len, prompts))
+        self.metrics.prompt_tokens(prompt_tokens)
         shape = Shape(kind, new_id("cmpl" if kind == "completion" else "chatcmpl"), self.name)
         key = json.dumps([kind, request.model_dump(exclude={"stream", "stream_options"})], sort_keys=True) if params.greedy else None
         cached = self.cache.get(key) if key and self.options.cache_size else None
         if cached is not None:
             self.metrics.cache_hit()
             return self._replay(shape, cached, request.include_usage) if request.stream else shape.response(*cached)
-        running, waiting = self.engine.counts
+        waiting = self.engine.counts[1]
         choices_count = len(prompts) * request.n
         if waiting + choices_count > self.options.max_waiting:
             raise APIError(503, f"the server has {waiting} sequences waiting (limit {self.options.max_waiting}); retry later", kind="server_overloaded")
@@ -182,7 +184,6 @@ class Backend:
         choices = [Choice(i, self, params.stop, with_logprobs) for i in range(choices_count)]
         base_seed = request.seed if request.seed is not None else random.randrange(2**62)
         started = self._start(prompts, params, request.n, base_seed, top, choices)
-        prompt_tokens = sum(map(len, prompts))
         if request.stream:
             return self._stream(shape, started, choices, prompt_tokens, request.include_usage, arrived, key)
         async for _ in self._tokens(*started, choices, arrived):
@@ -209,7 +210,7 @@ class Backend:
         """How the engine's thread hands tokens to this event loop: into a list, with one
         wake-up of the loop for all that arrive before it runs (a decode step's tokens
         for every request), not one per token."""
-        if getattr(self, "_post", None) is None:
+        if self._post is None:
             loop, pending, lock = asyncio.get_running_loop(), [], threading.Lock()
 
             def deliver():
