@@ -100,6 +100,7 @@ def test_bad_quantize_input_is_refused_before_anything_is_written(source, tmp_pa
     ]
     bare = tmp_path / "bare"
     assert run_cli("export", str(source), "--out", str(bare), cwd=tmp_path).returncode == 0
+    assert_clean_error(run_cli("quantize", "absent", "--method", "int8", "--out", str(out), cwd=tmp_path), "MODEL: absent does not exist")
     for flags, *fragments in cases:
         assert_clean_error(run_cli("quantize", str(bare), *flags, "--out", str(out), "--no-tracking", cwd=tmp_path), *fragments)
         assert not out.exists()

@@ -1,7 +1,8 @@
 """`lmforge serve` on the session's Ray cluster, against the official `openai` client and
 raw HTTP: two real `lmforge serve` processes (the reference run's model as "teacher";
 an int8 quantization of an earlier checkpoint as "student", behind an API key) and
-the teacher again with request-level batching and with none. Checked: answers equal
+the teacher again with request-level batching and with none (the latter from its
+Hugging Face export). Checked: answers equal
 generation of each prompt alone, in all three modes; streaming's event format;
 errors in OpenAI's shape while serving goes on; the response cache; a client that
 disconnects mid-stream frees its sequence; and `lmforge eval judge` end to end.
@@ -97,8 +98,10 @@ def serving(ray_session, reference_run, tiny_dataset, tmp_path_factory):
         command = [sys.executable, "-m", "lmforge", "serve", str(model), "--name", name, "--route-prefix", f"/{name}", "--port", str(port),
                    "--address", address, "--cpus-per-replica", "0.5", "--max-running", "4"]
         processes.append((subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=os.environ | env), log))
-    for mode in ("request", "off"):
-        options = ServerOptions(model=str(teacher), name="teacher", batching=mode, max_running=4)
+    # No batching serves the teacher as a Hugging Face directory: the same answers from either format.
+    assert run_cli("export", str(teacher), "--format", "hf", "--out", str(tmp / "teacher-hf"), cwd=tmp).returncode == 0
+    for mode, model in (("request", teacher), ("off", tmp / "teacher-hf")):
+        options = ServerOptions(model=str(model), name="teacher", batching=mode, max_running=4)
         serve.run(application(options, 1, 0.5, 0.0), name=f"teacher-{mode}", route_prefix=f"/{mode}", blocking=False)
     serving = Serving(port, teacher, student)
     for (process, log), prefix in zip(processes, ("teacher", "student")):
