@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from lmforge.inference.cache import LayerCache
 from lmforge.models.config import ModelConfig
 
 
@@ -48,15 +49,8 @@ class SlotCache:
         return self._layers[index]
 
 
-class SlotLayer:
-    """What one attention layer sees of the slots: `update` and `mask`."""
-
-    def __init__(self, cache: SlotCache, index: int):
-        self.cache, self.index = cache, index
-
-    @property
-    def mask(self) -> torch.Tensor:
-        return self.cache.mask
+class SlotLayer(LayerCache):
+    """What one attention layer sees of the slots: the cache's `mask`, and `update`."""
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the forward's keys and values (rows, kv_heads, new, head_dim); each row's all so far."""
