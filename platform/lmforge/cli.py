@@ -11,6 +11,7 @@ import os
 import sys
 
 from lmforge.errors import TrainingFailed, UserError
+from lmforge.jobs.commands import COMMANDS as JOB_COMMANDS
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -18,11 +19,13 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="train a job file (resumes from its latest checkpoint)")
-    train.add_argument("job", help="job YAML file")
+    train.add_argument("job", nargs="?", help="job YAML file")
     train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a field, e.g. train.max_steps=10")
     train.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else an embedded local cluster)")
     train.add_argument("--no-progress", action="store_true", help="no progress output")
     train.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
+    # `lmforge submit`'s entrypoint on the cluster: the job from the environment, events streamed on stdout.
+    train.add_argument("--submitted", action="store_true", help=argparse.SUPPRESS)
 
     data = sub.add_parser("data", help="dataset commands").add_subparsers(dest="data_command", required=True)
     prep = data.add_parser("prepare", help="tokenize and pack a corpus into Parquet shards")
@@ -139,6 +142,9 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--no-chart", action="store_true", help="write no chart")
     plan.add_argument("--json", action="store_true", help="print the result as JSON")
 
+    from lmforge.jobs.commands import add_parsers as add_job_parsers
+
+    add_job_parsers(sub)
     sub.add_parser("version", help="print the version")
     return parser
 
@@ -199,10 +205,17 @@ def _cmd_prepare(args) -> int:
 def _cmd_train(args) -> int:
     from lmforge.spec import load_spec
 
-    spec = load_spec(args.job, args.overrides)  # a bad job file fails before torch and Ray load
+    if args.submitted:
+        from lmforge.jobs.client import submitted_spec
+
+        spec = submitted_spec(args.overrides)
+    elif args.job is None:
+        raise UserError("train: give a job file")
+    else:
+        spec = load_spec(args.job, args.overrides)  # a bad job file fails before torch and Ray load
     from lmforge import sdk
 
-    summary = sdk.train(spec, address=args.address, show_progress=not args.no_progress)
+    summary = sdk.train(spec, address=args.address, show_progress=not args.no_progress, stream_events=args.submitted)
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
@@ -399,6 +412,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         commands = {"data": _cmd_prepare, "distill": _cmd_distill, "eval": _cmd_eval, "export": _cmd_export, "generate": _cmd_generate,
                     "plan": _cmd_plan, "quantize": _cmd_quantize, "serve": _cmd_serve, "train": _cmd_train}
+        if args.command in JOB_COMMANDS:
+            from lmforge.jobs.commands import run
+
+            return run(args)
         return commands[args.command](args)
     except UserError as err:
         print(f"lmforge: error: {err}", file=sys.stderr)

@@ -1,43 +1,38 @@
-"""The Python API: `prepare()` a dataset, `train()` a job and `generate()` text, from a
-script or a notebook.
+"""The Python API, from a script or a notebook: prepare a dataset, plan a job, train
+it here or submit it to a cluster and follow it, export and generate.
 
     from lmforge import sdk
     spec = sdk.load("jobs/quickstart.yaml", overrides=["train.max_steps=20"])
-    summary = sdk.train(spec)
+    summary = sdk.train(spec)                      # this process drives the job
+    job = sdk.submit("jobs/quickstart.yaml", address="http://head:8265")  # the cluster does
+    job.follow(); job.plot(); job.summary()
     sdk.generate("runs/quickstart/checkpoints/step_00000200", "def main(", max_new_tokens=32)
-    sdk.run_pipeline("jobs/distill-pipeline.yaml")
 
-The CLI is a thin layer over these functions.
+A thin face over the plan (`lmforge.plan`), the driver (`lmforge.cluster.driver`)
+and job submission (`lmforge.jobs`); the CLI is a thin layer over it.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from rich.console import Console
 
-from lmforge.cluster import placement
-from lmforge.cluster.controller import Controller
-from lmforge.cluster.runtime import check_capacity, connect, embedded_resources
+from lmforge.cluster import driver
+from lmforge.cluster.runtime import connect
 from lmforge.data.precheck import check_before_ray
 from lmforge.data.prepare import MANIFEST, PrepareOptions, prepare_dataset, read_manifest
-from lmforge.errors import TrainingFailed, UserError
-from lmforge.lease import JobLease
-from lmforge.plan import Plan, check_dataset, check_resume_order, preflight
+from lmforge.errors import UserError
+from lmforge.jobs import JobHandle, job, jobs, runs, submit
+from lmforge.plan import preflight
 from lmforge.spec import JobSpec, load_spec
-from lmforge.tracking import events
-from lmforge.tracking.progress import ProgressView
-from lmforge.tracking.run_dir import RunDir
 
 load = load_spec
+__all__ = ["load", "prepare", "plan", "train", "submit", "JobHandle", "job", "jobs", "runs", "export", "generate", "build_cache", "generate_answers", "run_pipeline"]
 
 
 def prepare(opts: PrepareOptions, address: Optional[str] = None) -> dict:
@@ -139,6 +134,28 @@ def _track_cache(tracker, spec: JobSpec, manifest: dict) -> None:
     tracker.log_artifact(Path(spec.distill.cache) / MANIFEST)
 
 
+def plan(spec: JobSpec, cluster: Optional[str] = None) -> dict:
+    """`lmforge plan` for a notebook: the job's largest rank's memory by part (bytes),
+    and with `cluster` ("nodes=4,gpus_per_node=8,gpu_mem=80GB") whether it fits."""
+    from lmforge.memory.estimate import worst_rank
+    from lmforge.planner.cluster import parse_cluster
+    from lmforge.planner.report import fits
+
+    breakdown = worst_rank(spec)
+    result = {"job": spec.name, "world_size": spec.world_size, "worst_rank": breakdown.as_dict()}
+    if cluster:
+        result["fits"] = fits(breakdown, parse_cluster(cluster))
+    return result
+
+
+def export(checkpoint, out, format: str = "lmforge", dtype: str = "fp32", tokenizer: Optional[str] = None) -> dict:
+    """`lmforge export`: a model directory from a committed checkpoint (`format` "hf":
+    one transformers loads); returns what was written."""
+    from lmforge.checkpoint.export import export_model
+
+    return export_model(checkpoint, out, fmt=format, dtype=dtype, tokenizer=tokenizer)
+
+
 def generate(model, prompts, device: Optional[str] = None, dtype: str = "fp32", tokenizer: Optional[str] = None, **sampling) -> list[dict]:
     """Generate from `model`: a path (committed checkpoint, lmforge export or Hugging
     Face directory) or a loaded `lmforge.inference.generate.Generator` (load it once
@@ -164,284 +181,9 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _check_capacity(spec: JobSpec, total: Optional[dict] = None) -> None:
-    """The job's ranks and spares must fit (`total`: the resources of a cluster not
-    started yet); an elastic job's smallest layout must."""
-    res, spares = spec.resources, spec.fault_tolerance.spares
-    if spec.elastic is None:
-        check_capacity(spec.world_size + spares, res.cpus_per_worker, res.gpus_per_worker, total=total)
-        return
-    smallest = spec.parallel.pp * spec.parallel.tp * spec.elastic.min_dp
-    check_capacity(smallest + spares, res.cpus_per_worker, res.gpus_per_worker, field="elastic.min_dp", total=total,
-                   hint=f"even dp {spec.elastic.min_dp}{' with ' + str(spares) + ' spares' if spares else ''} does not fit; lower elastic.min_dp or join a larger cluster")
-
-
-def _ensure_dataset(plan: Plan, console: Console, show_progress: bool) -> dict:
-    if plan.manifest is not None:
-        return plan.manifest
-    spec = plan.spec
-    console.print(f"preparing {spec.data.source} into {spec.data.path}", highlight=False)
-    prepare_dataset(PrepareOptions.for_job(spec, show_progress=show_progress))
-    manifest = read_manifest(spec.data.path)
-    check_dataset(spec, manifest)
-    if plan.resume_from:
-        plan.order_changes = check_resume_order(spec, manifest, plan.resume_from)
-    return manifest
-
-
-def train(spec: JobSpec, address: Optional[str] = None, show_progress: bool = True, console: Optional[Console] = None) -> dict:
-    """Run a job to `train.max_steps` (resuming from its latest checkpoint); returns the summary."""
-    console = console or Console(stderr=True)
-    spec = spec.with_absolute_paths()
-    plan = preflight(spec)
-    embedded = embedded_resources(address)
-    if embedded is not None:
-        _check_capacity(spec, embedded)  # before starting a cluster it would not fit
-    with JobLease(spec.run_dir, spec.name) as lease:  # a second driver of this job is refused here
-        started_ray = connect(address)
-        try:
-            _check_capacity(spec)
-            manifest = _ensure_dataset(plan, console, show_progress)
-            return _run(plan, manifest, console, show_progress, lease)
-        finally:
-            if started_ray:
-                ray.shutdown()
-
-
-def _run(plan: Plan, manifest: dict, console: Console, show_progress: bool, lease: JobLease) -> dict:
-    spec = plan.spec
-    run_dir = RunDir(spec.run_dir)
-    run_dir.rewind(plan.start_step)
-    skipped = sorted(set(run_dir.skip_batches()) | set(spec.guards.skip_batches)) if plan.resume_from else []
-    if skipped:
-        spec = spec.with_changes("guards", skip_batches=skipped)  # what earlier rollbacks of this run skipped
-    tracker = None
-    if spec.tracking.enabled:
-        from lmforge.tracking.mlflow_run import MlflowRun
-
-        tracker = MlflowRun(spec)
-        tracker.catch_up(run_dir.steps())
-    began = time.time()
-    view = ProgressView(spec.train.max_steps, plan.start_step, console=console, enabled=show_progress)
-    if plan.resume_from:
-        view.print(f"resuming {spec.name} from step {plan.start_step} ({plan.resume_from.path})")
-    seen = Seen(spec, latest_checkpoint=plan.resume_from.path if plan.resume_from else None)
-    handle = lambda event: seen.add(event, _handle(event, view, run_dir, tracker))  # noqa: E731
-    if plan.order_changes:
-        handle({"event": "data_changed", "step": plan.start_step, "path": plan.resume_from.path, "changes": plan.order_changes})
-    budget = spec.fault_tolerance
-    status, after_failure = "FAILED", None
-    try:
-        with view:
-            while True:
-                controller = _start_controller(seen.spec, manifest, after_failure)
-                try:
-                    result = _follow(controller, handle, lease)
-                    break
-                except ray.exceptions.RayActorError as err:
-                    # The controller itself died: its ranks went with it (Ray's owner
-                    # fate-sharing); a new one resumes from the latest checkpoint.
-                    if seen.failures >= budget.max_failures:
-                        raise TrainingFailed(f"the controller died ({_first_line(err)}); fault_tolerance.max_failures {budget.max_failures} is used up") from None
-                    step = seen.last.get("step", plan.start_step)
-                    after_failure = seen.after_failure(step)
-                    handle({"event": "failure", "attempt": seen.failures + 1, "max_failures": budget.max_failures, "step": step,
-                            "cause": f"the controller died ({type(err).__name__})", "rank": None, "nodes_lost": []})
-                    time.sleep(min(60.0, budget.backoff_s * 2 ** (seen.failures - 1)))
-                finally:
-                    ray.kill(controller)
-                    # Its placement groups belong to the job, not to it: whatever it
-                    # did not release (it died, or failed mid-reservation) goes now.
-                    placement.release_orphans(placement.owner_prefix(spec.name, controller._actor_id.hex()))
-        status = "FINISHED"
-    except ray.exceptions.RayTaskError as err:
-        raise _failure(err, run_dir) from None
-    finally:
-        if tracker and lease.taken_by is None:  # else the MLflow run is the other driver's now
-            tracker.finish(status)
-    summary = {
-        "job": spec.name,
-        "final_step": result["step"],
-        "final_loss": seen.last.get("loss"),
-        "eval_loss": seen.last_eval.get("eval_loss"),
-        "eval_ppl": seen.last_eval.get("eval_ppl"),
-        "eval_step": seen.last_eval.get("step"),
-        **{k: seen.last_eval[k] for k in ("eval_kl", "eval_top1") if k in seen.last_eval},
-        "start_step": plan.start_step,
-        "tokens": result["step"] * spec.train.global_batch * spec.train.seq_len,
-        "wall_seconds": round(time.time() - began, 2),
-        **seen.waits.summary(),
-        "world_size": result["world_size"],
-        "dp": result["dp"],
-        "failures": seen.failures,
-        "ranks": seen.ranks,
-        "run_dir": os.path.abspath(spec.run_dir),
-        "latest_checkpoint": seen.latest_checkpoint,
-        "mlflow_tracking_uri": spec.tracking_uri if tracker else None,
-        "mlflow_run_id": tracker.run_id if tracker else None,
-        **({"mlflow_parent_run_id": tracker.parent_id} if tracker and tracker.parent_id else {}),
-    }
-    answered = _student_answers(spec, seen.latest_checkpoint, run_dir, view)
-    if answered:
-        summary["student_answers"] = answered["metrics"]
-    run_dir.write_summary(summary)
-    if tracker and seen.last_eval.get("step") == result["step"]:
-        tracker.log_evaluation(seen.last_eval, run_dir.summary_path, answered)  # a distillation's: its own child run
-    return summary
-
-
-def _student_answers(spec: JobSpec, checkpoint: Optional[str], run_dir: RunDir, view: ProgressView) -> Optional[dict]:
-    """An instruction distillation's trained student answering its held-out prompts."""
-    from lmforge.distill.instruct.evaluate import after_training
-
-    if checkpoint is None or not (spec.distill and spec.distill.instruct):
-        return None
-    answered = after_training(spec, checkpoint, run_dir.path)
-    if answered:
-        m = answered["metrics"]
-        view.print(f"held-out prompts: the student's NLL of its teachers' answers {m['answers_nll']:.4f}; it answered "
-                   f"{m['held_out_prompts']} of them greedily, {m['student_answer_tokens']:.1f} tokens on average, "
-                   f"{m['student_finish_stop']:.0%} ended by itself ({run_dir.path / 'student_answers.jsonl'})")
-    return answered
-
-
-def _follow(controller, handle, lease: JobLease) -> dict:
-    """Run the job on this controller, passing each of its events to `handle`; stop
-    (the controller goes with the caller's cleanup) if another driver took the job."""
-    done = controller.run.remote()
-    while True:
-        lease.check()
-        ready, _ = ray.wait([done], timeout=0.5)
-        for event in _drain(controller):
-            handle(event)
-        if ready:
-            result = ray.get(done)
-            for event in _drain(controller):
-                handle(event)
-            return result
-
-
-@dataclass
-class Seen:
-    """What the driver keeps from the events: the summary's figures, and the job as
-    the guards changed it (a replacement controller starts from that, not from the
-    job as submitted, or it would repeat the rollback or out-of-memory)."""
-
-    spec: JobSpec
-    latest_checkpoint: Optional[str] = None
-    last: dict = field(default_factory=dict)
-    last_eval: dict = field(default_factory=dict)
-    ranks: list = field(default_factory=list)
-    failures: int = 0
-    rollbacks: int = 0
-    waits: "WaitTally" = field(default_factory=lambda: WaitTally())
-
-    def add(self, event: dict, checkpoint_path: Optional[str]) -> None:
-        self.latest_checkpoint = checkpoint_path or self.latest_checkpoint
-        kind = event["event"]
-        if kind == "step":
-            self.last = event
-            self.waits.add(event)
-        elif kind == "eval":
-            self.last_eval = event
-        elif kind == "layout":
-            self.ranks = event["ranks"]
-        elif kind == "failure":
-            self.failures += 1
-        elif kind == "rollback":
-            self.rollbacks = event["rollback"]
-            self.spec = self.spec.with_changes("guards", skip_batches=event["skip_batches"])
-        elif kind == "out_of_memory" and event["retry_micro_batch"]:
-            self.spec = self.spec.with_micro_batch(event["retry_micro_batch"])
-
-    def after_failure(self, step: int) -> dict:
-        """What a replacement controller continues from."""
-        return {"failures": self.failures + 1, "rollbacks": self.rollbacks, "step": step, "time": time.time()}
-
-
-def _start_controller(spec: JobSpec, manifest: dict, after_failure: Optional[dict]):
-    # The controller lives next to the driver, so losing a worker node never takes it along.
-    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    return Controller.options(scheduling_strategy=here).remote(
-        spec.model_dump(mode="json", exclude_unset=True), manifest, after_failure=after_failure
-    )
-
-
-def _first_line(err: BaseException) -> str:
-    return (str(err).strip().splitlines() or [""])[0][:300]
-
-
-def _drain(controller) -> list[dict]:
-    """The controller's new events; none this time if it is briefly unreachable (a
-    node leaving the cluster can interrupt connections for a moment). A controller
-    that is really gone fails the `run` call, which the caller waits on."""
-    try:
-        return ray.get(controller.drain.remote())
-    except ray.exceptions.ActorUnavailableError:
-        return []
-
-
-def _failure(err: ray.exceptions.RayTaskError, run_dir: RunDir) -> Exception:
-    cause = err.cause if isinstance(err.cause, BaseException) else err
-    if isinstance(cause, (UserError, TrainingFailed)):
-        return cause
-    path = run_dir.path / "error.txt"
-    path.write_text(str(err))
-    return TrainingFailed(f"{type(cause).__name__}: {_first_line(cause)} (traceback in {path})")
-
-
-class WaitTally:
-    """Time the trainer waited on data, as a share of step time. The first step of
-    a launch also waits for the reader to start, so it is reported apart."""
-
-    def __init__(self):
-        self.first_wait, self.wait, self.step_time, self.steps = None, 0.0, 0.0, 0
-
-    def add(self, event: dict) -> None:
-        if self.first_wait is None:
-            self.first_wait = event["data_wait"]
-            return
-        self.wait += event["data_wait"]
-        self.step_time += event["step_time"]
-        self.steps += 1
-
-    def summary(self) -> dict:
-        return {
-            "first_step_data_wait_seconds": round(self.first_wait or 0.0, 3),
-            "data_wait_fraction": round(self.wait / self.step_time, 5) if self.step_time else None,
-        }
-
-
-def _handle(event: dict, view: ProgressView, run_dir: RunDir, tracker) -> Optional[str]:
-    """Route one event from the controller; returns a checkpoint path when one was committed."""
-    kind = event["event"]
-    if kind == "step":
-        run_dir.append_step(event)
-        view.step(event)
-        if tracker:
-            tracker.log_step(event)
-        return None
-    if "report" in event:  # a memory report: a file in the run directory, and an MLflow artifact
-        path = run_dir.write_report(event.pop("report_name"), event.pop("report"))
-        event["report_path"] = str(path)
-        if tracker:
-            tracker.log_artifact(path)
-    if kind == "start":
-        run_dir.rewind(event["step"])
-    elif kind == "rollback":
-        run_dir.record_skip_batches(event["skip_batches"])
-    elif kind == "layout":
-        view.layout(event["ranks"])
-    elif kind == "eval":
-        view.held_out(event)
-    if kind in events.MESSAGES:
-        view.print(events.MESSAGES[kind](event))
-    if kind in events.RECORDED:
-        run_dir.append_event(event)
-    if tracker and kind in events.METRICS:
-        for key, value in events.METRICS[kind](event).items():
-            tracker.log_metric(key, value, event["step"])
-    if tracker and kind in events.TAGS:
-        for key, value in events.TAGS[kind](event).items():
-            tracker.set_tag(key, value)
-    return event["path"] if kind == "checkpoint" else None
+def train(spec: JobSpec, address: Optional[str] = None, show_progress: bool = True, console: Optional[Console] = None,
+          stream_events: bool = False) -> dict:
+    """Run a job to `train.max_steps` (resuming from its latest checkpoint) with this
+    process as its driver; returns the summary. `submit` runs it on a cluster instead,
+    so that it outlives this process (`stream_events` is how its driver reports back)."""
+    return driver.drive(preflight(spec.with_absolute_paths()), address, show_progress, console, stream_events)

@@ -41,9 +41,11 @@ Reporter = Callable[[dict], None]
 
 
 class Trainer:
-    def __init__(self, spec: JobSpec, manifest: dict, report: Optional[Reporter] = None, should_stop: Optional[Callable[[], bool]] = None):
+    def __init__(self, spec: JobSpec, manifest: dict, report: Optional[Reporter] = None, should_stop: Optional[Callable[[], bool]] = None,
+                 metrics=None):
         self.spec, self.manifest = spec, manifest
         self.report = report or (lambda event: None)
+        self.metrics = metrics  # this rank's exported gauges (`lmforge.tracking.prometheus.RankMetrics`), under Ray
         self.should_stop = should_stop  # asked on rank 0 after each checkpoint (elastic growth)
         self.rank = dist.get_rank()
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -176,6 +178,8 @@ class Trainer:
         row.update(stats.terms)
         if self.on_policy:
             row["on_policy"] = int(rollout is not None)  # the step learnt the student's own continuations
+        if self.metrics:
+            self.metrics.step(row, torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else None)
         self._event(row)
         return row
 

@@ -100,7 +100,7 @@ def test_leak_check_finds_what_grows_per_step():
 
 def test_the_driver_keeps_the_job_as_the_guards_changed_it():
     """A replacement controller gets this job, not the one submitted."""
-    from lmforge.sdk import Seen
+    from lmforge.cluster.driver import Seen
 
     seen = Seen(spec_from_dict({"name": "g", "parallel": {"dp": 2}, "data": {"path": "unused"}, "train": {"global_batch": 16, "micro_batch": 4}}))
     seen.add({"event": "rollback", "rollback": 1, "skip_batches": [5, 6]}, None)

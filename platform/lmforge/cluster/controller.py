@@ -27,6 +27,7 @@ from lmforge.errors import CheckpointWritesFailing, Diverged, OutOfMemory, Train
 from lmforge.guards.oom import with_smaller_micro_batch
 from lmforge.parallel.shape import MeshShape
 from lmforge.spec import JobSpec
+from lmforge.tracking.prometheus import JobMetrics
 
 
 class RankHung(RuntimeError):
@@ -42,6 +43,7 @@ class Controller:
         self.spec_dict, self.manifest = spec_dict, manifest
         self.placement_timeout_s = placement_timeout_s
         self._events: list[dict] = []
+        self._metrics = JobMetrics(spec_dict["name"])
         self._lock = threading.Lock()
         self._workers: list = []
         self._capacity: Capacity | None = None  # created by run()
@@ -72,6 +74,7 @@ class Controller:
         with self._lock:
             if attempt is not None and attempt != self._attempt:
                 return
+            before = len(self._events)
             if event.get("event") == "step" and self._failed_at is not None:
                 self._events.append({
                     "event": "recovered", "step": event["step"], "dp": self._dp,
@@ -89,6 +92,8 @@ class Controller:
             if event.get("event") == "step":
                 self._last_step, self._progress_at = event["step"], time.time()
             self._events.append(event | {"time": time.time()})
+            for new in self._events[before:]:
+                self._metrics.observe(new)
 
     def run(self) -> dict:
         spec = JobSpec.model_validate(self.spec_dict)

@@ -54,13 +54,14 @@ class Worker:
 
     def train(self, spec_dict: dict, manifest: dict, controller, attempt: int = 0) -> dict:
         from lmforge.spec import JobSpec
+        from lmforge.tracking.prometheus import RankMetrics
         from lmforge.trainer import Trainer
 
         spec = JobSpec.model_validate(spec_dict)
         # Tagged with the attempt: a report still in flight from a failed attempt is dropped.
         trainer = Trainer(
             spec, manifest, report=lambda event: controller.report.remote(event, attempt),
-            should_stop=lambda: ray.get(controller.grow_pending.remote()),
+            should_stop=lambda: ray.get(controller.grow_pending.remote()), metrics=RankMetrics(spec.name, self.rank),
         )
         return trainer.run()
 

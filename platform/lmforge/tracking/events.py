@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+EVENT_PREFIX = "lmforge-event "  # a line of a submitted job's event stream: this prefix, then one JSON object
+
 
 def _lost(event: dict) -> str:
     return ", ".join(event.get("nodes_lost") or []) or "none"
