@@ -2,6 +2,7 @@
 cluster (6 CPUs): what is reserved, kept, released, and the errors when it does
 not fit. Node loss itself is in tests/chaos/test_node_loss.py."""
 
+import json
 import time
 from contextlib import contextmanager
 
@@ -67,12 +68,23 @@ def started(spec: JobSpec):
     assert len(capacity.slots) == 0
 
 
+def autoscaler_request() -> list:
+    """What the autoscaler is asked to make room for (Ray's v1 autoscaler channel: this
+    cluster runs none, and the request is recorded all the same)."""
+    from ray._private.ray_constants import AUTOSCALER_RESOURCE_REQUEST_CHANNEL
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    return json.loads(_internal_kv_get(AUTOSCALER_RESOURCE_REQUEST_CHANNEL) or "[]")
+
+
 def test_an_elastic_restart_takes_the_largest_dp_the_kept_slots_hold(ray_session):
-    with started(job(elastic={"min_dp": 1, "max_dp": 3})) as (capacity, _, first):
-        assert first.parallel.dp == 3 and len(capacity.slots) == 3
-        capacity.slots.keep(2)  # as if the third slot's node were lost
+    with started(job(elastic={"min_dp": 1, "max_dp": 4})) as (capacity, _, first):
+        assert autoscaler_request() == [{"CPU": 1.0}] * 4  # room for max_dp, asked before placing
+        assert first.parallel.dp == 4 and len(capacity.slots) == 4
+        capacity.slots.keep(3)  # as if the fourth slot's node were lost
         resized = capacity.fit(first)
-        assert (resized.parallel.dp, resized.grad_accum) == (2, 6) and len(capacity.slots) == 2  # 3 x 4 before
+        assert (resized.parallel.dp, resized.grad_accum) == (3, 4) and len(capacity.slots) == 3  # 4 x 3 before
+    assert autoscaler_request() == []
 
 
 def test_spares_take_a_lost_slots_place_and_the_surplus_is_released(ray_session):

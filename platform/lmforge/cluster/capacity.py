@@ -6,7 +6,8 @@ only when the layout needs them. After a failure the slots on lost nodes are
 dropped and the survivors kept, spares included, so a spare takes a lost group's
 place with no capacity given back. While running it looks now and then for room
 to grow an elastic job (the ranks then stop at their next checkpoint) and to
-refill the spares.
+refill the spares. An elastic job also asks Ray's autoscaler for room for its
+largest layout, so that on a cluster that adds nodes on demand there is room to find.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import time
 from typing import Callable
 
 import ray
+from ray.autoscaler.sdk import request_resources
 
 from lmforge.cluster.placement import NodeWatch, Slots
 from lmforge.cluster.runtime import DATA_CPUS, fits
@@ -46,6 +48,7 @@ class Capacity:
         placed, waiting only for the smallest) and its spares, which must fit unless
         `spares_optional` (a controller replacing one that died)."""
         spec, elastic = self.spec, self.spec.elastic
+        self._ask_autoscaler()
         dps = [spec.parallel.dp] if elastic is None else [dp for dp in range(elastic.max_dp, elastic.min_dp - 1, -1) if self._fits(dp, 0)]
         error: UserError | None = None
         for i, dp in enumerate(dps):
@@ -115,6 +118,17 @@ class Capacity:
 
     def release(self) -> None:
         self.slots.keep(0)
+        if self.spec.elastic:
+            request_resources(bundles=[])  # the request outlives its caller unless replaced
+
+    def _ask_autoscaler(self) -> None:
+        """Ask for room for max_dp and the spares. The placement groups of a larger
+        layout are pending only for the few seconds it is tried, too briefly for an
+        autoscaler to act on; this request stands until the job ends (a no-op where
+        no autoscaler runs). Ray keeps one such request per cluster: the last wins."""
+        elastic = self.spec.elastic
+        if elastic:
+            request_resources(bundles=[dict(self.slots.bundle) for _ in range(self.groups(elastic.max_dp) + self.spare_groups)])
 
     def alive_nodes(self) -> set[str]:
         return {node["NodeID"] for node in ray.nodes() if node["Alive"]} - self.lost
