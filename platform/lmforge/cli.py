@@ -67,6 +67,8 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--format", default="lmforge", help="lmforge (default) or hf: a directory transformers loads with no custom code")
     export.add_argument("--dtype", default="fp32", help="fp32 (default), bf16 or fp16")
     export.add_argument("--tokenizer", help="tokenizer.json to ship (default: the dataset's the checkpoint was trained on)")
+    export.add_argument("--no-register", action="store_true",
+                        help="do not log the export to the checkpoint's MLflow run nor register it as a model version (default: do, when it has one)")
 
     gen = sub.add_parser("generate", help="generate text from a model: a checkpoint, an lmforge export or a Hugging Face directory")
     gen.add_argument("model", help="a committed step directory, an lmforge export or a Hugging Face Llama directory")
@@ -282,12 +284,15 @@ def _cmd_distill(args) -> int:
 
 
 def _cmd_export(args) -> int:
-    from lmforge.checkpoint.export import export_model
+    from lmforge import sdk
 
-    result = export_model(args.checkpoint, args.out, fmt=args.format, dtype=args.dtype, tokenizer=args.tokenizer)
+    result = sdk.export(args.checkpoint, args.out, format=args.format, dtype=args.dtype, tokenizer=args.tokenizer, register=not args.no_register)
     what = f"step {result['step']}" if result["step"] is not None else f"a {result['from']} model"
     print(f"exported {what} as {result['format']} {args.dtype} ({result['parameters']:,} parameters"
           f"{', with its tokenizer' if result['tokenizer'] else ', no tokenizer'}) -> {result['out']}", file=sys.stderr)
+    if result.get("registered"):
+        registered = result["registered"]
+        print(f"registered in MLflow as {registered['name']} version {registered['version']} (run {registered['run_id']})", file=sys.stderr)
     return 0
 
 

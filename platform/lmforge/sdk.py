@@ -148,12 +148,18 @@ def plan(spec: JobSpec, cluster: Optional[str] = None) -> dict:
     return result
 
 
-def export(checkpoint, out, format: str = "lmforge", dtype: str = "fp32", tokenizer: Optional[str] = None) -> dict:
+def export(checkpoint, out, format: str = "lmforge", dtype: str = "fp32", tokenizer: Optional[str] = None, register: bool = True) -> dict:
     """`lmforge export`: a model directory from a committed checkpoint (`format` "hf":
-    one transformers loads); returns what was written."""
+    one transformers loads); returns what was written. `register`: when the checkpoint
+    belongs to an MLflow run, log the directory there and register it as a new version
+    of the model named after the job (result["registered"]: name, version, run_id)."""
     from lmforge.checkpoint.export import export_model
+    from lmforge.tracking.model_registry import register_export
 
-    return export_model(checkpoint, out, fmt=format, dtype=dtype, tokenizer=tokenizer)
+    result = export_model(checkpoint, out, fmt=format, dtype=dtype, tokenizer=tokenizer)
+    if register:
+        result["registered"] = register_export(result["source"], out, format, result["step"])
+    return result
 
 
 def generate(model, prompts, device: Optional[str] = None, dtype: str = "fp32", tokenizer: Optional[str] = None, **sampling) -> list[dict]:

@@ -156,6 +156,10 @@ class TrackingSpec(_Section):
     parent_run_id: Optional[str] = Field(
         None, description="an MLflow run this job's runs nest under (`lmforge distill run` sets it to its pipeline's run)"
     )
+    system_metrics_s: float = Field(
+        10.0, ge=0, description="how often each node with ranks samples its CPU, memory, disk, network and GPU use into the run (0: never)"
+    )
+    run_id: Optional[str] = Field(None, description="set by lmforge: the MLflow run the ranks' system metrics and checkpoints belong to")
 
 
 class ResourcesSpec(_Section):

@@ -36,6 +36,7 @@ from lmforge.parallel.shape import MeshShape
 from lmforge.planner.fit import check_fits
 from lmforge.spec import JobSpec
 from lmforge.tracking.flops import mfu, peak_flops
+from lmforge.tracking.model_registry import without_credentials
 
 Reporter = Callable[[dict], None]
 
@@ -109,6 +110,9 @@ class Trainer:
             "model": self.spec.model_arch.as_dict(),
             "data_path": self.spec.data.path,
             "order": order_inputs(self.spec, self.manifest),
+            "job": self.spec.name,
+            # Where `lmforge export` registers a model made from this checkpoint.
+            "mlflow": {"tracking_uri": without_credentials(self.spec.tracking_uri), "run_id": self.spec.tracking.run_id} if self.spec.tracking.run_id else None,
         }
 
     def run(self) -> dict:

@@ -89,6 +89,7 @@ def notebook_job(head, tiny_dataset, tmp_path_factory):
     nb = nbformat.read(REPO / "examples" / "quickstart.ipynb", as_version=4)
     parameters = next(cell for cell in nb.cells if "parameters" in cell.metadata.get("tags", []))
     overrides = [item for item in tiny(tiny_dataset, out, steps=6) if not item.startswith(("output_dir=", "data.path="))]
+    overrides.append("tracking.system_metrics_s=0.5")  # samples within the job's few seconds
     parameters.source = "\n".join([
         "from pathlib import Path",
         f"ADDRESS = {head.address!r}", 'JOB = "../jobs/quickstart.yaml"', f"OVERRIDES = {overrides!r}",
@@ -111,7 +112,7 @@ def test_notebook_submits_follows_plots_exports_and_generates(notebook_job, head
     assert "step 6/6" in followed and "done: quickstart reached step 6" in followed
     assert "lmforge-event" not in followed and "\x1b[" not in followed  # the event stream and escape codes stay hidden
     assert any("image/png" in o.get("data", {}) for o in outputs(nb, "job.plot()"))
-    generated = "".join(o.get("text", "") for o in outputs(nb, "sdk.generate("))
+    generated = "".join(o["text"] for o in outputs(nb, "sdk.generate(") if o.get("name") == "stdout")
     assert generated.startswith("def main(")
     # The handle's metrics are the run directory's own step rows, read back through the job API.
     from lmforge import sdk
@@ -123,6 +124,26 @@ def test_notebook_submits_follows_plots_exports_and_generates(notebook_job, head
     assert frame[frame.event == "eval"]["step"].tolist() == [2, 4, 6]
     assert handle.summary() == json.loads((out / "quickstart" / "summary.json").read_text())
     assert (out / "quickstart-export" / "model.safetensors").exists()
+
+
+def test_notebook_run_in_mlflow_has_system_metrics_and_its_registered_export(notebook_job, head):
+    """The node the ranks ran on sampled its CPU and memory into the run (as
+    system/<host>/...), and the notebook's export is that run's model artifact and a
+    version of the model registered under the job's name."""
+    from mlflow.tracking import MlflowClient
+
+    from lmforge import sdk
+
+    _, job_id, _ = notebook_job
+    summary = sdk.job(job_id, head.address, head.token).summary()
+    client = MlflowClient(tracking_uri=summary["mlflow_tracking_uri"])
+    run = client.get_run(summary["mlflow_run_id"])
+    (host,) = {key.split("/")[1] for key in run.data.metrics if key.startswith("system/")}  # one node: one monitor
+    for name in ("cpu_utilization_percentage", "system_memory_usage_megabytes"):
+        assert client.get_metric_history(run.info.run_id, f"system/{host}/{name}"), name
+    (version,) = client.search_model_versions("name = 'quickstart'")
+    assert (version.run_id, version.source, version.tags["lmforge.step"]) == (run.info.run_id, f"runs:/{run.info.run_id}/model", "6")
+    assert "model/model.safetensors" in {a.path for a in client.list_artifacts(run.info.run_id, "model")}
 
 
 def test_job_commands_find_the_notebooks_job(notebook_job, head):

@@ -88,6 +88,14 @@ def test_mlflow_run_has_params_metrics_and_spec(uninterrupted):
     # Artifacts beside the SQLite store, not in the driver's working directory.
     store_dir = Path(summary["mlflow_tracking_uri"].removeprefix("sqlite:///")).parent
     assert run.info.artifact_uri.removeprefix("file://").startswith(str(store_dir / "mlartifacts"))
+    # The prepared dataset is the run's input; its digest is the identity of its contents.
+    (data_input,) = run.inputs.dataset_inputs
+    data_path = Path(run.data.params["data.path"])
+    manifest = json.loads((data_path / "manifest.json").read_text())
+    identity = "\n".join([manifest["tokenizer"]["sha256"], str(manifest["num_samples"])] + [shard["sha256"] for shard in manifest["shards"]])
+    assert data_input.dataset.digest == hashlib.sha256(identity.encode()).hexdigest()[:16] == run.data.params["data.digest"]
+    assert (data_input.dataset.name, json.loads(data_input.dataset.source)["uri"]) == (data_path.name, str(data_path))
+    assert [(tag.key, tag.value) for tag in data_input.tags] == [("mlflow.data.context", "train")]
 
 
 def test_held_out_loss_every_interval(uninterrupted):
@@ -208,7 +216,7 @@ def test_deepspeed_documentation_config_trains_resumes_and_matches_native(uninte
     assert params["deepspeed.config.zero_optimization.offload_optimizer.device"] == "cpu"
 
 
-def test_a_distillation_job_trains_through_the_controller(distill_run):
+def test_a_distillation_job_trains_through_the_controller(distill_run, tmp_path):
     """The reference run's last two committed checkpoints, read in place and mixed 3:1,
     teach a student of another seed on 2 ranks: every step records its terms in
     metrics.jsonl and MLflow, the loss is their weighted sum, and the student moves
@@ -239,6 +247,12 @@ def test_a_distillation_job_trains_through_the_controller(distill_run):
     final = children["evaluation"]
     assert {k: final.data.metrics[k] for k in ("eval_kl", "eval_top1")} == {k: summary[k] for k in ("eval_kl", "eval_top1")}
     assert "summary.json" in {a.path for a in client.list_artifacts(final.info.run_id)}
+    # Exported, the student is logged to its training run and registered under the job's name, its teachers in a tag.
+    registered = sdk.export(summary["latest_checkpoint"], tmp_path / "student")["registered"]
+    version = client.get_model_version(job["name"], str(registered["version"]))
+    assert (version.run_id, version.source) == (run.info.run_id, f"runs:/{run.info.run_id}/model")
+    assert job["distill"]["teachers"][0]["path"] in version.tags["lmforge.teacher"] and version.tags["lmforge.step"] == str(DISTILL_STEPS)
+    assert {"model/model.safetensors", "model/config.json"} <= {a.path for a in client.list_artifacts(run.info.run_id, "model")}
     # The same student on cross-entropy alone (the teachers only measured): farther from them.
     alone = sdk.train(spec_from_dict(with_sections(copy.deepcopy(job), {"name": "ce-only", "distill": {"kd_weight": 0.0, "ce_weight": 1.0}})),
                       show_progress=False)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import warnings
 from pathlib import Path
 
 import torch
@@ -58,7 +59,9 @@ def _read_dcp(step_dir: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     model = Transformer(cfg)  # a template on CPU: DCP fills its tensors in place
     names = set(weight_names(cfg))
     template = {name: tensor for name, tensor in model.state_dict().items() if name in names}
-    dcp.load({"model": template}, checkpoint_id=str(step_dir), no_dist=True)
+    with warnings.catch_warnings():  # DCP warns that no process group is up: reading in one process is the point
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({"model": template}, checkpoint_id=str(step_dir), no_dist=True)
     return template
 
 

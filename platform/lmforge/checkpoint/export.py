@@ -70,7 +70,8 @@ def open_source(path: str | os.PathLike, tokenizer: Optional[str] = None, name: 
 def _checkpoint_source(step_dir: Path) -> ModelSource:
     state = committed_state(step_dir)
     source = ModelSource(step_dir, "checkpoint", ModelConfig(**state["model"]), lambda: read_checkpoint(step_dir)[1],
-                         record={"checkpoint": str(step_dir.absolute()), "step": state["step"], "format": state.get("format", "dcp")})
+                         record={"checkpoint": str(step_dir.absolute()), "step": state["step"], "format": state.get("format", "dcp"),
+                                 **{key: state[key] for key in ("job", "mlflow") if state.get(key)}})
     dataset = Path(state.get("data_path") or "")
     manifest = dataset / "manifest.json"
     if manifest.is_file():  # the tokenizer of the dataset it was trained on
@@ -85,7 +86,7 @@ def _checkpoint_source(step_dir: Path) -> ModelSource:
 
 def export_model(source_path: str | os.PathLike, out: str | os.PathLike, fmt: str = "lmforge", dtype: str = "fp32",
                  tokenizer: Optional[str] = None) -> dict:
-    """Returns what was written: {'out', 'format', 'from', 'parameters', 'tokenizer'}."""
+    """Returns what was written: {'out', 'format', 'from', 'parameters', 'tokenizer', 'source'}."""
     if fmt not in FORMATS:
         raise UserError(f"--format: {fmt!r} is not one of {', '.join(FORMATS)}")
     if dtype not in DTYPES:
@@ -103,4 +104,4 @@ def export_model(source_path: str | os.PathLike, out: str | os.PathLike, fmt: st
         eos_id = source.tokenizer().token_to_id(source.eos_token)
     write_model_dir(out, fmt, source.cfg, tensors, dtype=DTYPES[dtype], eos_id=eos_id, source=source.record, files=files)
     return {"out": str(out), "format": fmt, "from": source.kind, "step": source.record.get("step"),
-            "parameters": sum(t.numel() for t in tensors.values()), "tokenizer": bool(files)}
+            "parameters": sum(t.numel() for t in tensors.values()), "tokenizer": bool(files), "source": source.record}

@@ -182,7 +182,9 @@ class Controller:
             self._start_workers(world, tp, res.cpus_per_worker, res.gpus_per_worker)
             self._layout = self._rendezvous(MeshShape.for_spec(spec.parallel))
             self.report({"event": "layout", "ranks": self._layout})
-            refs = [w.train.remote(spec_dict, self.manifest, controller_handle, self._attempt) for w in self._workers]
+            first_on_node = {node: rank for rank, node in reversed(list(enumerate(self._rank_nodes)))}
+            refs = [w.train.remote(spec_dict, self.manifest, controller_handle, self._attempt, rank in first_on_node.values())
+                    for rank, w in enumerate(self._workers)]
             results = self._wait_all(refs, spec)
             try:
                 ray.get([w.shutdown.remote() for w in self._workers], timeout=60)

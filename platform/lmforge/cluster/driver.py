@@ -95,6 +95,8 @@ def _run(plan: Plan, manifest: dict, console: Console, show_progress: bool, leas
 
         tracker = MlflowRun(spec)
         tracker.catch_up(run_dir.steps())
+        tracker.log_dataset(manifest)
+        spec = spec.with_changes("tracking", run_id=tracker.run_id)  # for the ranks' system metrics and checkpoints
     began = time.time()
     view = ProgressView(spec.train.max_steps, plan.start_step, console=console, enabled=show_progress)
     if plan.resume_from:

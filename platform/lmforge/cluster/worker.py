@@ -52,9 +52,11 @@ class Worker:
             timeout=timedelta(minutes=5),
         )
 
-    def train(self, spec_dict: dict, manifest: dict, controller, attempt: int = 0) -> dict:
+    def train(self, spec_dict: dict, manifest: dict, controller, attempt: int = 0, watch_node: bool = False) -> dict:
+        """`watch_node`: this rank also samples its node's system metrics into the run."""
         from lmforge.spec import JobSpec
         from lmforge.tracking.prometheus import RankMetrics
+        from lmforge.tracking.system_metrics import start_monitor, stop_monitor
         from lmforge.trainer import Trainer
 
         spec = JobSpec.model_validate(spec_dict)
@@ -63,7 +65,11 @@ class Worker:
             spec, manifest, report=lambda event: controller.report.remote(event, attempt),
             should_stop=lambda: ray.get(controller.grow_pending.remote()), metrics=RankMetrics(spec.name, self.rank),
         )
-        return trainer.run()
+        monitor = start_monitor(spec, watch_node)
+        try:
+            return trainer.run()
+        finally:
+            stop_monitor(monitor)
 
     def shutdown(self) -> None:
         import torch.distributed as dist

@@ -13,6 +13,7 @@ import logging
 import os
 import tempfile
 import time
+import warnings
 from functools import cached_property
 
 import yaml
@@ -125,6 +126,23 @@ class MlflowRun:
                 yaml.safe_dump(self.spec.model_dump(mode="json"), f, sort_keys=False)
             self.client.log_artifact(run_id, path)
 
+    def log_dataset(self, manifest: dict) -> None:
+        """The prepared dataset as the run's training input: its path, and as digest the
+        identity that decides the data order (tokenizer, samples, shard contents), so
+        two runs on the same data show the same dataset. Once per run."""
+        from mlflow.data.meta_dataset import MetaDataset
+        from mlflow.entities import DatasetInput, InputTag
+
+        if self.resumed:
+            return
+        digest = hashlib.sha256("\n".join([manifest["tokenizer"]["sha256"], str(manifest["num_samples"])]
+                                          + [shard["sha256"] for shard in manifest["shards"]]).encode()).hexdigest()[:16]
+        dataset = MetaDataset(_dataset_source(self.spec.data.path), name=os.path.basename(self.spec.data.path.rstrip("/")), digest=digest)
+        context = InputTag("mlflow.data.context", "train")
+        self.client.log_inputs(self.run_id, datasets=[DatasetInput(dataset._to_mlflow_entity(), tags=[context])])
+        self._log_params(self.run_id, {"data.num_samples": manifest["num_samples"], "data.num_tokens": manifest.get("num_tokens"),
+                                       "data.digest": digest})
+
     def log_step(self, event: dict) -> None:
         from mlflow.entities import Metric
 
@@ -191,6 +209,19 @@ class MlflowRun:
         self.client.set_terminated(run_id, status="FINISHED")
         self.client.set_terminated(self.parent_id, status="FINISHED")
         return run_id
+
+
+def _dataset_source(path: str):
+    """MLflow's source for a local folder or an object-store URI (s3://, gs://...)."""
+    from mlflow.data.dataset_source_registry import resolve_dataset_source
+    from mlflow.data.http_dataset_source import HTTPDatasetSource
+
+    try:
+        with warnings.catch_warnings():  # a local folder matches two of MLflow's sources, the same class twice
+            warnings.simplefilter("ignore")
+            return resolve_dataset_source(path if "://" in path else os.path.abspath(path))
+    except Exception:  # a scheme MLflow has no source for: keep the URI all the same
+        return HTTPDatasetSource(path)
 
 
 def log_answers(client, run_id: str, answered: dict, step: int, more: dict | None = None) -> None:
