@@ -46,3 +46,8 @@ class OutOfMemory(RuntimeError):
 
     def __str__(self) -> str:
         return f"out of memory at step {self.step} on rank {self.rank} with micro-batch {self.micro_batch}"
+
+
+def first_line(err: BaseException) -> str:
+    """An exception's message as one line fit for a one-line error (its first, capped)."""
+    return (str(err).strip().splitlines() or [""])[0][:300]

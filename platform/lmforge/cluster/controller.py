@@ -23,7 +23,7 @@ import ray
 from lmforge.cluster import placement
 from lmforge.cluster.capacity import Capacity
 from lmforge.cluster.worker import Worker
-from lmforge.errors import CheckpointWritesFailing, Diverged, OutOfMemory, TrainingFailed, UserError
+from lmforge.errors import CheckpointWritesFailing, Diverged, OutOfMemory, TrainingFailed, UserError, first_line
 from lmforge.guards.oom import with_smaller_micro_batch
 from lmforge.parallel.shape import MeshShape
 from lmforge.spec import JobSpec
@@ -118,7 +118,7 @@ class Controller:
                     capacity.find_lost(self._rank_nodes)
                     self.report({
                         "event": "failure", "attempt": failures, "max_failures": budget.max_failures,
-                        "step": self._last_step, "cause": f"{type(cause).__name__}: {_first_line(cause)}",
+                        "step": self._last_step, "cause": f"{type(cause).__name__}: {first_line(cause)}",
                         "rank": self._failed_rank, "nodes_lost": self._nodes_lost(self._layout),
                     })
                     time.sleep(min(60.0, budget.backoff_s * 2 ** (failures - 1)))
@@ -259,6 +259,3 @@ class Controller:
             ray.kill(worker, no_restart=True)
         self._workers = []
 
-
-def _first_line(err: BaseException) -> str:
-    return (str(err).strip().splitlines() or [""])[0][:300]

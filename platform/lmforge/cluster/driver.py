@@ -19,7 +19,7 @@ from lmforge.cluster import placement
 from lmforge.cluster.controller import Controller
 from lmforge.cluster.runtime import check_capacity, connect, embedded_resources
 from lmforge.data.prepare import PrepareOptions, prepare_dataset, read_manifest
-from lmforge.errors import TrainingFailed, UserError
+from lmforge.errors import TrainingFailed, UserError, first_line
 from lmforge.lease import JobLease
 from lmforge.plan import Plan, check_dataset, check_resume_order
 from lmforge.spec import JobSpec
@@ -27,6 +27,7 @@ from lmforge.tracking import events
 from lmforge.tracking.events import EVENT_PREFIX
 from lmforge.tracking.progress import ProgressView
 from lmforge.tracking.run_dir import STEP_FIELDS, RunDir
+
 
 def drive(plan: Plan, address: Optional[str] = None, show_progress: bool = True, console: Optional[Console] = None,
           stream_events: bool = False) -> dict:
@@ -118,7 +119,7 @@ def _run(plan: Plan, manifest: dict, console: Console, show_progress: bool, leas
                     # The controller itself died: its ranks went with it (Ray's owner
                     # fate-sharing); a new one resumes from the latest checkpoint.
                     if seen.failures >= budget.max_failures:
-                        raise TrainingFailed(f"the controller died ({_first_line(err)}); fault_tolerance.max_failures {budget.max_failures} is used up") from None
+                        raise TrainingFailed(f"the controller died ({first_line(err)}); fault_tolerance.max_failures {budget.max_failures} is used up") from None
                     step = seen.last.get("step", plan.start_step)
                     after_failure = seen.after_failure(step)
                     handle({"event": "failure", "attempt": seen.failures + 1, "max_failures": budget.max_failures, "step": step,
@@ -243,9 +244,6 @@ def _start_controller(spec: JobSpec, manifest: dict, after_failure: Optional[dic
     )
 
 
-def _first_line(err: BaseException) -> str:
-    return (str(err).strip().splitlines() or [""])[0][:300]
-
 
 def _drain(controller) -> list[dict]:
     """The controller's new events; none this time if it is briefly unreachable (a
@@ -263,7 +261,7 @@ def _failure(err: ray.exceptions.RayTaskError, run_dir: RunDir) -> Exception:
         return cause
     path = run_dir.path / "error.txt"
     path.write_text(str(err))
-    return TrainingFailed(f"{type(cause).__name__}: {_first_line(cause)} (traceback in {path})")
+    return TrainingFailed(f"{type(cause).__name__}: {first_line(cause)} (traceback in {path})")
 
 
 class WaitTally:

@@ -9,7 +9,7 @@ import uuid
 from contextlib import contextmanager
 from typing import Optional, Union
 
-from lmforge.errors import UserError
+from lmforge.errors import UserError, first_line
 from lmforge.spec import JobSpec, load_spec
 
 SPEC_ENV = "LMFORGE_JOB_SPEC"  # the validated job, as JSON, in the submitted job's environment
@@ -48,7 +48,7 @@ def translated(address: str, job_id: Optional[str] = None):
             "cluster's token, or pass token=)"
         ) from None
     except ConnectionError as err:
-        raise ClusterUnreachable(f"{address}: no Ray job API answers there ({_first_line(err)})") from None
+        raise ClusterUnreachable(f"{address}: no Ray job API answers there ({first_line(err)})") from None
     except RuntimeError as err:
         if job_id is not None and "404" in str(err):
             raise UnknownJob(f"{address}: no job {job_id!r} on this cluster (`lmforge jobs` lists them)") from None
@@ -161,9 +161,6 @@ def _time(ms: Optional[int]):
 
     return pd.Timestamp(ms, unit="ms") if ms else None
 
-
-def _first_line(err: BaseException) -> str:
-    return (str(err).strip().splitlines() or [""])[0][:300]
 
 
 def submitted_spec(overrides: list[str] = ()) -> JobSpec:
