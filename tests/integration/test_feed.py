@@ -8,6 +8,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import ray
 
 from lmforge.data.feed import BatchFeed
 from lmforge.data.order import BatchLayout, GlobalOrder
@@ -90,3 +91,23 @@ def test_restart_at_a_step_continues_the_sequence(ray_session, tiny_dataset, tmp
         if with_cache:
             assert all(np.array_equal(a, b) for a, b in zip(fed.targets, reference[step].targets))
     resumed.close()
+
+
+def test_a_resume_near_the_end_reads_only_its_window(ray_session, tiny_dataset):
+    """Starting at a step near the end of the epoch reads the shards of the windows
+    that step's samples lie in, as many as starting at step 0 reads: the cost of a
+    resume does not grow with the step (the reader starts its stream at the window)."""
+    manifest = json.loads((tiny_dataset / "manifest.json").read_text())
+    steps_per_epoch = manifest["num_samples"] // 8
+    reads = {}
+    for start in (0, steps_per_epoch - 8):
+        order, layout, feed = make_feed(tiny_dataset, manifest, dp=1, rank=0, start=start, prefetch=2)
+        for _ in range(2):
+            feed.next()  # the reader has been asked for steps start..start+5 by now: 3 chunks of 2
+        positions = range(start * 8, (start + 6) * 8)
+        windows = {order.locate(p) for p in positions}
+        expected = {int(b) for epoch, w in windows for b in order.blocks(epoch)[w * order.window:(w + 1) * order.window]}
+        reads[start] = ray.get(feed.reader.shards_read.remote())  # answered after those chunks: calls run in order
+        assert reads[start] == len(expected), (start, reads[start], sorted(expected))
+        feed.close()
+    assert reads[steps_per_epoch - 8] == reads[0] < len(manifest["shards"])

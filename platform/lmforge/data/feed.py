@@ -56,6 +56,7 @@ class EpochStream:
                                    ray_remote_args={"scheduling_strategy": here})
         self._batches: Iterator = iter(ds.iter_batches(batch_format="pyarrow", batch_size=None, prefetch_batches=2))
         self.samples: dict[int, object] = {}
+        self.shards_read: set[int] = set()  # a resume must not scan from the start: see test_feed
 
     def take_window(self, index: int) -> dict[int, object]:
         """Rows of window `index`, reading on until all of them have arrived."""
@@ -65,7 +66,9 @@ class EpochStream:
             batch = next(self._batches, None)
             if batch is None:
                 raise RuntimeError(f"shards ended before samples {sorted(missing)[:5]} of epoch {self.epoch} arrived")
-            ids = batch.column("sample_id").to_numpy().tolist()
+            ids = batch.column("sample_id").to_numpy()
+            self.shards_read.update((ids // self.order.block).tolist())  # a batch holds part of a shard, or several
+            ids = ids.tolist()
             self.samples.update(zip(ids, self.decode(batch)))
             missing.difference_update(ids)
         return {i: self.samples[i] for i in wanted}
@@ -84,11 +87,17 @@ class Source:
         self.stream: Optional[EpochStream] = None
         self.current: tuple[int, int] = (-1, -1)
         self.rows: dict[int, object] = {}
+        self._shards_before = 0  # read by the streams replaced since
+
+    @property
+    def shards_read(self) -> int:
+        return self._shards_before + (len(self.stream.shards_read) if self.stream else 0)
 
     def row(self, position: int, sample: int):
         epoch, window = self.order.locate(position)
         if (epoch, window) != self.current:
             if self.stream is None or self.stream.epoch != epoch or window < self.current[1]:
+                self._shards_before = self.shards_read
                 self.stream = EpochStream(self.paths, self.order, self.rows_of, epoch, window)
             self.stream.drop(self.rows)
             self.rows = self.stream.take_window(window)
@@ -112,6 +121,10 @@ class FeedReader:
             columns = {**columns, **targets}  # a new dict: the first source decodes its own columns
         self.columns = list(columns)
         self.order, self.layout, self.dp_rank = order, layout, dp_rank
+
+    def shards_read(self) -> int:
+        """Shards read so far, over all of this reader's sources."""
+        return sum(source.shards_read for source in self.sources)
 
     def chunk(self, first_step: int, steps: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """(sample ids, {column: values}: tokens, and what the samples carry beside them)
