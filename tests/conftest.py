@@ -266,7 +266,7 @@ MULTINODE_TIMEOUT_S = MULTINODE_SCRIPT_S + 300  # pytest-timeout of the tests wh
 
 
 @pytest.fixture(scope="session")
-def multinode(tiny_dataset, tmp_path_factory):
+def multinode(tiny_corpus, tiny_dataset, tmp_path_factory):
     """(each scenario's summary, the runs directory) from tests/multinode_scenarios.py:
     one multi-node cluster for the placement and node-loss tests."""
     from multinode import run_script
@@ -281,6 +281,9 @@ def multinode(tiny_dataset, tmp_path_factory):
         fault_tolerance={"max_failures": 3, "backoff_s": 0.1},
         elastic={"min_dp": 1, "max_dp": 2},
     )
-    results = run_script(REPO / "tests" / "multinode_scenarios.py", {"placement": placement, "elastic": elastic, "spared_steps": SPARED_STEPS}, tmp_path, timeout_s=MULTINODE_SCRIPT_S)
+    prepare = {"source": str(tiny_corpus), "out": str(tmp_path / "prepared"), "seq_len": 32, "tokenizer": str(tiny_dataset / "tokenizer.json"),
+               "eval_fraction": 0.1}
+    scenarios = {"prepare": prepare, "placement": placement, "elastic": elastic, "spared_steps": SPARED_STEPS}
+    results = run_script(REPO / "tests" / "multinode_scenarios.py", scenarios, tmp_path, timeout_s=MULTINODE_SCRIPT_S)
     return results, tmp_path / "runs"
 

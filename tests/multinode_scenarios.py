@@ -1,6 +1,7 @@
 """Every multi-node scenario, on one cluster (a 1-CPU head and two 2-CPU worker
 nodes, all on this machine; starting one is slow), in this order:
 
+0. prepare: `data prepare` of a corpus, its packing spread over the nodes;
 1. placement: a tp=2 x dp=2 job; each worker node can hold one TP group;
 2. whole: the elastic dp=2 job, one rank per worker node, uninterrupted;
 3. shrunk: the same job, losing a worker node abruptly mid-run, then getting a
@@ -10,7 +11,7 @@ nodes, all on this machine; starting one is slow), in this order:
 
 Writes each run's summary to RESULT.json. Launched by the `multinode` fixture.
 
-    python multinode_scenarios.py JOBS.json RESULT.json   # {"placement": job, "elastic": job, "spared_steps": n}
+    python multinode_scenarios.py JOBS.json RESULT.json   # {"prepare": options, "placement": job, "elastic": job, "spared_steps": n}
 """
 
 import json
@@ -28,6 +29,7 @@ from chaos import events, reached_step, recorded_event, wait_until  # noqa: E402
 from multinode import start_cluster  # noqa: E402
 
 from lmforge import sdk  # noqa: E402
+from lmforge.data.prepare import PrepareOptions, prepare_dataset  # noqa: E402
 from lmforge.spec import spec_from_dict  # noqa: E402
 
 
@@ -93,7 +95,8 @@ def main() -> None:
     cluster, workers = start_cluster(worker_nodes=2, cpus_per_node=2)
     seconds["cluster"] = round(time.perf_counter() - began, 1)
     try:
-        results = {"placement": timed("placement", lambda: placement(jobs["placement"]))}
+        results = {"prepare": timed("prepare", lambda: prepare_dataset(PrepareOptions(**jobs["prepare"], show_progress=False)))}
+        results["placement"] = timed("placement", lambda: placement(jobs["placement"]))
         elastic = jobs["elastic"]
         results["whole"] = timed("whole", lambda: sdk.train(spec_from_dict(elastic | {"name": "whole"}), show_progress=False))
         results["shrunk"] = timed("shrunk", lambda: shrink_then_grow(cluster, elastic, workers[1]))

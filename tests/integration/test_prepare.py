@@ -81,3 +81,41 @@ def test_wrong_text_column_names_the_field(ray_session, tmp_path):
     with pytest.raises(UserError, match=r"data.text_column: 'text' is not a field of .*d.jsonl \(it has \['body'\]\)"):
         prepare_dataset(PrepareOptions(source=str(tmp_path / "d.jsonl"), out=str(tmp_path / "o"), seq_len=8, show_progress=False))
     assert not (tmp_path / "o").exists()
+
+
+def test_shards_are_byte_for_byte_those_of_packing_in_one_process(ray_session, tiny_corpus, tiny_dataset, tmp_path):
+    """The session's dataset, packed and written by Ray tasks block by block, against the
+    one-process way (the documents in order, one in ten held out, joined with EOS, cut,
+    written 256 samples a shard by pyarrow): the same shard files, hash for hash."""
+    import hashlib
+
+    import numpy as np
+
+    from lmforge.data.packing import held_out
+
+    manifest = read_manifest(tiny_dataset)
+    documents = [p.read_text() for p in sorted(tiny_corpus.iterdir())]
+    reference = tiny_dataset / "tokenizer.json"
+    for split, chosen, directory in (("train", [d for i, d in enumerate(documents) if not held_out(i, 0.1)], tiny_dataset),
+                                     ("eval", [d for i, d in enumerate(documents) if held_out(i, 0.1)], tiny_dataset / "eval")):
+        rows = np.asarray(packed(reference, chosen, 33), dtype=np.int32)
+        entries = manifest["shards"] if split == "train" else manifest["eval"]["shards"]
+        assert sum(entry["num_samples"] for entry in entries) == len(rows), split
+        for index, entry in enumerate(entries):
+            block = rows[index * 256 : (index + 1) * 256]
+            path = tmp_path / f"{split}-{index}.parquet"
+            pq.write_table(pa.table({"sample_id": np.arange(index * 256, index * 256 + len(block), dtype=np.int64),
+                                     "tokens": pa.FixedSizeListArray.from_arrays(pa.array(block.reshape(-1)), 33)}), path)
+            assert entry["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest() == hashlib.sha256((directory / entry["file"]).read_bytes()).hexdigest()
+
+
+def test_on_several_nodes_the_work_spreads_and_the_dataset_is_the_same(multinode, tiny_dataset):
+    """The same corpus prepared on the shared multi-node cluster (tests/multinode_scenarios.py):
+    more than one node packed it, and every shard is the one-node dataset's, byte for byte."""
+    results, _ = multinode
+    manifest, single = results["prepare"], read_manifest(tiny_dataset)
+    assert manifest["nodes"] > 1
+    for key in ("num_samples", "corpus_tokens", "skipped_documents"):
+        assert manifest[key] == single[key], key
+    assert [s["sha256"] for s in manifest["shards"]] == [s["sha256"] for s in single["shards"]]
+    assert [s["sha256"] for s in manifest["eval"]["shards"]] == [s["sha256"] for s in single["eval"]["shards"]]

@@ -3,33 +3,34 @@
 import numpy as np
 import pytest
 
-from lmforge.data.packing import Packer, ShardWriter, held_out
+from lmforge.data.packing import ShardWriter, held_out
+from lmforge.data.streams import held_out_mask, join_documents
 from lmforge.data.tokenizer import EOS_TOKEN, eos_id, train_bpe
 
 
-def test_documents_are_joined_with_eos_and_cut_exactly():
-    packer = Packer(eos=0, width=4)
-    first = packer.add([np.array([1, 2, 3]), np.array([4, 5])])  # 1 2 3 0 | 4 5 0
-    assert first.tolist() == [[1, 2, 3, 0]]
-    second = packer.add([np.array([6, 7, 8, 9, 10])])  # 4 5 0 6 | 7 8 9 10 | 0
-    assert second.tolist() == [[4, 5, 0, 6], [7, 8, 9, 10]]
-    assert packer.carry.tolist() == [0]
-    assert packer.tokens == 3 + 1 + 2 + 1 + 5 + 1
+def joined(documents, eos, chosen=None):
+    lengths = np.array([len(d) for d in documents], dtype=np.int64)
+    values = np.concatenate([np.asarray(d, dtype=np.int32) for d in documents])
+    return join_documents(values, lengths, np.ones(len(documents), bool) if chosen is None else np.asarray(chosen), eos)
 
 
-def test_empty_documents_add_nothing():
-    packer = Packer(eos=9, width=3)
-    assert packer.add([np.array([], dtype=np.int32)]).shape == (0, 3)
-    assert packer.tokens == 0
+def test_documents_are_joined_with_eos():
+    assert joined([[1, 2, 3], [4, 5], [6, 7, 8, 9, 10]], eos=0).tolist() == [1, 2, 3, 0, 4, 5, 0, 6, 7, 8, 9, 10, 0]
+    assert joined([[1, 2, 3], [4, 5], [6]], eos=0, chosen=[True, False, True]).tolist() == [1, 2, 3, 0, 6, 0]
 
 
 def test_every_token_lands_once_in_order():
+    """Against the plain way: each chosen document's tokens, then EOS, concatenated."""
     rng = np.random.default_rng(0)
-    docs = [rng.integers(1, 100, size=rng.integers(0, 20)) for _ in range(50)]
-    packer = Packer(eos=0, width=7)
-    samples = np.concatenate([packer.add(docs[i : i + 5]) for i in range(0, 50, 5)])
-    stream = np.concatenate([np.append(d, 0) for d in docs if len(d)])
-    assert np.array_equal(samples.reshape(-1), stream[: samples.size])
+    docs = [rng.integers(1, 100, size=rng.integers(1, 20)).astype(np.int32) for _ in range(50)]
+    chosen = rng.random(50) < 0.7
+    stream = np.concatenate([np.append(d, 0) for d, keep in zip(docs, chosen) if keep])
+    assert np.array_equal(joined(docs, eos=0, chosen=chosen), stream)
+
+
+def test_held_out_mask_is_held_out_for_every_document():
+    for fraction in (0.0, 0.1, 0.25, 0.37, 1 / 3):
+        assert held_out_mask(1000, 500, fraction).tolist() == [held_out(i, fraction) for i in range(1000, 1500)]
 
 
 def test_trained_bpe_round_trips_and_has_eos():

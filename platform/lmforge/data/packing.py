@@ -1,5 +1,6 @@
-"""Packing tokenized documents into fixed-length samples, and writing them as Parquet
-shards with global sample ids (`ShardWriter`); which documents a held-out split takes.
+"""Writing samples as Parquet shards with global sample ids (`write_shard`, and
+`ShardWriter` for samples that come in a stream); which documents a held-out split
+takes. Packing a corpus's documents into samples is `data.streams`.
 """
 
 from __future__ import annotations
@@ -46,46 +47,23 @@ class ShardWriter:
         block = {name: np.concatenate([part[name] for part in self.pending]) for name in self.pending[0]}
         self.pending = [{name: values[rows:] for name, values in block.items()}] if self.pending_rows > rows else []
         self.pending_rows -= rows
-        ids = np.arange(self.next_id, self.next_id + rows, dtype=np.int64)
-        columns = {name: _column(values[:rows]) for name, values in block.items()}
-        name = f"shard-{len(self.shards):05d}.parquet"
-        path = self.directory / name
-        pq.write_table(pa.table({"sample_id": ids, **columns}), path)
-        self.shards.append({
-            "file": name,
-            "first_sample_id": int(self.next_id),
-            "num_samples": rows,
-            "bytes": path.stat().st_size,
-            "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
-        })
+        path = self.directory / f"shard-{len(self.shards):05d}.parquet"
+        self.shards.append(write_shard(str(path), self.next_id, {name: values[:rows] for name, values in block.items()}))
         self.next_id += rows
+
+
+def write_shard(path: str, first_sample_id: int, columns: dict[str, np.ndarray]) -> dict:
+    """One Parquet shard of consecutive samples (a column of values or fixed-width rows
+    each), and its manifest entry: file, first id, count, bytes, sha256."""
+    rows = len(next(iter(columns.values())))
+    ids = np.arange(first_sample_id, first_sample_id + rows, dtype=np.int64)
+    pq.write_table(pa.table({"sample_id": ids, **{name: _column(values) for name, values in columns.items()}}), path)
+    data = Path(path).read_bytes()
+    return {"file": Path(path).name, "first_sample_id": int(first_sample_id), "num_samples": rows, "bytes": len(data),
+            "sha256": hashlib.sha256(data).hexdigest()}
 
 
 def _column(values: np.ndarray) -> pa.Array:
     if values.ndim == 1:
         return pa.array(values)
     return pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1)), values.shape[1])
-
-
-class Packer:
-    """Joins documents with EOS in order and cuts the stream into samples of `width` tokens.
-
-    The tail shorter than one sample is carried to the next call and dropped at the end.
-    """
-
-    def __init__(self, eos: int, width: int):
-        self.eos = np.asarray([eos], dtype=np.int32)
-        self.width = width
-        self.carry = np.zeros(0, dtype=np.int32)
-        self.tokens = 0
-
-    def add(self, documents: list[np.ndarray]) -> np.ndarray:
-        parts = [self.carry]
-        for ids in documents:
-            if len(ids):
-                parts += [np.asarray(ids, dtype=np.int32), self.eos]
-        stream = np.concatenate(parts)
-        self.tokens += len(stream) - len(self.carry)
-        full = len(stream) // self.width
-        self.carry = stream[full * self.width :]
-        return stream[: full * self.width].reshape(full, self.width)

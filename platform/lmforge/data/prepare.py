@@ -1,9 +1,11 @@
-"""`lmforge data prepare`: corpus -> tokenize (Ray Data) -> pack -> Parquet shards + manifest.
+"""`lmforge data prepare`: corpus -> tokenize (Ray Data) -> pack and write (Ray tasks,
+`data.streams`) -> Parquet shards + manifest.
 
 Documents are tokenized in parallel by Ray Data in file order, joined with the
-end-of-document token and cut into samples of seq_len+1 tokens. Shards are
-written into a temporary directory that is renamed into place only when the
-manifest is complete, so a failed run leaves nothing half-written.
+end-of-document token and cut into samples of seq_len+1 tokens, block by block
+where the blocks are; the driver only adds up their lengths. Shards are written
+into a temporary directory that is renamed into place only when the manifest is
+complete, so a failed run leaves nothing half-written.
 """
 
 from __future__ import annotations
@@ -11,21 +13,23 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from dataclasses import dataclass, field
 from contextlib import nullcontext
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
+import pyarrow as pa
 import ray
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import Progress, TextColumn, TimeElapsedColumn
 from tokenizers import Tokenizer
 
 from lmforge.data.corpus import read_documents
-from lmforge.data.packing import Packer, ShardWriter, held_out
+from lmforge.data.packing import held_out
 from lmforge.data.precheck import check_before_ray
-from lmforge.data.tokenizer import end_of_text_token, eos_id, load_tokenizer, tokenizer_sha256, train_bpe
 from lmforge.data.staging import staged
+from lmforge.data.streams import SplitStream, block_streams
+from lmforge.data.tokenizer import end_of_text_token, eos_id, load_tokenizer, tokenizer_sha256, train_bpe
 from lmforge.errors import UserError
 
 MANIFEST = "manifest.json"
@@ -78,50 +82,42 @@ def _model_tokenizer(spec) -> Optional[str]:
     return None
 
 
-def _tokenize_batch(batch: dict, tokenizer_json: str) -> dict:
+def _tokenize_batch(batch: dict, tokenizer_json: str) -> pa.Table:
+    """Documents -> their token ids (list<int32>), beside the undecodable flag."""
     key = hashlib.sha1(tokenizer_json.encode()).hexdigest()
     if key not in _TOKENIZERS:
         _TOKENIZERS[key] = Tokenizer.from_str(tokenizer_json)
     encodings = _TOKENIZERS[key].encode_batch([str(t) for t in batch["text"]])
-    return {"ids": [np.asarray(e.ids, dtype=np.int32) for e in encodings], "bad": batch["bad"]}
+    documents = [np.asarray(e.ids, dtype=np.int32) for e in encodings]
+    offsets = np.zeros(len(documents) + 1, dtype=np.int32)
+    np.cumsum([len(d) for d in documents], out=offsets[1:])
+    values = np.concatenate(documents) if documents else np.zeros(0, dtype=np.int32)
+    return pa.table({"ids": pa.ListArray.from_arrays(pa.array(offsets), pa.array(values)), "bad": pa.array(np.asarray(batch["bad"], dtype=bool)),
+                     "chars": pa.array([len(t) for t in batch["text"]], type=pa.int64())})
 
 
-class Split:
-    """One split's packer and shard writer, and the documents it took."""
-
-    def __init__(self, directory: Path, eos: int, opts: PrepareOptions):
-        directory.mkdir(exist_ok=True)
-        self.writer = ShardWriter(directory, opts.seq_len, opts.shard_samples)
-        self.packer = Packer(eos, self.writer.width)
-        self.documents = 0
-
-    def add(self, documents: list[np.ndarray]) -> None:
-        self.documents += len(documents)
-        samples = self.packer.add(documents)
-        if len(samples):
-            self.writer.add(samples)
-
-    def close(self) -> int:
-        """The split's sample count."""
-        self.writer.close()
-        return self.writer.next_id
-
-
-def _pack(ds: ray.data.Dataset, route, opts: PrepareOptions, progress, task) -> None:
-    """Streams tokenized documents in order into the split `route(index)` picks."""
-    index = 0
-    for batch in ds.iter_batches(batch_size=64, batch_format="numpy"):
-        chosen: dict[Split, list] = {}
-        for ids, bad in zip(batch["ids"], batch["bad"]):
-            if bad:
-                opts.skipped += 1
-            else:
-                chosen.setdefault(route(index), []).append(ids)
-            index += 1
-        for split, docs in chosen.items():
-            split.add(docs)
+def _stream_blocks(ds: ray.data.Dataset, splits: list[SplitStream], fraction: float, all_held_out: bool, eos: int,
+                   progress, task) -> tuple[int, set[str]]:
+    """Each tokenized block's stream pieces, computed where the block is (a Ray task per
+    block), added to the splits in document order; returns the documents skipped, and
+    the nodes that did the work."""
+    first_doc, pending = 0, []
+    for bundle in ds.iter_internal_ref_bundles():
+        for entry in bundle.blocks:
+            pending.append(block_streams.remote(entry.ref, first_doc, fraction, all_held_out, eos))
+            first_doc += entry.metadata.num_rows
+    skipped, chars, nodes, began = 0, 0, set(), time.time()
+    for counts_ref, *pieces in pending:
+        counts = ray.get(counts_ref)
+        for which, (split, piece) in enumerate(zip(splits, pieces)):
+            if split is not None:
+                split.add(piece, counts["tokens"][which], counts["documents"][which])
+        skipped, chars = skipped + counts["skipped"], chars + counts["chars"]
+        nodes.add(counts["node"])
         if progress is not None:
-            progress.update(task, advance=len(batch["bad"]))
+            progress.update(task, advance=sum(counts["documents"]) + counts["skipped"], tokens=sum(split.tokens for split in splits if split),
+                            mb_per_s=chars / 1e6 / max(time.time() - began, 1e-9))
+    return skipped, nodes
 
 
 def _get_tokenizer(ds: ray.data.Dataset, opts: PrepareOptions) -> Tokenizer:
@@ -158,20 +154,27 @@ def prepare_dataset(opts: PrepareOptions) -> dict:
     )
 
     with staged(out) as staging:
-        train = Split(staging, eos, opts)
-        held = Split(staging / EVAL_DIR, eos, opts) if opts.eval_fraction or eval_files else None
+        width = opts.seq_len + 1
+        train = SplitStream(staging, width, opts.shard_samples)
+        held = None
+        if opts.eval_fraction or eval_files:
+            (staging / EVAL_DIR).mkdir()
+            held = SplitStream(staging / EVAL_DIR, width, opts.shard_samples)
         with _progress(opts.show_progress) as progress:
-            task = progress.add_task("tokenizing", total=len(files) if len(files) > 1 else None) if progress else None
-            _pack(tokenize(docs), lambda i: held if held_out(i, opts.eval_fraction) else train, opts, progress, task)
+            task = progress.add_task("tokenizing", total=None, tokens=0, mb_per_s=0.0) if progress else None
+            opts.skipped, nodes = _stream_blocks(tokenize(docs), [train, held], opts.eval_fraction, False, eos, progress, task)
             if eval_files:
-                task = progress.add_task("held-out split", total=len(eval_files) if len(eval_files) > 1 else None) if progress else None
-                _pack(tokenize(read_documents(eval_files, opts.text_column)), lambda i: held, opts, progress, task)
-        num_samples = train.close()
+                task = progress.add_task("held-out split", total=None, tokens=0, mb_per_s=0.0) if progress else None
+                skipped, more_nodes = _stream_blocks(tokenize(read_documents(eval_files, opts.text_column)), [None, held], 0.0, True, eos, progress, task)
+                opts.skipped, nodes = opts.skipped + skipped, nodes | more_nodes
+        num_samples = train.num_samples
         if num_samples == 0:
             raise UserError(
-                f"{opts.name('source')}: {opts.source} yields {train.packer.tokens} tokens, fewer than one sample of "
+                f"{opts.name('source')}: {opts.source} yields {train.tokens} tokens, fewer than one sample of "
                 f"seq_len+1 = {opts.seq_len + 1}; the corpus is empty or too small"
             )
+        shards, writers = zip(*ray.get(train.write()))
+        nodes |= set(writers)
         tokenizer.save(str(staging / "tokenizer.json"))
         manifest = {
             "format": "lmforge.packed.v1",
@@ -180,7 +183,7 @@ def prepare_dataset(opts: PrepareOptions) -> dict:
             "num_samples": num_samples,
             "num_tokens": num_samples * (opts.seq_len + 1),
             "shard_samples": opts.shard_samples,
-            "corpus_tokens": train.packer.tokens,
+            "corpus_tokens": train.tokens,
             "documents": len(files),
             "skipped_documents": opts.skipped,
             "tokenizer": {
@@ -189,8 +192,9 @@ def prepare_dataset(opts: PrepareOptions) -> dict:
                 "vocab_size": tokenizer.get_vocab_size(),
                 "eos_id": eos,
             },
-            "shards": train.writer.shards,
+            "shards": list(shards),
             "seconds": round(time.time() - started, 2),
+            "nodes": len(nodes),  # that packed and wrote it
         }
         if held is not None:
             manifest["eval"] = _held_out_entry(held, opts)
@@ -198,30 +202,29 @@ def prepare_dataset(opts: PrepareOptions) -> dict:
         return manifest
 
 
-def _held_out_entry(held: Split, opts: PrepareOptions) -> dict:
+def _held_out_entry(held: SplitStream, opts: PrepareOptions) -> dict:
     """The manifest's `eval`: where the held-out split is and what it was made of."""
-    num_samples = held.close()
-    if num_samples == 0:
+    if held.num_samples == 0:
         made_of = (f"{opts.name('eval_source')}: {opts.eval_source} yields" if opts.eval_source else
                    f"{opts.name('eval_fraction')}: {opts.eval_fraction} holds out {held.documents} documents of")
-        raise UserError(f"{made_of} {held.packer.tokens} tokens, fewer than one held-out sample of seq_len+1 = {opts.seq_len + 1}; "
+        raise UserError(f"{made_of} {held.tokens} tokens, fewer than one held-out sample of seq_len+1 = {opts.seq_len + 1}; "
                         + ("give a larger corpus" if opts.eval_source else "raise it, or give eval.source"))
     return {
         "dir": EVAL_DIR,
         "source": opts.eval_source or opts.source,
         "fraction": opts.eval_fraction or None,
         "documents": held.documents,
-        "num_samples": num_samples,
-        "corpus_tokens": held.packer.tokens,
-        "shards": held.writer.shards,
+        "num_samples": held.num_samples,
+        "corpus_tokens": held.tokens,
+        "shards": [entry for entry, _ in ray.get(held.write())],
     }
-
 
 
 def _progress(enabled: bool):
     if not enabled:
         return nullcontext()  # enters as None: no bar
-    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("documents"), TimeElapsedColumn())
+    return Progress(TextColumn("[bold]{task.description}"), TextColumn("{task.completed:,.0f} documents"), TextColumn("{task.fields[tokens]:,} tokens"),
+                    TextColumn("{task.fields[mb_per_s]:.1f} MB/s of text"), TimeElapsedColumn())
 
 
 def read_manifest(path: str | Path) -> dict:

@@ -1,0 +1,105 @@
+"""Packing and shard writing as Ray tasks, so that the driver of `data prepare` does
+no per-token work and the work spreads over the cluster's nodes.
+
+Each block of tokenized documents becomes its piece of each split's token stream
+(documents in order, each followed by the end-of-document token, routed to the
+training or the held-out split by index). The driver adds up the pieces' lengths;
+then one task per shard cuts its samples out of the pieces that overlap it and
+writes the Parquet file. The result is the same, byte for byte, as packing the
+whole stream in one process.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import ray
+
+from lmforge.data.packing import write_shard
+
+TRAIN, HELD_OUT = 0, 1
+
+
+def held_out_mask(first: int, count: int, fraction: float) -> np.ndarray:
+    """`packing.held_out` for documents first..first+count-1, at once (the same floats)."""
+    if fraction <= 0:
+        return np.zeros(count, dtype=bool)
+    index = np.arange(first, first + count, dtype=np.float64)
+    return np.floor((index + 1) * fraction) > np.floor(index * fraction)
+
+
+def join_documents(values: np.ndarray, lengths: np.ndarray, chosen: np.ndarray, eos: int) -> np.ndarray:
+    """The chosen documents' tokens in order, each followed by `eos` (int32)."""
+    kept = np.repeat(chosen, lengths)
+    tokens = values[kept]
+    ends = np.cumsum(lengths[chosen] + 1) - 1
+    stream = np.empty(len(tokens) + len(ends), dtype=np.int32)
+    is_token = np.ones(len(stream), dtype=bool)
+    is_token[ends] = False
+    stream[is_token] = tokens
+    stream[ends] = eos
+    return stream
+
+
+# SPREAD, as Ray Data's own tasks: over every node with room, not piled where the data is.
+@ray.remote(num_returns=3, num_cpus=0.5, scheduling_strategy="SPREAD")
+def block_streams(block: pa.Table, first_doc: int, fraction: float, all_held_out: bool, eos: int):
+    """(counts, training stream, held-out stream) of one block of tokenized documents
+    (`ids`: list<int32>, `bad`: undecodable). `first_doc`: the index of its first
+    document in the source; `all_held_out`: the block is of the held-out source."""
+    ids = block.column("ids").combine_chunks()
+    bad = block.column("bad").to_numpy(zero_copy_only=False).astype(bool)
+    lengths = np.diff(ids.offsets.to_numpy()).astype(np.int64)
+    values = ids.values.to_numpy(zero_copy_only=False)
+    held = np.ones(len(bad), dtype=bool) if all_held_out else held_out_mask(first_doc, len(bad), fraction)
+    documents = [~bad & ~held, ~bad & held]
+    streams = [join_documents(values, lengths, chosen & (lengths > 0), eos) for chosen in documents]
+    counts = {"documents": [int(d.sum()) for d in documents], "skipped": int(bad.sum()), "tokens": [len(s) for s in streams],
+              "chars": int(pc.sum(block.column("chars")).as_py() or 0), "node": ray.get_runtime_context().get_node_id()}
+    return counts, streams[TRAIN], streams[HELD_OUT]
+
+
+@ray.remote(num_cpus=0.5, scheduling_strategy="SPREAD")
+def write_shard_from_pieces(path: str, first_sample: int, num_samples: int, width: int, starts: list[int], *pieces: np.ndarray) -> tuple[dict, str]:
+    """Shard of samples first_sample.. (`num_samples` of `width` tokens) from the stream
+    pieces that overlap it (`starts`: where each begins in its split's stream): its
+    manifest entry, and the node that wrote it."""
+    lo, hi = first_sample * width, (first_sample + num_samples) * width
+    parts = [piece[max(lo - start, 0) : hi - start] for start, piece in zip(starts, pieces)]
+    samples = np.concatenate(parts).reshape(num_samples, width)
+    return write_shard(path, first_sample, {"tokens": samples}), ray.get_runtime_context().get_node_id()
+
+
+class SplitStream:
+    """One split's stream, as the pieces of its blocks in order, and its shards."""
+
+    def __init__(self, directory, width: int, shard_samples: int):
+        self.directory, self.width, self.shard_samples = directory, width, shard_samples
+        self.starts: list[int] = []  # where each piece begins in the stream, ascending
+        self.pieces: list[ray.ObjectRef] = []
+        self.tokens = self.documents = 0
+
+    def add(self, piece: ray.ObjectRef, tokens: int, documents: int) -> None:
+        if tokens:
+            self.starts.append(self.tokens)
+            self.pieces.append(piece)
+        self.tokens += tokens
+        self.documents += documents
+
+    @property
+    def num_samples(self) -> int:
+        return self.tokens // self.width  # the tail shorter than a sample is dropped
+
+    def write(self) -> list[ray.ObjectRef]:
+        """One task per shard; each resolves to (the shard's manifest entry, its node)."""
+        tasks = []
+        for first in range(0, self.num_samples, self.shard_samples):
+            count = min(self.shard_samples, self.num_samples - first)
+            lo, hi = first * self.width, (first + count) * self.width
+            overlapping = slice(bisect.bisect_right(self.starts, lo) - 1, bisect.bisect_left(self.starts, hi))
+            path = str(self.directory / f"shard-{first // self.shard_samples:05d}.parquet")
+            tasks.append(write_shard_from_pieces.remote(path, first, count, self.width, self.starts[overlapping], *self.pieces[overlapping]))
+        return tasks
