@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections import deque
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -98,26 +99,34 @@ def _tokenize_batch(batch: dict, tokenizer_json: str) -> pa.Table:
 
 def _stream_blocks(ds: ray.data.Dataset, splits: list[SplitStream], fraction: float, all_held_out: bool, eos: int,
                    progress, task) -> tuple[int, set[str]]:
-    """Each tokenized block's stream pieces, computed where the block is (a Ray task per
-    block), added to the splits in document order; returns the documents skipped, and
-    the nodes that did the work."""
-    first_doc, pending = 0, []
+    """Each tokenized block's stream pieces, computed by a Ray task per block (spread
+    over the nodes) as the blocks come, added to the splits in document order; returns
+    the documents skipped, and the nodes that did the work."""
+    first_doc, pending = 0, deque()
+    totals = {"skipped": 0, "chars": 0, "nodes": set(), "began": time.time()}
+
+    def take(wait: bool) -> None:
+        """Add the finished blocks at the head of the queue (all of them, if `wait`)."""
+        while pending and (wait or ray.wait([pending[0][0]], timeout=0)[0]):
+            counts_ref, *pieces = pending.popleft()
+            counts = ray.get(counts_ref)
+            for which, (split, piece) in enumerate(zip(splits, pieces)):
+                if split is not None:
+                    split.add(piece, counts["tokens"][which], counts["documents"][which])
+            totals["skipped"] += counts["skipped"]
+            totals["chars"] += counts["chars"]
+            totals["nodes"].add(counts["node"])
+            if progress is not None:
+                progress.update(task, advance=sum(counts["documents"]) + counts["skipped"], tokens=sum(split.tokens for split in splits if split),
+                                mb_per_s=totals["chars"] / 1e6 / max(time.time() - totals["began"], 1e-9))
+
     for bundle in ds.iter_internal_ref_bundles():
         for entry in bundle.blocks:
             pending.append(block_streams.remote(entry.ref, first_doc, fraction, all_held_out, eos))
             first_doc += entry.metadata.num_rows
-    skipped, chars, nodes, began = 0, 0, set(), time.time()
-    for counts_ref, *pieces in pending:
-        counts = ray.get(counts_ref)
-        for which, (split, piece) in enumerate(zip(splits, pieces)):
-            if split is not None:
-                split.add(piece, counts["tokens"][which], counts["documents"][which])
-        skipped, chars = skipped + counts["skipped"], chars + counts["chars"]
-        nodes.add(counts["node"])
-        if progress is not None:
-            progress.update(task, advance=sum(counts["documents"]) + counts["skipped"], tokens=sum(split.tokens for split in splits if split),
-                            mb_per_s=chars / 1e6 / max(time.time() - began, 1e-9))
-    return skipped, nodes
+        take(wait=False)
+    take(wait=True)
+    return totals["skipped"], totals["nodes"]
 
 
 def _get_tokenizer(ds: ray.data.Dataset, opts: PrepareOptions) -> Tokenizer:
