@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from hf_models import LAYOUTS
+from s3_server import s3_environment, s3_server
 
 REPO = Path(__file__).resolve().parents[1]
 pytest_plugins = ["suite_timing"]
@@ -39,6 +40,7 @@ def _private_ray_env() -> dict:
 
 PRIVATE_RAY_ENV = _private_ray_env()
 atexit.register(shutil.rmtree, PRIVATE_RAY_ENV["root"], True)
+os.environ.update(s3_environment())  # before Ray starts: its processes inherit the S3 settings
 
 
 # One MLflow store for the session's runs: a new SQLite store costs each run 1.5 s of
@@ -99,6 +101,28 @@ def tiny_dataset(ray_session, tiny_corpus, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("data") / "tiny-32"
     # One document in ten held out: the held-out split that `eval` measures.
     prepare_dataset(PrepareOptions(source=str(tiny_corpus), out=str(out), seq_len=32, vocab_size=512, eval_fraction=0.1, show_progress=False))
+    return out
+
+
+@pytest.fixture(scope="session")
+def s3_bucket(private_ray_env):
+    """s3://<bucket> on a real S3-compatible server (moto), for the session."""
+    with s3_server(Path(private_ray_env["root"]) / "s3.log") as bucket:
+        yield bucket
+
+
+@pytest.fixture(scope="session")
+def s3_dataset(s3_bucket, tiny_corpus, tiny_dataset) -> str:
+    """`tiny_dataset` made again from the corpus copied to the object store, straight
+    into it (its tokenizer given): the same shards at an s3:// URI."""
+    import fsspec
+
+    from lmforge.data.prepare import PrepareOptions, prepare_dataset
+
+    fsspec.filesystem("s3").put(f"{tiny_corpus}/", f"{s3_bucket}/corpus/", recursive=True)
+    out = f"{s3_bucket}/tiny-32"
+    prepare_dataset(PrepareOptions(source=f"{s3_bucket}/corpus", out=out, seq_len=32, tokenizer=str(tiny_dataset / "tokenizer.json"),
+                                   eval_fraction=0.1, show_progress=False))
     return out
 
 

@@ -183,13 +183,11 @@ def _typed_flags(args, every: bool = False) -> dict:
 
 
 def _cmd_prepare(args) -> int:
-    from pathlib import Path
-
     opts = _prepare_options(args)
     from lmforge import sdk
-    from lmforge.data.prepare import MANIFEST, read_manifest
+    from lmforge.data.prepare import has_manifest, read_manifest
 
-    if (Path(opts.out) / MANIFEST).exists():
+    if has_manifest(opts.out):
         manifest = read_manifest(opts.out)
         print(f"{opts.out}: already prepared ({manifest['num_samples']} samples); nothing to do", file=sys.stderr)
         return 0

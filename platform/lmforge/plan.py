@@ -18,7 +18,8 @@ from lmforge.data.columns import is_masked
 from lmforge.data.heldout import check_held_out
 from lmforge.data.identity import describe, order_changes, order_inputs
 from lmforge.data.precheck import check_before_ray
-from lmforge.data.prepare import MANIFEST, PrepareOptions, read_manifest
+from lmforge.data import storage
+from lmforge.data.prepare import MANIFEST, PrepareOptions, has_manifest, read_manifest
 from lmforge.data.tokenizer import load_tokenizer
 from lmforge.distill.cache import read_cache
 from lmforge.checkpoint.export import open_source
@@ -42,7 +43,7 @@ class Plan:
 
 
 def check_dataset(spec: JobSpec, manifest: dict) -> None:
-    path = Path(spec.data.path) / MANIFEST
+    path = storage.join(spec.data.path, MANIFEST)
     if manifest["seq_len"] != spec.train.seq_len:
         raise UserError(f"train.seq_len: {spec.train.seq_len} does not match the dataset's seq_len {manifest['seq_len']} ({path})")
     vocab = manifest["tokenizer"]["vocab_size"]
@@ -104,7 +105,7 @@ def check_init_from(spec: JobSpec, manifest: Optional[dict]) -> None:
 
 def _dataset_tokenizer(spec: JobSpec, manifest: Optional[dict]) -> Optional[str]:
     """The dataset's tokenizer.json, or the one preparing it will use (None: a BPE trained then)."""
-    return str(Path(spec.data.path) / manifest["tokenizer"]["file"]) if manifest else PrepareOptions.for_job(spec).tokenizer
+    return storage.join(spec.data.path, manifest["tokenizer"]["file"]) if manifest else PrepareOptions.for_job(spec).tokenizer
 
 
 def _vocabulary(tokenizer) -> dict:
@@ -202,7 +203,7 @@ def cpu_supports_fp16() -> bool:
 
 def preflight(spec: JobSpec) -> Plan:
     manifest = None
-    if (Path(spec.data.path) / MANIFEST).exists():
+    if has_manifest(spec.data.path):
         manifest = read_manifest(spec.data.path)
         check_dataset(spec, manifest)
     elif spec.distill is not None and spec.distill.instruct is not None:

@@ -25,7 +25,7 @@ from rich.console import Console
 from lmforge.cluster import driver
 from lmforge.cluster.runtime import connect
 from lmforge.data.precheck import check_before_ray
-from lmforge.data.prepare import MANIFEST, PrepareOptions, prepare_dataset, read_manifest
+from lmforge.data.prepare import MANIFEST, PrepareOptions, has_manifest, prepare_dataset, read_manifest
 from lmforge.errors import UserError
 from lmforge.jobs import JobHandle, job, jobs, runs, submit
 from lmforge.plan import preflight
@@ -56,7 +56,7 @@ def build_cache(spec: JobSpec, address: Optional[str] = None, show_progress: boo
 
     spec = spec.with_absolute_paths()
     check_can_build(spec)
-    prepared = (Path(spec.data.path) / MANIFEST).is_file()
+    prepared = has_manifest(spec.data.path)
     check_teachers(spec, read_manifest(spec.data.path) if prepared else None)
     with _distill_stage(spec, "cache", address) as tracker:
         if not prepared:

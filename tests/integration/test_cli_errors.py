@@ -103,16 +103,42 @@ def test_world_larger_than_a_joined_cluster_names_elastic_min_dp(ray_session, tm
 
 
 @pytest.mark.ray
-def test_a_corpus_too_small_once_tokenized_leaves_nothing_behind(ray_session, tmp_path):
-    """Enough bytes to pass the check before Ray, too few tokens once BPE merged them."""
+def test_a_corpus_too_small_once_tokenized_leaves_nothing_behind(ray_session, s3_bucket, tmp_path):
+    """Enough bytes to pass the check before Ray, too few tokens once BPE merged them;
+    on a filesystem and on an object store (where no rename makes a dataset whole)."""
+    import fsspec
+
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     (corpus / "a.txt").write_text("a" * 40)
-    out = tmp_path / "prepared"
-    result = run_cli("data", "prepare", "--source", str(corpus), "--out", str(out), "--seq-len", "32", "--vocab-size", "300", "--no-progress", cwd=tmp_path)
-    assert_clean_error(result, "--source: ", "yields 2 tokens, fewer than one sample")
-    assert not out.exists()
+    for out in (str(tmp_path / "prepared"), f"{s3_bucket}/too-small"):
+        result = run_cli("data", "prepare", "--source", str(corpus), "--out", out, "--seq-len", "32", "--vocab-size", "300", "--no-progress", cwd=tmp_path)
+        assert_clean_error(result, "--source: ", "yields 2 tokens, fewer than one sample")
     assert [p.name for p in tmp_path.iterdir()] == ["corpus"]
+    assert not fsspec.filesystem("s3").find(f"{s3_bucket}/too-small")
+
+
+# Object-store URIs that cannot serve: refused with the URI named, before anything starts.
+OBJECT_STORE_REFUSALS = {
+    "a source in a bucket that does not exist": (
+        ["data", "prepare", "--source", "s3://no-such-bucket/corpus", "--seq-len", "32", "--out", "prepared", "--no-progress"], ["--source: s3://no-such-bucket/corpus does not exist"]),
+    "an output in a bucket that does not exist": (
+        ["data", "prepare", "--source", "corpus", "--seq-len", "32", "--out", "s3://no-such-bucket/prepared", "--no-progress"],
+        ["--out: s3://no-such-bucket/prepared: the bucket no-such-bucket does not exist"]),
+    "a dataset URI with nothing there": (["train", "job.yaml"], ["data.path: s3://lmforge-tests/nothing-here", "data.source is not set"]),
+}
+
+
+@pytest.mark.parametrize("case", OBJECT_STORE_REFUSALS)
+def test_object_store_uris_that_cannot_serve_are_named(case, s3_bucket, tmp_path, monkeypatch):
+    from lmforge import sdk
+
+    monkeypatch.setattr(sdk, "connect", lambda *a, **k: pytest.fail("Ray was started (or joined) before the refusal"))
+    corpus(tmp_path, a_txt="x " * 100)
+    write_job(tmp_path, tiny_job(tmp_path, f"{s3_bucket}/nothing-here"))
+    command, fragments = OBJECT_STORE_REFUSALS[case]
+    assert_clean_error(run_cli(*command, cwd=tmp_path), *fragments)
+    assert nothing_written(tmp_path) and not (tmp_path / "prepared").exists()
 
 
 def word_level_tokenizer(path: Path, words: int) -> Path:

@@ -5,7 +5,10 @@ import copy
 import hashlib
 import json
 import math
+import os
 from pathlib import Path
+
+import fsspec
 
 import pyarrow.parquet as pq
 import pytest
@@ -13,6 +16,7 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from lmforge import sdk
+from lmforge.data.prepare import read_manifest
 from lmforge.errors import UserError
 from lmforge.spec import spec_from_dict
 
@@ -113,13 +117,20 @@ def test_held_out_loss_every_interval(uninterrupted):
     assert len(client.get_metric_history(summary["mlflow_run_id"], "eval_ppl")) == len(rows)
 
 
-def test_resume_continues_with_identical_losses(uninterrupted, ray_session, tiny_dataset, tmp_path):
+def test_resume_continues_with_identical_losses(uninterrupted, ray_session, s3_dataset, s3_bucket, tiny_dataset, tmp_path):
+    """Also the object-storage run: the dataset (made from the corpus there) and the
+    checkpoints live on an S3 server, the credentials in the environment only."""
     reference = _losses(uninterrupted[0])
-    job = reference_job(tmp_path, tiny_dataset, train={"max_steps": 20})
+    checkpoints = f"{s3_bucket}/resume-checkpoints"
+    job = reference_job(tmp_path, s3_dataset, train={"max_steps": 20}, checkpoint={"dir": checkpoints})
+    assert read_manifest(s3_dataset)["shards"] == read_manifest(tiny_dataset)["shards"]  # byte for byte, by sha256
     first = sdk.train(spec_from_dict(job, ["train.max_steps=10"]), show_progress=False)
     assert first["final_step"] == 10
     second = sdk.train(spec_from_dict(job), show_progress=False)
     assert second["start_step"] == 10 and second["final_step"] == 20
+    assert {"step_00000010", "step_00000020"} <= {p.rsplit("/", 1)[-1] for p in fsspec.filesystem("s3").ls(checkpoints, refresh=True)}
+    secret = os.environ["AWS_SECRET_ACCESS_KEY"].encode()
+    assert not [p for p in (tmp_path / "runs").rglob("*") if p.is_file() and secret in p.read_bytes()]
     assert second["mlflow_run_id"] == first["mlflow_run_id"]
     resumed = _losses(tmp_path / "runs" / "tiny")
     assert sorted(resumed) == list(range(1, 21))

@@ -16,6 +16,7 @@ from typing import Callable, Optional
 import torch
 
 from lmforge.checkpoint.consolidate import committed_state, is_checkpoint, read_checkpoint
+from lmforge.data import storage
 from lmforge.data.tokenizer import end_of_text_token, tokenizer_files
 from lmforge.errors import UserError
 from lmforge.models import ModelConfig
@@ -72,13 +73,13 @@ def _checkpoint_source(step_dir: Path) -> ModelSource:
     source = ModelSource(step_dir, "checkpoint", ModelConfig(**state["model"]), lambda: read_checkpoint(step_dir)[1],
                          record={"checkpoint": str(step_dir.absolute()), "step": state["step"], "format": state.get("format", "dcp"),
                                  **{key: state[key] for key in ("job", "mlflow") if state.get(key)}})
-    dataset = Path(state.get("data_path") or "")
-    manifest = dataset / "manifest.json"
-    if manifest.is_file():  # the tokenizer of the dataset it was trained on
+    dataset = state.get("data_path") or "."
+    manifest = storage.join(dataset, "manifest.json")
+    if storage.exists(manifest, "data_path"):  # the tokenizer of the dataset it was trained on (a directory or a URI)
         try:
-            entry = json.loads(manifest.read_text())["tokenizer"]
-            source.tokenizer_json = (dataset / entry["file"]).read_text()
-        except (OSError, ValueError, KeyError) as err:
+            entry = json.loads(storage.read_text(manifest, "data_path"))["tokenizer"]
+            source.tokenizer_json = storage.read_text(storage.join(dataset, entry["file"]), "data_path")
+        except (UserError, ValueError, KeyError) as err:
             raise UserError(f"{manifest}: the dataset the checkpoint was trained on has no readable tokenizer ({err})") from None
         source.eos_token = source.tokenizer().id_to_token(entry["eos_id"])
     return source

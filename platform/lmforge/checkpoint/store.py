@@ -41,7 +41,8 @@ def join_path(root: str, *parts: str) -> str:
 class CheckpointStore:
     def __init__(self, root: str):
         self.root = root
-        self.fs, self._fs_root = fsspec.core.url_to_fs(root)
+        # Listings uncached: other processes (the ranks) add checkpoints this one must see.
+        self.fs, self._fs_root = fsspec.core.url_to_fs(root, use_listings_cache=False)
         self.is_uri = "://" in root and not root.startswith("file://")
 
     def step_path(self, step: int) -> str:

@@ -15,12 +15,12 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterator, Optional
 
 import numpy as np
 import ray
 
+from lmforge.data import storage
 from lmforge.data.columns import sample_columns, target_columns
 from lmforge.data.order import BatchLayout, GlobalOrder
 
@@ -112,12 +112,12 @@ class FeedReader:
         """`cache`: (its directory, its manifest) of top-k targets in shards named as the
         dataset's, read beside them; the dataset's own directory when its samples carry them."""
         files = [s["file"] for s in manifest["shards"]]
-        own = cache is not None and Path(cache[0]) == Path(data_path)
+        own = cache is not None and storage.join(cache[0]) == storage.join(data_path)
         columns = sample_columns(manifest, cache[1]["k"] if own else None)
-        self.sources = [Source([str(Path(data_path) / f) for f in files], order, decoder(columns))]
+        self.sources = [Source([storage.join(data_path, f) for f in files], order, decoder(columns))]
         if cache is not None and not own:
             targets = target_columns(manifest["seq_len"], cache[1]["k"])
-            self.sources.append(Source([str(Path(cache[0]) / f) for f in files], order, decoder(targets)))
+            self.sources.append(Source([storage.join(cache[0], f) for f in files], order, decoder(targets)))
             columns = {**columns, **targets}  # a new dict: the first source decodes its own columns
         self.columns = list(columns)
         self.order, self.layout, self.dp_rank = order, layout, dp_rank

@@ -8,12 +8,11 @@ every layout evaluates the same samples, so the loss is the same number on each.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Optional
 
 import numpy as np
-import pyarrow.parquet as pq
 
+from lmforge.data import storage
 from lmforge.data.columns import sample_columns, target_columns
 from lmforge.data.order import BatchLayout
 from lmforge.errors import UserError
@@ -63,7 +62,7 @@ class HeldOutBatches:
     def __init__(self, data_path: str, manifest: dict, layout: BatchLayout, dp_rank: int, batches: int,
                  cache: Optional[tuple[str, int]] = None):
         held = manifest["eval"]
-        self.directory = Path(data_path) / held["dir"]
+        self.directory = storage.join(data_path, held["dir"])
         self.shards = held["shards"]
         self.shard_samples, self.seq_len, self.manifest = manifest["shard_samples"], manifest["seq_len"], manifest
         self.layout, self.dp_rank, self.batches, self.cache = layout, dp_rank, batches, cache
@@ -79,11 +78,11 @@ class HeldOutBatches:
     def _read_batches(self):
         # The batches are the split's first samples: read those shards, keep this rank's rows.
         files = [shard["file"] for shard in self.shards[: -(-self.batches * self.layout.global_batch // self.shard_samples)]]
-        own = self.cache is not None and Path(self.cache[0]) == self.directory  # an instruction dataset's own top-k
+        own = self.cache is not None and storage.join(self.cache[0]) == self.directory  # an instruction dataset's own top-k
         columns = {name: _rows(self.directory, files, name, shape) for name, shape in sample_columns(self.manifest, self.cache[1] if own else None).items()}
         if self.cache is not None and not own:
             directory, k = self.cache
-            columns |= {name: _rows(Path(directory), files, name, shape) for name, shape in target_columns(self.seq_len, k).items()}
+            columns |= {name: _rows(directory, files, name, shape) for name, shape in target_columns(self.seq_len, k).items()}
         shape = (self.layout.accum, self.layout.micro_batch)
         for batch in range(self.batches):
             first, count = self.layout.rank_positions(batch, self.dp_rank)
@@ -92,6 +91,6 @@ class HeldOutBatches:
             yield taken["tokens"], targets, taken.get("loss_mask")
 
 
-def _rows(directory: Path, files: list[str], column: str, row_shape: tuple) -> np.ndarray:
-    table = pq.read_table([str(directory / f) for f in files], columns=[column])
+def _rows(directory: str, files: list[str], column: str, row_shape: tuple) -> np.ndarray:
+    table = storage.read_parquet([storage.join(directory, f) for f in files], [column])
     return table.column(column).combine_chunks().flatten().to_numpy().reshape(-1, *row_shape)

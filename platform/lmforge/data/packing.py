@@ -13,6 +13,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from lmforge.data import storage
+
 
 def held_out(index: int, fraction: float) -> bool:
     """Whether document `index` (in source order) belongs to the held-out split: one
@@ -54,12 +56,14 @@ class ShardWriter:
 
 def write_shard(path: str, first_sample_id: int, columns: dict[str, np.ndarray]) -> dict:
     """One Parquet shard of consecutive samples (a column of values or fixed-width rows
-    each), and its manifest entry: file, first id, count, bytes, sha256."""
+    each) at a path or URI, and its manifest entry: file, first id, count, bytes, sha256."""
     rows = len(next(iter(columns.values())))
     ids = np.arange(first_sample_id, first_sample_id + rows, dtype=np.int64)
-    pq.write_table(pa.table({"sample_id": ids, **{name: _column(values) for name, values in columns.items()}}), path)
-    data = Path(path).read_bytes()
-    return {"file": Path(path).name, "first_sample_id": int(first_sample_id), "num_samples": rows, "bytes": len(data),
+    buffer = pa.BufferOutputStream()
+    pq.write_table(pa.table({"sample_id": ids, **{name: _column(values) for name, values in columns.items()}}), buffer)
+    data = buffer.getvalue().to_pybytes()
+    storage.write_bytes(path, data)
+    return {"file": path.rsplit("/", 1)[-1], "first_sample_id": int(first_sample_id), "num_samples": rows, "bytes": len(data),
             "sha256": hashlib.sha256(data).hexdigest()}
 
 

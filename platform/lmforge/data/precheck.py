@@ -14,17 +14,18 @@ from pathlib import Path
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from lmforge.data import storage
 from lmforge.data.corpus import list_files, source_kind
 from lmforge.data.tokenizer import end_of_text_token, eos_id, load_tokenizer
 from lmforge.errors import UserError
 
 JOB_FIELDS = {
     "source": "data.source", "seq_len": "train.seq_len", "tokenizer": "data.tokenizer", "text_column": "data.text_column",
-    "eval_fraction": "data.eval_fraction", "eval_source": "eval.source",
+    "eval_fraction": "data.eval_fraction", "eval_source": "eval.source", "out": "data.path",
 }
 FLAGS = {
     "source": "--source", "seq_len": "--seq-len", "tokenizer": "--tokenizer", "text_column": "--text-column",
-    "eval_fraction": "--eval-fraction", "eval_source": "--eval-source",
+    "eval_fraction": "--eval-fraction", "eval_source": "--eval-source", "out": "--out",
 }
 RECORDS_CHECKED = 16  # files whose first record must hold the text column
 FIRST_RECORD_BYTES = 1 << 20
@@ -40,6 +41,7 @@ def check_before_ray(opts) -> tuple[list[str], list[str]]:
         raise UserError(f"{name('eval_fraction')}: a share of the documents, at least 0 and below 1; got {opts.eval_fraction}")
     if opts.eval_fraction and opts.eval_source:
         raise UserError(f"{name('eval_source')}: a separate held-out corpus and {name('eval_fraction')} both make the held-out split; keep one")
+    storage.check_bucket(opts.out, name("out"))
     files = _check_source(opts.source, opts, name("source"), name("text_column"))
     eval_files = _check_source(opts.eval_source, opts, name("eval_source"), name("text_column")) if opts.eval_source else []
     if opts.tokenizer:

@@ -25,6 +25,7 @@ import ray
 from rich.progress import Progress, TextColumn, TimeElapsedColumn
 from tokenizers import Tokenizer
 
+from lmforge.data import storage
 from lmforge.data.corpus import read_documents
 from lmforge.data.packing import held_out
 from lmforge.data.precheck import check_before_ray
@@ -148,9 +149,9 @@ def _training_texts(ds: ray.data.Dataset, eval_fraction: float):
 def prepare_dataset(opts: PrepareOptions) -> dict:
     """Run the pipeline; returns the manifest. Requires an initialized Ray session."""
     files, eval_files = check_before_ray(opts)
-    out = Path(opts.out)
-    if (out / MANIFEST).exists():
-        raise UserError(f"{out}: already holds a prepared dataset; remove it or choose another --out")
+    out = opts.out
+    if storage.exists(storage.join(out, MANIFEST), "data.path"):
+        raise UserError(f"data.path: {out} already holds a prepared dataset; remove it or choose another --out")
     started = time.time()
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True
@@ -167,8 +168,7 @@ def prepare_dataset(opts: PrepareOptions) -> dict:
         train = SplitStream(staging, width, opts.shard_samples)
         held = None
         if opts.eval_fraction or eval_files:
-            (staging / EVAL_DIR).mkdir()
-            held = SplitStream(staging / EVAL_DIR, width, opts.shard_samples)
+            held = SplitStream(storage.join(staging, EVAL_DIR), width, opts.shard_samples)
         with _progress(opts.show_progress) as progress:
             task = progress.add_task("tokenizing", total=None, tokens=0, mb_per_s=0.0) if progress else None
             opts.skipped, nodes = _stream_blocks(tokenize(docs), [train, held], opts.eval_fraction, False, eos, progress, task)
@@ -184,7 +184,7 @@ def prepare_dataset(opts: PrepareOptions) -> dict:
             )
         shards, writers = zip(*ray.get(train.write()))
         nodes |= set(writers)
-        tokenizer.save(str(staging / "tokenizer.json"))
+        storage.write_bytes(storage.join(staging, "tokenizer.json"), tokenizer.to_str(pretty=True).encode())
         manifest = {
             "format": "lmforge.packed.v1",
             "source": opts.source,
@@ -207,7 +207,8 @@ def prepare_dataset(opts: PrepareOptions) -> dict:
         }
         if held is not None:
             manifest["eval"] = _held_out_entry(held, opts)
-        (staging / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        # Last: on an object store its presence is what marks the dataset complete.
+        storage.write_bytes(storage.join(staging, MANIFEST), json.dumps(manifest, indent=2).encode())
         return manifest
 
 
@@ -236,27 +237,30 @@ def _progress(enabled: bool):
                     TextColumn("{task.fields[mb_per_s]:.1f} MB/s of text"), TimeElapsedColumn())
 
 
-def read_manifest(path: str | Path) -> dict:
+def has_manifest(path: str | Path, field: str = "data.path") -> bool:
+    """Whether a prepared dataset is complete at `path` (a directory or a URI)."""
+    return storage.exists(storage.join(path, MANIFEST), field)
+
+
+def read_manifest(path: str | Path, field: str = "data.path") -> dict:
     """Load and sanity-check a prepared dataset's manifest; `UserError` names the file."""
-    manifest_path = Path(path) / MANIFEST
-    if not manifest_path.is_file():
-        raise UserError(f"data.path: {path} holds no prepared dataset ({MANIFEST} missing); set data.source to prepare one")
-    try:
-        manifest = json.loads(manifest_path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise UserError(f"{manifest_path}: unreadable manifest ({err})") from None
+    manifest_path = storage.join(path, MANIFEST)
+    if not storage.exists(manifest_path, field):
+        raise UserError(f"{field}: {path} holds no prepared dataset ({MANIFEST} missing); set data.source to prepare one")
+    manifest = storage.read_json(manifest_path, field)
     if manifest.get("format") != "lmforge.packed.v1" or not manifest.get("shards"):
         raise UserError(f"{manifest_path}: not an lmforge dataset manifest")
-    _check_shards(Path(path), manifest_path, manifest["shards"], manifest["shard_samples"])
+    _check_shards(str(path), manifest_path, manifest["shards"], manifest["shard_samples"], field)
     if "eval" in manifest:
-        _check_shards(Path(path) / manifest["eval"]["dir"], manifest_path, manifest["eval"]["shards"], manifest["shard_samples"])
+        _check_shards(storage.join(path, manifest["eval"]["dir"]), manifest_path, manifest["eval"]["shards"], manifest["shard_samples"], field)
     return manifest
 
 
-def _check_shards(directory: Path, manifest_path: Path, shards: list[dict], size: int) -> None:
+def _check_shards(directory: str, manifest_path: str, shards: list[dict], size: int, field: str) -> None:
+    present = storage.files_under(directory, field)
     for index, shard in enumerate(shards):
-        if not (directory / shard["file"]).is_file():
-            raise UserError(f"{manifest_path}: shard {directory / shard['file']} is missing")
+        if shard["file"] not in present:
+            raise UserError(f"{manifest_path}: shard {storage.join(directory, shard['file'])} is missing")
         # The feed shuffles whole shards, so every shard but the last is full.
         if shard["first_sample_id"] != index * size or (shard["num_samples"] != size and index < len(shards) - 1):
             raise UserError(f"{manifest_path}: shard {shard['file']} does not hold samples {index * size}..{(index + 1) * size - 1}")

@@ -1,6 +1,8 @@
-"""A directory written whole or not at all: into a staging directory beside it,
-renamed into place when the writing ends, removed if it fails (a prepared dataset,
-a teacher cache, an instruction dataset)."""
+"""A dataset written whole or not at all. On a filesystem: into a staging directory
+beside it, renamed into place when the writing ends, removed if it fails (a prepared
+dataset, a teacher cache, an instruction dataset). An object store has no rename:
+there the files go to their place and the manifest, written last, is what makes the
+dataset complete; a failure removes what was written."""
 
 from __future__ import annotations
 
@@ -9,10 +11,20 @@ import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
+from lmforge.data import storage
+
 
 @contextmanager
-def staged(out: Path):
-    """Yields the directory to write `out`'s contents into."""
+def staged(out: Path | str):
+    """Yields where to write `out`'s contents: a staging `Path`, or the URI itself."""
+    if storage.is_uri(str(out)):
+        try:
+            yield str(out)
+        except BaseException:
+            storage.remove_tree(str(out))
+            raise
+        return
+    out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.parent / f".{out.name}.staging-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)

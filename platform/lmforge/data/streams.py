@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import ray
 
+from lmforge.data import storage
 from lmforge.data.packing import write_shard
 
 TRAIN, HELD_OUT = 0, 1
@@ -100,6 +101,6 @@ class SplitStream:
             count = min(self.shard_samples, self.num_samples - first)
             lo, hi = first * self.width, (first + count) * self.width
             overlapping = slice(bisect.bisect_right(self.starts, lo) - 1, bisect.bisect_left(self.starts, hi))
-            path = str(self.directory / f"shard-{first // self.shard_samples:05d}.parquet")
+            path = storage.join(self.directory, f"shard-{first // self.shard_samples:05d}.parquet")
             tasks.append(write_shard_from_pieces.remote(path, first, count, self.width, self.starts[overlapping], *self.pieces[overlapping]))
         return tasks
