@@ -44,9 +44,9 @@ def run_cli(*args: str, cwd: Path) -> Result:
     return Result(code, out.getvalue(), err.getvalue())
 
 
-def run_cli_process(*args: str, cwd: Path, timeout_s: float = 300) -> Result:
-    """`python -m lmforge ARGS` as its own process."""
-    env = os.environ | {"OMP_NUM_THREADS": "1"}
+def run_cli_process(*args: str, cwd: Path, timeout_s: float = 300, env: dict | None = None) -> Result:
+    """`python -m lmforge ARGS` as its own process (`env`: more variables for it)."""
+    env = os.environ | {"OMP_NUM_THREADS": "1"} | (env or {})
     done = subprocess.run([sys.executable, "-m", "lmforge", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s)
     return Result(done.returncode, done.stdout, done.stderr)
 

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,10 +29,14 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def free_endpoint() -> str:
+    return f"http://127.0.0.1:{_free_port()}"
+
+
 def s3_environment() -> dict:
     """Where the server will listen, and the (moto-accepted) credentials."""
     return {
-        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{_free_port()}",
+        "AWS_ENDPOINT_URL": free_endpoint(),
         "AWS_ACCESS_KEY_ID": "lmforge-test-key",
         "AWS_SECRET_ACCESS_KEY": "lmforge-test-secret",
         "AWS_DEFAULT_REGION": "us-east-1",
@@ -40,26 +45,32 @@ def s3_environment() -> dict:
 
 
 @contextmanager
-def s3_server(log: Path):
-    """Runs moto's server at $AWS_ENDPOINT_URL with one bucket, `BUCKET`."""
-    endpoint = os.environ["AWS_ENDPOINT_URL"]
+def s3_server(log: Path, endpoint: str = "", deny_all: bool = False):
+    """Runs moto's server at `endpoint` (default: $AWS_ENDPOINT_URL) with one bucket,
+    `BUCKET`. `deny_all`: it checks credentials, and knows none, so every request is denied
+    (and the bucket is not made)."""
+    endpoint = endpoint or os.environ["AWS_ENDPOINT_URL"]
     port = endpoint.rsplit(":", 1)[1]
+    env = os.environ | ({"INITIAL_NO_AUTH_ACTION_COUNT": "0"} if deny_all else {})
     with open(log, "wb") as out:
         server = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", port],
-                                  stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                                  stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     try:
         deadline = time.time() + 30
         while True:
             try:
                 urllib.request.urlopen(endpoint, timeout=1).read()
                 break
+            except urllib.error.HTTPError:
+                break  # it answers (a server checking credentials refuses the anonymous probe)
             except OSError:
                 if time.time() > deadline or server.poll() is not None:
                     raise RuntimeError(f"moto's S3 server did not start; see {log}")
                 time.sleep(0.2)
         import fsspec
 
-        fsspec.filesystem("s3", skip_instance_cache=True).mkdir(BUCKET)
+        if not deny_all:  # (denied too: authorization comes first)
+            fsspec.filesystem("s3", skip_instance_cache=True, endpoint_url=endpoint).mkdir(BUCKET)
         yield f"s3://{BUCKET}"
     finally:
         os.killpg(server.pid, signal.SIGTERM)

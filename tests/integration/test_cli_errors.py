@@ -118,6 +118,18 @@ def test_a_corpus_too_small_once_tokenized_leaves_nothing_behind(ray_session, s3
     assert not fsspec.filesystem("s3").find(f"{s3_bucket}/too-small")
 
 
+def test_a_denied_request_names_the_uri(tmp_path):
+    """A store that refuses these credentials (moto checking them, knowing none)."""
+    from s3_server import free_endpoint, s3_server
+
+    endpoint = free_endpoint()
+    with s3_server(tmp_path / "s3.log", endpoint, deny_all=True) as bucket:
+        result = run_cli_process("data", "prepare", "--source", f"{bucket}/corpus", "--seq-len", "32", "--out", "prepared", "--no-progress",
+                                 cwd=tmp_path, env={"AWS_ENDPOINT_URL": endpoint})
+    assert_clean_error(result, f"--source: cannot open {bucket}/corpus", "ACCESS_DENIED")
+    assert not (tmp_path / "prepared").exists()
+
+
 # Object-store URIs that cannot serve: refused with the URI named, before anything starts.
 OBJECT_STORE_REFUSALS = {
     "a source in a bucket that does not exist": (
