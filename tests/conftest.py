@@ -105,6 +105,22 @@ def tiny_dataset(ray_session, tiny_corpus, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def second_dataset(ray_session, tiny_dataset, tmp_path_factory) -> Path:
+    """A few small source files of other modules, with `tiny_dataset`'s tokenizer and
+    seq_len (about 100 samples): the second, smaller source of the mixture tests."""
+    from lmforge.data.corpus import stdlib_files
+    from lmforge.data.prepare import PrepareOptions, prepare_dataset
+
+    corpus = tmp_path_factory.mktemp("corpus-b")
+    small = [f for f in stdlib_files() if "/test" not in f and 2_000 < Path(f).stat().st_size < 5_000]
+    for i, path in enumerate(small[7::50][:4]):
+        shutil.copy(path, corpus / f"{i:03d}_{Path(path).name}")
+    out = tmp_path_factory.mktemp("data") / "second-32"
+    prepare_dataset(PrepareOptions(source=str(corpus), out=str(out), seq_len=32, tokenizer=str(tiny_dataset / "tokenizer.json"), show_progress=False))
+    return out
+
+
+@pytest.fixture(scope="session")
 def s3_bucket(private_ray_env):
     """s3://<bucket> on a real S3-compatible server (moto), for the session."""
     with s3_server(Path(private_ray_env["root"]) / "s3.log") as bucket:
@@ -289,17 +305,22 @@ MULTINODE_SCRIPT_S = 900  # the scenarios' own bound: the script is killed, with
 MULTINODE_TIMEOUT_S = MULTINODE_SCRIPT_S + 300  # pytest-timeout of the tests whose setup runs them
 
 
+MIXTURE_WEIGHTS = (3, 1)  # the elastic scenarios' mixture: tiny_dataset, second_dataset
+
+
 @pytest.fixture(scope="session")
-def multinode(tiny_corpus, tiny_dataset, tmp_path_factory):
+def multinode(tiny_corpus, tiny_dataset, second_dataset, tmp_path_factory):
     """(each scenario's summary, the runs directory) from tests/multinode_scenarios.py:
-    one multi-node cluster for the placement and node-loss tests."""
+    one multi-node cluster for the placement and node-loss tests. The elastic job
+    trains on a mixture: a kill and a dp change must keep its order exactly too."""
     from multinode import run_script
 
     tmp_path = tmp_path_factory.mktemp("multinode")
     placement = tiny_job(tmp_path, tiny_dataset, name="placement", parallel={"dp": 2, "tp": 2}, train={"max_steps": 3}, checkpoint={"interval": 3})
+    mixture = [{"path": str(path), "weight": weight} for path, weight in zip((tiny_dataset, second_dataset), MIXTURE_WEIGHTS)]
     elastic = tiny_job(
         tmp_path, tiny_dataset, train={"max_steps": MULTINODE_STEPS}, optim={"decay_steps": MULTINODE_STEPS}, checkpoint={"interval": 10},
-        data={"path": str(tiny_dataset), "prefetch_steps": 4, "record_sample_ids": True},
+        data={"path": None, "sources": mixture, "prefetch_steps": 4, "record_sample_ids": True},
         resources={"cpus_per_worker": 2},
         # A loaded machine may notice a node's death late, so a first restart can land on it and fail too.
         fault_tolerance={"max_failures": 3, "backoff_s": 0.1},

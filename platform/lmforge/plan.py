@@ -19,6 +19,7 @@ from lmforge.data.heldout import check_held_out
 from lmforge.data.identity import describe, order_changes, order_inputs
 from lmforge.data.precheck import check_before_ray
 from lmforge.data import storage
+from lmforge.data.mixture import is_mixture, mixture_manifest
 from lmforge.data.prepare import MANIFEST, PrepareOptions, has_manifest, read_manifest
 from lmforge.data.tokenizer import load_tokenizer
 from lmforge.distill.cache import read_cache
@@ -43,7 +44,7 @@ class Plan:
 
 
 def check_dataset(spec: JobSpec, manifest: dict) -> None:
-    path = storage.join(spec.data.path, MANIFEST)
+    path = storage.join(spec.data.path, MANIFEST) if spec.data.path else "data.sources"
     if manifest["seq_len"] != spec.train.seq_len:
         raise UserError(f"train.seq_len: {spec.train.seq_len} does not match the dataset's seq_len {manifest['seq_len']} ({path})")
     vocab = manifest["tokenizer"]["vocab_size"]
@@ -53,7 +54,8 @@ def check_dataset(spec: JobSpec, manifest: dict) -> None:
         )
     if manifest["num_samples"] < spec.train.global_batch:
         raise UserError(f"train.global_batch: {spec.train.global_batch} exceeds the dataset's {manifest['num_samples']} samples ({path})")
-    check_held_out(spec, manifest, spec.data.path)
+    if not is_mixture(manifest):
+        check_held_out(spec, manifest, spec.data.path)
 
 
 def check_resume(spec: JobSpec, ckpt: CommittedCheckpoint) -> None:
@@ -99,13 +101,15 @@ def check_init_from(spec: JobSpec, manifest: Optional[dict]) -> None:
     dataset_tokenizer = _dataset_tokenizer(spec, manifest)
     if dataset_tokenizer and model_dir.tokenizer_file is not None:
         if _vocabulary(dataset_tokenizer) != _vocabulary(model_dir.tokenizer_file):
-            raise UserError(f"data.path: {spec.data.path} was tokenized with another vocabulary than model.init_from's "
+            raise UserError(f"data.path: {spec.data.path or dataset_tokenizer} was tokenized with another vocabulary than model.init_from's "
                             f"{model_dir.tokenizer_file}; prepare the dataset with data.tokenizer: {model_dir.tokenizer_file}")
 
 
 def _dataset_tokenizer(spec: JobSpec, manifest: Optional[dict]) -> Optional[str]:
     """The dataset's tokenizer.json, or the one preparing it will use (None: a BPE trained then)."""
-    return storage.join(spec.data.path, manifest["tokenizer"]["file"]) if manifest else PrepareOptions.for_job(spec).tokenizer
+    if manifest:  # a mixture's is a full path already
+        return manifest["tokenizer"]["file"] if is_mixture(manifest) else storage.join(spec.data.path, manifest["tokenizer"]["file"])
+    return PrepareOptions.for_job(spec).tokenizer
 
 
 def _vocabulary(tokenizer) -> dict:
@@ -201,9 +205,18 @@ def cpu_supports_fp16() -> bool:
         return False
 
 
+def read_mixture(spec: JobSpec) -> dict:
+    """The mixture's manifest (`data.mixture`), each source's read and checked."""
+    manifests = [read_manifest(source.path, f"data.sources[{i}].path") for i, source in enumerate(spec.data.sources)]
+    return mixture_manifest(spec.data.sources, manifests)
+
+
 def preflight(spec: JobSpec) -> Plan:
     manifest = None
-    if has_manifest(spec.data.path):
+    if spec.data.sources is not None:
+        manifest = read_mixture(spec)
+        check_dataset(spec, manifest)
+    elif has_manifest(spec.data.path):
         manifest = read_manifest(spec.data.path)
         check_dataset(spec, manifest)
     elif spec.distill is not None and spec.distill.instruct is not None:

@@ -114,8 +114,16 @@ class TrainSpec(_Section):
         return value
 
 
+class MixtureSource(_Section):
+    path: str = Field(..., description="a prepared dataset (directory or URI)")
+    weight: float = Field(..., ge=0, description="its share of the samples, relative to the others' weights")
+
+
 class DataSpec(_Section):
-    path: str = Field(..., description="prepared dataset directory (holds manifest.json)")
+    path: Optional[str] = Field(None, description="prepared dataset directory or URI (holds manifest.json); or give `sources`")
+    sources: Optional[list[MixtureSource]] = Field(
+        None, min_length=1, description="a mixture instead of `path`: prepared datasets blended by weight in one deterministic order"
+    )
     source: Optional[str] = Field(None, description="raw corpus to prepare into `path` when it is missing")
     tokenizer: Optional[str] = Field(None, description="tokenizer.json to use; default: train a byte-level BPE")
     vocab_size: int = Field(8192, ge=256, description="vocabulary of the BPE trained when no tokenizer is given")
@@ -130,10 +138,26 @@ class DataSpec(_Section):
 
     @field_validator("path")
     @classmethod
-    def _non_empty(cls, value: str) -> str:
-        if not value.strip():
+    def _non_empty(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None and not value.strip():
             raise ValueError("must not be empty")
         return value
+
+    @model_validator(mode="after")
+    def _one_dataset(self) -> "DataSpec":
+        if (self.path is None) == (self.sources is None):
+            raise ValueError("data.path: give a prepared dataset here, or a mixture as data.sources (not both)")
+        if self.sources is not None:
+            if sum(source.weight for source in self.sources) <= 0:
+                raise ValueError("data.sources: the weights are all 0; give at least one a positive weight")
+            if self.source is not None:
+                raise ValueError("data.source: a mixture reads prepared datasets; prepare each with `lmforge data prepare` first")
+        return self
+
+    @property
+    def paths(self) -> list[str]:
+        """Every prepared dataset the job reads: `path`, or the mixture's."""
+        return [self.path] if self.sources is None else [source.path for source in self.sources]
 
 
 class CheckpointSpec(_Section):
@@ -266,6 +290,7 @@ class JobSpec(_Section):
         rules.check_elastic(self)
         rules.check_spares(self)
         rules.check_eval(self)
+        rules.check_mixture(self)
         rules.check_distill(self, model)
         if self.resources.workers is not None and self.resources.workers != self.parallel.world_size:
             raise ValueError(
@@ -345,7 +370,8 @@ class JobSpec(_Section):
             "output_dir": local(self.output_dir),
             "model": self.model.model_copy(update={"init_from": local(self.model.init_from) if self.model.init_from else None}),
             "data": self.data.model_copy(update={
-                "path": local(self.data.path),
+                "path": local(self.data.path) if self.data.path else None,
+                "sources": [m.model_copy(update={"path": local(m.path)}) for m in self.data.sources] if self.data.sources else None,
                 "source": source(self.data.source),
                 "tokenizer": local(self.data.tokenizer) if self.data.tokenizer else None,
             }),

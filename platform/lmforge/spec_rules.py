@@ -141,6 +141,19 @@ def check_spares(spec: "JobSpec") -> None:
         raise ValueError("fault_tolerance.spares: spares only serve a restart; set fault_tolerance.max_failures too")
 
 
+def check_mixture(spec: "JobSpec") -> None:
+    """A mixture trains a model on blended pretraining data; measuring and distilling
+    read one dataset's own splits and shards."""
+    if spec.data.sources is None:
+        return
+    if spec.eval is not None:
+        raise ValueError("eval: measures one dataset's held-out split; a mixture (data.sources) has none: drop eval, or train on data.path")
+    if spec.data.eval_fraction:
+        raise ValueError("data.eval_fraction: a setting for preparing data.source; a mixture (data.sources) reads datasets prepared already")
+    if spec.distill is not None:
+        raise ValueError("distill: reads one dataset (its teacher cache mirrors its shards); give data.path instead of data.sources")
+
+
 def check_eval(spec: "JobSpec") -> None:
     if spec.eval is not None and spec.eval.source and spec.data.eval_fraction:
         raise ValueError("eval.source: a separate held-out corpus and data.eval_fraction both make the held-out split; keep one")

@@ -19,10 +19,10 @@ import torch.distributed as dist
 from lmforge.checkpoint.sharded import load_checkpoint, restore_point
 from lmforge.checkpoint.store import CheckpointStore
 from lmforge.checkpoint.writer import CheckpointWriter
-from lmforge.data.feed import BatchFeed, FedStep
+from lmforge.data.feed import BatchFeed, FedStep, datasets_of
 from lmforge.data.heldout import HeldOutBatches, eval_batches
 from lmforge.data.identity import order_inputs
-from lmforge.data.order import BatchLayout, GlobalOrder
+from lmforge.data.order import BatchLayout
 from lmforge.distill.cache import teacher_cache
 from lmforge.distill.on_policy import OnPolicy
 from lmforge.engines import create_engine
@@ -66,10 +66,10 @@ class Trainer:
         # Start reading ahead first: Ray Data's first read overlaps model building.
         self.layout = BatchLayout(spec.train.global_batch, spec.train.micro_batch, p.dp)
         self.cache = teacher_cache(spec)  # (directory, manifest) of a distillation's offline targets (an instruction dataset's own)
+        datasets, self.mixture = datasets_of(spec, manifest)
         self.feed = BatchFeed(
-            spec.data.path,
-            manifest,
-            GlobalOrder(manifest["num_samples"], spec.train.seed, block=manifest["shard_samples"], window=spec.data.shuffle_window),
+            datasets,
+            self.mixture,
             self.layout,
             dp_rank=self.dims.dp_rank,
             start_step=self.start_step,
@@ -108,7 +108,7 @@ class Trainer:
             "seed": self.spec.train.seed,
             "dp": self.spec.parallel.dp,
             "model": self.spec.model_arch.as_dict(),
-            "data_path": self.spec.data.path,
+            "data_path": self.spec.data.path or self.spec.data.paths[0],  # where export finds the tokenizer
             "order": order_inputs(self.spec, self.manifest),
             "job": self.spec.name,
             # Where `lmforge export` registers a model made from this checkpoint.
@@ -175,6 +175,8 @@ class Trainer:
             "tokens": step * tokens_per_step,
             "samples_consumed": step * train.global_batch,
         }
+        if self.mixture is not None:  # the realised mixture: samples of each source in this step
+            row["mixture"] = self.mixture.taken((step - 1) * train.global_batch, train.global_batch).tolist()
         if self.spec.data.record_sample_ids:
             row["sample_ids"] = self._global_ids(fed.ids)
         if stats.bubble is not None:

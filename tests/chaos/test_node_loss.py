@@ -6,6 +6,7 @@ schedule). Each trains exactly the samples
 and (within 1e-4 after a resize, 1e-5 otherwise) the losses of the run that lost
 nothing."""
 
+import numpy as np
 import pytest
 
 from chaos import events, step_rows
@@ -63,3 +64,27 @@ def test_a_spare_rank_replaces_a_lost_node_without_shrinking(multinode):
     assert not [event for event in history if event["event"] == "resized"]
     assert all(event["dp"] == 2 for event in history if event["event"] == "recovered")
     _same_as_whole(runs, "spared", rel=1e-5, steps=SPARED_STEPS)
+
+
+def test_the_mixture_holds_its_weights_and_is_logged_per_step(multinode):
+    """The elastic job trains on a 3:1 mixture: each step's row says how many samples
+    of each source it took (those of its recorded ids), every whole chunk of the order
+    takes exactly the rounded weights, and MLflow has the shares per step."""
+    from mlflow.tracking import MlflowClient
+
+    from conftest import MIXTURE_WEIGHTS
+    from lmforge.data.mixture import CHUNK, ID_STRIDE, chunk_counts
+
+    result, runs = multinode
+    rows, ids = step_rows(runs / "whole"), step_rows(runs / "whole", "samples.jsonl")
+    for step, row in rows.items():
+        assert row["mixture"] == np.bincount([i // ID_STRIDE for i in ids[step]["ids"]], minlength=2).tolist(), step
+    per_chunk = CHUNK // 8  # steps of global batch 8
+    chunks = STEPS // per_chunk
+    taken = np.sum([rows[step]["mixture"] for step in range(1, chunks * per_chunk + 1)], axis=0)
+    assert taken.tolist() == (chunks * chunk_counts(MIXTURE_WEIGHTS)).tolist() and taken[0] == 3 * taken[1]
+    client = MlflowClient(tracking_uri=result["whole"]["mlflow_tracking_uri"])
+    shares = {m.step: m.value for m in client.get_metric_history(result["whole"]["mlflow_run_id"], "mixture_1")}
+    assert shares == {step: row["mixture"][1] / 8 for step, row in rows.items()}
+    inputs = client.get_run(result["whole"]["mlflow_run_id"]).inputs.dataset_inputs
+    assert sorted(t.value for d in inputs for t in d.tags if t.key == "lmforge.mixture.weight") == ["1.0", "3.0"]  # each source an input

@@ -130,6 +130,40 @@ def test_a_denied_request_names_the_uri(tmp_path):
     assert not (tmp_path / "prepared").exists()
 
 
+def altered_copy(dataset: Path, out: Path, change) -> Path:
+    """`dataset` with its manifest changed by `change` (its shards linked, not copied)."""
+    out.mkdir()
+    for item in dataset.iterdir():
+        (out / item.name).symlink_to(item)
+    (out / "manifest.json").unlink()
+    manifest = json.loads((dataset / "manifest.json").read_text())
+    change(manifest)
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    return out
+
+
+# Mixtures (`data.sources`) whose datasets cannot be read as one stream: (second source, fragments).
+MIXTURE_REFUSALS = {
+    "a source not prepared": (lambda tmp, data: tmp / "absent", ["data.sources[1].path: ", "absent holds no prepared dataset"]),
+    "another seq_len": (lambda tmp, data: altered_copy(data, tmp / "long", lambda m: m.update(seq_len=64)),
+                        ["data.sources[1].path: ", "has seq_len 64, data.sources[0] 32; a mixture needs one"]),
+    "another tokenizer": (lambda tmp, data: altered_copy(data, tmp / "other", lambda m: m["tokenizer"].update(sha256="0" * 64)),
+                          ["data.sources[1].path: ", "was tokenized with another tokenizer than data.sources[0]"]),
+}
+
+
+@pytest.mark.parametrize("case", MIXTURE_REFUSALS)
+def test_a_mixture_that_cannot_be_one_stream_is_refused(case, tmp_path, tiny_dataset, monkeypatch):
+    from lmforge import sdk
+
+    monkeypatch.setattr(sdk, "connect", lambda *a, **k: pytest.fail("Ray was started (or joined) before the refusal"))
+    second, fragments = MIXTURE_REFUSALS[case]
+    sources = [{"path": str(tiny_dataset), "weight": 3}, {"path": str(second(tmp_path, tiny_dataset)), "weight": 1}]
+    write_job(tmp_path, tiny_job(tmp_path, tiny_dataset, data={"path": None, "sources": sources}))
+    assert_clean_error(run_cli("train", "job.yaml", cwd=tmp_path), *fragments)
+    assert nothing_written(tmp_path)
+
+
 # Object-store URIs that cannot serve: refused with the URI named, before anything starts.
 OBJECT_STORE_REFUSALS = {
     "a source in a bucket that does not exist": (

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 import ray
 
-from lmforge.data.feed import BatchFeed
+from lmforge.data.feed import BatchFeed, Dataset
 from lmforge.data.order import BatchLayout, GlobalOrder
 
 pytestmark = pytest.mark.ray
@@ -26,7 +26,7 @@ def all_rows(path):
 def make_feed(path, manifest, dp, rank, start, prefetch=3, cache=None):
     order = GlobalOrder(manifest["num_samples"], seed=4, block=manifest["shard_samples"], window=2)
     layout = BatchLayout(global_batch=8, micro_batch=2, dp=dp)
-    return order, layout, BatchFeed(str(path), manifest, order, layout, rank, start, prefetch, cache=cache)
+    return order, layout, BatchFeed([Dataset(str(path), manifest, order)], None, layout, rank, start, prefetch, cache=cache)
 
 
 K = 3
@@ -111,3 +111,43 @@ def test_a_resume_near_the_end_reads_only_its_window(ray_session, tiny_dataset):
         assert reads[start] == len(expected), (start, reads[start], sorted(expected))
         feed.close()
     assert reads[steps_per_epoch - 8] == reads[0] < len(manifest["shards"])
+
+
+def test_a_mixture_reads_each_source_in_its_own_order_in_the_weights_proportions(ray_session, tiny_dataset, second_dataset):
+    """Two sources 3:1 over a chunk of steps, at dp 1 and dp 2 and from a restart: the
+    same global order; each source's samples come in that source's own order (the
+    small one on into its next epochs); per chunk, exactly the rounded weights."""
+    from lmforge.data.mixture import CHUNK, ID_STRIDE, Mixture, chunk_counts
+
+    manifests = [json.loads((d / "manifest.json").read_text()) for d in (tiny_dataset, second_dataset)]
+    orders = [GlobalOrder(m["num_samples"], seed=4, block=m["shard_samples"], window=2) for m in manifests]
+    rows = [all_rows(tiny_dataset), all_rows(second_dataset)]
+    steps = 2 * CHUNK // 8 + 3
+    assert manifests[1]["num_samples"] < steps * 8 // 4, "the small source must wrap into another epoch"
+
+    def run(dp: int, start: int) -> list[list[int]]:
+        """Each step's global batch of (encoded) ids, the ranks' slices side by side."""
+        layout = BatchLayout(global_batch=8, micro_batch=2, dp=dp)
+        feeds = [BatchFeed([Dataset(str(d), m, o) for d, m, o in zip((tiny_dataset, second_dataset), manifests, orders)], Mixture([3, 1], seed=4),
+                           layout, rank, start, 4) for rank in range(dp)]
+        batches = []
+        for step in range(start, steps):
+            fed = [feed.next() for feed in feeds]
+            ids = np.concatenate([f.ids for f in fed])
+            tokens = np.concatenate([f.tokens.reshape(len(f.ids), -1) for f in fed])
+            assert np.array_equal(tokens, np.stack([rows[i // ID_STRIDE][i % ID_STRIDE] for i in ids.tolist()]))
+            batches.append(ids.tolist())
+        for feed in feeds:
+            feed.close()
+        return batches
+
+    whole = run(dp=1, start=0)
+    assert run(dp=2, start=0) == whole
+    assert run(dp=2, start=steps - 5) == whole[-5:]
+    flat = [i for batch in whole for i in batch]
+    for source, order in enumerate(orders):
+        mine = [i % ID_STRIDE for i in flat if i // ID_STRIDE == source]
+        assert mine == order.ids(0, len(mine)).tolist()
+    for chunk in range(2):
+        counts = np.bincount([i // ID_STRIDE for i in flat[chunk * CHUNK:(chunk + 1) * CHUNK]], minlength=2)
+        assert counts.tolist() == chunk_counts([3, 1]).tolist() == [CHUNK * 3 // 4, CHUNK // 4]

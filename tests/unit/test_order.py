@@ -92,3 +92,22 @@ def test_hsdp_mesh_splits_dp_into_replicate_and_shard():
 
     assert MeshShape.for_layout(pp=1, dp=8, tp=1, zero=3, replicate=2).dims == (1, 2, 4, 1)
     assert MeshShape.for_layout(pp=1, dp=8, tp=1, zero=0).dims == (1, 8, 1, 1)
+
+
+def test_mixture_counts_round_by_largest_remainder_and_positions_are_consecutive():
+    from lmforge.data.mixture import CHUNK, Mixture, chunk_counts
+
+    assert chunk_counts([1, 1, 1]).tolist() == [86, 85, 85]
+    assert chunk_counts([0.7, 0.2, 0.1], chunk=10).tolist() == [7, 2, 1]
+    assert chunk_counts([2, 0, 1], chunk=9).tolist() == [6, 0, 3]  # a zero weight is never read
+    mix = Mixture([5, 3, 0, 1], seed=11)
+    sources, positions = mix.locate(0, 3 * CHUNK + 17)
+    assert 2 not in sources
+    for source in (0, 1, 3):
+        assert positions[sources == source].tolist() == list(range(int((sources == source).sum())))  # its own order, in turn
+    # Any window of positions (a resumed step) maps as the whole run did, and per chunk the counts are exact.
+    again = Mixture([5, 3, 0, 1], seed=11)
+    window = again.locate(CHUNK + 40, 300)
+    assert np.array_equal(window[0], sources[CHUNK + 40 : CHUNK + 340]) and np.array_equal(window[1], positions[CHUNK + 40 : CHUNK + 340])
+    assert mix.taken(2 * CHUNK, CHUNK).tolist() == chunk_counts([5, 3, 0, 1]).tolist()
+    assert not np.array_equal(Mixture([5, 3, 0, 1], seed=12).locate(0, CHUNK)[0], sources[:CHUNK])  # the seed decides the interleaving

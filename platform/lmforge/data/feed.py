@@ -22,6 +22,7 @@ import ray
 
 from lmforge.data import storage
 from lmforge.data.columns import sample_columns, target_columns
+from lmforge.data.mixture import ID_STRIDE, Mixture, is_mixture
 from lmforge.data.order import BatchLayout, GlobalOrder
 
 
@@ -105,37 +106,77 @@ class Source:
         return self.rows[sample]
 
 
+@dataclass
+class Dataset:
+    """One prepared dataset a feed reads, in its own order."""
+
+    path: str
+    manifest: dict
+    order: GlobalOrder
+
+
+def datasets_of(spec, manifest: dict) -> tuple[list[Dataset], Optional[Mixture]]:
+    """The datasets a job reads (`data.path`, or each of a mixture's) and the mixture."""
+    def order(m: dict) -> GlobalOrder:
+        return GlobalOrder(m["num_samples"], spec.train.seed, block=m["shard_samples"], window=spec.data.shuffle_window)
+
+    if not is_mixture(manifest):
+        return [Dataset(spec.data.path, manifest, order(manifest))], None
+    datasets = [Dataset(source["path"], source["manifest"], order(source["manifest"])) for source in manifest["sources"]]
+    return datasets, Mixture([source["weight"] for source in manifest["sources"]], spec.train.seed)
+
+
 @ray.remote(num_cpus=0)
 class FeedReader:
-    def __init__(self, data_path: str, manifest: dict, order: GlobalOrder, layout: BatchLayout, dp_rank: int,
+    def __init__(self, datasets: list[Dataset], mixture: Optional[Mixture], layout: BatchLayout, dp_rank: int,
                  cache: Optional[tuple[str, dict]] = None):
         """`cache`: (its directory, its manifest) of top-k targets in shards named as the
         dataset's, read beside them; the dataset's own directory when its samples carry them."""
-        files = [s["file"] for s in manifest["shards"]]
-        own = cache is not None and storage.join(cache[0]) == storage.join(data_path)
-        columns = sample_columns(manifest, cache[1]["k"] if own else None)
-        self.sources = [Source([storage.join(data_path, f) for f in files], order, decoder(columns))]
+        self.datasets, self.mixture = datasets, mixture
+        self.sources = [self._sources(d, cache) for d in datasets]  # per dataset: its tokens, and a cache's targets
+        self.layout, self.dp_rank = layout, dp_rank
+
+    def _sources(self, dataset: Dataset, cache: Optional[tuple[str, dict]]) -> list[Source]:
+        files = [s["file"] for s in dataset.manifest["shards"]]
+        own = cache is not None and storage.join(cache[0]) == storage.join(dataset.path)
+        columns = sample_columns(dataset.manifest, cache[1]["k"] if own else None)
+        sources = [Source([storage.join(dataset.path, f) for f in files], dataset.order, decoder(columns))]
         if cache is not None and not own:
-            targets = target_columns(manifest["seq_len"], cache[1]["k"])
-            self.sources.append(Source([storage.join(cache[0], f) for f in files], order, decoder(targets)))
+            targets = target_columns(dataset.manifest["seq_len"], cache[1]["k"])
+            sources.append(Source([storage.join(cache[0], f) for f in files], dataset.order, decoder(targets)))
             columns = {**columns, **targets}  # a new dict: the first source decodes its own columns
         self.columns = list(columns)
-        self.order, self.layout, self.dp_rank = order, layout, dp_rank
+        return sources
 
     def shards_read(self) -> int:
         """Shards read so far, over all of this reader's sources."""
-        return sum(source.shards_read for source in self.sources)
+        return sum(source.shards_read for sources in self.sources for source in sources)
+
+    def _split(self, start: int, count: int):
+        """(dataset, its first position, how many, the rows they fill) of global positions
+        start..: the positions one dataset gets are consecutive in its own order."""
+        if self.mixture is None:
+            yield 0, start, count, np.arange(count)
+            return
+        which, positions = self.mixture.locate(start, count)
+        for d in np.unique(which):
+            rows = np.flatnonzero(which == d)
+            yield int(d), int(positions[rows[0]]), len(rows), rows
 
     def chunk(self, first_step: int, steps: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """(sample ids, {column: values}: tokens, and what the samples carry beside them)
-        of this rank for `steps` steps, step-major."""
+        of this rank for `steps` steps, step-major. A mixture's ids are the source's
+        index x `ID_STRIDE` + the sample's id in it."""
         ids, rows = [], []
         for step in range(first_step, first_step + steps):
-            start, count = self.layout.rank_positions(step, self.dp_rank)
-            step_ids = self.order.ids(start, count)
-            for position, sample in zip(range(start, start + count), step_ids):
-                rows.append([value for source in self.sources for value in source.row(position, int(sample))])
+            step_ids, step_rows = np.empty(self.layout.per_rank, dtype=np.int64), [None] * self.layout.per_rank
+            for d, first, count, slots in self._split(*self.layout.rank_positions(step, self.dp_rank)):
+                order, sources = self.datasets[d].order, self.sources[d]
+                for slot, position, sample in zip(slots, range(first, first + count), order.ids(first, count)):
+                    step_rows[slot] = [value for source in sources for value in source.row(position, int(sample))]
+                    step_ids[slot] = int(sample) + (d * ID_STRIDE if self.mixture else 0)
             ids.append(step_ids)
+            rows += step_rows
         return np.concatenate(ids), {name: np.stack([row[i] for row in rows]) for i, name in enumerate(self.columns)}
 
 
@@ -154,14 +195,14 @@ class FedStep:
 class BatchFeed:
     """The trainer's side: yields each step's `FedStep` in turn."""
 
-    def __init__(self, data_path: str, manifest: dict, order: GlobalOrder, layout: BatchLayout, dp_rank: int, start_step: int,
+    def __init__(self, datasets: list[Dataset], mixture: Optional[Mixture], layout: BatchLayout, dp_rank: int, start_step: int,
                  prefetch_steps: int, cache: Optional[tuple[str, dict]] = None):
         # On this rank's node, strictly: a soft affinity lets Ray move a reader to a node
         # it still counts as free, such as one that vanished moments ago and is not yet
         # declared dead (seen after a node loss: the restarted rank failed again).
         node = ray.get_runtime_context().get_node_id()
         affinity = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(node, soft=False)
-        self.reader = FeedReader.options(scheduling_strategy=affinity).remote(data_path, manifest, order, layout, dp_rank, cache)
+        self.reader = FeedReader.options(scheduling_strategy=affinity).remote(datasets, mixture, layout, dp_rank, cache)
         self.layout, self.prefetch_steps = layout, prefetch_steps
         self._next_step = self._next_request = start_step
         self._in_flight: deque = deque()

@@ -15,25 +15,32 @@ FIELDS = {
     "tokenizer_sha256": "data.path",
     "num_samples": "data.path",
     "shards_sha256": "data.path",
+    "mixture_weights": "data.sources",
 }
 
 
 def order_inputs(spec, manifest: dict) -> dict:
-    shards = "\n".join(shard["sha256"] for shard in manifest["shards"])
-    return {
+    """For a mixture: its weights, and each source's inputs (listed in source order)."""
+    parts = [m["manifest"] for m in manifest["sources"]] if "sources" in manifest else [manifest]
+    shards = "\n--\n".join("\n".join(shard["sha256"] for shard in part["shards"]) for part in parts)
+    one = len(parts) == 1 and "sources" not in manifest
+    inputs = {
         "seed": spec.train.seed,
         "shuffle_window": spec.data.shuffle_window,
-        "shard_samples": manifest["shard_samples"],
+        "shard_samples": parts[0]["shard_samples"] if one else [part["shard_samples"] for part in parts],
         "tokenizer_sha256": manifest["tokenizer"]["sha256"],
-        "num_samples": manifest["num_samples"],
+        "num_samples": manifest["num_samples"] if one else [part["num_samples"] for part in parts],
         "shards_sha256": hashlib.sha256(shards.encode()).hexdigest(),
     }
+    if not one:
+        inputs["mixture_weights"] = [source["weight"] for source in manifest["sources"]]
+    return inputs
 
 
 def order_changes(saved: dict, now: dict) -> dict[str, list]:
     """{input: [saved, now]} for each input that differs. A checkpoint written before
     these were kept has none, and nothing is compared."""
-    return {key: [saved[key], now[key]] for key in FIELDS if key in saved and saved[key] != now[key]}
+    return {key: [saved.get(key), now.get(key)] for key in FIELDS if key in saved and saved.get(key) != now.get(key)}
 
 
 def describe(key: str, saved, now) -> str:

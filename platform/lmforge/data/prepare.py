@@ -58,6 +58,9 @@ class PrepareOptions:
     @classmethod
     def for_job(cls, spec, **given) -> "PrepareOptions":
         """The job's data section (and `given` values, e.g. from flags)."""
+        if spec.data.sources is not None:
+            raise UserError("data.sources: a mixture blends datasets prepared already; prepare each with "
+                            "`lmforge data prepare --source CORPUS --out PATH --seq-len N`")
         values = {
             "source": spec.data.source, "out": spec.data.path, "seq_len": spec.train.seq_len, "tokenizer": spec.data.tokenizer or _model_tokenizer(spec),
             "vocab_size": spec.data.vocab_size, "text_column": spec.data.text_column, "shard_samples": spec.data.shard_samples,

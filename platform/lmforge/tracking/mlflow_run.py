@@ -135,19 +135,27 @@ class MlflowRun:
 
         if self.resumed:
             return
-        digest = hashlib.sha256("\n".join([manifest["tokenizer"]["sha256"], str(manifest["num_samples"])]
-                                          + [shard["sha256"] for shard in manifest["shards"]]).encode()).hexdigest()[:16]
-        dataset = MetaDataset(_dataset_source(self.spec.data.path), name=os.path.basename(self.spec.data.path.rstrip("/")), digest=digest)
-        context = InputTag("mlflow.data.context", "train")
-        self.client.log_inputs(self.run_id, datasets=[DatasetInput(dataset._to_mlflow_entity(), tags=[context])])
+        # A mixture: each source is an input of its own, its weight as a tag.
+        parts = [(s["path"], s["manifest"], s["weight"]) for s in manifest["sources"]] if "sources" in manifest else [(self.spec.data.path, manifest, None)]
+        inputs, digests = [], []
+        for path, part, weight in parts:
+            digest = hashlib.sha256("\n".join([part["tokenizer"]["sha256"], str(part["num_samples"])]
+                                              + [shard["sha256"] for shard in part["shards"]]).encode()).hexdigest()[:16]
+            dataset = MetaDataset(_dataset_source(path), name=os.path.basename(path.rstrip("/")), digest=digest)
+            tags = [InputTag("mlflow.data.context", "train")] + ([InputTag("lmforge.mixture.weight", str(weight))] if weight is not None else [])
+            inputs.append(DatasetInput(dataset._to_mlflow_entity(), tags=tags))
+            digests.append(digest)
+        self.client.log_inputs(self.run_id, datasets=inputs)
         self._log_params(self.run_id, {"data.num_samples": manifest["num_samples"], "data.num_tokens": manifest.get("num_tokens"),
-                                       "data.digest": digest})
+                                       "data.digest": ",".join(digests)})
 
     def log_step(self, event: dict) -> None:
         from mlflow.entities import Metric
 
         stamp = int(event.get("time", time.time()) * 1000)
         self._pending += [Metric(k, float(event[k]), stamp, event["step"]) for k in METRIC_KEYS if k in event]
+        taken = event.get("mixture") or []  # a mixture's samples of each source this step, as shares
+        self._pending += [Metric(f"mixture_{i}", n / sum(taken), stamp, event["step"]) for i, n in enumerate(taken)]
         if time.time() - self._last_flush >= self.flush_every_s:
             self.flush()
 
