@@ -43,7 +43,8 @@ Reporter = Callable[[dict], None]
 
 class Trainer:
     def __init__(self, spec: JobSpec, manifest: dict, report: Optional[Reporter] = None, should_stop: Optional[Callable[[], bool]] = None,
-                 metrics=None):
+                 metrics=None, reader=None):
+        """`reader`: the job's shared `FeedReader` (its controller's); else this rank starts its own."""
         self.spec, self.manifest = spec, manifest
         self.report = report or (lambda event: None)
         self.metrics = metrics  # this rank's exported gauges (`lmforge.tracking.prometheus.RankMetrics`), under Ray
@@ -75,6 +76,8 @@ class Trainer:
             start_step=self.start_step,
             prefetch_steps=spec.data.prefetch_steps,
             cache=self.cache,
+            reader=reader,
+            end_step=spec.train.max_steps,
         )
         if self.device.type == "cuda" and not spec.resources.memory_per_worker:
             check_fits(spec, torch.cuda.get_device_properties(self.device).total_memory, f"{torch.cuda.get_device_name(self.device)} memory")

@@ -151,3 +151,33 @@ def test_a_mixture_reads_each_source_in_its_own_order_in_the_weights_proportions
     for chunk in range(2):
         counts = np.bincount([i // ID_STRIDE for i in flat[chunk * CHUNK:(chunk + 1) * CHUNK]], minlength=2)
         assert counts.tolist() == chunk_counts([3, 1]).tolist() == [CHUNK * 3 // 4, CHUNK // 4]
+
+
+def test_one_reader_serves_every_rank_reading_each_shard_once(ray_session, tiny_dataset):
+    """dp 2 x tp 2: four ranks on one shared reader get their slices, and it reads the
+    bytes one rank reading alone reads: each shard once per window (before, every rank
+    read every shard), and nothing past `end_step`."""
+    from lmforge.data.feed import start_reader
+
+    manifest = json.loads((tiny_dataset / "manifest.json").read_text())
+    steps = manifest["num_samples"] // 8 + 3  # into the second epoch
+    order = GlobalOrder(manifest["num_samples"], seed=4, block=manifest["shard_samples"], window=2)
+    layout = BatchLayout(global_batch=8, micro_batch=2, dp=2)
+    datasets = [Dataset(str(tiny_dataset), manifest, order)]
+    reader = start_reader(datasets, None, layout, [0, 1], 2, None, ray.get_runtime_context().get_node_id())
+    feeds = [BatchFeed(datasets, None, layout, dp_rank, 0, 3, reader=reader, end_step=steps) for dp_rank in (0, 0, 1, 1)]
+    for step in range(steps):
+        for feed in feeds:
+            fed = feed.next()
+            assert np.array_equal(fed.ids, order.ids(*layout.rank_positions(step, feed.dp_rank)))
+    shared = ray.get(reader.bytes_read.remote())
+    alone = BatchFeed(datasets, None, layout, 0, 0, 3, end_step=steps)
+    for _ in range(steps):
+        alone.next()
+    assert shared == ray.get(alone.reader.bytes_read.remote())
+    # The windows trained on, and at most a shard beyond (Ray Data may hand a block of two files).
+    windows = {order.locate(p) for p in range(steps * 8)}
+    needed = sum(manifest["shards"][int(b)]["bytes"] for epoch, w in windows for b in order.blocks(epoch)[w * 2:(w + 1) * 2])
+    assert needed <= shared <= needed + max(shard["bytes"] for shard in manifest["shards"])
+    alone.close()
+    ray.kill(reader)

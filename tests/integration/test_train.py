@@ -16,6 +16,7 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from lmforge import sdk
+from lmforge.data.order import GlobalOrder
 from lmforge.data.prepare import read_manifest
 from lmforge.errors import UserError
 from lmforge.spec import spec_from_dict
@@ -182,6 +183,11 @@ def test_3d_run_through_the_controller_matches_data_parallel(uninterrupted, ray_
     spec = spec_from_dict(job)
     summary = sdk.train(spec, show_progress=False)
     assert summary["world_size"] == 8
+    # One reader for the job: the 8 ranks (and the reference's 2) read each shard of the
+    # first window (all their steps lie in it) once between them.
+    manifest = read_manifest(tiny_dataset)
+    first_window = GlobalOrder(manifest["num_samples"], spec.train.seed, block=manifest["shard_samples"], window=spec.data.shuffle_window).blocks(0)[:spec.data.shuffle_window]
+    assert summary["data_bytes_read"] == uninterrupted[1]["data_bytes_read"] == sum(manifest["shards"][int(b)]["bytes"] for b in first_window)
     assert {(r["pp"], r["dp"], r["tp"]) for r in summary["ranks"]} == {(p, d, t) for p in (0, 1) for d in (0, 1) for t in (0, 1)}
     losses = _losses(tmp_path / "runs" / "tiny")
     for step in (1, 2, 3):

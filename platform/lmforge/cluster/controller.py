@@ -23,6 +23,9 @@ import ray
 from lmforge.cluster import placement
 from lmforge.cluster.capacity import Capacity
 from lmforge.cluster.worker import Worker
+from lmforge.data.feed import datasets_of, start_reader
+from lmforge.data.order import BatchLayout
+from lmforge.distill.cache import teacher_cache
 from lmforge.errors import CheckpointWritesFailing, Diverged, OutOfMemory, TrainingFailed, UserError, first_line
 from lmforge.guards.oom import with_smaller_micro_batch
 from lmforge.parallel.shape import MeshShape
@@ -46,6 +49,8 @@ class Controller:
         self._metrics = JobMetrics(spec_dict["name"])
         self._lock = threading.Lock()
         self._workers: list = []
+        self._reader = None  # the attempt's shared data reader
+        self._bytes_read = 0  # by the readers of the attempts before it
         self._capacity: Capacity | None = None  # created by run()
         self._rank_nodes: list[str] = []
         self._layout: list[dict] = []
@@ -183,16 +188,36 @@ class Controller:
             self._layout = self._rendezvous(MeshShape.for_spec(spec.parallel))
             self.report({"event": "layout", "ranks": self._layout})
             first_on_node = {node: rank for rank, node in reversed(list(enumerate(self._rank_nodes)))}
-            refs = [w.train.remote(spec_dict, self.manifest, controller_handle, self._attempt, rank in first_on_node.values())
+            self._reader = self._start_reader(spec)
+            refs = [w.train.remote(spec_dict, self.manifest, controller_handle, self._attempt, rank in first_on_node.values(), self._reader)
                     for rank, w in enumerate(self._workers)]
             results = self._wait_all(refs, spec)
             try:
                 ray.get([w.shutdown.remote() for w in self._workers], timeout=60)
             except ray.exceptions.RayError:
                 pass  # training finished and was reported; the actors are killed next anyway
-            return results[0] | {"world_size": world, "dp": spec.parallel.dp}
+            self._stop_reader(count=True)
+            return results[0] | {"world_size": world, "dp": spec.parallel.dp, "data_bytes_read": self._bytes_read}
         finally:
             self._teardown()
+
+    def _start_reader(self, spec: JobSpec):
+        """One reader for the whole job, beside rank 0: every DP rank's slice of each
+        step is read once, and handed to that rank's TP and PP peers alike."""
+        datasets, mixture = datasets_of(spec, self.manifest)
+        layout = BatchLayout(spec.train.global_batch, spec.train.micro_batch, spec.parallel.dp)
+        sharers = spec.parallel.tp * spec.parallel.pp
+        return start_reader(datasets, mixture, layout, list(range(spec.parallel.dp)), sharers, teacher_cache(spec), self._rank_nodes[0])
+
+    def _stop_reader(self, count: bool = False) -> None:
+        """Stops the attempt's reader; `count`: first adds what it read (a failed
+        attempt's reader is not asked: it may have gone with its node)."""
+        if self._reader is None:
+            return
+        if count:
+            self._bytes_read += ray.get(self._reader.bytes_read.remote(), timeout=60)
+        ray.kill(self._reader, no_restart=True)
+        self._reader = None
 
     def _nodes_lost(self, layout: list[dict]) -> list[str]:
         alive = {node[:12] for node in self._capacity.alive_nodes()}
@@ -255,6 +280,7 @@ class Controller:
         return [{"rank": r, **shape.coordinates(r), "ip": ip, "node": node[:12]} for r, (ip, _, node) in enumerate(addresses)]
 
     def _teardown(self) -> None:
+        self._stop_reader()
         for worker in self._workers:
             ray.kill(worker, no_restart=True)
         self._workers = []

@@ -52,8 +52,9 @@ class Worker:
             timeout=timedelta(minutes=5),
         )
 
-    def train(self, spec_dict: dict, manifest: dict, controller, attempt: int = 0, watch_node: bool = False) -> dict:
-        """`watch_node`: this rank also samples its node's system metrics into the run."""
+    def train(self, spec_dict: dict, manifest: dict, controller, attempt: int = 0, watch_node: bool = False, reader=None) -> dict:
+        """`watch_node`: this rank also samples its node's system metrics into the run;
+        `reader`: the job's shared data reader."""
         from lmforge.spec import JobSpec
         from lmforge.tracking.prometheus import RankMetrics
         from lmforge.tracking.system_metrics import start_monitor, stop_monitor
@@ -63,7 +64,7 @@ class Worker:
         # Tagged with the attempt: a report still in flight from a failed attempt is dropped.
         trainer = Trainer(
             spec, manifest, report=lambda event: controller.report.remote(event, attempt),
-            should_stop=lambda: ray.get(controller.grow_pending.remote()), metrics=RankMetrics(spec.name, self.rank),
+            should_stop=lambda: ray.get(controller.grow_pending.remote()), metrics=RankMetrics(spec.name, self.rank), reader=reader,
         )
         monitor = start_monitor(spec, watch_node)
         try:

@@ -48,12 +48,13 @@ class EpochStream:
         # The V2 Parquet path (Ray 2.60) delivers nothing until every file is read and
         # takes ~50 ms a file here; V1 streams the same shards 10x faster.
         ctx.use_datasource_v2 = False
-        # Two read tasks per rank keep the stream ahead without starting dozens of
+        # Two read tasks per reader keep the stream ahead without starting dozens of
         # worker processes on a small machine. They reserve no CPU: when the ranks
         # hold every CPU of the cluster, reading must still go on, or training waits forever.
         # They run beside this reader where they can, so blocks need not cross nodes.
         here = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
-        ds = ray.data.read_parquet([paths[b] for b in blocks], num_cpus=0, concurrency=2, columns=["sample_id", *columns],
+        # One block per shard: a block of several would carry the next window's shards along.
+        ds = ray.data.read_parquet([paths[b] for b in blocks], num_cpus=0, concurrency=2, columns=["sample_id", *columns], override_num_blocks=len(blocks),
                                    ray_remote_args={"scheduling_strategy": here})
         self._batches: Iterator = iter(ds.iter_batches(batch_format="pyarrow", batch_size=None, prefetch_batches=2))
         self.samples: dict[int, object] = {}
@@ -83,22 +84,27 @@ class Source:
     """One set of shards read by window: the dataset's tokens (and what its samples carry
     beside them), or the teacher cache's targets."""
 
-    def __init__(self, paths: list[str], order: GlobalOrder, rows):
-        self.paths, self.order, self.rows_of = paths, order, rows
+    def __init__(self, paths: list[str], order: GlobalOrder, rows, sizes: list[int]):
+        """`sizes`: each shard's bytes (0 where unknown)."""
+        self.paths, self.order, self.rows_of, self.sizes = paths, order, rows, sizes
         self.stream: Optional[EpochStream] = None
         self.current: tuple[int, int] = (-1, -1)
         self.rows: dict[int, object] = {}
-        self._shards_before = 0  # read by the streams replaced since
+        self._shards_before = self._bytes_before = 0  # read by the streams replaced since
 
     @property
     def shards_read(self) -> int:
         return self._shards_before + (len(self.stream.shards_read) if self.stream else 0)
 
+    @property
+    def bytes_read(self) -> int:
+        return self._bytes_before + (sum(self.sizes[i] for i in self.stream.shards_read) if self.stream else 0)
+
     def row(self, position: int, sample: int):
         epoch, window = self.order.locate(position)
         if (epoch, window) != self.current:
             if self.stream is None or self.stream.epoch != epoch or window < self.current[1]:
-                self._shards_before = self.shards_read
+                self._shards_before, self._bytes_before = self.shards_read, self.bytes_read
                 self.stream = EpochStream(self.paths, self.order, self.rows_of, epoch, window)
             self.stream.drop(self.rows)
             self.rows = self.stream.take_window(window)
@@ -128,22 +134,29 @@ def datasets_of(spec, manifest: dict) -> tuple[list[Dataset], Optional[Mixture]]
 
 @ray.remote(num_cpus=0)
 class FeedReader:
-    def __init__(self, datasets: list[Dataset], mixture: Optional[Mixture], layout: BatchLayout, dp_rank: int,
+    """Reads the job's data once for the ranks it serves: each step's rows of the DP
+    ranks `serves`, each slice handed to the `sharers` ranks that train on it (the TP
+    and PP peers of one DP rank), then dropped. One reader for the whole job reads
+    every sample once, whatever the layout."""
+
+    def __init__(self, datasets: list[Dataset], mixture: Optional[Mixture], layout: BatchLayout, serves: list[int], sharers: int = 1,
                  cache: Optional[tuple[str, dict]] = None):
         """`cache`: (its directory, its manifest) of top-k targets in shards named as the
         dataset's, read beside them; the dataset's own directory when its samples carry them."""
         self.datasets, self.mixture = datasets, mixture
         self.sources = [self._sources(d, cache) for d in datasets]  # per dataset: its tokens, and a cache's targets
-        self.layout, self.dp_rank = layout, dp_rank
+        self.layout, self.serves, self.sharers = layout, list(serves), sharers
+        self._chunks: dict[tuple[int, int], list] = {}  # (first step, steps) -> per served rank: (ids, columns, takers left)
 
     def _sources(self, dataset: Dataset, cache: Optional[tuple[str, dict]]) -> list[Source]:
         files = [s["file"] for s in dataset.manifest["shards"]]
+        sizes = [s.get("bytes", 0) for s in dataset.manifest["shards"]]
         own = cache is not None and storage.join(cache[0]) == storage.join(dataset.path)
         columns = sample_columns(dataset.manifest, cache[1]["k"] if own else None)
-        sources = [Source([storage.join(dataset.path, f) for f in files], dataset.order, decoder(columns))]
+        sources = [Source([storage.join(dataset.path, f) for f in files], dataset.order, decoder(columns), sizes)]
         if cache is not None and not own:
             targets = target_columns(dataset.manifest["seq_len"], cache[1]["k"])
-            sources.append(Source([storage.join(cache[0], f) for f in files], dataset.order, decoder(targets)))
+            sources.append(Source([storage.join(cache[0], f) for f in files], dataset.order, decoder(targets), [0] * len(files)))
             columns = {**columns, **targets}  # a new dict: the first source decodes its own columns
         self.columns = list(columns)
         return sources
@@ -151,6 +164,10 @@ class FeedReader:
     def shards_read(self) -> int:
         """Shards read so far, over all of this reader's sources."""
         return sum(source.shards_read for sources in self.sources for source in sources)
+
+    def bytes_read(self) -> int:
+        """Bytes of the dataset's shards read so far (a teacher cache's are not counted)."""
+        return sum(source.bytes_read for sources in self.sources for source in sources)
 
     def _split(self, start: int, count: int):
         """(dataset, its first position, how many, the rows they fill) of global positions
@@ -163,21 +180,43 @@ class FeedReader:
             rows = np.flatnonzero(which == d)
             yield int(d), int(positions[rows[0]]), len(rows), rows
 
-    def chunk(self, first_step: int, steps: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    def chunk(self, first_step: int, steps: int, dp_rank: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """(sample ids, {column: values}: tokens, and what the samples carry beside them)
-        of this rank for `steps` steps, step-major. A mixture's ids are the source's
-        index x `ID_STRIDE` + the sample's id in it."""
-        ids, rows = [], []
+        of DP rank `dp_rank` for `steps` steps, step-major. A mixture's ids are the
+        source's index x `ID_STRIDE` + the sample's id in it."""
+        key = (first_step, steps)
+        if key not in self._chunks:
+            self._chunks[key] = [[ids, columns, self.sharers] for ids, columns in self._read(first_step, steps)]
+        served = self._chunks[key][self.serves.index(dp_rank)]
+        served[2] -= 1
+        if all(taken[2] <= 0 for taken in self._chunks[key]):
+            del self._chunks[key]  # every rank has its slice: never asked again
+        return served[0], served[1]
+
+    def _read(self, first_step: int, steps: int) -> list[tuple[np.ndarray, dict[str, np.ndarray]]]:
+        """Each served rank's (ids, columns), read step by step in global order: the
+        streams only move forward, so no shard is read twice."""
+        ids, rows = {r: [] for r in self.serves}, {r: [] for r in self.serves}
         for step in range(first_step, first_step + steps):
-            step_ids, step_rows = np.empty(self.layout.per_rank, dtype=np.int64), [None] * self.layout.per_rank
-            for d, first, count, slots in self._split(*self.layout.rank_positions(step, self.dp_rank)):
-                order, sources = self.datasets[d].order, self.sources[d]
-                for slot, position, sample in zip(slots, range(first, first + count), order.ids(first, count)):
-                    step_rows[slot] = [value for source in sources for value in source.row(position, int(sample))]
-                    step_ids[slot] = int(sample) + (d * ID_STRIDE if self.mixture else 0)
-            ids.append(step_ids)
-            rows += step_rows
-        return np.concatenate(ids), {name: np.stack([row[i] for row in rows]) for i, name in enumerate(self.columns)}
+            for rank in self.serves:
+                step_ids, step_rows = np.empty(self.layout.per_rank, dtype=np.int64), [None] * self.layout.per_rank
+                for d, first, count, slots in self._split(*self.layout.rank_positions(step, rank)):
+                    order, sources = self.datasets[d].order, self.sources[d]
+                    for slot, position, sample in zip(slots, range(first, first + count), order.ids(first, count)):
+                        step_rows[slot] = [value for source in sources for value in source.row(position, int(sample))]
+                        step_ids[slot] = int(sample) + (d * ID_STRIDE if self.mixture else 0)
+                ids[rank].append(step_ids)
+                rows[rank] += step_rows
+        return [(np.concatenate(ids[r]), {name: np.stack([row[i] for row in rows[r]]) for i, name in enumerate(self.columns)}) for r in self.serves]
+
+
+def start_reader(datasets: list[Dataset], mixture: Optional[Mixture], layout: BatchLayout, serves: list[int], sharers: int,
+                 cache: Optional[tuple[str, dict]], node: str):
+    """A `FeedReader` on `node`, strictly: a soft affinity lets Ray move it to a node it
+    still counts as free, such as one that vanished moments ago and is not yet declared
+    dead (seen after a node loss: the restarted rank failed again)."""
+    affinity = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(node, soft=False)
+    return FeedReader.options(scheduling_strategy=affinity).remote(datasets, mixture, layout, serves, sharers, cache)
 
 
 @dataclass
@@ -193,16 +232,16 @@ class FedStep:
 
 
 class BatchFeed:
-    """The trainer's side: yields each step's `FedStep` in turn."""
+    """The trainer's side: yields each step's `FedStep` in turn, from the job's shared
+    reader (`reader`), or else from a reader of its own."""
 
     def __init__(self, datasets: list[Dataset], mixture: Optional[Mixture], layout: BatchLayout, dp_rank: int, start_step: int,
-                 prefetch_steps: int, cache: Optional[tuple[str, dict]] = None):
-        # On this rank's node, strictly: a soft affinity lets Ray move a reader to a node
-        # it still counts as free, such as one that vanished moments ago and is not yet
-        # declared dead (seen after a node loss: the restarted rank failed again).
-        node = ray.get_runtime_context().get_node_id()
-        affinity = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(node, soft=False)
-        self.reader = FeedReader.options(scheduling_strategy=affinity).remote(datasets, mixture, layout, dp_rank, cache)
+                 prefetch_steps: int, cache: Optional[tuple[str, dict]] = None, reader=None, end_step: Optional[int] = None):
+        """`end_step`: the last step trained; nothing past it is read ahead."""
+        self.own_reader = reader is None
+        if reader is None:
+            reader = start_reader(datasets, mixture, layout, [dp_rank], 1, cache, ray.get_runtime_context().get_node_id())
+        self.reader, self.dp_rank, self.end_step = reader, dp_rank, end_step
         self.layout, self.prefetch_steps = layout, prefetch_steps
         self._next_step = self._next_request = start_step
         self._in_flight: deque = deque()
@@ -211,17 +250,20 @@ class BatchFeed:
             self._request()
 
     def _request(self) -> None:
-        self._in_flight.append((self._next_request, self.reader.chunk.remote(self._next_request, self.prefetch_steps)))
-        self._next_request += self.prefetch_steps
+        steps = self.prefetch_steps if self.end_step is None else min(self.prefetch_steps, self.end_step - self._next_request)
+        if steps <= 0:
+            return
+        self._in_flight.append((self._next_request, steps, self.reader.chunk.remote(self._next_request, steps, self.dp_rank)))
+        self._next_request += steps
 
     def _receive(self) -> float:
-        first, ref = self._in_flight.popleft()
+        first, steps, ref = self._in_flight.popleft()
         began = time.perf_counter()
         ids, columns = ray.get(ref)
         waited = time.perf_counter() - began
         self._request()
         per, shape = self.layout.per_rank, (self.layout.accum, self.layout.micro_batch)
-        for i in range(self.prefetch_steps):
+        for i in range(steps):
             rows = slice(i * per, (i + 1) * per)
             step = {name: a[rows].reshape(*shape, *a.shape[1:]) for name, a in columns.items()}
             targets = (step["topk_ids"], step["topk_logprobs"]) if "topk_ids" in step else None
@@ -237,4 +279,5 @@ class BatchFeed:
         return fed
 
     def close(self) -> None:
-        ray.kill(self.reader)
+        if self.own_reader:  # the job's shared reader is its controller's to stop
+            ray.kill(self.reader)
