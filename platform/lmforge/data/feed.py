@@ -1,8 +1,10 @@
 """Streaming each rank's batches from the Parquet shards with Ray Data.
 
-A `FeedReader` actor per rank runs one Ray Data stream per epoch over the shards
+One `FeedReader` actor per job runs one Ray Data stream per epoch over the shards
 in the epoch's block order (see `order.GlobalOrder`), keeps a window of samples,
-and hands out whole chunks of steps. The trainer (`BatchFeed`) keeps the next
+and hands each DP rank (and that rank's TP and PP peers alike) whole chunks of
+steps, so each sample is read once; a mixture's sources are read side by side
+(`data.mixture`). The trainer (`BatchFeed`) keeps the next
 chunk requested, so it only waits on an object reference: reading never
 competes with the training loop for its interpreter. A distillation from the
 offline teacher cache streams its shards, which mirror the dataset's, beside the
