@@ -21,6 +21,7 @@ from typing import Optional
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import ray
 from rich.progress import Progress, TextColumn, TimeElapsedColumn
 from tokenizers import Tokenizer
@@ -30,7 +31,7 @@ from lmforge.data.corpus import read_documents
 from lmforge.data.packing import held_out
 from lmforge.data.precheck import check_before_ray
 from lmforge.data.staging import staged
-from lmforge.data.streams import SplitStream, block_streams
+from lmforge.data.streams import SplitStream, block_streams, settled
 from lmforge.data.tokenizer import end_of_text_token, eos_id, load_tokenizer, tokenizer_sha256, train_bpe
 from lmforge.errors import UserError
 
@@ -87,18 +88,21 @@ def _model_tokenizer(spec) -> Optional[str]:
     return None
 
 
-def _tokenize_batch(batch: dict, tokenizer_json: str) -> pa.Table:
+def _tokenize_batch(batch: pa.Table, tokenizer_json: str) -> pa.Table:
     """Documents -> their token ids (list<int32>), beside the undecodable flag."""
     key = hashlib.sha1(tokenizer_json.encode()).hexdigest()
     if key not in _TOKENIZERS:
         _TOKENIZERS[key] = Tokenizer.from_str(tokenizer_json)
-    encodings = _TOKENIZERS[key].encode_batch([str(t) for t in batch["text"]])
+    tokenizer = _TOKENIZERS[key]
+    # Without the character offsets (unused here): 1.4x the throughput of encode_batch, the same ids.
+    encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
+    encodings = encode(batch.column("text").to_pylist())
     documents = [np.asarray(e.ids, dtype=np.int32) for e in encodings]
     offsets = np.zeros(len(documents) + 1, dtype=np.int32)
     np.cumsum([len(d) for d in documents], out=offsets[1:])
     values = np.concatenate(documents) if documents else np.zeros(0, dtype=np.int32)
-    return pa.table({"ids": pa.ListArray.from_arrays(pa.array(offsets), pa.array(values)), "bad": pa.array(np.asarray(batch["bad"], dtype=bool)),
-                     "chars": pa.array([len(t) for t in batch["text"]], type=pa.int64())})
+    return pa.table({"ids": pa.ListArray.from_arrays(pa.array(offsets), pa.array(values)), "bad": batch.column("bad"),
+                     "chars": pc.utf8_length(batch.column("text")).cast(pa.int64())})
 
 
 def _stream_blocks(ds: ray.data.Dataset, splits: list[SplitStream], fraction: float, all_held_out: bool, eos: int,
@@ -142,10 +146,10 @@ def _get_tokenizer(ds: ray.data.Dataset, opts: PrepareOptions) -> Tokenizer:
 def _training_texts(ds: ray.data.Dataset, eval_fraction: float):
     """The documents a trained tokenizer learns from: the held-out ones stay unseen."""
     index = 0
-    for batch in ds.iter_batches(batch_size=256, batch_format="numpy"):
-        for text, bad in zip(batch["text"], batch["bad"]):
+    for batch in ds.iter_batches(batch_size=256, batch_format="pyarrow"):
+        for text, bad in zip(batch.column("text").to_pylist(), batch.column("bad").to_pylist()):
             if not bad and not held_out(index, eval_fraction):
-                yield str(text)
+                yield text
             index += 1
 
 
@@ -163,7 +167,7 @@ def prepare_dataset(opts: PrepareOptions) -> dict:
     tokenizer = _get_tokenizer(docs, opts)
     eos = eos_id(tokenizer, end_of_text_token(opts.tokenizer))
     tokenize = lambda ds: ds.map_batches(  # noqa: E731
-        _tokenize_batch, fn_kwargs={"tokenizer_json": tokenizer.to_str()}, batch_size=32, batch_format="numpy", num_cpus=0.5
+        _tokenize_batch, fn_kwargs={"tokenizer_json": tokenizer.to_str()}, batch_size=32, batch_format="pyarrow", num_cpus=1
     )
 
     with staged(out) as staging:
@@ -172,47 +176,48 @@ def prepare_dataset(opts: PrepareOptions) -> dict:
         held = None
         if opts.eval_fraction or eval_files:
             held = SplitStream(storage.join(staging, EVAL_DIR), width, opts.shard_samples)
-        with _progress(opts.show_progress) as progress:
-            task = progress.add_task("tokenizing", total=None, tokens=0, mb_per_s=0.0) if progress else None
-            opts.skipped, nodes = _stream_blocks(tokenize(docs), [train, held], opts.eval_fraction, False, eos, progress, task)
-            if eval_files:
-                task = progress.add_task("held-out split", total=None, tokens=0, mb_per_s=0.0) if progress else None
-                skipped, more_nodes = _stream_blocks(tokenize(read_documents(eval_files, opts.text_column)), [None, held], 0.0, True, eos, progress, task)
-                opts.skipped, nodes = opts.skipped + skipped, nodes | more_nodes
-        num_samples = train.num_samples
-        if num_samples == 0:
-            raise UserError(
-                f"{opts.name('source')}: {opts.source} yields {train.tokens} tokens, fewer than one sample of "
-                f"seq_len+1 = {opts.seq_len + 1}; the corpus is empty or too small"
-            )
-        shards, writers = zip(*ray.get(train.write()))
-        nodes |= set(writers)
-        storage.write_bytes(storage.join(staging, "tokenizer.json"), tokenizer.to_str(pretty=True).encode())
-        manifest = {
-            "format": "lmforge.packed.v1",
-            "source": opts.source,
-            "seq_len": opts.seq_len,
-            "num_samples": num_samples,
-            "num_tokens": num_samples * (opts.seq_len + 1),
-            "shard_samples": opts.shard_samples,
-            "corpus_tokens": train.tokens,
-            "documents": len(files),
-            "skipped_documents": opts.skipped,
-            "tokenizer": {
-                "file": "tokenizer.json",
-                "sha256": tokenizer_sha256(tokenizer),
-                "vocab_size": tokenizer.get_vocab_size(),
-                "eos_id": eos,
-            },
-            "shards": list(shards),
-            "seconds": round(time.time() - started, 2),
-            "nodes": len(nodes),  # that packed and wrote it
-        }
-        if held is not None:
-            manifest["eval"] = _held_out_entry(held, opts)
-        # Last: on an object store its presence is what marks the dataset complete.
-        storage.write_bytes(storage.join(staging, MANIFEST), json.dumps(manifest, indent=2).encode())
-        return manifest
+        with settled(train, held):  # no write lands after a failure has removed the staging directory
+            with _progress(opts.show_progress) as progress:
+                task = progress.add_task("tokenizing", total=None, tokens=0, mb_per_s=0.0) if progress else None
+                opts.skipped, nodes = _stream_blocks(tokenize(docs), [train, held], opts.eval_fraction, False, eos, progress, task)
+                if eval_files:
+                    task = progress.add_task("held-out split", total=None, tokens=0, mb_per_s=0.0) if progress else None
+                    skipped, more_nodes = _stream_blocks(tokenize(read_documents(eval_files, opts.text_column)), [None, held], 0.0, True, eos, progress, task)
+                    opts.skipped, nodes = opts.skipped + skipped, nodes | more_nodes
+            num_samples = train.num_samples
+            if num_samples == 0:
+                raise UserError(
+                    f"{opts.name('source')}: {opts.source} yields {train.tokens} tokens, fewer than one sample of "
+                    f"seq_len+1 = {opts.seq_len + 1}; the corpus is empty or too small"
+                )
+            shards, writers = zip(*[written for group in ray.get(train.write()) for written in group])
+            nodes |= set(writers)
+            storage.write_bytes(storage.join(staging, "tokenizer.json"), tokenizer.to_str(pretty=True).encode())
+            manifest = {
+                "format": "lmforge.packed.v1",
+                "source": opts.source,
+                "seq_len": opts.seq_len,
+                "num_samples": num_samples,
+                "num_tokens": num_samples * (opts.seq_len + 1),
+                "shard_samples": opts.shard_samples,
+                "corpus_tokens": train.tokens,
+                "documents": len(files),
+                "skipped_documents": opts.skipped,
+                "tokenizer": {
+                    "file": "tokenizer.json",
+                    "sha256": tokenizer_sha256(tokenizer),
+                    "vocab_size": tokenizer.get_vocab_size(),
+                    "eos_id": eos,
+                },
+                "shards": list(shards),
+                "seconds": round(time.time() - started, 2),
+                "nodes": len(nodes),  # that packed and wrote it
+            }
+            if held is not None:
+                manifest["eval"] = _held_out_entry(held, opts)
+            # Last: on an object store its presence is what marks the dataset complete.
+            storage.write_bytes(storage.join(staging, MANIFEST), json.dumps(manifest, indent=2).encode())
+            return manifest
 
 
 def _held_out_entry(held: SplitStream, opts: PrepareOptions) -> dict:
@@ -229,7 +234,7 @@ def _held_out_entry(held: SplitStream, opts: PrepareOptions) -> dict:
         "documents": held.documents,
         "num_samples": held.num_samples,
         "corpus_tokens": held.tokens,
-        "shards": [entry for entry, _ in ray.get(held.write())],
+        "shards": [entry for group in ray.get(held.write()) for entry, _ in group],
     }
 
 
