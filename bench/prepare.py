@@ -4,8 +4,9 @@ The baseline is `tokenizers`' `encode_batch` over the same texts with the same
 tokenizer: the work that cannot be avoided. The lmforge side is `prepare_dataset`
 end to end: reading, tokenizing, packing, writing shards and the manifest, Ray
 already up. The two run alternately, `--repeats` times each, and the medians are
-compared. The driver's own CPU seconds are printed too: work done there does not
-scale out when nodes are added.
+compared. The driver's own CPU seconds are printed too, and those of the pipeline's
+coordinating task on the cluster (Ray Data's executor): work done in either does
+not scale out when nodes are added.
 
     python bench/prepare.py [--repeats 5] [--files 0] [--seq-len 128]
 """
@@ -73,7 +74,7 @@ def main() -> None:
         tokenizer_path = os.path.join(workdir, "tokenizer.json")
         train_bpe(texts, 8192).save(tokenizer_path)
         ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
-        baseline, lmforge, driver_cpu = [], [], []
+        baseline, lmforge, driver_cpu, coordinator_cpu = [], [], [], []
         tokens = 0
         for run in range(args.repeats):
             seconds, tokens = encode_batch_seconds(tokenizer_path, texts)
@@ -81,7 +82,9 @@ def main() -> None:
             seconds, cpu, manifest = prepare_seconds(source, tokenizer_path, args.seq_len, workdir, run)
             lmforge.append(seconds)
             driver_cpu.append(cpu)
-            print(f"run {run + 1}: encode_batch {baseline[-1]:.2f} s, prepare {seconds:.2f} s (driver CPU {cpu:.2f} s)", file=sys.stderr)
+            coordinator_cpu.append(manifest["coordinator_cpu_seconds"])
+            print(f"run {run + 1}: encode_batch {baseline[-1]:.2f} s, prepare {seconds:.2f} s (driver CPU {cpu:.2f} s, "
+                  f"coordinator CPU {coordinator_cpu[-1]:.2f} s)", file=sys.stderr)
         ray.shutdown()
     assert manifest["corpus_tokens"] == tokens + len(texts) - sum(1 for t in texts if not t), "prepare tokenized other texts"
     base, ours = statistics.median(baseline), statistics.median(lmforge)
@@ -90,6 +93,8 @@ def main() -> None:
     print(f"encode_batch (baseline): {tokens / base:12,.0f} tokens/s  (runs: {', '.join(f'{s:.2f}' for s in baseline)} s)")
     print(f"lmforge data prepare   : {tokens / ours:12,.0f} tokens/s  (runs: {', '.join(f'{s:.2f}' for s in lmforge)} s)")
     print(f"driver CPU: {statistics.median(driver_cpu):.2f} s of {ours:.2f} s wall ({statistics.median(driver_cpu) / ours:.0%}; target < 5%)")
+    print(f"coordinator task CPU (Ray Data's executor, on the cluster): {statistics.median(coordinator_cpu):.2f} s "
+          f"({statistics.median(coordinator_cpu) / ours:.0%} of the wall)")
     print(f"ratio prepare / encode_batch: {base / ours:.3f}  (per-run ratios {ratios[0]:.3f}..{ratios[-1]:.3f}; target >= 0.8)")
 
 

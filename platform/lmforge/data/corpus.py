@@ -86,16 +86,17 @@ def source_kind(files: list[str]) -> str:
     )
 
 
-def read_documents(files: list[str], text_column: str) -> ray.data.Dataset:
-    """One document per text file, per JSON line, or per Parquet row, in file order."""
+def read_documents(files: list[str], text_column: str, num_cpus: float = 0.25) -> ray.data.Dataset:
+    """One document per text file, per JSON line, or per Parquet row, in file order
+    (`num_cpus` a task: a map asking for as many fuses with the read)."""
     kind = source_kind(files)
     if kind == "text":
-        raw = ray.data.read_binary_files(files, num_cpus=1)
-        return raw.map_batches(_decode, batch_format="pyarrow", num_cpus=1)
+        raw = ray.data.read_binary_files(files, num_cpus=num_cpus)
+        return raw.map_batches(_decode, batch_format="pyarrow", num_cpus=num_cpus)
     if kind == "json":
-        ds = ray.data.read_json(files, lines=True, num_cpus=1)
+        ds = ray.data.read_json(files, lines=True, num_cpus=num_cpus)
     else:
-        ds = ray.data.read_parquet(files, num_cpus=1)
+        ds = ray.data.read_parquet(files, num_cpus=num_cpus)
     if text_column not in ds.schema().names:
         raise UserError(f"data.text_column: {text_column!r} is not a column of {files[0]} (has {ds.schema().names})")
 
@@ -104,4 +105,4 @@ def read_documents(files: list[str], text_column: str) -> ray.data.Dataset:
         return pa.table({"text": pa.array([t if isinstance(t, str) else "" for t in values], type=pa.large_string()),
                          "bad": pa.array([not isinstance(t, str) for t in values])})
 
-    return ds.map_batches(_texts, batch_format="pyarrow", num_cpus=1)
+    return ds.map_batches(_texts, batch_format="pyarrow", num_cpus=num_cpus)
