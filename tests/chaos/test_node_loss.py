@@ -39,6 +39,11 @@ def test_node_loss_shrinks_then_grows_back_and_trains_exactly(multinode):
     # which on a loaded machine can come after the restart (seen in CI).
     (resized,) = [event for event in history if event["event"] == "resized"]
     assert (resized["from_dp"], resized["dp"]) == (1, 2) and resized["step"] > recovered[-1]["step"]
+    # A data reader is kept by the next attempt only where it answered, else replaced:
+    # a kept one is on the node of the reader started before it.
+    readers = [event for event in history if event["event"] == "reader"]
+    assert not readers[0]["kept"] and len(readers) == 1 + len(recovered) + 1  # the start, each restart, the growth
+    assert all(reader["node"] == before["node"] for before, reader in zip(readers, readers[1:]) if reader["kept"])
     restored = [event["step"] for event in history if event["event"] == "restored"]
     assert restored[-1] % 10 == 0 and restored[-1] == resized["step"] - 1  # grew at a checkpoint, nothing redone
     _same_as_whole(runs, "tiny", rel=1e-4)

@@ -108,6 +108,8 @@ def test_rank_killed_while_a_checkpoint_is_written_restores_the_one_before(unint
     assert failure["step"] >= 24 and "ActorDiedError" in failure["cause"]
     assert recovered["seconds"] > 0 and recovered["steps_redone"] >= 14
     assert _restored_steps(run_dir) == [10]
+    # The rank's node lives on, and so does the job's data reader: laid out anew, not restarted.
+    assert [event["kept"] for event in _events(run_dir, "reader")] == [False, True]
     same_as_uninterrupted(run_dir, uninterrupted)
 
 

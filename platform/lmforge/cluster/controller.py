@@ -33,6 +33,9 @@ from lmforge.spec import JobSpec
 from lmforge.tracking.prometheus import JobMetrics
 
 
+READER_ANSWER_S = 5.0  # a kept reader must answer its new layout within this, or a new one starts
+
+
 class RankHung(RuntimeError):
     """Some rank stopped making progress (stuck in a collective, a stopped process)."""
 
@@ -49,8 +52,9 @@ class Controller:
         self._metrics = JobMetrics(spec_dict["name"])
         self._lock = threading.Lock()
         self._workers: list = []
-        self._reader = None  # the attempt's shared data reader
-        self._bytes_read = 0  # by the readers of the attempts before it
+        self._reader = None  # the job's shared data reader, kept across attempts while its node lives
+        self._reader_node = ""
+        self._bytes_read = 0  # by the readers replaced since
         self._capacity: Capacity | None = None  # created by run()
         self._rank_nodes: list[str] = []
         self._layout: list[dict] = []
@@ -136,6 +140,7 @@ class Controller:
                 self._resize_from = (self._dp, time.time())
                 current = capacity.fit(current)
         finally:
+            self._stop_reader()  # after a success it was counted and stopped already
             capacity.release()
 
     def _roll_back(self, spec: JobSpec, cause: Diverged) -> JobSpec:
@@ -188,30 +193,43 @@ class Controller:
             self._layout = self._rendezvous(MeshShape.for_spec(spec.parallel))
             self.report({"event": "layout", "ranks": self._layout})
             first_on_node = {node: rank for rank, node in reversed(list(enumerate(self._rank_nodes)))}
-            self._reader = self._start_reader(spec)
-            refs = [w.train.remote(spec_dict, self.manifest, controller_handle, self._attempt, rank in first_on_node.values(), self._reader)
+            reader = self._start_reader(spec)
+            refs = [w.train.remote(spec_dict, self.manifest, controller_handle, self._attempt, rank in first_on_node.values(), reader)
                     for rank, w in enumerate(self._workers)]
             results = self._wait_all(refs, spec)
             try:
                 ray.get([w.shutdown.remote() for w in self._workers], timeout=60)
             except ray.exceptions.RayError:
                 pass  # training finished and was reported; the actors are killed next anyway
-            self._stop_reader(count=True)
+            if not results[0].get("stopped"):  # the job is done; a stop to grow keeps its reader
+                self._stop_reader(count=True)
             return results[0] | {"world_size": world, "dp": spec.parallel.dp, "data_bytes_read": self._bytes_read}
         finally:
             self._teardown()
 
     def _start_reader(self, spec: JobSpec):
-        """One reader for the whole job, beside rank 0: every DP rank's slice of each
-        step is read once, and handed to that rank's TP and PP peers alike."""
-        datasets, mixture = datasets_of(spec, self.manifest)
+        """One reader for the whole job: every DP rank's slice of each step is read once,
+        and handed to that rank's TP and PP peers alike. The reader of an earlier
+        attempt is kept, laid out anew, while its node lives; else one starts beside rank 0."""
         layout = BatchLayout(spec.train.global_batch, spec.train.micro_batch, spec.parallel.dp)
-        sharers = spec.parallel.tp * spec.parallel.pp
-        return start_reader(datasets, mixture, layout, list(range(spec.parallel.dp)), sharers, teacher_cache(spec), self._rank_nodes[0])
+        serves, sharers = list(range(spec.parallel.dp)), spec.parallel.tp * spec.parallel.pp
+        if self._reader is not None and self._reader_node in self._capacity.alive_nodes():
+            try:
+                ray.get(self._reader.relayout.remote(layout, serves, sharers), timeout=READER_ANSWER_S)
+                self.report({"event": "reader", "kept": True, "node": self._reader_node[:12]})
+                return self._reader
+            except (ray.exceptions.RayError, TimeoutError):
+                pass  # gone, or too slow to trust: a new one
+        self._stop_reader()
+        datasets, mixture = datasets_of(spec, self.manifest)
+        self._reader_node = self._rank_nodes[0]
+        self._reader = start_reader(datasets, mixture, layout, serves, sharers, teacher_cache(spec), self._reader_node)
+        self.report({"event": "reader", "kept": False, "node": self._reader_node[:12]})
+        return self._reader
 
     def _stop_reader(self, count: bool = False) -> None:
-        """Stops the attempt's reader; `count`: first adds what it read (a failed
-        attempt's reader is not asked: it may have gone with its node)."""
+        """Stops the job's reader; `count`: first adds what it read (a reader being
+        replaced is not asked: it may have gone with its node)."""
         if self._reader is None:
             return
         if count:
@@ -280,7 +298,6 @@ class Controller:
         return [{"rank": r, **shape.coordinates(r), "ip": ip, "node": node[:12]} for r, (ip, _, node) in enumerate(addresses)]
 
     def _teardown(self) -> None:
-        self._stop_reader()
         for worker in self._workers:
             ray.kill(worker, no_restart=True)
         self._workers = []

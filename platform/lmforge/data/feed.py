@@ -102,6 +102,11 @@ class Source:
     def bytes_read(self) -> int:
         return self._bytes_before + (sum(self.sizes[i] for i in self.stream.shards_read) if self.stream else 0)
 
+    def restart(self) -> None:
+        """Drop the stream: the next row starts a new one at its window."""
+        self._shards_before, self._bytes_before = self.shards_read, self.bytes_read
+        self.stream, self.current, self.rows = None, (-1, -1), {}
+
     def row(self, position: int, sample: int):
         epoch, window = self.order.locate(position)
         if (epoch, window) != self.current:
@@ -163,6 +168,13 @@ class FeedReader:
         self.columns = list(columns)
         return sources
 
+    def relayout(self, layout: BatchLayout, serves: list[int], sharers: int) -> None:
+        """Serve another attempt's layout (after a failure, or a resize): its ranks ask
+        from their restored step on, and the streams are kept, so a resume within the
+        windows held reads nothing again and starts no new Ray Data workers."""
+        self.layout, self.serves, self.sharers = layout, list(serves), sharers
+        self._chunks.clear()
+
     def shards_read(self) -> int:
         """Shards read so far, over all of this reader's sources."""
         return sum(source.shards_read for sources in self.sources for source in sources)
@@ -188,7 +200,12 @@ class FeedReader:
         source's index x `ID_STRIDE` + the sample's id in it."""
         key = (first_step, steps)
         if key not in self._chunks:
-            self._chunks[key] = [[ids, columns, self.sharers] for ids, columns in self._read(first_step, steps)]
+            try:
+                self._chunks[key] = [[ids, columns, self.sharers] for ids, columns in self._read(first_step, steps)]
+            except Exception:
+                for source in (source for sources in self.sources for source in sources):
+                    source.restart()  # a stream that failed (a read task lost with its node) is not asked again
+                raise
         served = self._chunks[key][self.serves.index(dp_rank)]
         served[2] -= 1
         if all(taken[2] <= 0 for taken in self._chunks[key]):

@@ -63,7 +63,7 @@ MESSAGES: dict[str, Callable[[dict], str]] = {
 
 # Kept in metrics.jsonl: history (commits are in the checkpoint directory itself), and
 # measurements (eval) that a restart drops after its restore point, as it does steps.
-RECORDED = {"layout", "data_changed", "eval", "spares", "checkpoint_failed", "checkpoint_corrupt", "restored", "grow_pending", "resized", "failure", "recovered",
+RECORDED = {"layout", "reader", "data_changed", "eval", "spares", "checkpoint_failed", "checkpoint_corrupt", "restored", "grow_pending", "resized", "failure", "recovered",
             "nonfinite", "rollback", "batch_skipped", "loss_spike", "out_of_memory", "leak"}
 
 METRICS: dict[str, Callable[[dict], dict[str, float]]] = {
