@@ -156,7 +156,7 @@ def test_job_commands_find_the_notebooks_job(notebook_job, head):
     logs = run_cli("logs", job_id, "--address", head.address, "--token", head.token, cwd=REPO)
     assert "step 6/6" in logs.stdout and "lmforge-event" not in logs.stdout
     with_events = run_cli("logs", job_id, "--events", "--address", head.address, "--token", head.token, cwd=REPO)
-    assert with_events.stdout.count("lmforge-event ") == 6 + 3 + 2  # steps, evaluations, layout and summary
+    assert with_events.stdout.count("lmforge-event ") == 6 + 3 + 3  # steps, evaluations, layout, data reader and summary
 
 
 def scrape(port: int) -> dict[str, list[str]]:
