@@ -206,7 +206,7 @@ def cpu_supports_fp16() -> bool:
 
 
 def read_mixture(spec: JobSpec) -> dict:
-    """The mixture's manifest (`data.mixture`), each source's read and checked."""
+    """The mixture's manifest (`data.sources`), each source's read and checked."""
     manifests = [read_manifest(source.path, f"data.sources[{i}].path") for i, source in enumerate(spec.data.sources)]
     return mixture_manifest(spec.data.sources, manifests)
 

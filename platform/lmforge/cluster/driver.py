@@ -150,7 +150,7 @@ def _run(plan: Plan, manifest: dict, console: Console, show_progress: bool, leas
         **seen.waits.summary(),
         "world_size": result["world_size"],
         "dp": result["dp"],
-        "data_bytes_read": result.get("data_bytes_read"),  # by the job's readers, over every attempt that finished
+        "data_bytes_read": result.get("data_bytes_read"),  # by the job's readers that lasted to its end
         "failures": seen.failures,
         "ranks": seen.ranks,
         "run_dir": os.path.abspath(spec.run_dir),

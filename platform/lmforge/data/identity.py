@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import hashlib
 
+from lmforge.data.mixture import is_mixture
+
 # Each input, the job field a user changes to change it.
 FIELDS = {
     "seed": "train.seed",
@@ -21,9 +23,9 @@ FIELDS = {
 
 def order_inputs(spec, manifest: dict) -> dict:
     """For a mixture: its weights, and each source's inputs (listed in source order)."""
-    parts = [m["manifest"] for m in manifest["sources"]] if "sources" in manifest else [manifest]
+    one = not is_mixture(manifest)
+    parts = [manifest] if one else [source["manifest"] for source in manifest["sources"]]
     shards = "\n--\n".join("\n".join(shard["sha256"] for shard in part["shards"]) for part in parts)
-    one = len(parts) == 1 and "sources" not in manifest
     inputs = {
         "seed": spec.train.seed,
         "shuffle_window": spec.data.shuffle_window,

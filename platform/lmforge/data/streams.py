@@ -3,10 +3,11 @@ no per-token work and the work spreads over the cluster's nodes.
 
 Each block of tokenized documents becomes its piece of each split's token stream
 (documents in order, each followed by the end-of-document token, routed to the
-training or the held-out split by index). The driver adds up the pieces' lengths,
-and as soon as the stream holds a group of whole shards, one task cuts their samples
-out of the pieces that overlap them and writes the Parquet files. The result is the same, byte for byte, as packing the
-whole stream in one process.
+training or the held-out split by index). The coordinator adds up the pieces'
+lengths, and as soon as the stream holds a group of whole shards, one task cuts
+their samples out of the pieces that overlap them and writes the Parquet files.
+The result is the same, byte for byte, as packing
+the whole stream in one process.
 """
 
 from __future__ import annotations

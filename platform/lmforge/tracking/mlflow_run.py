@@ -18,6 +18,7 @@ from functools import cached_property
 
 import yaml
 
+from lmforge.data.mixture import is_mixture
 from lmforge.spec import JobSpec, flatten
 from lmforge.tracking import events
 
@@ -136,7 +137,7 @@ class MlflowRun:
         if self.resumed:
             return
         # A mixture: each source is an input of its own, its weight as a tag.
-        parts = [(s["path"], s["manifest"], s["weight"]) for s in manifest["sources"]] if "sources" in manifest else [(self.spec.data.path, manifest, None)]
+        parts = [(s["path"], s["manifest"], s["weight"]) for s in manifest["sources"]] if is_mixture(manifest) else [(self.spec.data.path, manifest, None)]
         inputs, digests = [], []
         for path, part, weight in parts:
             digest = hashlib.sha256("\n".join([part["tokenizer"]["sha256"], str(part["num_samples"])]
