@@ -121,6 +121,11 @@ class CheckpointSpec(_Section):
     keep: int = Field(3, gt=0, description="newest committed checkpoints kept")
     keep_every: Optional[int] = Field(None, gt=0, description="also keep every checkpoint whose step is a multiple of this")
     async_save: bool = Field(True, description="write in the background; training pauses only to copy the state to CPU memory")
+    in_memory: bool = Field(
+        False, description="also keep a snapshot in host memory, on the rank's node and one other, every memory_interval steps; "
+        "a restart within the job restores from it (up to 4x each rank's weights and optimizer state per rank, see `lmforge plan`)"
+    )
+    memory_interval: int = Field(1, gt=0, description="steps between in-memory snapshots (with in_memory): at most this many steps are redone after a failure")
     max_failed_writes: int = Field(3, gt=0, description="checkpoint writes that may fail in a row (logged) before the job fails")
     resume: bool = True
     allow_data_change: bool = Field(
@@ -162,6 +167,10 @@ class FaultToleranceSpec(_Section):
         None, gt=0, description="no step for this long (after an attempt's first step) counts as a hang: a failure"
     )
     spares: int = Field(0, ge=0, description="ranks' worth of capacity held beyond the layout, so a lost rank is replaced without shrinking")
+    keep_survivors: bool = Field(
+        True, description="after a failure, ranks that are done with the attempt keep their processes for the next one (native engine); "
+        "false: every rank starts afresh"
+    )
 
 
 class GuardSpec(_Section):

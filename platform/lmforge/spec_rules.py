@@ -32,6 +32,9 @@ def check_engine(spec: "JobSpec") -> None:
         return
     if spec.deepspeed is None:
         raise ValueError("deepspeed: engine: deepspeed needs a deepspeed.config (a mapping or a JSON file)")
+    if spec.checkpoint.in_memory:
+        raise ValueError("checkpoint.in_memory: snapshots are DCP files of the native engine's state; "
+                         "the deepspeed engine checkpoints to storage only")
     p = spec.parallel
     if p.tp > 1 or p.pp > 1:
         raise ValueError("parallel.tp: the deepspeed engine runs data parallelism only; use engine: native for tp or pp")

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from lmforge.checkpoint.memory import SnapshotTarget, SnapshotWriter, load_snapshot, snapshot_state
 from lmforge.checkpoint.sharded import load_checkpoint, restore_point
 from lmforge.checkpoint.store import CheckpointStore
 from lmforge.checkpoint.writer import CheckpointWriter
@@ -43,8 +44,11 @@ Reporter = Callable[[dict], None]
 
 class Trainer:
     def __init__(self, spec: JobSpec, manifest: dict, report: Optional[Reporter] = None, should_stop: Optional[Callable[[], bool]] = None,
-                 metrics=None, reader=None):
-        """`reader`: the job's shared `FeedReader` (its controller's); else this rank starts its own."""
+                 metrics=None, reader=None, snapshot_target: Optional[SnapshotTarget] = None, snapshot_source=None):
+        """`reader`: the job's shared `FeedReader` (its controller's); else this rank starts its own.
+        `snapshot_target`: where `checkpoint.in_memory` snapshots go; `snapshot_source`
+        (`step`, `fetch(name)`): the newest complete one, restored instead of storage's
+        latest checkpoint when it is at least as new."""
         self.spec, self.manifest = spec, manifest
         self.report = report or (lambda event: None)
         self.metrics = metrics  # this rank's exported gauges (`lmforge.tracking.prometheus.RankMetrics`), under Ray
@@ -58,12 +62,16 @@ class Trainer:
         # Checkpoint I/O gets its own gloo group: its background collectives must not
         # interleave with training's (and DCP's async save needs a CPU backend).
         checkpoint_group = dist.new_group(backend="gloo")
-        resume_from = restore_point(self.store, checkpoint_group, self._event) if spec.checkpoint.resume else None
-        self.start_step = resume_from.step if resume_from else 0
+        from_memory = spec.checkpoint.resume and self._newer_in_memory(snapshot_source, checkpoint_group)
+        memory_state = snapshot_state(snapshot_source.fetch) if from_memory else None
+        resume_from = restore_point(self.store, checkpoint_group, self._event) if spec.checkpoint.resume and not from_memory else None
+        self.start_step = memory_state["step"] if from_memory else resume_from.step if resume_from else 0
         if self.rank == 0:
             self.store.discard_after(self.start_step)  # half-written or to be rewritten
         dist.barrier(group=checkpoint_group)
         self.writer = CheckpointWriter(self.store, spec.checkpoint, checkpoint_group, self._event)
+        # Snapshots get a group of their own too: one may be in flight beside a checkpoint.
+        self.snapshots = SnapshotWriter(snapshot_target, dist.new_group(backend="gloo")) if snapshot_target else None
         # Start reading ahead first: Ray Data's first read overlaps model building.
         self.layout = BatchLayout(spec.train.global_batch, spec.train.micro_batch, p.dp)
         self.cache = teacher_cache(spec)  # (directory, manifest) of a distillation's offline targets (an instruction dataset's own)
@@ -89,15 +97,26 @@ class Trainer:
             self.held_out = HeldOutBatches(spec.data.path, manifest, self.layout, self.dims.dp_rank, eval_batches(spec, manifest), held_cache)
         self.peak_flops = peak_flops(self.device, spec.train.precision)
         self.flops_per_step = spec.model_arch.flops_per_token(spec.train.seq_len) * spec.train.global_batch * spec.train.seq_len
-        if resume_from is not None:
+        if from_memory:
+            load_snapshot(snapshot_source.fetch, self.engine, memory_state)
+            self._event({"event": "restored", "step": self.start_step, "path": "memory", "from_memory": True})
+        elif resume_from is not None:
             load_checkpoint(self.store, resume_from, self.engine)
-            self._event({"event": "restored", "step": resume_from.step, "path": resume_from.path})
+            self._event({"event": "restored", "step": resume_from.step, "path": resume_from.path, "from_memory": False})
         self.skip_batches = set(spec.guards.skip_batches)
         self.divergence = DivergenceGuard(spec.guards)
         self.leaks = LeakCheck() if spec.guards.leak_check else None
         self.faults = FaultInjector(spec, self.engine, self.rank)
         # Steps after this one are (re)trained now: whoever records them drops later ones.
         self._event({"event": "start", "step": self.start_step})
+
+    def _newer_in_memory(self, source, group: dist.ProcessGroup) -> bool:
+        """Rank 0 decides for all: is the snapshot at least as new as storage's latest
+        committed checkpoint? (Storage is not read otherwise, so a lost or slow store
+        does not hold a restore up.)"""
+        decision = [source is not None and self.rank == 0 and source.step >= max(self.store.committed(), default=0)]
+        dist.broadcast_object_list(decision, src=0, group=group)
+        return bool(decision[0])
 
     def _event(self, event: dict) -> None:
         if self.rank == 0:
@@ -135,11 +154,15 @@ class Trainer:
                     last = self._train_step(step, fed, began) or last
                 if self.held_out and (step % self.spec.eval_interval == 0 or step == train.max_steps):
                     self._evaluate(step)
+                if self.snapshots and step % self.spec.checkpoint.memory_interval == 0 and step < train.max_steps:
+                    self.snapshots.save(step, self.engine, self._trainer_state(step))
                 if step % self.spec.checkpoint.interval == 0 or step == train.max_steps:
                     self.writer.save(step, self.engine, self._trainer_state(step))
                     if step < train.max_steps and self._stop_requested():
                         stopped = True
                         break
+            if self.snapshots:
+                self.snapshots.close()
             self.writer.close()  # the last checkpoint is committed before the run counts as done
         finally:
             self.feed.close()
@@ -152,7 +175,7 @@ class Trainer:
             self.faults.before_step(step)
             rollout = self.on_policy.for_step(step, fed.ids) if self.on_policy else None
             # A checkpoint started at the last step may still be copying the weights.
-            stats = self.engine.train_step(torch.from_numpy(fed.tokens.astype(np.int64)), before_update=self.writer.staged,
+            stats = self.engine.train_step(torch.from_numpy(fed.tokens.astype(np.int64)), before_update=self._staged,
                                            targets=_targets(fed.targets), loss_mask=_mask(fed.loss_mask), on_policy=rollout)
         except torch.OutOfMemoryError as err:
             raise OutOfMemory(step, self.rank, train.micro_batch, memory_report(self.spec, self.rank, step, self.device, err)) from None
@@ -191,6 +214,12 @@ class Trainer:
             self.metrics.step(row, torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else None)
         self._event(row)
         return row
+
+    def _staged(self) -> None:
+        """The state a checkpoint or snapshot is copying is copied: it may change now."""
+        self.writer.staged()
+        if self.snapshots:
+            self.snapshots.staged()
 
     def _evaluate(self, step: int) -> None:
         """The held-out loss (and a distillation's agreement with the teacher): every

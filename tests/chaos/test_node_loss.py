@@ -52,7 +52,9 @@ def test_node_loss_shrinks_then_grows_back_and_trains_exactly(multinode):
 def test_a_spare_rank_replaces_a_lost_node_without_shrinking(multinode):
     """No `elastic` here: the restart must place dp 2 again, in the spare's slot,
     while a rival placement group waits for a node. The lost node, silent but not
-    yet declared dead by Ray, is found by the controller's probe and not used again."""
+    yet declared dead by Ray, is found by the controller's heartbeats and not used again.
+    The node went before the first storage checkpoint: the restart restores the
+    in-memory snapshot, the lost rank's share from its replica on the other node."""
     result, runs = multinode
     spared = result["spared"]
     assert spared["final_step"] == SPARED_STEPS and spared["failures"] >= 1 and spared["dp"] == 2
@@ -68,6 +70,8 @@ def test_a_spare_rank_replaces_a_lost_node_without_shrinking(multinode):
     )
     assert not [event for event in history if event["event"] == "resized"]
     assert all(event["dp"] == 2 for event in history if event["event"] == "recovered")
+    restored = [event for event in history if event["event"] == "restored"]
+    assert restored and all(event["from_memory"] and event["step"] > 0 for event in restored)
     _same_as_whole(runs, "spared", rel=1e-5, steps=SPARED_STEPS)
 
 

@@ -113,6 +113,31 @@ def test_rank_killed_while_a_checkpoint_is_written_restores_the_one_before(unint
     same_as_uninterrupted(run_dir, uninterrupted)
 
 
+def test_a_restart_restores_the_in_memory_snapshot_and_keeps_the_surviving_rank(uninterrupted, ray_session, tiny_dataset, tmp_path):
+    """checkpoint.in_memory, a snapshot every step: past step 24 every committed
+    storage checkpoint's shards are overwritten (a restore from storage would find
+    them corrupt) and a rank is killed. The restart restores the newest snapshot
+    from memory, redoing at most a step or two; the surviving rank's process is kept
+    and re-ranked, and the run ends as if nothing had happened."""
+    run_dir = tmp_path / "runs" / "tiny"
+    killed = []
+
+    def spoil_storage_then_kill():
+        for shard in (run_dir / "checkpoints").glob("step_*/*.distcp"):
+            shard.write_bytes(b"\0" * shard.stat().st_size)
+        killed.append(kill_one_rank_process())
+
+    watcher = when_step_reached(run_dir, 24, spoil_storage_then_kill)
+    summary = sdk.train(spec_from_dict(chaos_job(tmp_path, tiny_dataset, in_memory=True)), show_progress=False)
+    watcher.join(timeout=5)
+    assert killed and summary["final_step"] == STEPS and summary["failures"] == 1
+    (failure,), (restored,), (recovered,) = _events(run_dir, "failure"), _events(run_dir, "restored"), _events(run_dir, "recovered")
+    assert restored["from_memory"] and restored["step"] >= 23 and not _events(run_dir, "checkpoint_corrupt")
+    assert restored["step"] == failure["step"] - recovered["steps_redone"] and recovered["steps_redone"] <= 2
+    assert [event["reused"] for event in _events(run_dir, "layout")] == [0, 1]
+    same_as_uninterrupted(run_dir, uninterrupted)
+
+
 def _block_steps(run_dir, *steps):
     """Make the checkpoint directory refuse the writes of these steps: a file where
     the step's directory would go (permissions would not stop root)."""

@@ -114,11 +114,12 @@ def test_node_watch_answers_for_live_nodes_and_names_the_others(ray_session):
     watch = NodeWatch(home="")  # no home node: this one is pinged like any other
     watch.watch([here, ""])  # "": a slot Ray has placed nowhere yet
     assert set(watch._pingers) == {here}
-    assert watch.unresponsive({here}, timeout_s=30) == set()
+    assert watch.unresponsive({here}, since=time.time()) == set()
     gone = "ab" * 28  # a node id no node has: its ping cannot be placed, so it never answers
-    assert watch.unresponsive({here, gone}, timeout_s=3) == {gone}
+    assert watch.unresponsive({here, gone}, since=time.time(), missed_s=1.0) == {gone}
+    watch.stop()
     with started(job()) as (capacity, _, _first):
         # Placing a layout watches its nodes, but the controller's own answers by itself
         # (other nodes' pingers: the multinode scenarios, where a lost node is found).
         assert capacity.watch.home == here and not capacity.watch._pingers
-        assert capacity.watch.unresponsive({here}, timeout_s=0.01) == set()
+        assert capacity.watch.unresponsive({here}, since=time.time()) == set()

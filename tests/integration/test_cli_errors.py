@@ -103,6 +103,16 @@ def test_world_larger_than_a_joined_cluster_names_elastic_min_dp(ray_session, tm
 
 
 @pytest.mark.ray
+def test_in_memory_checkpoints_the_nodes_cannot_hold_say_so_with_numbers(ray_session, tmp_path, tiny_dataset):
+    """A 1.6B-parameter model's weights and AdamW state, four copies per rank, on the session's one node."""
+    job = tiny_job(tmp_path, tiny_dataset, model={"preset": "tiny", "dim": 4096, "n_layers": 8, "n_heads": 32, "n_kv_heads": 32, "ffn_hidden": 16384},
+                   checkpoint={"in_memory": True})
+    result = run_cli("train", str(write_job(tmp_path, job)), cwd=tmp_path)
+    assert_clean_error(result, "checkpoint.in_memory: each rank's snapshot is", "kept 4 times over", "may hold 2 ranks", "of host memory for Ray")
+    assert nothing_written(tmp_path)
+
+
+@pytest.mark.ray
 def test_a_corpus_too_small_once_tokenized_leaves_nothing_behind(ray_session, s3_bucket, tmp_path):
     """Enough bytes to pass the check before Ray, too few tokens once BPE merged them;
     on a filesystem and on an object store (where no rename makes a dataset whole)."""

@@ -20,13 +20,19 @@ def test_plan_json_matches_the_estimator_and_judges_the_fit(tmp_path):
     report = json.loads(fits.stdout)
     assert report["world_size"] == 32 and report["cluster"]["fits"] is True
     assert report["worst_rank"] == worst_rank(load_spec(SEVEN_B)).as_dict()
-    tight = run_cli("plan", SEVEN_B, "--json", "--cluster", "nodes=4,gpus_per_node=8,gpu_mem=2GiB", cwd=tmp_path)
-    assert json.loads(tight.stdout)["cluster"]["fits"] is False
+    tight = run_cli("plan", SEVEN_B, "--json", "--cluster", "nodes=4,gpus_per_node=8,gpu_mem=2GiB", "--set", "checkpoint.in_memory=true", cwd=tmp_path)
+    tight_report = json.loads(tight.stdout)
+    assert tight_report["cluster"]["fits"] is False and "in_memory_host_bytes_per_rank" not in report
+    # In-memory checkpoints: the rank's weights and AdamW moments, on two nodes, for two snapshots.
+    worst = report["worst_rank"]
+    assert tight_report["in_memory_host_bytes_per_rank"] == 4 * (worst["params"] + worst["optimizer"] + worst["host"])
 
 
 def test_plan_prints_a_table_and_draws_a_chart(tmp_path):
-    result = run_cli("plan", SEVEN_B, "--cluster", "nodes=4,gpus_per_node=8,gpu_mem=80GB", "--chart", "chart.png", cwd=tmp_path)
+    result = run_cli("plan", SEVEN_B, "--cluster", "nodes=4,gpus_per_node=8,gpu_mem=80GB", "--chart", "chart.png", "--set", "checkpoint.in_memory=true",
+                     cwd=tmp_path)
     assert result.returncode == 0 and "optimizer states" in result.stdout and "fits:" in result.stdout
+    assert "in-memory checkpoints (checkpoint.in_memory):" in result.stdout and "of host memory per rank" in result.stdout
     assert_png(tmp_path / "chart.png")
 
 

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from lmforge.checkpoint.memory import SnapshotWriter, load_snapshot, snapshot_state
 from lmforge.checkpoint.sharded import load_checkpoint, restore_point
 from lmforge.checkpoint.store import CheckpointStore
 from lmforge.checkpoint.writer import CheckpointWriter
@@ -109,3 +110,40 @@ def test_an_fsspec_uri_saves_verifies_and_restores(group):
     restored = OneTensor()
     load_checkpoint(store, ckpt, restored)
     assert torch.equal(restored.weight, torch.ones(1000))
+
+
+class DictTarget:
+    """Keeps snapshots in this process, as the keepers keep them across nodes."""
+
+    def __init__(self):
+        self.files, self.taken_steps = {}, []
+
+    def put(self, step, rank, files):
+        self.files[step] = dict(files)
+
+    def taken(self, step, world):
+        self.taken_steps.append((step, world))
+
+
+def test_a_memory_snapshot_is_a_dcp_checkpoint_restored_as_it_was_at_save_time(tmp_path, group):
+    engine, target = OneTensor(), DictTarget()
+    snapshots = SnapshotWriter(target, group)
+    engine.train_step(None)
+    snapshots.save(1, engine, {"step": 1})
+    engine.train_step(None, before_update=snapshots.staged)
+    snapshots.close()
+    assert target.taken_steps == [(1, 1)]
+    files = target.files[1]
+    assert json.loads(files["state.json"]) == {"step": 1, "engine": {"scheduler": {}}} and ".metadata" in files
+    fetched = []
+    fetch = lambda name: fetched.append(name) or files[name]  # noqa: E731
+    restored = OneTensor()
+    load_snapshot(fetch, restored, snapshot_state(fetch))
+    assert torch.equal(restored.weight, torch.ones(1000)) and engine.weight[0] == 2
+    # The same files on disk are an ordinary DCP checkpoint.
+    for name, data in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(data)
+    state = {"model": {"weight": torch.zeros(1000)}}
+    dcp.load(state, storage_reader=dcp.FileSystemReader(str(tmp_path)))
+    assert torch.equal(state["model"]["weight"], torch.ones(1000))

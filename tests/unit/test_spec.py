@@ -96,6 +96,7 @@ def test_overrides_are_parsed_as_yaml_values():
         (["distill.teacher=t", "distill.cache=c", "distill.top_k=8", "distill.hidden={layers: {0: 1}}"], "distill.hidden: the teacher cache holds next-token targets"),
         (["distill.teacher=t", "distill.top_k=5000"], "distill.top_k: 5000 is larger than the vocabulary (1024)"),
         (["distill.teacher=t", "parallel.pp=2"], "distill.cache: with parallel.pp > 1 the teacher's targets come from an offline cache (build it with `lmforge distill cache JOB`"),
+        (["engine=deepspeed", "deepspeed.config={}", "checkpoint.in_memory=true"], "checkpoint.in_memory: snapshots are DCP files"),
         (["distill.teacher=t", "engine=deepspeed", "deepspeed.config={}", "distill.hidden={layers: {0: 1}}"],
          "distill.hidden: the deepspeed engine distills logits only; use engine: native"),
         (["distill.teacher=t", "distill.on_policy={}", "parallel.pp=2"], "distill.on_policy: the student writes its continuations with the whole model"),

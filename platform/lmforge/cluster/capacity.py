@@ -25,7 +25,6 @@ from lmforge.spec import JobSpec
 
 RESIZE_PROBE_S = 5.0  # how long an elastic start tries each larger layout before a smaller one
 PROBE_EVERY_S = 2.0  # how often a running job looks for room to grow or for its spares
-NODE_PROBE_S = 3.0  # after a failure, a node that does not run a no-op task in this long is lost
 
 
 class Capacity:
@@ -66,12 +65,12 @@ class Capacity:
             raise UserError(f"fault_tolerance.spares: with {spec.fault_tolerance.spares} spare ranks beside the job's: {error}")
         raise error or UserError(f"elastic.min_dp: the cluster cannot hold even dp {elastic.min_dp}")
 
-    def find_lost(self, rank_nodes: list[str]) -> None:
-        """After a failure: which of the job's nodes are gone, dead to Ray or silent;
-        their slots are released (the rest kept)."""
+    def find_lost(self, rank_nodes: list[str], since: float) -> None:
+        """After a failure at `since`: which of the job's nodes are gone, dead to Ray
+        or missing heartbeats; their slots are released (the rest kept)."""
         nodes = (set(self.slots.nodes()) | set(rank_nodes)) - {""}
         alive = self.alive_nodes()
-        self.lost |= (nodes - alive) | self.watch.unresponsive(nodes & alive, NODE_PROBE_S)
+        self.lost |= (nodes - alive) | self.watch.unresponsive(nodes & alive, since)
         self.slots.drop_lost(self.lost)
 
     def fit(self, current: JobSpec) -> JobSpec:
@@ -117,6 +116,7 @@ class Capacity:
         self._report_spares(spares)
 
     def release(self) -> None:
+        self.watch.stop()
         self.slots.keep(0)
         if self.spec.elastic:
             request_resources(bundles=[])  # the request outlives its caller unless replaced

@@ -1,8 +1,9 @@
 """The Controller actor: starts one Worker per rank in the slots that `Capacity`
 holds, hands out the rendezvous, runs the group and relays rank 0's events to the driver.
 
-A failing rank (it raises, its actor or its node dies) tears the whole group down
-so no survivor stays blocked in a collective. Within `fault_tolerance.max_failures`
+A failing rank (it raises, its actor or its node dies) ends the attempt: the ranks
+that are done with it and answer are kept for the next one (re-ranked, torch and
+the model code loaded), the others killed so none stays blocked in a collective. Within `fault_tolerance.max_failures`
 the controller then starts again from the latest committed checkpoint, after a
 backoff: in the slots on live nodes (spare slots take lost ones' place), or, with
 `elastic`, on the largest data-parallel size they hold. A job that shrank looks for room to grow back;
@@ -22,6 +23,7 @@ import ray
 
 from lmforge.cluster import placement
 from lmforge.cluster.capacity import Capacity
+from lmforge.cluster.keepers import Keepers
 from lmforge.cluster.worker import Worker
 from lmforge.data.feed import datasets_of, start_reader
 from lmforge.data.order import BatchLayout
@@ -34,6 +36,7 @@ from lmforge.tracking.prometheus import JobMetrics
 
 
 READER_ANSWER_S = 5.0  # a kept reader must answer its new layout within this, or a new one starts
+LEAVE_S = 1.0  # a rank must be done with a failed attempt, and leave its groups, within this to be kept
 
 
 class RankHung(RuntimeError):
@@ -52,10 +55,15 @@ class Controller:
         self._metrics = JobMetrics(spec_dict["name"])
         self._lock = threading.Lock()
         self._workers: list = []
+        self._worker_slots: list = []  # each worker's placement group
+        self._train_refs: list = []
+        self._idle: list[tuple] = []  # (worker, placement group) kept from the last attempt
+        self._standby: list[tuple] = []  # (worker, placement group) started ahead in spare slots
         self._reader = None  # the job's shared data reader, kept across attempts while its node lives
         self._reader_node = ""
         self._bytes_read = 0  # by the readers replaced since
         self._capacity: Capacity | None = None  # created by run()
+        self._keepers = Keepers() if spec_dict.get("checkpoint", {}).get("in_memory") else None  # in-memory snapshots
         self._rank_nodes: list[str] = []
         self._layout: list[dict] = []
         self._failed_layout: list[dict] = []
@@ -63,6 +71,7 @@ class Controller:
         self._attempt = 0
         self._last_step = 0
         self._failed_rank: int | None = None
+        self._raised_at: float | None = None
         self._failed_at: float | None = None  # set from a failure until the first step after it
         self._progress_at: float | None = None  # when this attempt last reported a step
         self._redone = 0
@@ -104,6 +113,12 @@ class Controller:
             for new in self._events[before:]:
                 self._metrics.observe(new)
 
+    def snapshot_taken(self, step: int, world: int, attempt: int) -> None:
+        """Rank 0: every rank's files of the snapshot at `step` are kept."""
+        with self._lock:
+            if attempt == self._attempt:
+                self._keepers.taken(step, world)
+
     def run(self) -> dict:
         spec = JobSpec.model_validate(self.spec_dict)
         budget = spec.fault_tolerance
@@ -123,12 +138,14 @@ class Controller:
                     if isinstance(cause, (UserError, CheckpointWritesFailing)) or failures >= budget.max_failures:
                         raise
                     failures += 1
+                    noticed = time.time()
                     self._new_attempt(failed=True)
-                    capacity.find_lost(self._rank_nodes)
+                    capacity.find_lost(self._rank_nodes, since=self._raised_at or noticed)
                     self.report({
                         "event": "failure", "attempt": failures, "max_failures": budget.max_failures,
                         "step": self._last_step, "cause": f"{type(cause).__name__}: {first_line(cause)}",
                         "rank": self._failed_rank, "nodes_lost": self._nodes_lost(self._layout),
+                        "noticed": noticed, "raised": self._raised_at,
                     })
                     time.sleep(min(60.0, budget.backoff_s * 2 ** (failures - 1)))
                     current = capacity.fit(current)
@@ -141,6 +158,10 @@ class Controller:
                 current = capacity.fit(current)
         finally:
             self._stop_reader()  # after a success it was counted and stopped already
+            for worker, _ in self._idle:
+                ray.kill(worker, no_restart=True)
+            if self._keepers:
+                self._keepers.stop()
             capacity.release()
 
     def _roll_back(self, spec: JobSpec, cause: Diverged) -> JobSpec:
@@ -150,6 +171,8 @@ class Controller:
         if self._rollbacks > spec.guards.max_rollbacks:
             raise TrainingFailed(f"{cause}; guards.max_rollbacks {spec.guards.max_rollbacks} rollbacks are used up")
         skip = sorted(set(spec.guards.skip_batches) | set(cause.steps))
+        if self._keepers:
+            self._keepers.forget()  # snapshots of the steps that went wrong are not a place to return to
         self.report({"event": "rollback", "step": self._last_step, "steps": cause.steps, "skip_batches": skip, "cause": str(cause),
                      "rollback": self._rollbacks, "max_rollbacks": spec.guards.max_rollbacks})
         return spec.with_changes("guards", skip_batches=skip)
@@ -189,13 +212,16 @@ class Controller:
         self._progress_at = None
         results: list = []
         try:
-            self._start_workers(world, tp, res.cpus_per_worker, res.gpus_per_worker)
+            reader = self._start_reader(spec)  # starting while the group forms
+            reused = self._start_workers(world, tp, res.cpus_per_worker, res.gpus_per_worker)
             self._layout = self._rendezvous(MeshShape.for_spec(spec.parallel))
-            self.report({"event": "layout", "ranks": self._layout})
+            self.report({"event": "layout", "ranks": self._layout, "reused": reused})
             first_on_node = {node: rank for rank, node in reversed(list(enumerate(self._rank_nodes)))}
-            reader = self._start_reader(spec)
-            refs = [w.train.remote(spec_dict, self.manifest, controller_handle, self._attempt, rank in first_on_node.values(), reader)
-                    for rank, w in enumerate(self._workers)]
+            snapshots = self._snapshots()
+            refs = self._train_refs = [
+                w.train.remote(spec_dict, self.manifest, controller_handle, self._attempt, rank in first_on_node.values(), reader, snapshots[rank])
+                for rank, w in enumerate(self._workers)]
+            self._start_standby(spec)
             results = self._wait_all(refs, spec)
             try:
                 ray.get([w.shutdown.remote() for w in self._workers], timeout=60)
@@ -205,12 +231,13 @@ class Controller:
                 self._stop_reader(count=True)
             return results[0] | {"world_size": world, "dp": spec.parallel.dp, "data_bytes_read": self._bytes_read}
         finally:
-            self._teardown()
+            # DeepSpeed keeps state of its own per process: its ranks always start afresh.
+            self._teardown(reuse=spec.engine == "native" and spec.fault_tolerance.keep_survivors)
 
     def _start_reader(self, spec: JobSpec):
         """One reader for the whole job: every DP rank's slice of each step is read once,
         and handed to that rank's TP and PP peers alike. The reader of an earlier
-        attempt is kept, laid out anew, while its node lives; else one starts beside rank 0."""
+        attempt is kept, laid out anew, while its node lives; else one starts in rank 0's slot's node."""
         layout = BatchLayout(spec.train.global_batch, spec.train.micro_batch, spec.parallel.dp)
         serves, sharers = list(range(spec.parallel.dp)), spec.parallel.tp * spec.parallel.pp
         if self._reader is not None and self._reader_node in self._capacity.alive_nodes():
@@ -222,10 +249,20 @@ class Controller:
                 pass  # gone, or too slow to trust: a new one
         self._stop_reader()
         datasets, mixture = datasets_of(spec, self.manifest)
-        self._reader_node = self._rank_nodes[0]
+        self._reader_node = self._capacity.slots.nodes()[0]
         self._reader = start_reader(datasets, mixture, layout, serves, sharers, teacher_cache(spec), self._reader_node)
         self.report({"event": "reader", "kept": False, "node": self._reader_node[:12]})
         return self._reader
+
+    def _snapshots(self) -> list:
+        """Per rank, (its keepers, the snapshot to restore) with `checkpoint.in_memory`, else None."""
+        if self._keepers is None:
+            return [None] * len(self._workers)
+        keepers = self._keepers.place(self._rank_nodes, self._capacity.alive_nodes())
+        source = self._keepers.source()
+        if source is None:
+            self._keepers.forget()  # what is left of an incomplete one must not pass for new
+        return [(mine, source) for mine in keepers]
 
     def _stop_reader(self, count: bool = False) -> None:
         """Stops the job's reader; `count`: first adds what it read (a reader being
@@ -246,12 +283,13 @@ class Controller:
         survivors, which would block forever in their next collective), or when no
         step has been reported for `step_timeout_s`: a hung rank holds up all others."""
         pending = list(refs)
-        self._failed_rank = None
+        self._failed_rank = self._raised_at = None
         step_timeout_s = spec.fault_tolerance.step_timeout_s
         while pending:
             done, pending = ray.wait(pending, num_returns=1, timeout=1.0)
             if not done:
                 self._capacity.probe(spec)
+                self._start_standby(spec)
                 stalled = time.time() - self._progress_at if self._progress_at else 0.0
                 if step_timeout_s and stalled > step_timeout_s:
                     raise RankHung(f"no step for {stalled:.0f}s after step {self._last_step} (fault_tolerance.step_timeout_s {step_timeout_s:g})")
@@ -259,13 +297,14 @@ class Controller:
             try:
                 ray.get(done[0])
             except ray.exceptions.RayError as err:
+                self._raised_at = time.time()
                 self._failed_rank = refs.index(done[0])
                 if isinstance(err, ray.exceptions.RayTaskError):
                     raise self._dead_peer(refs, pending) or err from None
                 raise
         return ray.get(refs)
 
-    def _dead_peer(self, refs: list, pending: list, grace_s: float = 3.0):
+    def _dead_peer(self, refs: list, pending: list, grace_s: float = 1.0):
         """A rank that raised because a peer vanished (gloo: "Connection closed by
         peer") shows a symptom; if a peer's actor turns out dead within moments, that
         is the cause to report."""
@@ -282,23 +321,70 @@ class Controller:
                     pass
         return None
 
-    def _start_workers(self, world: int, tp: int, cpus: float, gpus: float) -> None:
+    def _start_workers(self, world: int, tp: int, cpus: float, gpus: float) -> int:
+        """A worker per rank in its TP group's slot: one kept from the last attempt in
+        that slot where there is one, else a new one. Returns how many were kept."""
+        idle, reused = self._idle, 0
+        self._idle = []
         for rank in range(world):
-            self._workers.append(
-                Worker.options(
-                    num_cpus=cpus, num_gpus=gpus, scheduling_strategy=self._capacity.slots.strategy(rank // tp), name=None,
-                ).remote(rank, world)
-            )
+            slot = self._capacity.slots.group(rank // tp)
+            kept = next((pair for pair in idle if pair[1].id == slot.id), None)
+            if kept is not None:
+                idle.remove(kept)
+                worker, reused = kept[0], reused + 1
+            else:
+                worker = Worker.options(num_cpus=cpus, num_gpus=gpus, scheduling_strategy=self._capacity.slots.strategy(rank // tp)).remote(rank, world)
+            self._workers.append(worker)
+            self._worker_slots.append(slot)
+        for worker, _ in idle:  # their slots are gone, or the layout is smaller
+            ray.kill(worker, no_restart=True)
+        return reused
+
+    def _start_standby(self, spec: JobSpec) -> None:
+        """Workers for the slots beyond the layout (spares, room reserved to grow),
+        started now so that a restart or a resize finds them with torch loaded."""
+        tp, res = spec.parallel.tp, spec.resources
+        started = {slot.id for _, slot in self._standby}
+        for index in range(spec.world_size // tp, len(self._capacity.slots)):
+            slot = self._capacity.slots.group(index)
+            if slot.id not in started:
+                strategy = self._capacity.slots.strategy(index)
+                self._standby += [(Worker.options(num_cpus=res.cpus_per_worker, num_gpus=res.gpus_per_worker, scheduling_strategy=strategy).remote(-1, 0), slot)
+                                  for _ in range(tp)]
 
     def _rendezvous(self, shape: MeshShape) -> list[dict]:
         addresses = ray.get([w.address.remote() for w in self._workers])
         self._rank_nodes = [node for _, _, node in addresses]
         master_addr, master_port, _ = addresses[0]
-        ray.get([w.setup.remote(master_addr, master_port) for w in self._workers])
+        world = len(self._workers)
+        ray.get([w.setup.remote(master_addr, master_port, rank, world) for rank, w in enumerate(self._workers)])
         return [{"rank": r, **shape.coordinates(r), "ip": ip, "node": node[:12]} for r, (ip, _, node) in enumerate(addresses)]
 
-    def _teardown(self) -> None:
+    def _teardown(self, reuse: bool) -> None:
+        """End the attempt's workers. With `reuse`, those whose training returned (or
+        raised) and that leave their process groups within LEAVE_S are kept for the
+        next attempt; the rest (dead, or still blocked in a collective) are killed."""
+        keep: list[tuple] = []
+        if reuse and self._train_refs:
+            done, _ = ray.wait(self._train_refs, num_returns=len(self._train_refs), timeout=LEAVE_S)
+            alive = [(w, slot) for w, slot, ref in zip(self._workers, self._worker_slots, self._train_refs) if ref in done and _returned(ref)]
+            leaving = {w.leave.remote(): (w, slot) for w, slot in alive}
+            left, _ = ray.wait(list(leaving), num_returns=len(leaving), timeout=LEAVE_S) if leaving else ([], [])
+            keep = [leaving[ref] for ref in left if _returned(ref)]
+        kept = {id(w) for w, _ in keep}
         for worker in self._workers:
-            ray.kill(worker, no_restart=True)
-        self._workers = []
+            if id(worker) not in kept:
+                ray.kill(worker, no_restart=True)
+        self._idle, self._workers, self._worker_slots, self._train_refs = keep + self._standby, [], [], []
+        self._standby = []
 
+
+def _returned(ref) -> bool:
+    """The call ended with a value or the method's own error (its actor lives)."""
+    try:
+        ray.get(ref, timeout=0)
+    except ray.exceptions.RayTaskError:
+        return True
+    except ray.exceptions.RayError:
+        return False
+    return True

@@ -21,6 +21,7 @@ from lmforge.cluster.runtime import check_capacity, connect, embedded_resources
 from lmforge.data.prepare import PrepareOptions, prepare_dataset, read_manifest
 from lmforge.errors import TrainingFailed, UserError, first_line
 from lmforge.lease import JobLease
+from lmforge.memory.snapshots import check_host_memory
 from lmforge.plan import Plan, check_dataset, check_resume_order
 from lmforge.spec import JobSpec
 from lmforge.tracking import events
@@ -44,6 +45,8 @@ def drive(plan: Plan, address: Optional[str] = None, show_progress: bool = True,
         started_ray = connect(address)
         try:
             _check_capacity(spec)
+            if spec.checkpoint.in_memory:
+                check_host_memory(spec, ray.nodes())
             manifest = _ensure_dataset(plan, console, show_progress)
             summary = _run(plan, manifest, console, show_progress, lease, publish)
         finally:

@@ -10,12 +10,18 @@ loop spins the GCS for as long as no capacity is free.
 
 from __future__ import annotations
 
+import threading
+import time
+
 import ray
 from ray._raylet import PlacementGroupID
 from ray.util.placement_group import NODE_ID_LABEL_KEY, PlacementGroup, placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from lmforge.errors import UserError
+
+HEARTBEAT_S = 0.5  # how often the controller pings each node of the job
+MISSED_S = 2.0  # a node that has not answered for this long is lost
 
 
 class Slots:
@@ -30,6 +36,9 @@ class Slots:
 
     def __len__(self) -> int:
         return len(self._held)
+
+    def group(self, index: int) -> PlacementGroup:
+        return self._held[index]
 
     def strategy(self, index: int) -> PlacementGroupSchedulingStrategy:
         return PlacementGroupSchedulingStrategy(placement_group=self._held[index], placement_group_bundle_index=0)
@@ -77,11 +86,6 @@ class Slots:
 
 
 @ray.remote(num_cpus=0)
-def _answer() -> bool:
-    return True
-
-
-@ray.remote(num_cpus=0)
 class _Pinger:
     def ping(self) -> bool:
         return True
@@ -93,41 +97,68 @@ class NodeWatch:
     until then Ray keeps placing work on it: ask the nodes. Each node of the job gets
     an idle zero-CPU actor ahead of time, because a fresh task would first wait for
     a worker process to start there, which takes seconds on a loaded node (seen: a
-    live node judged lost, and a restart that found no room without it). The watch's
-    own node (`home`, by default the node it runs on) answers by itself: code that
-    asks is running there."""
+    live node judged lost, and a restart that found no room without it). A thread
+    pings them every `HEARTBEAT_S`, so after a failure a node is judged by the beats
+    it missed, not by a probe started then. The watch's own node (`home`, by default
+    the node it runs on) answers by itself: code that asks is running there."""
 
     def __init__(self, home: str | None = None):
         self.home = ray.get_runtime_context().get_node_id() if home is None else home
         self._pingers: dict[str, ray.actor.ActorHandle] = {}
+        self._watched: dict[str, float] = {}  # node -> when it began to be watched
+        self._answered: dict[str, float] = {}  # node -> when it last answered
+        self._failed: set[str] = set()  # nodes whose pinger died
+        self._stopped = threading.Event()
+        self._beating: threading.Thread | None = None
 
     def watch(self, nodes) -> None:
-        """Start a pinger on each node not yet watched (returns at once)."""
+        """Start a pinger on each node not yet watched, and the heartbeat (returns at once)."""
         for node in set(nodes) - set(self._pingers) - {"", self.home}:
+            self._watched[node] = time.time()
+            self._failed.discard(node)
             self._pingers[node] = _Pinger.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+        if self._beating is None and self._pingers:
+            self._beating = threading.Thread(target=self._beat, name="node-heartbeat", daemon=True)
+            self._beating.start()
 
-    def unresponsive(self, nodes: set[str], timeout_s: float) -> set[str]:
-        """The nodes among `nodes` that do not answer within `timeout_s`."""
-        pings = {node: self._ping(node) for node in set(nodes) - {self.home}}
-        if not pings:
-            return set()
-        answered, _ = ray.wait(list(pings.values()), num_returns=len(pings), timeout=timeout_s)
-        silent = set()
-        for node, ref in pings.items():
-            if ref not in answered or not _succeeded(ref):
-                silent.add(node)
-                self._pingers.pop(node, None)  # it goes with its node
-                try:
-                    ray.cancel(ref)
-                except Exception:  # noqa: BLE001 - already failed or finished: nothing to cancel
-                    pass
-        return silent
+    def unresponsive(self, nodes: set[str], since: float, missed_s: float = MISSED_S) -> set[str]:
+        """The nodes among `nodes` that have not answered for `missed_s`; waits until
+        each of the others has answered after `since` (a failure's time)."""
+        nodes = set(nodes) - {"", self.home}
+        self.watch(nodes)
+        while True:
+            now = time.time()
+            lost = {node for node in nodes if node in self._failed or now - self._last_sign(node) > missed_s}
+            alive = {node for node in nodes - lost if self._answered.get(node, 0.0) > since}
+            if lost | alive == nodes:
+                for node in lost:
+                    self._pingers.pop(node, None)  # it goes with its node
+                return lost
+            time.sleep(0.05)
 
-    def _ping(self, node: str) -> ray.ObjectRef:
-        pinger = self._pingers.get(node)
-        if pinger is not None:
-            return pinger.ping.remote()
-        return _answer.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def _last_sign(self, node: str) -> float:
+        return max(self._answered.get(node, 0.0), self._watched[node])
+
+    def _beat(self) -> None:
+        pending: dict[ray.ObjectRef, str] = {}
+        while not self._stopped.is_set():
+            began = time.time()
+            waiting = set(pending.values())
+            for node, pinger in list(self._pingers.items()):
+                if node not in waiting:
+                    pending[pinger.ping.remote()] = node
+            if pending:
+                done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=HEARTBEAT_S)
+                for ref in done:
+                    node = pending.pop(ref)
+                    if _succeeded(ref):
+                        self._answered[node] = time.time()
+                    else:
+                        self._failed.add(node)
+            self._stopped.wait(max(0.0, HEARTBEAT_S - (time.time() - began)))
 
 
 def _succeeded(ref: ray.ObjectRef) -> bool:

@@ -1,7 +1,10 @@
 """The Worker actor: one per rank. Joins the process group, then runs the Trainer.
 
 It is deliberately thin: everything that trains lives in `lmforge.trainer` so it
-can run without Ray actors too.
+can run without Ray actors too. A worker outlives a failed attempt: it leaves its
+process groups at once (so peers blocked on it fail too, instead of waiting out a
+timeout) and can join the next attempt's rendezvous under another rank, with torch
+and the model code already loaded.
 """
 
 from __future__ import annotations
@@ -34,10 +37,11 @@ class Worker:
             port = sock.getsockname()[1]
         return ray.util.get_node_ip_address(), port, ray.get_runtime_context().get_node_id()
 
-    def setup(self, master_addr: str, master_port: int) -> None:
+    def setup(self, master_addr: str, master_port: int, rank: int, world_size: int) -> None:
         import torch
         import torch.distributed as dist
 
+        self.rank, self.world_size = rank, world_size
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(0)  # Ray exposes exactly the actor's GPU as device 0
@@ -52,9 +56,12 @@ class Worker:
             timeout=timedelta(minutes=5),
         )
 
-    def train(self, spec_dict: dict, manifest: dict, controller, attempt: int = 0, watch_node: bool = False, reader=None) -> dict:
+    def train(self, spec_dict: dict, manifest: dict, controller, attempt: int = 0, watch_node: bool = False, reader=None,
+              snapshots: tuple | None = None) -> dict:
         """`watch_node`: this rank also samples its node's system metrics into the run;
-        `reader`: the job's shared data reader."""
+        `reader`: the job's shared data reader; `snapshots`: (this rank's keepers, the
+        snapshot to restore or None) with `checkpoint.in_memory`."""
+        from lmforge.cluster.keepers import SnapshotShipper
         from lmforge.spec import JobSpec
         from lmforge.tracking.prometheus import RankMetrics
         from lmforge.tracking.system_metrics import start_monitor, stop_monitor
@@ -65,10 +72,15 @@ class Worker:
         trainer = Trainer(
             spec, manifest, report=lambda event: controller.report.remote(event, attempt),
             should_stop=lambda: ray.get(controller.grow_pending.remote()), metrics=RankMetrics(spec.name, self.rank), reader=reader,
+            snapshot_target=SnapshotShipper(snapshots[0], controller, attempt) if snapshots else None,
+            snapshot_source=snapshots[1] if snapshots else None,
         )
         monitor = start_monitor(spec, watch_node)
         try:
             return trainer.run()
+        except BaseException:
+            self.leave()  # before the error travels: peers still waiting on this rank fail now
+            raise
         finally:
             stop_monitor(monitor)
 
@@ -77,4 +89,25 @@ class Worker:
 
         if dist.is_initialized():
             dist.barrier()  # no rank tears gloo down while a peer still uses it
+        self.leave()
+
+    def leave(self) -> bool:
+        """Leave every process group and forget what DTensor keeps per mesh: the next
+        attempt starts as a fresh process would. DTensor's caches compare meshes by
+        their ranks and shape, not by this process's place in them, so a process
+        re-ranked in a mesh of the same shape would otherwise get its old rank's
+        shards (seen: a checkpoint plan with every shard twice, half the tensor never)."""
+        import gc
+
+        import torch.distributed as dist
+        import torch.distributed.tensor._random as dtensor_random
+        import torch.distributed.tensor._redistribute as redistribute
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+        if dist.is_initialized():
             dist.destroy_process_group()
+        dtensor_random._rng_tracker = None
+        _clear_sharding_prop_cache()
+        redistribute._planner_cache.clear()
+        gc.collect()
+        return True

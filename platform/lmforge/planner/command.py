@@ -12,7 +12,8 @@ from lmforge.errors import UserError
 from lmforge.memory.chart import bar_chart
 from lmforge.memory.estimate import stage_peaks, worst_rank
 from lmforge.planner.cluster import Cluster, assumed_cluster, parse_cluster
-from lmforge.planner.report import fits, render, search_reasons, search_table
+from lmforge.memory.snapshots import COPIES, snapshot_bytes
+from lmforge.planner.report import fits, gib, render, search_reasons, search_table
 from lmforge.planner.search import Candidate, search
 from lmforge.planner.throughput import step_time
 from lmforge.spec import JobSpec, load_spec
@@ -33,12 +34,18 @@ def plan(args) -> int:
         bar_chart(chart, f"{spec.name}: largest rank of each pipeline stage", bars, limits)
     if args.json:
         out = {"job": spec.name, "world_size": spec.world_size, "worst_rank": breakdown.as_dict(), "chart": str(chart) if chart else None}
+        if spec.checkpoint.in_memory:
+            out["in_memory_host_bytes_per_rank"] = COPIES * snapshot_bytes(breakdown)
         if cluster is not None:
             out["cluster"] = _cluster_dict(cluster) | {"fits": fits(breakdown, cluster)}
         print(json.dumps(out, indent=2))
         return 0
     console = Console()
     render(spec.name, breakdown, spec.world_size, cluster, console)
+    if spec.checkpoint.in_memory:
+        console.print(f"in-memory checkpoints (checkpoint.in_memory): {gib(snapshot_bytes(breakdown))} per snapshot of this rank, "
+                      f"kept {COPIES} times (its node and a replica, the last snapshot and the one being taken): "
+                      f"{gib(COPIES * snapshot_bytes(breakdown))} of host memory per rank")
     if chart:
         console.print(f"chart: {chart}")
     return 0
