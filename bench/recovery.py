@@ -58,7 +58,7 @@ def lmforge_job(out: Path, data: Path, in_memory: bool) -> dict:
         "model": {"preset": "tiny", "vocab_size": VOCAB}, "parallel": {"dp": 2},
         "optim": {"lr": 3e-3, "warmup_steps": 2, "decay_steps": STEPS},
         "train": {"global_batch": GLOBAL_BATCH, "micro_batch": MICRO_BATCH, "seq_len": SEQ, "max_steps": STEPS},
-        "data": {"path": str(data)}, "checkpoint": {"interval": INTERVAL, "in_memory": in_memory},
+        "data": {"path": str(data)}, "checkpoint": {"interval": INTERVAL, "in_memory": in_memory, "memory_interval": 1},
         "tracking": {"enabled": False}, "resources": {"cpus_per_worker": 2},
         "fault_tolerance": {"max_failures": 3, "backoff_s": 0.1}, "elastic": {"min_dp": 1, "max_dp": 2},
     }
@@ -165,11 +165,20 @@ def ray_train_recovery(cluster, node, out: Path, kill_at: int) -> dict[str, floa
             "steps redone": max(row["step"] for row in rows[:restart] if row["event"] == "step") + 1 - first_step["step"] if restart else 0}
 
 
+@ray.remote(num_cpus=0)
+class _Controller:
+    def snapshot_taken(self, step: int, world: int, attempt: int) -> None:
+        pass
+
+
 def save_stall(dim: int, layers: int, saves: int) -> dict[str, float]:
-    """Median seconds the loop is held up per save, async and sync, on one rank."""
+    """Median seconds the loop is held up per save (sync, async, an in-memory
+    snapshot), on one rank."""
     import torch.distributed as dist
 
+    from lmforge.checkpoint.memory import SnapshotWriter
     from lmforge.checkpoint.store import CheckpointStore
+    from lmforge.cluster.keepers import Keeper, SnapshotShipper
     from lmforge.checkpoint.writer import CheckpointWriter
     from lmforge.engines import create_engine
     from lmforge.parallel.mesh import build_mesh
@@ -186,21 +195,29 @@ def save_stall(dim: int, layers: int, saves: int) -> dict[str, float]:
     batch = lambda: torch.randint(0, 8192, (1, 2, 65))  # noqa: E731
     stalls: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for mode in ("sync", "async"):
+        for mode in ("sync", "async", "snapshot"):
             options = spec.checkpoint.model_copy(update={"async_save": mode == "async", "keep": 1})
-            writer = CheckpointWriter(CheckpointStore(f"{tmp}/{mode}"), options, group, lambda event: None)
-            held = []
+            if mode == "snapshot":  # to a real keeper, through Ray's object store as a job's ranks ship them
+                ray.init(num_cpus=1, include_dashboard=False)
+                writer = SnapshotWriter(SnapshotShipper([Keeper.remote()], _Controller.remote(), 0), group)
+            else:
+                writer = CheckpointWriter(CheckpointStore(f"{tmp}/{mode}"), options, group, lambda event: None)
+            held, alone_times = [], []
             for i in range(saves):
                 began = time.perf_counter()
                 engine.train_step(batch())
                 alone = time.perf_counter() - began
+                alone_times.append(alone)
                 began = time.perf_counter()
                 writer.save(i + 1, engine, {"step": i + 1})
                 engine.train_step(batch(), before_update=writer.staged)
                 held.append(time.perf_counter() - began - alone)
                 writer.wait()  # the write finishes before the next round (not counted)
             writer.close()
+            if mode == "snapshot":
+                ray.shutdown()
             stalls[mode] = statistics.median(held[1:])  # the first save also allocates the stager's buffers
+            stalls.setdefault("step", statistics.median(alone_times))
     stalls["state_mib"] = spec.model_arch.num_params() * 4 * 3 / 2**20  # fp32 weights and two AdamW moments
     dist.destroy_process_group()
     return stalls
@@ -215,14 +232,20 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1, help="node losses per side, interleaved")
     parser.add_argument("--no-stall", action="store_true", help="skip the checkpoint stall part")
     parser.add_argument("--no-ray-train", action="store_true", help="skip Ray Train V2 (no ratio)")
+    parser.add_argument("--no-recovery", action="store_true", help="only the checkpoint stall part")
     args = parser.parse_args()
 
     if not args.no_stall:
         stall = save_stall(args.stall_dim, args.stall_layers, args.saves)
-        print(f"checkpoint stall, one rank, {stall['state_mib']:.0f} MiB of model + AdamW state, median of {args.saves - 1} saves")
+        print(f"checkpoint stall, one rank, {stall['state_mib']:.0f} MiB of model + AdamW state, median of {args.saves - 1} saves "
+              f"(a training step alone: {stall['step'] * 1000:.0f} ms)")
         print(f"  synchronous save : {stall['sync'] * 1000:8.1f} ms held up")
         print(f"  async save       : {stall['async'] * 1000:8.1f} ms held up")
         print(f"  ratio async / sync: {stall['async'] / stall['sync']:.3f}  (target <= 0.05)")
+        print(f"  in-memory snapshot: {stall['snapshot'] * 1000:8.1f} ms held up (checkpoint.in_memory, once per memory_interval; "
+              f"ratio to sync {stall['snapshot'] / stall['sync']:.3f})")
+    if args.no_recovery:
+        return
 
     runs: dict[str, list] = {"lmforge, in-memory": [], "lmforge, storage": [], "Ray Train V2": []}
     with tempfile.TemporaryDirectory(prefix="lmf-recovery-") as tmp:

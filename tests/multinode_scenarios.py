@@ -74,7 +74,7 @@ def spared(cluster, job: dict, steps: int) -> dict:
     cluster.wait_for_nodes()
     # A shorter run of the same schedule: no node comes back here, so it need not wait for one.
     job = job | {"name": "spared", "fault_tolerance": job["fault_tolerance"] | {"spares": 1}, "train": job["train"] | {"max_steps": steps},
-                 "checkpoint": job["checkpoint"] | {"in_memory": True}}
+                 "checkpoint": job["checkpoint"] | {"in_memory": True, "memory_interval": 1}}
     job.pop("elastic")
     run_dir = Path(job["output_dir"]) / job["name"]
     thread, outcome = in_background(job)

@@ -125,7 +125,10 @@ class CheckpointSpec(_Section):
         False, description="also keep a snapshot in host memory, on the rank's node and one other, every memory_interval steps; "
         "a restart within the job restores from it (up to 4x each rank's weights and optimizer state per rank, see `lmforge plan`)"
     )
-    memory_interval: int = Field(1, gt=0, description="steps between in-memory snapshots (with in_memory): at most this many steps are redone after a failure")
+    memory_interval: int = Field(
+        5, gt=0, description="steps between in-memory snapshots (with in_memory): a failure redoes at most about this many steps; "
+        "each snapshot costs the loop a copy and a serialization of the rank's state (bench/RESULTS.md)"
+    )
     max_failed_writes: int = Field(3, gt=0, description="checkpoint writes that may fail in a row (logged) before the job fails")
     resume: bool = True
     allow_data_change: bool = Field(

@@ -54,7 +54,8 @@ def test_a_spare_rank_replaces_a_lost_node_without_shrinking(multinode):
     while a rival placement group waits for a node. The lost node, silent but not
     yet declared dead by Ray, is found by the controller's heartbeats and not used again.
     The node went before the first storage checkpoint: the restart restores the
-    in-memory snapshot, the lost rank's share from its replica on the other node."""
+    in-memory snapshot, the lost rank's share from its replica on the other node,
+    in processes that were already running."""
     result, runs = multinode
     spared = result["spared"]
     assert spared["final_step"] == SPARED_STEPS and spared["failures"] >= 1 and spared["dp"] == 2
@@ -72,6 +73,8 @@ def test_a_spare_rank_replaces_a_lost_node_without_shrinking(multinode):
     assert all(event["dp"] == 2 for event in history if event["event"] == "recovered")
     restored = [event for event in history if event["event"] == "restored"]
     assert restored and all(event["from_memory"] and event["step"] > 0 for event in restored)
+    # The surviving rank kept its process, and the spare slot's was started while the job trained.
+    assert [event["reused"] for event in history if event["event"] == "layout"][:2] == [0, 2]
     _same_as_whole(runs, "spared", rel=1e-5, steps=SPARED_STEPS)
 
 

@@ -128,7 +128,7 @@ def test_a_restart_restores_the_in_memory_snapshot_and_keeps_the_surviving_rank(
         killed.append(kill_one_rank_process())
 
     watcher = when_step_reached(run_dir, 24, spoil_storage_then_kill)
-    summary = sdk.train(spec_from_dict(chaos_job(tmp_path, tiny_dataset, in_memory=True)), show_progress=False)
+    summary = sdk.train(spec_from_dict(chaos_job(tmp_path, tiny_dataset, in_memory=True, memory_interval=1)), show_progress=False)
     watcher.join(timeout=5)
     assert killed and summary["final_step"] == STEPS and summary["failures"] == 1
     (failure,), (restored,), (recovered,) = _events(run_dir, "failure"), _events(run_dir, "restored"), _events(run_dir, "recovered")

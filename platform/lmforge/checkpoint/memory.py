@@ -15,18 +15,18 @@ from __future__ import annotations
 import io
 import os
 import json
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Callable, Optional, Protocol
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
+from lmforge.checkpoint.sharded import rng_state, set_rng_state
+from lmforge.checkpoint.writer import BackgroundSaver
 from lmforge.engines.base import Engine
 
 STATE = "state.json"
@@ -94,16 +94,30 @@ def _name(path) -> str:
     return os.path.normpath(str(path))
 
 
-class _Kept(io.BytesIO):
-    """A stream whose bytes are kept when it is closed."""
+class _Kept(io.RawIOBase):
+    """A write-only stream whose bytes are kept, joined once, when it is closed. Its
+    chunks are collected rather than appended to one buffer: a growing buffer copies
+    what it holds at each resize, and every copy holds the GIL against training."""
 
     def __init__(self, keep: Callable[[bytes], None]):
         super().__init__()
-        self._keep = keep
+        self._keep, self._chunks, self._size = keep, [], 0
+
+    def writable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._size  # DCP records each item's offset
+
+    def write(self, data) -> int:
+        self._chunks.append(bytes(data))  # DCP's stager reuses its buffers: copy
+        self._size += len(self._chunks[-1])
+        return len(self._chunks[-1])
 
     def close(self) -> None:
         if not self.closed:
-            self._keep(self.getvalue())
+            self._keep(b"".join(self._chunks))
+            self._chunks = []
         super().close()
 
 
@@ -119,47 +133,22 @@ def _reader(files: MemoryFiles) -> FileSystemReader:
     return reader
 
 
-class SnapshotWriter:
+class SnapshotWriter(BackgroundSaver):
     def __init__(self, target: SnapshotTarget, group: dist.ProcessGroup):
         """`group`: a gloo group of its own; a storage checkpoint may be in flight on another."""
-        self.target, self.group = target, group
-        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot")
-        self._pending: Optional[Future] = None
-        self._staging: Optional[Future] = None
-        cuda = torch.cuda.is_available()
-        self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=cuda, use_non_blocking_copy=cuda))
+        super().__init__(group, "snapshot")
+        self.target = target
 
     def save(self, step: int, engine: Engine, trainer_state: dict) -> None:
         """Collective over every rank at the same step."""
         self.wait()
         tensors, plain = engine.state_dict()
         files = MemoryFiles()
-        response = dcp.async_save(tensors, storage_writer=_writer(files), process_group=self.group, async_stager=self._stager)
-        upload = getattr(response, "upload_completion", response)
-        self._staging = getattr(response, "staging_completion", None)
-        files.files[rng_name(self.rank)] = save_safetensors(_rng_state())
+        upload = self._async_save(tensors, _writer(files))
+        files.files[rng_name(self.rank)] = save_safetensors(rng_state())
         if self.rank == 0:
             files.files[STATE] = json.dumps({**trainer_state, "engine": plain}).encode()
         self._pending = self._thread.submit(self._finish, step, upload, files)
-
-    def staged(self) -> None:
-        if self._staging is not None:
-            staging, self._staging = self._staging, None
-            staging.result()
-
-    def wait(self) -> None:
-        self.staged()
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
-            pending.result()
-
-    def close(self) -> None:
-        try:
-            self.wait()
-        finally:
-            self._thread.shutdown(wait=True)
-            self._stager.close()
 
     def _finish(self, step: int, upload: Future, files: MemoryFiles) -> None:
         upload.result()
@@ -180,16 +169,7 @@ def load_snapshot(fetch: Callable[[str], bytes], engine: Engine, state: dict) ->
     dcp.load(tensors, storage_reader=_reader(MemoryFiles(fetch)))
     engine.load_state_dict(tensors, state["engine"])
     try:
-        rng = load_safetensors(fetch(rng_name(dist.get_rank())))
+        rng = fetch(rng_name(dist.get_rank()))
     except KeyError:
         return  # a rank that did not exist when the snapshot was taken keeps its seeded RNG
-    torch.set_rng_state(rng["cpu"])
-    if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state(rng["cuda"])
-
-
-def _rng_state() -> dict:
-    rng = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state()
-    return rng
+    set_rng_state(load_safetensors(rng))

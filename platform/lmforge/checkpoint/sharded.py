@@ -78,7 +78,17 @@ def load_checkpoint(store: CheckpointStore, ckpt: CommittedCheckpoint, engine: E
     # A rank that did not exist when the checkpoint was saved keeps its seeded RNG.
     if store.fs.exists(rng_path):
         with store.fs.open(rng_path, "rb") as f:
-            rng = load_safetensors(f.read())
-        torch.set_rng_state(rng["cpu"])
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rng["cuda"])
+            set_rng_state(load_safetensors(f.read()))
+
+
+def rng_state() -> dict[str, torch.Tensor]:
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    return rng
+
+
+def set_rng_state(rng: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(rng["cpu"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])

@@ -22,21 +22,22 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
-from lmforge.checkpoint.sharded import dcp_writer, write_rng
+from lmforge.checkpoint.sharded import dcp_writer, rng_state, write_rng
 from lmforge.checkpoint.store import CheckpointStore
 from lmforge.engines.base import Engine
 from lmforge.errors import CheckpointWritesFailing
 from lmforge.spec import CheckpointSpec
 
 
-class CheckpointWriter:
-    def __init__(self, store: CheckpointStore, options: CheckpointSpec, group: dist.ProcessGroup, report: Callable[[dict], None]):
-        self.store, self.options, self.group = store, options, group
+class BackgroundSaver:
+    """What a checkpoint and an in-memory snapshot save alike: DCP's asynchronous
+    save on a gloo group of their own, and one thread that finishes each save."""
+
+    def __init__(self, group: dist.ProcessGroup, name: str):
+        self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        self.report = report  # called on rank 0 only, from the writer thread too
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
         self._pending: Optional[Future] = None
-        self.failed_in_a_row = 0
         self._staging: Optional[Future] = None
         # One stager for the whole run: it keeps its CPU copies (pinned on GPUs) and
         # refills them at each save instead of allocating the state's size again. Safe
@@ -47,6 +48,46 @@ class CheckpointWriter:
         cuda = torch.cuda.is_available()
         self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=cuda, use_non_blocking_copy=cuda))
 
+    def _async_save(self, tensors: dict, storage_writer) -> Future:
+        """Staged synchronously on CPU ranks, in the background on GPUs; returns the write."""
+        response = dcp.async_save(tensors, storage_writer=storage_writer, process_group=self.group, async_stager=self._stager)
+        if isinstance(response, AsyncSaveResponse):  # staging goes on in the background
+            self._staging = response.staging_completion
+            return response.upload_completion
+        return response
+
+    def staged(self) -> None:
+        """Block until the state being saved has been copied: call before changing it."""
+        if self._staging is not None:
+            staging, self._staging = self._staging, None
+            staging.result()
+
+    def _finished(self):
+        """Block until the save in flight is finished; its thread's result (None: none was)."""
+        self.staged()
+        if self._pending is None:
+            return None
+        pending, self._pending = self._pending, None
+        return pending.result()  # a dead peer raises here: that is a rank failure
+
+    def wait(self) -> None:
+        self._finished()
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._thread.shutdown(wait=True)
+            self._stager.close()
+
+
+class CheckpointWriter(BackgroundSaver):
+    def __init__(self, store: CheckpointStore, options: CheckpointSpec, group: dist.ProcessGroup, report: Callable[[dict], None]):
+        super().__init__(group, "checkpoint")
+        self.store, self.options = store, options
+        self.report = report  # called on rank 0 only, from the writer thread too
+        self.failed_in_a_row = 0
+
     def save(self, step: int, engine: Engine, trainer_state: dict) -> None:
         """Collective over every rank at the same step. Training is held up while the
         previous write finishes (`stall_seconds`), and later in `staged()` if the copy
@@ -54,16 +95,11 @@ class CheckpointWriter:
         began = time.perf_counter()
         self.wait()
         path = self.store.step_path(step)
-        rng = _rng_state()
+        rng = rng_state()
         plain: dict = {}
         if engine.checkpoint_format == "dcp":
             tensors, plain = engine.state_dict()
-            # Staged synchronously (a CPU copy); written and planned on the checkpoint group.
-            response = dcp.async_save(tensors, storage_writer=dcp_writer(self.store, path), process_group=self.group, async_stager=self._stager)
-            if isinstance(response, AsyncSaveResponse):  # staging goes on in the background
-                self._staging, upload = response.staging_completion, response.upload_completion
-            else:
-                upload = response
+            upload = self._async_save(tensors, dcp_writer(self.store, path))
         else:
             engine.save(self.store.fs_path(path))  # DeepSpeed writes synchronously, on its own
             upload = None
@@ -73,32 +109,17 @@ class CheckpointWriter:
         if not self.options.async_save:
             self.wait()
 
-    def staged(self) -> None:
-        """Block until the state being saved has been copied: call before changing it."""
-        if self._staging is not None:
-            staging, self._staging = self._staging, None
-            staging.result()
-
     def wait(self) -> None:
         """Block until the write in flight (if any) is committed or has failed."""
-        self.staged()
-        if self._pending is None:
+        ok = self._finished()
+        if ok is None:
             return
-        pending, self._pending = self._pending, None
-        ok = pending.result()  # a dead peer raises here: that is a rank failure, not a write failure
         self.failed_in_a_row = 0 if ok else self.failed_in_a_row + 1
         if self.failed_in_a_row >= self.options.max_failed_writes:
             raise CheckpointWritesFailing(
                 f"{self.failed_in_a_row} checkpoints in a row could not be written to {self.store.root} "
                 f"(checkpoint.max_failed_writes {self.options.max_failed_writes}); see the checkpoint_failed events"
             )
-
-    def close(self) -> None:
-        try:
-            self.wait()
-        finally:
-            self._thread.shutdown(wait=True)
-            self._stager.close()
 
     def _finish(self, step: int, upload: Optional[Future], rng: dict, state: dict, began: float, stall: float) -> bool:
         error = None
@@ -141,10 +162,3 @@ def _describe(err: BaseException) -> str:
         err = next(iter(err.failures.values()))[0]
     lines = str(err).strip().splitlines()
     return f"{type(err).__name__}: {lines[0] if lines else ''}"
-
-
-def _rng_state() -> dict:
-    rng = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state()
-    return rng
