@@ -68,15 +68,16 @@ class Worker:
         from lmforge.trainer import Trainer
 
         spec = JobSpec.model_validate(spec_dict)
-        # Tagged with the attempt: a report still in flight from a failed attempt is dropped.
-        trainer = Trainer(
-            spec, manifest, report=lambda event: controller.report.remote(event, attempt),
-            should_stop=lambda: ray.get(controller.grow_pending.remote()), metrics=RankMetrics(spec.name, self.rank), reader=reader,
-            snapshot_target=SnapshotShipper(snapshots[0], controller, attempt) if snapshots else None,
-            snapshot_source=snapshots[1] if snapshots else None,
-        )
-        monitor = start_monitor(spec, watch_node)
+        monitor = None
         try:
+            # Tagged with the attempt: a report still in flight from a failed attempt is dropped.
+            trainer = Trainer(
+                spec, manifest, report=lambda event: controller.report.remote(event, attempt),
+                should_stop=lambda: ray.get(controller.grow_pending.remote()), metrics=RankMetrics(spec.name, self.rank), reader=reader,
+                snapshot_target=SnapshotShipper(snapshots[0], controller, attempt) if snapshots else None,
+                snapshot_source=snapshots[1] if snapshots else None,
+            )
+            monitor = start_monitor(spec, watch_node)
             return trainer.run()
         except BaseException:
             self.leave()  # before the error travels: peers still waiting on this rank fail now
