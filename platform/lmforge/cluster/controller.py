@@ -260,7 +260,7 @@ class Controller:
             return [None] * len(self._workers)
         keepers = self._keepers.place(self._rank_nodes, self._capacity.alive_nodes())
         source = self._keepers.source()
-        if source is None:
+        if source is None and self._keepers.latest is not None:
             self._keepers.forget()  # what is left of an incomplete one must not pass for new
         return [(mine, source) for mine in keepers]
 
