@@ -154,6 +154,7 @@ class Trainer:
                     last = self._train_step(step, fed, began) or last
                 if self.held_out and (step % self.spec.eval_interval == 0 or step == train.max_steps):
                     self._evaluate(step)
+                # Also at a checkpoint's step: until that checkpoint commits, the snapshot is the step's only copy.
                 if self.snapshots and step % self.spec.checkpoint.memory_interval == 0 and step < train.max_steps:
                     self.snapshots.save(step, self.engine, self._trainer_state(step))
                 if step % self.spec.checkpoint.interval == 0 or step == train.max_steps:

@@ -25,16 +25,10 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader, FileSystemWriter
 
-from lmforge.checkpoint.sharded import rng_state, set_rng_state
+from lmforge.checkpoint.sharded import rng_name, rng_state, set_rng_state
+from lmforge.checkpoint.store import STATE
 from lmforge.checkpoint.writer import BackgroundSaver
 from lmforge.engines.base import Engine
-
-STATE = "state.json"
-
-
-def rng_name(rank: int) -> str:
-    return f"rng/rank_{rank:05d}.safetensors"
-
 
 class SnapshotTarget(Protocol):
     def put(self, step: int, rank: int, files: dict[str, bytes]) -> None:

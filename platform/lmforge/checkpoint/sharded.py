@@ -34,8 +34,13 @@ def _reader(store: CheckpointStore, path: str):
     return FsspecReader(path) if store.is_uri else dcp.FileSystemReader(store.fs_path(path))
 
 
+def rng_name(rank: int) -> str:
+    """A rank's RNG file within a checkpoint (or a snapshot)."""
+    return f"rng/rank_{rank:05d}.safetensors"
+
+
 def _rng_file(path: str, rank: int) -> str:
-    return join_path(path, "rng", f"rank_{rank:05d}.safetensors")
+    return join_path(path, rng_name(rank))
 
 
 def write_rng(store: CheckpointStore, path: str, rank: int, rng: dict[str, torch.Tensor]) -> None:
