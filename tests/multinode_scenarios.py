@@ -5,7 +5,9 @@ nodes, all on this machine; starting one is slow), in this order:
 1. placement: a tp=2 x dp=2 job; each worker node can hold one TP group;
 2. whole: the elastic dp=2 job, one rank per worker node, uninterrupted;
 3. shrunk: the same job, losing rank 0's node abruptly mid-run, then getting a
-   node back once it has recovered on dp 1 (it should grow back to dp 2);
+   node back once it has recovered on dp 1 (it should grow back to dp 2); run as a
+   user runs it, `lmforge train JOB` with its progress on, into an output directory
+   whose name rich would read as markup (`CLI_DIR`);
 4. spared: the same job at a fixed dp 2 with one spare rank on a third worker
    node and in-memory checkpoints, losing a rank's node (before the first storage
    checkpoint) while a rival placement group waits for a node.
@@ -15,13 +17,17 @@ Writes each run's summary to RESULT.json. Launched by the `multinode` fixture.
     python multinode_scenarios.py JOBS.json RESULT.json   # {"prepare": options, "placement": job, "elastic": job, "spared_steps": n}
 """
 
+import io
 import json
 import sys
 import threading
 import time
+import traceback
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import ray
+import yaml
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
 TESTS = Path(__file__).parent
@@ -29,7 +35,7 @@ sys.path[:0] = [str(TESTS), str(TESTS / "chaos")]
 from chaos import events, reached_step, recorded_event, wait_until  # noqa: E402
 from multinode import start_cluster  # noqa: E402
 
-from lmforge import sdk  # noqa: E402
+from lmforge import cli, sdk  # noqa: E402
 from lmforge.data.prepare import PrepareOptions, prepare_dataset  # noqa: E402
 from lmforge.spec import spec_from_dict  # noqa: E402
 
@@ -38,6 +44,32 @@ def in_background(job: dict) -> tuple[threading.Thread, dict]:
     """Train in a thread: Ray adds and removes nodes only from the main thread."""
     outcome: dict = {}
     thread = threading.Thread(target=lambda: outcome.update(summary=sdk.train(spec_from_dict(job), show_progress=False)))
+    thread.start()
+    return thread, outcome
+
+
+CLI_DIR = "[/x]"  # a closing tag to rich: every path the driver prints holds it
+
+
+def through_cli(job: dict) -> tuple[threading.Thread, dict]:
+    """`lmforge train JOB --json` in a thread, its progress on: the summary, the exit
+    code and what it printed (a traceback as the interpreter would print it)."""
+    job_file = Path(job["output_dir"]) / f"{job['name']}.yaml"
+    job_file.parent.mkdir(parents=True, exist_ok=True)
+    job_file.write_text(yaml.safe_dump(job))
+    outcome: dict = {}
+
+    def run():
+        out, err = io.StringIO(), io.StringIO()
+        with redirect_stdout(out), redirect_stderr(err):
+            try:
+                code = cli.main(["train", str(job_file), "--json"])
+            except BaseException:  # noqa: BLE001 - what the process would print
+                traceback.print_exc()
+                code = 1
+        outcome["summary"] = (json.loads(out.getvalue()) if code == 0 else {}) | {"exit_code": code, "stderr": err.getvalue()}
+
+    thread = threading.Thread(target=run)
     thread.start()
     return thread, outcome
 
@@ -51,8 +83,9 @@ def placement(job: dict) -> dict:
 def shrink_then_grow(cluster, job: dict) -> dict:
     """Rank 0's node goes: the survivor, rank 1 of 2, goes on as rank 0 of 1, then
     of 2 again, in the same process (kept across attempts)."""
+    job = job | {"output_dir": str(Path(job["output_dir"]) / CLI_DIR)}
     run_dir = Path(job["output_dir"]) / job["name"]
-    thread, outcome = in_background(job)
+    thread, outcome = through_cli(job)
     wait_until(reached_step(run_dir, 5))
     cluster.remove_node(node_of_rank(cluster, run_dir, 0), allow_graceful=False)
     wait_until(recorded_event(run_dir, "recovered"))

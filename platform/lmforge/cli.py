@@ -35,9 +35,9 @@ def _parser() -> argparse.ArgumentParser:
     prep.add_argument("--out", help="output directory for shards and manifest.json")
     prep.add_argument("--seq-len", type=int)
     prep.add_argument("--tokenizer", help="tokenizer.json (default: train a byte-level BPE)")
-    prep.add_argument("--vocab-size", type=int, default=8192)
+    prep.add_argument("--vocab-size", type=int, help="of the BPE trained when no tokenizer is given (default 8192)")
     prep.add_argument("--text-column", help="JSONL/Parquet field holding the text (default: text)")
-    prep.add_argument("--shard-samples", type=int, default=2048)
+    prep.add_argument("--shard-samples", type=int, help="samples per Parquet shard (default 2048; with a job file, its data.shard_samples)")
     prep.add_argument("--eval-fraction", type=float, help="hold this share of the documents out of training (the held-out split)")
     prep.add_argument("--eval-source", help="a separate corpus as the held-out split")
     prep.add_argument("--address")
@@ -162,14 +162,16 @@ def _prepare_options(args):
             raise UserError(f"{args.job}: data.source is not set; nothing to prepare")
         return PrepareOptions.for_job(
             spec, source=args.source, out=args.out, seq_len=args.seq_len, tokenizer=args.tokenizer, text_column=args.text_column,
-            eval_fraction=args.eval_fraction, eval_source=args.eval_source, show_progress=not args.no_progress, names=_typed_flags(args),
+            eval_fraction=args.eval_fraction, eval_source=args.eval_source, shard_samples=args.shard_samples, vocab_size=args.vocab_size,
+            show_progress=not args.no_progress, names=_typed_flags(args),
         )
     missing = [flag for flag, value in (("--source", args.source), ("--out", args.out), ("--seq-len", args.seq_len)) if value is None]
     if missing:
         raise UserError(f"data prepare: give a job file or {', '.join(missing)}")
     return PrepareOptions(
         source=args.source, out=args.out, seq_len=args.seq_len, tokenizer=args.tokenizer,
-        vocab_size=args.vocab_size, text_column=args.text_column or "text", shard_samples=args.shard_samples,
+        vocab_size=8192 if args.vocab_size is None else args.vocab_size, text_column=args.text_column or "text",
+        shard_samples=2048 if args.shard_samples is None else args.shard_samples,
         eval_fraction=args.eval_fraction or 0.0, eval_source=args.eval_source, show_progress=not args.no_progress, names=_typed_flags(args, every=True),
     )
 

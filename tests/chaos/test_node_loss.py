@@ -2,7 +2,8 @@
 job shrinks from dp 2 to dp 1, keeps the global batch by doubling accumulation,
 and when a node joins again it grows back to dp 2 at its next checkpoint; with a
 spare rank instead, it restarts at dp 2 at once (a shorter run of the same
-schedule). Each trains exactly the samples
+schedule). The shrinking job runs through `lmforge train` with its progress on,
+into a directory named like rich markup. Each trains exactly the samples
 and (within 1e-4 after a resize, 1e-5 otherwise) the losses of the run that lost
 nothing."""
 
@@ -13,6 +14,7 @@ from chaos import events, step_rows
 from conftest import MULTINODE_STEPS as STEPS
 from conftest import MULTINODE_TIMEOUT_S
 from conftest import SPARED_STEPS
+from multinode_scenarios import CLI_DIR
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(MULTINODE_TIMEOUT_S)]
 
@@ -31,8 +33,14 @@ def test_node_loss_shrinks_then_grows_back_and_trains_exactly(multinode):
     result, runs = multinode
     assert result["whole"]["dp"] == 2
     shrunk = result["shrunk"]
+    assert shrunk["exit_code"] == 0 and "Traceback" not in shrunk["stderr"], shrunk["stderr"][-3000:]
     assert shrunk["final_step"] == STEPS and shrunk["failures"] >= 1 and shrunk["dp"] == 2
-    history = events(runs / "tiny")
+    # Every line the driver printed is plain text: the paths in it, the failure's cause.
+    printed = shrunk["stderr"].splitlines()
+    assert any(line.startswith("failure 1/3 at step") for line in printed), printed
+    assert any(line.startswith("recovered in") for line in printed)
+    assert any(line.startswith("checkpoint step") and f"{CLI_DIR}/tiny/checkpoints/step_" in line for line in printed)
+    history = events(runs / CLI_DIR / "tiny")
     recovered = [event for event in history if event["event"] == "recovered"]
     assert recovered[-1]["dp"] == 1
     # `nodes_lost` is not asserted: it lists the nodes Ray has declared dead by then,
@@ -46,7 +54,7 @@ def test_node_loss_shrinks_then_grows_back_and_trains_exactly(multinode):
     assert all(reader["node"] == before["node"] for before, reader in zip(readers, readers[1:]) if reader["kept"])
     restored = [event["step"] for event in history if event["event"] == "restored"]
     assert restored[-1] % 10 == 0 and restored[-1] == resized["step"] - 1  # grew at a checkpoint, nothing redone
-    _same_as_whole(runs, "tiny", rel=1e-4)
+    _same_as_whole(runs, f"{CLI_DIR}/tiny", rel=1e-4)
 
 
 def test_a_spare_rank_replaces_a_lost_node_without_shrinking(multinode):

@@ -182,19 +182,27 @@ OBJECT_STORE_REFUSALS = {
         ["data", "prepare", "--source", "corpus", "--seq-len", "32", "--out", "s3://no-such-bucket/prepared", "--no-progress"],
         ["--out: s3://no-such-bucket/prepared: the bucket no-such-bucket does not exist"]),
     "a dataset URI with nothing there": (["train", "job.yaml"], ["data.path: s3://lmforge-tests/nothing-here", "data.source is not set"]),
+    "an output prefix holding objects": (
+        ["data", "prepare", "--source", "corpus", "--seq-len", "32", "--out", "s3://lmforge-tests/occupied", "--no-progress"],
+        ["--out: s3://lmforge-tests/occupied is not empty (1 files, e.g. theirs.txt)"]),
 }
 
 
 @pytest.mark.parametrize("case", OBJECT_STORE_REFUSALS)
 def test_object_store_uris_that_cannot_serve_are_named(case, s3_bucket, tmp_path, monkeypatch):
+    import fsspec
+
     from lmforge import sdk
 
     monkeypatch.setattr(sdk, "connect", lambda *a, **k: pytest.fail("Ray was started (or joined) before the refusal"))
     corpus(tmp_path, a_txt="x " * 100)
     write_job(tmp_path, tiny_job(tmp_path, f"{s3_bucket}/nothing-here"))
+    s3 = fsspec.filesystem("s3")
+    s3.pipe(f"{s3_bucket}/occupied/theirs.txt", b"not lmforge's")
     command, fragments = OBJECT_STORE_REFUSALS[case]
     assert_clean_error(run_cli(*command, cwd=tmp_path), *fragments)
     assert nothing_written(tmp_path) and not (tmp_path / "prepared").exists()
+    assert s3.cat(f"{s3_bucket}/occupied/theirs.txt") == b"not lmforge's"
 
 
 def word_level_tokenizer(path: Path, words: int) -> Path:
@@ -246,6 +254,18 @@ EARLY_REFUSALS = {
     "evaluation with no held-out split to prepare": (
         lambda tmp: write_job(tmp, tiny_job(tmp, tmp / "data", data={"source": corpus(tmp, a_txt="x " * 100)}, eval={"interval": 2})),
         ["train", "job.yaml"], ["eval: measures a held-out split", "set data.eval_fraction or eval.source"]),
+    "no samples per shard": (
+        lambda tmp: corpus(tmp, a_txt="x " * 100),
+        ["data", "prepare", "--source", "corpus", "--seq-len", "32", "--shard-samples", "0", *PREPARE], ["--shard-samples: must be > 0, got 0"]),
+    "a negative vocabulary": (
+        lambda tmp: corpus(tmp, a_txt="x " * 100),
+        ["data", "prepare", "--source", "corpus", "--seq-len", "32", "--vocab-size", "-1", *PREPARE], ["--vocab-size: the BPE trained here needs at least 257", "got -1"]),
+    "an output that is a file": (
+        lambda tmp: corpus(tmp, a_txt="x " * 100) and (tmp / "prepared").write_text("mine"),
+        ["data", "prepare", "--source", "corpus", "--seq-len", "32", *PREPARE], ["--out: prepared is a file"]),
+    "an output folder holding files": (
+        lambda tmp: corpus(tmp, a_txt="x " * 100) and (tmp / "prepared").mkdir() or (tmp / "prepared" / "notes.txt").write_text("mine"),
+        ["data", "prepare", "--source", "corpus", "--seq-len", "32", *PREPARE], ["--out: prepared is not empty (1 files, e.g. notes.txt)"]),
     "corpus too small for one sample": (
         lambda tmp: corpus(tmp, a_txt="", b_txt="tiny"),
         ["data", "prepare", "--source", "corpus", "--seq-len", "32", *PREPARE], ["--source: the corpus holds 4 bytes", "fewer than one sample of seq_len+1 = 33"]),

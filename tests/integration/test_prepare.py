@@ -119,3 +119,26 @@ def test_on_several_nodes_the_work_spreads_and_the_dataset_is_the_same(multinode
         assert manifest[key] == single[key], key
     assert [s["sha256"] for s in manifest["shards"]] == [s["sha256"] for s in single["shards"]]
     assert [s["sha256"] for s in manifest["eval"]["shards"]] == [s["sha256"] for s in single["eval"]["shards"]]
+
+
+def test_a_failed_write_to_an_object_store_removes_only_its_own_files(s3_bucket):
+    """No rename on an object store: the files a failure leaves go one by one, and
+    nothing else, not a neighbour sharing the prefix's name nor the bucket itself."""
+    import fsspec
+
+    from lmforge.data import storage
+    from lmforge.data.staging import staged
+
+    s3 = fsspec.filesystem("s3")
+    s3.mkdir("s3://lmforge-empty-bucket")
+    theirs = {f"{s3_bucket}/staged-neighbour/keep.txt": b"theirs", f"{s3_bucket}/stagedX": b"theirs"}
+    s3.pipe(theirs)
+    for out in (f"{s3_bucket}/staged", "s3://lmforge-empty-bucket"):
+        with pytest.raises(RuntimeError, match="the pipeline failed"):
+            with staged(out) as where:
+                storage.write_bytes(storage.join(where, "shard-00000.parquet"), b"x")
+                storage.write_bytes(storage.join(where, "eval", "shard-00000.parquet"), b"x")
+                raise RuntimeError("the pipeline failed")
+        assert not s3.find(out)
+    assert s3.exists("s3://lmforge-empty-bucket")
+    assert all(s3.cat(path) == data for path, data in theirs.items())

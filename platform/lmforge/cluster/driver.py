@@ -28,6 +28,7 @@ from lmforge.tracking import events
 from lmforge.tracking.events import EVENT_PREFIX
 from lmforge.tracking.progress import ProgressView
 from lmforge.tracking.run_dir import STEP_FIELDS, RunDir
+from lmforge.tracking.console import plain, text_console
 
 
 def drive(plan: Plan, address: Optional[str] = None, show_progress: bool = True, console: Optional[Console] = None,
@@ -35,7 +36,7 @@ def drive(plan: Plan, address: Optional[str] = None, show_progress: bool = True,
     """Run a preflighted job to `train.max_steps`; returns the summary. `stream_events`:
     also print each step, recorded event and the summary on stdout as an event line,
     for a client following the job through its logs (`lmforge.jobs`)."""
-    console = console or Console(stderr=True)
+    console = console or text_console()
     spec = plan.spec
     publish = _print_event if stream_events else None
     embedded = embedded_resources(address)
@@ -77,7 +78,7 @@ def _ensure_dataset(plan: Plan, console: Console, show_progress: bool) -> dict:
     if plan.manifest is not None:
         return plan.manifest
     spec = plan.spec
-    console.print(f"preparing {spec.data.source} into {spec.data.path}", highlight=False)
+    console.print(plain(f"preparing {spec.data.source} into {spec.data.path}"), highlight=False)
     prepare_dataset(PrepareOptions.for_job(spec, show_progress=show_progress))
     manifest = read_manifest(spec.data.path)
     check_dataset(spec, manifest)

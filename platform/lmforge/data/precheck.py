@@ -22,11 +22,14 @@ from lmforge.errors import UserError
 JOB_FIELDS = {
     "source": "data.source", "seq_len": "train.seq_len", "tokenizer": "data.tokenizer", "text_column": "data.text_column",
     "eval_fraction": "data.eval_fraction", "eval_source": "eval.source", "out": "data.path",
+    "shard_samples": "data.shard_samples", "vocab_size": "data.vocab_size",
 }
 FLAGS = {
     "source": "--source", "seq_len": "--seq-len", "tokenizer": "--tokenizer", "text_column": "--text-column",
     "eval_fraction": "--eval-fraction", "eval_source": "--eval-source", "out": "--out",
+    "shard_samples": "--shard-samples", "vocab_size": "--vocab-size",
 }
+MIN_VOCAB = 257
 RECORDS_CHECKED = 16  # files whose first record must hold the text column
 FIRST_RECORD_BYTES = 1 << 20
 
@@ -41,7 +44,14 @@ def check_before_ray(opts) -> tuple[list[str], list[str]]:
         raise UserError(f"{name('eval_fraction')}: a share of the documents, at least 0 and below 1; got {opts.eval_fraction}")
     if opts.eval_fraction and opts.eval_source:
         raise UserError(f"{name('eval_source')}: a separate held-out corpus and {name('eval_fraction')} both make the held-out split; keep one")
+    if opts.shard_samples <= 0:
+        raise UserError(f"{name('shard_samples')}: must be > 0, got {opts.shard_samples}")
+    if not opts.tokenizer and opts.vocab_size < MIN_VOCAB:
+        raise UserError(f"{name('vocab_size')}: the BPE trained here needs at least {MIN_VOCAB} tokens (256 bytes and end-of-document), got {opts.vocab_size}")
     storage.check_bucket(opts.out, name("out"))
+    if storage.exists(storage.join(opts.out, "manifest.json"), name("out")):
+        raise UserError(f"{name('out')}: {opts.out} already holds a prepared dataset; remove it or choose another")
+    storage.require_empty(opts.out, name("out"))
     files = _check_source(opts.source, opts, name("source"), name("text_column"))
     eval_files = _check_source(opts.eval_source, opts, name("eval_source"), name("text_column")) if opts.eval_source else []
     if opts.tokenizer:

@@ -12,12 +12,13 @@ from pathlib import Path
 from typing import Optional
 
 import ray
-from rich.progress import Progress, TextColumn, TimeElapsedColumn
+from rich.progress import Progress, TimeElapsedColumn
 
 from lmforge.data import storage
 from lmforge.data.pipeline import EVAL_DIR, MANIFEST, run_pipeline
 from lmforge.data.precheck import check_before_ray
 from lmforge.errors import UserError
+from lmforge.tracking.console import text_column
 
 __all__ = ["EVAL_DIR", "MANIFEST", "PrepareOptions", "has_manifest", "prepare_dataset", "read_manifest"]
 
@@ -75,8 +76,6 @@ def prepare_dataset(opts: PrepareOptions) -> dict:
     same filesystem), showing its progress; returns the manifest. Requires an
     initialized Ray session."""
     files, eval_files = check_before_ray(opts)
-    if has_manifest(opts.out):
-        raise UserError(f"data.path: {opts.out} already holds a prepared dataset; remove it or choose another --out")
     here = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     run = run_pipeline.options(scheduling_strategy=here).remote(opts, files, eval_files)
     tasks: dict[str, object] = {}
@@ -102,8 +101,8 @@ def prepare_dataset(opts: PrepareOptions) -> dict:
 def _progress(enabled: bool):
     if not enabled:
         return nullcontext()  # enters as None: no bar
-    return Progress(TextColumn("[bold]{task.description}"), TextColumn("{task.completed:,.0f} documents"), TextColumn("{task.fields[tokens]:,} tokens"),
-                    TextColumn("{task.fields[mb_per_s]:.1f} MB/s of text"), TimeElapsedColumn())
+    return Progress(text_column("{task.description}", bold=True), text_column("{task.completed:,.0f} documents"), text_column("{task.fields[tokens]:,} tokens"),
+                    text_column("{task.fields[mb_per_s]:.1f} MB/s of text"), TimeElapsedColumn())
 
 
 def has_manifest(path: str | Path, field: str = "data.path") -> bool:

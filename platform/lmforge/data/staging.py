@@ -1,8 +1,9 @@
-"""A dataset written whole or not at all. On a filesystem: into a staging directory
-beside it, renamed into place when the writing ends, removed if it fails (a prepared
-dataset, a teacher cache, an instruction dataset). An object store has no rename:
-there the files go to their place and the manifest, written last, is what makes the
-dataset complete; a failure removes what was written."""
+"""A dataset written whole or not at all, over nothing that was there before. On a
+filesystem: into a staging directory beside it, renamed into place when the writing
+ends, removed if it fails (a prepared dataset, a teacher cache, an instruction
+dataset). An object store has no rename: there the files go to their place and the
+manifest, written last, is what makes the dataset complete; a failure removes the
+files this run wrote, one by one, and nothing else."""
 
 from __future__ import annotations
 
@@ -15,13 +16,16 @@ from lmforge.data import storage
 
 
 @contextmanager
-def staged(out: Path | str):
-    """Yields where to write `out`'s contents: a staging `Path`, or the URI itself."""
+def staged(out: Path | str, field: str = "data.path"):
+    """Yields where to write `out`'s contents: a staging `Path`, or the URI itself.
+    `out` must be new or empty (`UserError` naming `field` otherwise)."""
+    storage.require_empty(str(out), field)
     if storage.is_uri(str(out)):
+        before = storage.files_below(str(out), field)  # empty but for what another writer adds meanwhile
         try:
             yield str(out)
         except BaseException:
-            storage.remove_tree(str(out))
+            storage.remove_files(storage.files_below(str(out), field) - before, str(out))
             raise
         return
     out = Path(out)
@@ -35,5 +39,5 @@ def staged(out: Path | str):
         shutil.rmtree(staging, ignore_errors=True)
         raise
     if out.exists():
-        out.rmdir()  # only an empty directory may be replaced
+        out.rmdir()  # checked empty above; a directory someone filled since is not replaced
     staging.rename(out)

@@ -113,10 +113,36 @@ def read_parquet(paths: list[str], columns: list[str]):
     return pq.read_table([pafs.FileSystem.from_uri(p)[1] for p in paths], columns=columns, filesystem=filesystem)
 
 
-def remove_tree(directory: str) -> None:
-    """Best effort: what a failed prepare wrote into an object store (it has no rename)."""
-    fs, inner = _filesystem(directory)
-    try:
-        fs.rm(inner, recursive=True)
-    except (OSError, ValueError):
-        pass
+def files_below(path: str, field: str) -> set[str]:
+    """Every file at or below `path` (recursively), as the filesystem names them."""
+    with named(path, field):
+        fs, inner = _filesystem(path)
+        if not fs.exists(inner):
+            return set()
+        if fs.isfile(inner):
+            return {inner}
+        return set(fs.find(inner))
+
+
+def require_empty(path: str, field: str) -> None:
+    """Refuse to write a new dataset over anything: a file, or a directory or prefix
+    that holds files (what a failed run cleans up must be only what it wrote)."""
+    with named(path, field):
+        fs, inner = _filesystem(path)
+        if fs.exists(inner) and fs.isfile(inner):
+            raise UserError(f"{field}: {path} is a file; give a new or empty directory")
+    held = files_below(path, field)
+    if held:
+        example = sorted(held)[0].rsplit("/", 1)[-1]
+        raise UserError(f"{field}: {path} is not empty ({len(held)} files, e.g. {example}); give a new or empty directory")
+
+
+def remove_files(paths: set[str], root: str) -> None:
+    """Best effort: the files a failed run wrote below `root`, one by one (never the
+    prefix or bucket itself, which may hold what others wrote meanwhile)."""
+    fs, _ = _filesystem(root)
+    for path in sorted(paths):
+        try:
+            fs.rm_file(path)
+        except (OSError, ValueError):
+            pass

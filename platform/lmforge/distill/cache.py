@@ -22,11 +22,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import ray
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
 from lmforge.data.prepare import EVAL_DIR, read_manifest
 from lmforge.data.staging import staged
 from lmforge.errors import UserError
+from lmforge.tracking.console import text_column
 
 FORMAT = "lmforge.teacher-topk.v1"
 MANIFEST = "manifest.json"
@@ -208,7 +209,7 @@ def _manifest(identity: dict, dataset: dict, staging: Path, vocab: int, seconds:
 def _progress(enabled: bool):
     if not enabled:
         return nullcontext()  # enters as None: no bar
-    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("shards"), TimeElapsedColumn())
+    return Progress(text_column("{task.description}", bold=True), BarColumn(), MofNCompleteColumn(), text_column("shards"), TimeElapsedColumn())
 
 
 

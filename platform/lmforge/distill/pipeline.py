@@ -29,6 +29,7 @@ from rich.console import Console
 
 from lmforge.errors import UserError
 from lmforge.spec import JobSpec, TrackingSpec, _format_error, load_spec
+from lmforge.tracking.console import plain, text_console
 
 STATE = "pipeline.json"
 NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
@@ -185,7 +186,7 @@ def run_pipeline(path: str | os.PathLike, address: Optional[str] = None, show_pr
     from lmforge.cluster.runtime import connect
     from lmforge.tracking.pipeline_run import PipelineRun
 
-    console = console or Console(stderr=True)
+    console = console or text_console()
     pipeline, stages = load_pipeline(path)
     directory = Path(pipeline.output_dir).absolute() / pipeline.name
     state = PipelineState(directory, Path(path), stages)
@@ -199,10 +200,10 @@ def run_pipeline(path: str | os.PathLike, address: Optional[str] = None, show_pr
         for stage in stages:
             done = state.done(stage)
             if done:
-                console.print(f"stage {stage.index + 1}/{len(stages)} {stage.entry.name}: finished before" +
-                              (f"; its student: {done['student']}" if done.get("student") else ""), highlight=False, soft_wrap=True)
+                console.print(plain(f"stage {stage.index + 1}/{len(stages)} {stage.entry.name}: finished before" +
+                                    (f"; its student: {done['student']}" if done.get("student") else "")), highlight=False, soft_wrap=True)
                 continue
-            console.print(f"stage {stage.index + 1}/{len(stages)} {stage.entry.name} ({stage.entry.kind}): {stage.entry.job}", highlight=False, soft_wrap=True)
+            console.print(plain(f"stage {stage.index + 1}/{len(stages)} {stage.entry.name} ({stage.entry.kind}): {stage.entry.job}"), highlight=False, soft_wrap=True)
             job = stage.job.with_changes("tracking", parent_run_id=tracker.run_id) if tracker else stage.job
             result = RUNNERS[stage.entry.kind](stage, job, show_progress, console, tracker)
             state.finish(stage, result)
@@ -260,9 +261,9 @@ def _evaluate(stage: Stage, job: JobSpec, show_progress: bool, console: Console,
     with open(out / ANSWERS_FILE, "w") as table:
         table.writelines(json.dumps(row) + "\n" for row in answered["table"])
     m = answered["metrics"]
-    console.print(f"  {stage.previous_student}: NLL of the teachers' held-out answers {m['answers_nll']:.4f} "
+    console.print(plain(f"  {stage.previous_student}: NLL of the teachers' held-out answers {m['answers_nll']:.4f} "
                   f"({m['answer_tokens']} tokens); answered {m['held_out_prompts']} held-out prompts, {m['student_answer_tokens']:.1f} "
-                  f"tokens on average, {m['student_finish_stop']:.0%} ended by itself -> {out / ANSWERS_FILE}", highlight=False, soft_wrap=True)
+                  f"tokens on average, {m['student_finish_stop']:.0%} ended by itself -> {out / ANSWERS_FILE}"), highlight=False, soft_wrap=True)
     if tracker:
         tracker.log_evaluation(stage, answered)
     return {"model": str(stage.previous_student), "metrics": m, "answers": str(out / ANSWERS_FILE)}

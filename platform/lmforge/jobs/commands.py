@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import sys
 
+from lmforge.tracking.console import text_console
+
 COMMANDS = ("submit", "jobs", "status", "logs", "stop")
 
 
@@ -69,7 +71,6 @@ def run(args) -> int:
 
 
 def _table(frame) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     table = Table(show_edge=False)
@@ -77,7 +78,7 @@ def _table(frame) -> None:
         table.add_column(column)
     for row in frame.itertuples():
         table.add_row(row.id, row.job, row.status, _when(row.start), _when(row.end))
-    Console().print(table)
+    text_console(stderr=False).print(table)
 
 
 def _when(stamp) -> str:

@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from rich.console import Console
-
 from lmforge.errors import UserError
 from lmforge.memory.chart import bar_chart
 from lmforge.memory.estimate import stage_peaks, worst_rank
@@ -17,6 +15,7 @@ from lmforge.planner.report import fits, gib, render, search_reasons, search_tab
 from lmforge.planner.search import Candidate, search
 from lmforge.planner.throughput import step_time
 from lmforge.spec import JobSpec, load_spec
+from lmforge.tracking.console import text_console
 
 
 def plan(args) -> int:
@@ -40,7 +39,7 @@ def plan(args) -> int:
             out["cluster"] = _cluster_dict(cluster) | {"fits": fits(breakdown, cluster)}
         print(json.dumps(out, indent=2))
         return 0
-    console = Console()
+    console = text_console(stderr=False)
     render(spec.name, breakdown, spec.world_size, cluster, console)
     if spec.checkpoint.in_memory:
         console.print(f"in-memory checkpoints (checkpoint.in_memory): {gib(snapshot_bytes(breakdown))} per snapshot of this rank, "
@@ -52,7 +51,7 @@ def plan(args) -> int:
 
 
 def _search(spec: JobSpec, cluster: Cluster, args, assumed: bool) -> int:
-    console = Console(stderr=args.json)
+    console = text_console(stderr=args.json)
     if assumed:
         console.print(f"cluster: {cluster.describe()}, assumed from the job's {spec.world_size} ranks (give --cluster to change)")
     console.print(f"weighing the layouts of {spec.name} on {cluster.gpus} GPUs ...")

@@ -6,13 +6,15 @@ from __future__ import annotations
 import time
 
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import BarColumn, Progress, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
+
+from lmforge.tracking.console import plain, text_column, text_console
 
 
 class ProgressView:
     def __init__(self, total_steps: int, start_step: int, console: Console | None = None, enabled: bool = True):
-        self.console = console or Console(stderr=True)
+        self.console = console or text_console()
         self.total, self.enabled = total_steps, enabled
         self.live = enabled and self.console.is_terminal
         self.every = max(1, total_steps // 20)
@@ -22,13 +24,13 @@ class ProgressView:
         self.progress = None
         if self.live:
             self.progress = Progress(
-                TextColumn("[bold]step {task.completed}/{task.total}"),
+                text_column("step {task.completed}/{task.total}", bold=True),
                 BarColumn(),
-                TextColumn("loss {task.fields[loss]}"),
-                TextColumn("{task.fields[eval]}"),
-                TextColumn("{task.fields[tps]} tok/s"),
+                text_column("loss {task.fields[loss]}"),
+                text_column("{task.fields[eval]}"),
+                text_column("{task.fields[tps]} tok/s"),
                 TimeElapsedColumn(),
-                TextColumn("ETA"),
+                text_column("ETA"),
                 TimeRemainingColumn(),
                 console=self.console,
             )
@@ -46,17 +48,17 @@ class ProgressView:
 
     def print(self, message: str) -> None:
         if self.enabled:
-            self.console.print(message, highlight=False, soft_wrap=True)
+            self.console.print(plain(message), highlight=False, soft_wrap=True)
 
     def layout(self, ranks: list[dict]) -> None:
         if not self.enabled:
             return
-        table = Table(title="ranks", show_edge=False)
+        table = Table(title=plain("ranks"), show_edge=False)
         columns = ("rank", "pp", "dp", "tp", "node", "ip")
         for column in columns:
             table.add_column(column)
         for r in ranks:
-            table.add_row(*(str(r[c]) for c in columns))
+            table.add_row(*(plain(r[c]) for c in columns))
         self.console.print(table)
 
     def held_out(self, event: dict) -> None:
@@ -79,9 +81,9 @@ class ProgressView:
             window = self._recent[-20:]
             eta = (self.total - event["step"]) * sum(window) / len(window)
             bubble = f"  bubble {event['bubble']:.0%} (theory {event['bubble_theory']:.0%})" if "bubble" in event else ""
-            self.console.print(
+            self.console.print(plain(
                 f"step {event['step']}/{self.total}  loss {loss}  {self._eval + '  ' if self._eval else ''}lr {event['lr']:.2e}  "
-                f"{tps} tok/s  data wait {event['data_wait'] * 1000:.1f} ms{bubble}  ETA {_clock(eta)}",
+                f"{tps} tok/s  data wait {event['data_wait'] * 1000:.1f} ms{bubble}  ETA {_clock(eta)}"),
                 highlight=False,
                 soft_wrap=True,
             )

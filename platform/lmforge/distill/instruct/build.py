@@ -22,7 +22,7 @@ from typing import Iterator
 
 import pyarrow as pa
 import ray
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
 from lmforge.checkpoint.export import open_source
 from lmforge.data.packing import ShardWriter
@@ -35,6 +35,7 @@ from lmforge.distill.instruct.samples import write_samples
 from lmforge.distill.instruct.selection import RULES, select
 from lmforge.data.staging import staged
 from lmforge.errors import UserError
+from lmforge.tracking.console import text_column
 
 SETTINGS = "settings.json"
 ANSWERS_DIR = "answers"  # inside the dataset: every answer generated, kept or not
@@ -172,7 +173,7 @@ def _answer_units(spec, plan: Plan, work: Path, pending: list[int], show_progres
 def _progress(enabled: bool):
     if not enabled:
         return nullcontext()  # enters as None: no bar
-    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[rate]}"),
+    return Progress(text_column("{task.description}", bold=True), BarColumn(), MofNCompleteColumn(), text_column("{task.fields[rate]}"),
                     TimeElapsedColumn())
 
 
