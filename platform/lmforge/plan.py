@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from lmforge.checkpoint.store import CheckpointStore, CommittedCheckpoint
+from lmforge.checkpoint.store import CheckpointStore, CheckpointUnreadable, CommittedCheckpoint
 from lmforge.data.columns import is_masked
 from lmforge.data.heldout import check_held_out
 from lmforge.data.identity import describe, order_changes, order_inputs
@@ -58,7 +58,30 @@ def check_dataset(spec: JobSpec, manifest: dict) -> None:
         check_held_out(spec, manifest, spec.data.path)
 
 
+def latest_checkpoint(store: CheckpointStore) -> Optional[CommittedCheckpoint]:
+    try:
+        return store.latest()
+    except CheckpointUnreadable as err:
+        raise UserError(f"checkpoint.dir: could not read {err}; nothing was changed, try again once the storage answers") from None
+
+
+def check_fresh_start(spec: JobSpec, store: CheckpointStore) -> None:
+    """`checkpoint.resume: false` starts at step 0, and a fresh start never writes over
+    committed checkpoints silently: the user resumes, moves elsewhere, or discards them."""
+    if spec.checkpoint.resume or spec.checkpoint.discard_existing:
+        return
+    steps = store.committed()
+    if steps:
+        raise UserError(f"checkpoint.dir: {spec.checkpoint_dir} holds {len(steps)} committed checkpoints (steps {steps[0]}..{steps[-1]}) "
+                        "and checkpoint.resume is false: resume them (checkpoint.resume: true), give another checkpoint.dir, "
+                        "or set checkpoint.discard_existing: true to delete them")
+
+
 def check_resume(spec: JobSpec, ckpt: CommittedCheckpoint) -> None:
+    saved_job = ckpt.state.get("job")
+    if saved_job and saved_job != spec.name:
+        raise UserError(f"checkpoint.dir: {ckpt.path} was written by job {saved_job}, not {spec.name}; "
+                        "give this job a checkpoint directory of its own (or its init_from a checkpoint to start from)")
     saved_model = ckpt.state.get("model")
     if saved_model and saved_model != spec.model_arch.as_dict():
         changed = sorted(k for k in saved_model if saved_model.get(k) != spec.model_arch.as_dict().get(k))
@@ -242,7 +265,8 @@ def preflight(spec: JobSpec) -> Plan:
         check_distill(spec, manifest)
     store = CheckpointStore(spec.checkpoint_dir)
     store.check_usable()
-    ckpt = store.latest() if spec.checkpoint.resume else None
+    check_fresh_start(spec, store)
+    ckpt = latest_checkpoint(store) if spec.checkpoint.resume else None
     changes = {}
     if ckpt is not None:
         check_resume(spec, ckpt)

@@ -130,7 +130,13 @@ class CheckpointSpec(_Section):
         "each snapshot costs the loop a copy and a serialization of the rank's state (bench/RESULTS.md)"
     )
     max_failed_writes: int = Field(3, gt=0, description="checkpoint writes that may fail in a row (logged) before the job fails")
-    resume: bool = True
+    resume: bool = Field(
+        True, description="continue from the latest checkpoint in checkpoint.dir; false: start at step 0, refused while "
+        "the directory holds committed checkpoints unless discard_existing (restarts within the job always continue)"
+    )
+    discard_existing: bool = Field(
+        False, description="with resume: false, delete the checkpoints checkpoint.dir holds before starting over (an explicit choice)"
+    )
     allow_data_change: bool = Field(
         False, description="resume although the seed, shuffle window or dataset changed (a new data order; recorded as a data_changed event)"
     )

@@ -62,12 +62,14 @@ class Trainer:
         # Checkpoint I/O gets its own gloo group: its background collectives must not
         # interleave with training's (and DCP's async save needs a CPU backend).
         checkpoint_group = dist.new_group(backend="gloo")
-        from_memory = spec.checkpoint.resume and self._newer_in_memory(snapshot_source, checkpoint_group)
+        # Always from the job's own checkpoints: the driver started a `resume: false` job
+        # on a directory holding none, so whatever is there now this job wrote (a restart).
+        from_memory = self._newer_in_memory(snapshot_source, checkpoint_group)
         memory_state = snapshot_state(snapshot_source.fetch) if from_memory else None
-        resume_from = restore_point(self.store, checkpoint_group, self._event) if spec.checkpoint.resume and not from_memory else None
+        resume_from = restore_point(self.store, checkpoint_group, self._event) if not from_memory else None
         self.start_step = memory_state["step"] if from_memory else resume_from.step if resume_from else 0
         if self.rank == 0:
-            self.store.discard_after(self.start_step)  # half-written or to be rewritten
+            self.store.clear_after(self.start_step)  # corrupt (set aside) or half-written: to be written again
         dist.barrier(group=checkpoint_group)
         self.writer = CheckpointWriter(self.store, spec.checkpoint, checkpoint_group, self._event)
         # Snapshots get a group of their own too: one may be in flight beside a checkpoint.

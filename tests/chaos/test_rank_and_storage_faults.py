@@ -85,7 +85,8 @@ def _restored_steps(run_dir):
 def test_rank_killed_while_a_checkpoint_is_written_restores_the_one_before(uninterrupted, ray_session, tiny_dataset, tmp_path):
     """Rank 1's write of step 20 hangs (its RNG file is a FIFO nobody reads, like a
     stuck storage mount) while training goes on; a rank is killed then. Step 20
-    was never committed, so the restart restores step 10."""
+    was never committed, so the restart restores step 10. The job says
+    `checkpoint.resume: false`: that is where it starts, not where a restart goes."""
     run_dir = tmp_path / "runs" / "tiny"
     step_20 = run_dir / "checkpoints" / "step_00000020"
 
@@ -100,7 +101,7 @@ def test_rank_killed_while_a_checkpoint_is_written_restores_the_one_before(unint
         killed.append(kill_one_rank_process())
 
     watchers = [when_step_reached(run_dir, 3, hang_the_write), when_step_reached(run_dir, 24, kill_mid_write)]
-    summary = sdk.train(spec_from_dict(chaos_job(tmp_path, tiny_dataset)), show_progress=False)
+    summary = sdk.train(spec_from_dict(chaos_job(tmp_path, tiny_dataset, resume=False)), show_progress=False)
     for watcher in watchers:
         watcher.join(timeout=5)
     assert killed and summary["final_step"] == STEPS and summary["failures"] == 1
@@ -193,6 +194,7 @@ def test_killed_controller_is_replaced_and_a_corrupt_latest_checkpoint_is_passed
     assert recovered["seconds"] > 0 and recovered["steps_redone"] == max(0, failure["step"] - restored)
     corrupt = _events(run_dir, "checkpoint_corrupt")
     assert [event["step"] for event in corrupt] == corrupted and ".distcp" in corrupt[0]["reason"]
+    assert (ckpt / f"corrupt_step_{corrupted[0]:08d}" / "commit.json").exists()  # set aside whole, not deleted
     same_as_uninterrupted(run_dir, uninterrupted, rel=1e-4)  # micro-batch 1 sums its accumulation in another order
     # ... which is the order GlobalOrder defines, whatever dp read it.
     samples = {step: row["ids"] for step, row in step_rows(run_dir, "samples.jsonl").items()}

@@ -228,6 +228,18 @@ def job_with_tokenizer(tmp_path: Path, tokenizer: Path, in_job: bool = True) -> 
 
 PREPARE = ["--out", "prepared", "--no-progress"]
 
+
+def job_over_checkpoints(tmp_path: Path, written_by: str = "tiny", **checkpoint) -> None:
+    """A job whose checkpoint directory holds a committed step of `written_by`."""
+    from lmforge.checkpoint.store import CheckpointStore
+
+    data = {"source": corpus(tmp_path, a_txt="x " * 100), "vocab_size": 300}
+    write_job(tmp_path, tiny_job(tmp_path, tmp_path / "data", data=data, checkpoint=checkpoint))
+    store = CheckpointStore(str(tmp_path / "runs" / "tiny" / "checkpoints"))
+    store.fs.makedirs(store.fs_path(store.step_path(4)), exist_ok=True)
+    store.write_state(4, {"step": 4, "job": written_by, "global_batch": 8})
+    store.commit(4, store.digest(4, store.files(4)))
+
 # Each is refused before Ray starts and before anything is written: (set-up, command, fragments).
 EARLY_REFUSALS = {
     "corrupt tokenizer": (
@@ -266,6 +278,12 @@ EARLY_REFUSALS = {
     "an output folder holding files": (
         lambda tmp: corpus(tmp, a_txt="x " * 100) and (tmp / "prepared").mkdir() or (tmp / "prepared" / "notes.txt").write_text("mine"),
         ["data", "prepare", "--source", "corpus", "--seq-len", "32", *PREPARE], ["--out: prepared is not empty (1 files, e.g. notes.txt)"]),
+    "a fresh start over committed checkpoints": (
+        lambda tmp: job_over_checkpoints(tmp, resume=False),
+        ["train", "job.yaml"], ["checkpoint.dir: ", "holds 1 committed checkpoints (steps 4..4) and checkpoint.resume is false", "discard_existing"]),
+    "checkpoints another job wrote": (
+        lambda tmp: job_over_checkpoints(tmp, written_by="other"),
+        ["train", "job.yaml"], ["checkpoint.dir: ", "step_00000004 was written by job other, not tiny"]),
     "corpus too small for one sample": (
         lambda tmp: corpus(tmp, a_txt="", b_txt="tiny"),
         ["data", "prepare", "--source", "corpus", "--seq-len", "32", *PREPARE], ["--source: the corpus holds 4 bytes", "fewer than one sample of seq_len+1 = 33"]),

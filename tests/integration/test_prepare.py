@@ -142,3 +142,4 @@ def test_a_failed_write_to_an_object_store_removes_only_its_own_files(s3_bucket)
         assert not s3.find(out)
     assert s3.exists("s3://lmforge-empty-bucket")
     assert all(s3.cat(path) == data for path, data in theirs.items())
+

@@ -158,18 +158,19 @@ def test_resume_continues_with_identical_losses(uninterrupted, ray_session, s3_d
 
 
 def test_a_failing_rank_tears_the_group_down_with_one_message(ray_session, tiny_dataset, tmp_path):
+    """Shards replaced since they were prepared, at their sizes (so past pre-flight's
+    check): their reader refuses them, naming one, and the job ends at once."""
     import shutil
 
-    from lmforge.errors import TrainingFailed
+    from lmforge.errors import UserError
 
     broken = tmp_path / "broken"
     shutil.copytree(tiny_dataset, broken)
     for shard in broken.glob("shard-*.parquet"):
-        shard.write_bytes(b"not parquet")  # readable manifest, unreadable shards
-    with pytest.raises(TrainingFailed, match="traceback in") as err:
+        shard.write_bytes(b"x" * shard.stat().st_size)  # the manifest's sizes, not its checksums: caught as read
+    with pytest.raises(UserError, match=r"^data.path: shard .*/broken/shard-\d+.parquet does not match its sha256 in manifest.json") as err:
         sdk.train(spec_from_dict(tiny_job(tmp_path, broken)), show_progress=False)
     assert "\n" not in str(err.value)
-    assert (tmp_path / "runs" / "tiny" / "error.txt").read_text()
     assert not (tmp_path / "runs" / "tiny" / "summary.json").exists()
 
 

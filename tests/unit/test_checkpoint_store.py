@@ -1,10 +1,11 @@
-"""Which checkpoint counts: only committed steps, newest first, checksums, retention."""
+"""Which checkpoint counts: only committed steps, newest first, checksums, retention;
+a read error told apart from corruption; corrupt steps set aside, never deleted."""
 
 import json
 
 import pytest
 
-from lmforge.checkpoint.store import CheckpointStore
+from lmforge.checkpoint.store import CheckpointStore, CheckpointUnreadable
 from lmforge.errors import UserError
 
 
@@ -71,13 +72,59 @@ def test_a_flipped_byte_is_a_mismatch(tmp_path):
     assert store.mismatches(7, names) == ["__0_0.distcp"]
 
 
-def test_discard_after_removes_newer_step_dirs_only(tmp_path):
+def test_clearing_after_a_step_sets_committed_ones_aside_and_removes_half_written_ones(tmp_path):
     store = CheckpointStore(str(tmp_path))
     for step in (1, 2, 3):
         _fake_step(store, step, commit=step != 3)
     (tmp_path / "step_00000009").write_text("not ours")
-    assert store.discard_after(1) == [2, 3]
+    assert store.clear_after(1) == {"set_aside": [2], "removed": [3]}
     assert store.committed() == [1] and (tmp_path / "step_00000009").is_file()
+    assert (tmp_path / "corrupt_step_00000002" / "__0_0.distcp").read_bytes() == b"xx"  # kept for a look, never loaded
+    _fake_step(store, 2)
+    assert store.clear_after(1)["set_aside"] == [2] and (tmp_path / "corrupt_step_00000002.2").is_dir()
+
+
+def test_a_read_error_is_not_corruption(tmp_path, monkeypatch):
+    """Storage that fails to read says nothing about the files: no mismatch is claimed."""
+    store = CheckpointStore(str(tmp_path))
+    _fake_step(store, 4)
+    names = sorted(store.manifest(4))
+    real_open = store.fs.open
+
+    def failing_open(path, mode="rb", **kwargs):
+        if path.endswith(".distcp"):
+            raise OSError(5, "Input/output error")
+        return real_open(path, mode, **kwargs)
+
+    monkeypatch.setattr(store.fs, "open", failing_open)
+    with pytest.raises(CheckpointUnreadable, match="Input/output error"):
+        store.mismatches(4, names)
+
+
+def test_commit_and_state_are_written_whole(tmp_path, monkeypatch):
+    """A write that fails midway leaves the previous file (or none), never half of one."""
+    import os
+
+    store = CheckpointStore(str(tmp_path))
+    _fake_step(store, 6)
+    before = (tmp_path / "step_00000006" / "commit.json").read_text()
+
+    def failing_replace(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", failing_replace)
+    with pytest.raises(OSError, match="No space"):
+        store.commit(6, {"__0_0.distcp": {"bytes": 0, "sha256": "0"}})
+    assert (tmp_path / "step_00000006" / "commit.json").read_text() == before
+
+
+def test_verify_checks_sizes_without_reading(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    _fake_step(store, 3)
+    store.verify(3)
+    (tmp_path / "step_00000003" / "__0_0.distcp").write_bytes(b"xxxx")
+    with pytest.raises(ValueError, match="__0_0.distcp has 4 bytes, commit.json says 3"):
+        store.verify(3)
 
 
 def test_fsspec_uri_works_like_a_path(tmp_path):

@@ -147,3 +147,32 @@ def test_a_memory_snapshot_is_a_dcp_checkpoint_restored_as_it_was_at_save_time(t
     state = {"model": {"weight": torch.zeros(1000)}}
     dcp.load(state, storage_reader=dcp.FileSystemReader(str(tmp_path)))
     assert torch.equal(state["model"]["weight"], torch.ones(1000))
+
+
+def test_a_restore_point_tells_a_read_error_from_corruption(tmp_path, group, monkeypatch):
+    """Corrupt (read, and did not match): reported and passed over for the step before.
+    Unreadable (the storage failed): the attempt fails, and every file stays."""
+    from lmforge.checkpoint.store import CheckpointUnreadable
+
+    engine, events = OneTensor(), []
+    writer = _writer(tmp_path, group, events, async_save=False)
+    for step in (1, 2):
+        engine.train_step(None)
+        writer.save(step, engine, {"step": step})
+    writer.close()
+    store = CheckpointStore(str(tmp_path))
+    shard = sorted((tmp_path / "step_00000002").glob("*.distcp"))[0]
+    real_open = store.fs.open
+    monkeypatch.setattr(store.fs, "open", lambda path, *a, **k: (_ for _ in ()).throw(OSError(5, "Input/output error"))
+                        if path.endswith(".distcp") else real_open(path, *a, **k))
+    reported = []
+    with pytest.raises(CheckpointUnreadable, match="could not read checkpoint .*step_00000002.*Input/output error"):
+        restore_point(store, group, reported.append)
+    assert not reported and store.committed() == [1, 2]
+    monkeypatch.setattr(store.fs, "open", real_open)
+    data = bytearray(shard.read_bytes())
+    data[0] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert restore_point(store, group, reported.append).step == 1
+    assert [event["step"] for event in reported] == [2]
+    assert store.clear_after(1) == {"set_aside": [2], "removed": []} and (tmp_path / "corrupt_step_00000002" / shard.name).exists()

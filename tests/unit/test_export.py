@@ -1,5 +1,5 @@
-"""`lmforge export` checks a DeepSpeed checkpoint's files against commit.json before
-anything is unpickled."""
+"""`lmforge export` checks a checkpoint's files against commit.json before anything
+is read: DeepSpeed's pickles, DCP's metadata and shards (a flipped byte)."""
 
 import json
 
@@ -21,7 +21,32 @@ def test_a_tampered_deepspeed_file_is_refused_before_unpickling(tmp_path):
     store.write_state(3, {"step": 3, "format": "deepspeed", "model": PRESETS["tiny"].as_dict()})
     store.commit(3, store.digest(3, store.files(3)))
     pickle.write_bytes(b"X" + pickle.read_bytes()[1:])
-    with pytest.raises(UserError, match="mp_rank_00_model_states.pt: does not match its checksum in commit.json; refusing to unpickle it"):
+    with pytest.raises(UserError, match="mp_rank_00_model_states.pt: does not match its checksum in commit.json; refusing to read the checkpoint"):
         export_model(step_dir, tmp_path / "out")
     assert not (tmp_path / "out").exists()
     assert json.loads((step_dir / "state.json").read_text())["step"] == 3
+
+
+def test_a_flipped_byte_in_a_native_checkpoint_is_refused_before_export(tmp_path):
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from lmforge.models import Transformer
+
+    cfg = PRESETS["tiny"]
+    store = CheckpointStore(str(tmp_path))
+    step_dir = tmp_path / "step_00000005"
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save({"model": Transformer(cfg).state_dict()}, checkpoint_id=str(step_dir), no_dist=True)
+    store.write_state(5, {"step": 5, "format": "dcp", "model": cfg.as_dict(), "engine": {}})
+    store.commit(5, store.digest(5, store.files(5)))
+    export_model(step_dir, tmp_path / "good")  # as committed: exported
+    shard = sorted(step_dir.glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(UserError, match=f"{shard.name}: does not match its checksum in commit.json"):
+        export_model(step_dir, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -2,8 +2,9 @@
 export, generation and teachers.
 
 Native checkpoints are read with DCP (no process group needed); DeepSpeed ones
-with DeepSpeed's zero_to_fp32, after their checksums are verified against the
-commit record, since DeepSpeed's files are pickles.
+with DeepSpeed's zero_to_fp32. Either is read only after every file's checksum is
+verified against the commit record: a flipped byte must not export, and DCP's
+metadata and DeepSpeed's files are pickles.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from lmforge.checkpoint.store import COMMIT, STATE, CheckpointStore
+from lmforge.checkpoint.store import COMMIT, STATE, CheckpointStore, CheckpointUnreadable
 from lmforge.errors import UserError
 from lmforge.models import ModelConfig, Transformer
 from lmforge.models.weights import clean_name, weight_names
@@ -28,6 +29,7 @@ def read_checkpoint(step_dir: str | os.PathLike) -> tuple[ModelConfig, dict[str,
     step_dir = Path(step_dir)
     state = committed_state(step_dir)
     cfg = ModelConfig(**state["model"])
+    _verify(step_dir)
     fmt = state.get("format", "dcp")
     tensors = _read_dcp(step_dir, cfg) if fmt == "dcp" else _read_deepspeed(step_dir)
     names = weight_names(cfg)
@@ -65,21 +67,24 @@ def _read_dcp(step_dir: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     return template
 
 
-def _verify(step_dir: Path, subdir: str) -> None:
-    """The commit record's checksums, as a restore checks them (same store code)."""
+def _verify(step_dir: Path) -> None:
+    """Every file against the commit record, as a restore checks them (same store code)."""
     store = CheckpointStore(str(step_dir.parent))
     step = int(json.loads((step_dir / STATE).read_text())["step"])
     if store.step_path(step) != str(step_dir).rstrip("/"):
         raise UserError(f"{step_dir}: its state.json is for step {step}; pass the step_XXXXXXXX directory as written")
-    bad = store.mismatches(step, [rel for rel in store.manifest(step) if rel.startswith(subdir + "/")])
+    try:
+        names = sorted(store.manifest(step))
+        bad = store.mismatches(step, names)
+    except (OSError, ValueError, CheckpointUnreadable) as err:
+        raise UserError(f"{step_dir / COMMIT}: cannot be checked ({err})") from None
     if bad:
-        raise UserError(f"{step_dir / bad[0]}: does not match its checksum in {COMMIT}; refusing to unpickle it")
+        raise UserError(f"{step_dir / bad[0]}: does not match its checksum in {COMMIT}; refusing to read the checkpoint")
 
 
 def _read_deepspeed(step_dir: Path) -> dict[str, torch.Tensor]:
     from lmforge.engines.deepspeed import CHECKPOINT_TAG, skip_shared_memory_op
 
-    _verify(step_dir, CHECKPOINT_TAG)
     skip_shared_memory_op()
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 

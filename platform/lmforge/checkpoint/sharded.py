@@ -20,7 +20,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
-from lmforge.checkpoint.store import CheckpointStore, CommittedCheckpoint, join_path
+from lmforge.checkpoint.store import CheckpointStore, CheckpointUnreadable, CommittedCheckpoint, join_path
 from lmforge.engines.base import Engine
 
 log = logging.getLogger(__name__)
@@ -51,17 +51,29 @@ def write_rng(store: CheckpointStore, path: str, rank: int, rng: dict[str, torch
 
 def restore_point(store: CheckpointStore, group: dist.ProcessGroup, report: Callable[[dict], None]) -> Optional[CommittedCheckpoint]:
     """Collective: the newest committed checkpoint whose files all match their commit
-    marker (each rank checks a share). A corrupt one is reported and passed over."""
+    marker (each rank checks a share). A corrupt one is reported and passed over; one
+    that some rank could not read fails the attempt on every rank (`CheckpointUnreadable`),
+    since a read error says nothing about the files."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     for step in reversed(store.committed()):
+        unreadable, mine = None, []
         try:
             names = sorted(store.manifest(step))
             mine = store.mismatches(step, names[rank::world])
-        except (OSError, ValueError, KeyError) as err:
+        except CheckpointUnreadable as err:
+            unreadable = str(err)
+        except FileNotFoundError as err:
+            mine = [f"commit.json ({err})"]
+        except OSError as err:
+            unreadable = f"{store.step_path(step)}/commit.json: {err}"
+        except (ValueError, KeyError) as err:
             mine = [f"commit.json ({err})"]
         everyone: list = [None] * world
-        dist.all_gather_object(everyone, mine, group=group)
-        bad = sorted(name for part in everyone for name in part)
+        dist.all_gather_object(everyone, (mine, unreadable), group=group)
+        failed_reads = [read for _, read in everyone if read]
+        if failed_reads:
+            raise CheckpointUnreadable(f"could not read checkpoint {store.step_path(step)} ({failed_reads[0]}); nothing was changed")
+        bad = sorted(name for part, _ in everyone for name in part)
         ckpt = None if bad else store.checkpoint(step)
         if ckpt is not None:
             return ckpt

@@ -4,7 +4,9 @@ Layout under the job's checkpoint directory (a local path or an fsspec URI):
 `step_00000050/` holds the DCP shards written by every rank, `rng/rank_N.safetensors`
 per rank, `state.json` (step, data cursor, schedule; rank 0) and, written last,
 `commit.json` with every file's size and sha256. Only directories with a valid
-`commit.json` are ever loaded.
+`commit.json` are ever loaded. A step that read back and did not match is set aside
+as `corrupt_step_00000050` (never deleted); one that could not be read is left as it
+is (`CheckpointUnreadable`: the attempt fails and may be retried).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import fsspec
+from fsspec.implementations.local import LocalFileSystem
 
 from lmforge.errors import UserError
 
@@ -25,6 +28,11 @@ log = logging.getLogger(__name__)
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 COMMIT = "commit.json"
 STATE = "state.json"
+SET_ASIDE = "corrupt_"  # + the step directory's name: a checkpoint that failed its checks, kept for a look
+
+
+class CheckpointUnreadable(Exception):
+    """A checkpoint's files could not be read (storage down, permissions): not corruption."""
 
 
 @dataclass(frozen=True)
@@ -82,14 +90,22 @@ class CheckpointStore:
         return [s for s in steps if self.fs.exists(self.fs_path(join_path(self.step_path(s), COMMIT)))]
 
     def checkpoint(self, step: int) -> Optional[CommittedCheckpoint]:
-        """A committed step with its state, or None when state.json is unreadable."""
+        """A committed step with its state, or None when state.json is missing or not a
+        JSON object (`CheckpointUnreadable` when it could not be read)."""
         path = self.step_path(step)
         try:
             with self.fs.open(self.fs_path(join_path(path, STATE))) as f:
-                return CommittedCheckpoint(step=step, path=path, state=json.load(f))
-        except (OSError, json.JSONDecodeError) as err:
-            log.warning("checkpoint %s is unreadable (%s); trying the previous one", path, err)
+                state = json.load(f)
+        except FileNotFoundError:
+            state = None
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            state = None
+        except OSError as err:
+            raise CheckpointUnreadable(f"{path}/{STATE}: {err}") from err
+        if not isinstance(state, dict):
+            log.warning("checkpoint %s has no readable state.json; trying the previous one", path)
             return None
+        return CommittedCheckpoint(step=step, path=path, state=state)
 
     def latest(self) -> Optional[CommittedCheckpoint]:
         """The newest committed step with a readable state (files not checksummed: see
@@ -100,8 +116,21 @@ class CheckpointStore:
         return None
 
     def write_state(self, step: int, state: dict) -> None:
-        with self.fs.open(self.fs_path(join_path(self.step_path(step), STATE)), "w") as f:
-            json.dump(state, f, indent=2)
+        self._write_json(join_path(self.step_path(step), STATE), state)
+
+    def _write_json(self, path: str, value: dict) -> None:
+        """Whole or not at all: renamed into place on a filesystem (an object store's put is atomic)."""
+        data = json.dumps(value, indent=2).encode()
+        target = self.fs_path(path)
+        if isinstance(self.fs, LocalFileSystem):
+            staging = f"{target}.partial-{os.getpid()}"
+            with open(staging, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(staging, target)
+        else:
+            self.fs.pipe_file(target, data)
 
     def files(self, step: int) -> list[str]:
         """Every file of a step, relative to its directory, sorted (commit.json aside)."""
@@ -122,36 +151,79 @@ class CheckpointStore:
 
     def commit(self, step: int, files: dict[str, dict]) -> None:
         """Write the commit marker, last: the size and checksum of every file in the step."""
-        with self.fs.open(self.fs_path(join_path(self.step_path(step), COMMIT)), "w") as f:
-            json.dump({"step": step, "files": files}, f, indent=2)
+        self._write_json(join_path(self.step_path(step), COMMIT), {"step": step, "files": files})
 
     def manifest(self, step: int) -> dict[str, dict]:
+        """The commit marker's files; ValueError when it is not one (corrupt), OSError when unreadable."""
         with self.fs.open(self.fs_path(join_path(self.step_path(step), COMMIT))) as f:
-            return json.load(f)["files"]
+            marker = json.load(f)
+        files = marker.get("files") if isinstance(marker, dict) else None
+        if not isinstance(files, dict) or not all(isinstance(meta, dict) for meta in files.values()):
+            raise ValueError(f"{COMMIT} holds no file list")
+        return files
 
     def mismatches(self, step: int, names: list[str]) -> list[str]:
-        """The files among `names` whose size or checksum differs from the commit marker."""
+        """The files among `names` that are missing or whose size or checksum differs from
+        the commit marker. A file that exists but cannot be read raises `CheckpointUnreadable`."""
         expected = self.manifest(step)
         bad = []
         for name in names:
             try:
                 if self.digest(step, [name])[name] != expected[name]:
                     bad.append(name)
-            except OSError:
+            except FileNotFoundError:
                 bad.append(name)
+            except OSError as err:
+                raise CheckpointUnreadable(f"{self.step_path(step)}/{name}: {err}") from err
         return bad
 
-    def discard_after(self, step: int) -> list[int]:
-        """Remove step directories newer than `step` (half-written, or to be written again:
-        an old commit marker must not vouch for files being rewritten). A file that
-        merely has a step's name is not ours and is left alone."""
+    def verify(self, step: int) -> None:
+        """Every file of a committed step is there at its recorded size (cheap: no reading);
+        raises ValueError naming the first that is not."""
+        for name, meta in self.manifest(step).items():
+            try:
+                size = self.fs.size(self.fs_path(join_path(self.step_path(step), name)))
+            except FileNotFoundError:
+                raise ValueError(f"{name} is missing") from None
+            if size != meta.get("bytes"):
+                raise ValueError(f"{name} has {size} bytes, commit.json says {meta.get('bytes')}")
+
+    def clear_after(self, step: int) -> dict[str, list[int]]:
+        """Make way for steps after `step` to be written again (an old commit marker must
+        not vouch for files being rewritten): a committed one (it failed its checks) is set
+        aside under another name, a half-written one (no commit marker: this job's, under
+        its lease) is removed. A file that merely has a step's name is left alone."""
+        cleared: dict[str, list[int]] = {"set_aside": [], "removed": []}
+        for path in self.fs.ls(self._fs_root, detail=False) if self.fs.exists(self._fs_root) else []:
+            name = path.rstrip("/").rsplit("/", 1)[-1]
+            m = STEP_DIR.match(name)
+            if not (m and int(m.group(1)) > step and self.fs.isdir(path)):
+                continue
+            if self.fs.exists(join_path(path, COMMIT)):
+                self.fs.mv(path, self._aside_name(name), recursive=True)
+                cleared["set_aside"].append(int(m.group(1)))
+            else:
+                self.fs.rm(path, recursive=True)
+                cleared["removed"].append(int(m.group(1)))
+        return cleared
+
+    def remove_steps(self) -> list[int]:
+        """Delete every step directory, committed or not (`checkpoint.discard_existing`: the user's explicit choice)."""
         removed = []
         for path in self.fs.ls(self._fs_root, detail=False) if self.fs.exists(self._fs_root) else []:
             m = STEP_DIR.match(path.rstrip("/").rsplit("/", 1)[-1])
-            if m and int(m.group(1)) > step and self.fs.isdir(path):
+            if m and self.fs.isdir(path):
                 self.fs.rm(path, recursive=True)
                 removed.append(int(m.group(1)))
         return sorted(removed)
+
+    def _aside_name(self, name: str) -> str:
+        taken = {p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self._fs_root, detail=False)}
+        candidate, n = SET_ASIDE + name, 1
+        while candidate in taken:
+            n += 1
+            candidate = f"{SET_ASIDE}{name}.{n}"
+        return join_path(self._fs_root, candidate)
 
     def prune(self, keep: int, keep_every: Optional[int] = None) -> list[int]:
         """Delete committed checkpoints but the newest `keep` and every `keep_every`-th

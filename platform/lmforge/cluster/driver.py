@@ -17,12 +17,13 @@ from rich.console import Console
 
 from lmforge.cluster import placement
 from lmforge.cluster.controller import Controller
+from lmforge.checkpoint.store import CheckpointStore
 from lmforge.cluster.runtime import check_capacity, connect, embedded_resources
 from lmforge.data.prepare import PrepareOptions, prepare_dataset, read_manifest
 from lmforge.errors import TrainingFailed, UserError, first_line
 from lmforge.lease import JobLease
 from lmforge.memory.snapshots import check_host_memory
-from lmforge.plan import Plan, check_dataset, check_resume_order
+from lmforge.plan import Plan, check_dataset, check_fresh_start, check_resume_order
 from lmforge.spec import JobSpec
 from lmforge.tracking import events
 from lmforge.tracking.events import EVENT_PREFIX
@@ -42,7 +43,8 @@ def drive(plan: Plan, address: Optional[str] = None, show_progress: bool = True,
     embedded = embedded_resources(address)
     if embedded is not None:
         _check_capacity(spec, embedded)  # before starting a cluster it would not fit
-    with JobLease(spec.run_dir, spec.name) as lease:  # a second driver of this job is refused here
+    with JobLease(spec.checkpoint_dir, spec.name) as lease:  # a second driver of this job, or of its checkpoints, is refused here
+        _start_over(spec, console)
         started_ray = connect(address)
         try:
             _check_capacity(spec)
@@ -56,6 +58,19 @@ def drive(plan: Plan, address: Optional[str] = None, show_progress: bool = True,
     if publish:
         publish({"event": "summary", **summary})
     return summary
+
+
+def _start_over(spec: JobSpec, console: Console) -> None:
+    """Under the lease, a `checkpoint.resume: false` job finds its directory as pre-flight
+    did (another driver may have written since), and empties it only when told to."""
+    if spec.checkpoint.resume:
+        return
+    store = CheckpointStore(spec.checkpoint_dir)
+    check_fresh_start(spec, store)
+    removed = store.remove_steps() if spec.checkpoint.discard_existing else []
+    if removed:
+        console.print(plain(f"checkpoint.discard_existing: deleted {len(removed)} checkpoint directories (steps {removed[0]}..{removed[-1]}) "
+                            f"from {spec.checkpoint_dir}; starting at step 0"), highlight=False)
 
 
 def _print_event(row: dict) -> None:

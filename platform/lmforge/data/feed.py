@@ -14,18 +14,53 @@ dataset's samples carry their loss mask (and their teachers' top-k) in its own s
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import ray
 
 from lmforge.data import storage
 from lmforge.data.columns import sample_columns, target_columns
 from lmforge.data.mixture import ID_STRIDE, Mixture, is_mixture
 from lmforge.data.order import BatchLayout, GlobalOrder
+from lmforge.errors import UserError
+
+
+def verified_shards(batch: pa.Table, digests: dict[str, str], columns: list[str]) -> pa.Table:
+    """Each shard's bytes checked against its manifest sha256, then decoded: the file is
+    read once, and a shard replaced or damaged since it was prepared never trains."""
+    tables = []
+    for path, data in zip(batch.column("path").to_pylist(), batch.column("bytes").to_pylist()):
+        expected = digests.get(path.rsplit("/", 1)[-1])
+        if expected and hashlib.sha256(data).hexdigest() != expected:
+            raise UserError(f"data.path: shard {path} does not match its sha256 in manifest.json: it was replaced or damaged "
+                            "since it was prepared; prepare the dataset again")
+        tables.append(pq.read_table(pa.BufferReader(data), columns=columns))
+    return pa.concat_tables(tables)
+
+
+def _user_error_in(err: BaseException) -> Optional[UserError]:
+    """The `UserError` behind Ray Data's wrappings of a task's error, if there is one (a
+    task's error crosses processes as its traceback's text)."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, UserError):
+            return UserError(str(err))
+        for line in str(err).splitlines():
+            if line.startswith(USER_ERROR_LINE):
+                return UserError(line[len(USER_ERROR_LINE):])
+        err = getattr(err, "cause", None) or err.__cause__ or err.__context__
+    return None
+
+
+USER_ERROR_LINE = f"{UserError.__module__}.{UserError.__qualname__}: "
 
 
 def decoder(columns: dict[str, tuple]):
@@ -40,24 +75,26 @@ class EpochStream:
     """Samples of one epoch from `first_window` on, as Ray Data reads them, by window;
     `rows` names the columns read and decodes a batch into one value per sample."""
 
-    def __init__(self, paths: list[str], order: GlobalOrder, rows, epoch: int, first_window: int):
+    def __init__(self, paths: list[str], order: GlobalOrder, rows, epoch: int, first_window: int, digests: dict[str, str]):
+        """`digests`: shard file name -> sha256 (those the manifest records)."""
         self.order, self.epoch = order, epoch
         columns, self.decode = rows
         blocks = order.blocks(epoch)[first_window * order.window :]
         ctx = ray.data.DataContext.get_current()
         ctx.execution_options.preserve_order = True  # bounds what is held: files arrive in block order
         ctx.enable_progress_bars = False
-        # The V2 Parquet path (Ray 2.60) delivers nothing until every file is read and
-        # takes ~50 ms a file here; V1 streams the same shards 10x faster.
-        ctx.use_datasource_v2 = False
+        ctx.use_datasource_v2 = False  # V2 (Ray 2.60) delivers nothing until every file is read
         # Two read tasks per reader keep the stream ahead without starting dozens of
         # worker processes on a small machine. They reserve no CPU: when the ranks
         # hold every CPU of the cluster, reading must still go on, or training waits forever.
         # They run beside this reader where they can, so blocks need not cross nodes.
         here = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
         # One block per shard: a block of several would carry the next window's shards along.
-        ds = ray.data.read_parquet([paths[b] for b in blocks], num_cpus=0, concurrency=2, columns=["sample_id", *columns], override_num_blocks=len(blocks),
-                                   ray_remote_args={"scheduling_strategy": here})
+        # Read as bytes, hashed and decoded in the same task (fused): one read of each file.
+        ds = ray.data.read_binary_files([paths[b] for b in blocks], include_paths=True, num_cpus=0, concurrency=2, override_num_blocks=len(blocks),
+                                        ray_remote_args={"scheduling_strategy": here})
+        ds = ds.map_batches(verified_shards, fn_kwargs={"digests": digests, "columns": ["sample_id", *columns]}, batch_size=None,
+                            batch_format="pyarrow", num_cpus=0, concurrency=2, scheduling_strategy=here)
         self._batches: Iterator = iter(ds.iter_batches(batch_format="pyarrow", batch_size=None, prefetch_batches=2))
         self.samples: dict[int, object] = {}
         self.shards_read: set[int] = set()  # a resume must not scan from the start: see test_feed
@@ -67,7 +104,10 @@ class EpochStream:
         wanted = self.order.window_ids(self.epoch, index).tolist()
         missing = set(wanted) - self.samples.keys()
         while missing:
-            batch = next(self._batches, None)
+            try:
+                batch = next(self._batches, None)
+            except Exception as err:  # Ray Data wraps a read task's error: a refused shard is told as itself
+                raise _user_error_in(err) or err
             if batch is None:
                 raise RuntimeError(f"shards ended before samples {sorted(missing)[:5]} of epoch {self.epoch} arrived")
             ids = batch.column("sample_id").to_numpy()
@@ -86,9 +126,9 @@ class Source:
     """One set of shards read by window: the dataset's tokens (and what its samples carry
     beside them), or the teacher cache's targets."""
 
-    def __init__(self, paths: list[str], order: GlobalOrder, rows, sizes: list[int]):
-        """`sizes`: each shard's bytes (0 where unknown)."""
-        self.paths, self.order, self.rows_of, self.sizes = paths, order, rows, sizes
+    def __init__(self, paths: list[str], order: GlobalOrder, rows, sizes: list[int], digests: Optional[dict[str, str]] = None):
+        """`sizes`: each shard's bytes (0 where unknown); `digests`: file name -> sha256, where known."""
+        self.paths, self.order, self.rows_of, self.sizes, self.digests = paths, order, rows, sizes, digests or {}
         self.stream: Optional[EpochStream] = None
         self.current: tuple[int, int] = (-1, -1)
         self.rows: dict[int, object] = {}
@@ -112,7 +152,7 @@ class Source:
         if (epoch, window) != self.current:
             if self.stream is None or self.stream.epoch != epoch or window < self.current[1]:
                 self._shards_before, self._bytes_before = self.shards_read, self.bytes_read
-                self.stream = EpochStream(self.paths, self.order, self.rows_of, epoch, window)
+                self.stream = EpochStream(self.paths, self.order, self.rows_of, epoch, window, self.digests)
             self.stream.drop(self.rows)
             self.rows = self.stream.take_window(window)
             self.current = (epoch, window)
@@ -160,7 +200,8 @@ class FeedReader:
         sizes = [s.get("bytes", 0) for s in dataset.manifest["shards"]]
         own = cache is not None and storage.join(cache[0]) == storage.join(dataset.path)
         columns = sample_columns(dataset.manifest, cache[1]["k"] if own else None)
-        sources = [Source([storage.join(dataset.path, f) for f in files], dataset.order, decoder(columns), sizes)]
+        digests = {s["file"]: s["sha256"] for s in dataset.manifest["shards"] if s.get("sha256")}
+        sources = [Source([storage.join(dataset.path, f) for f in files], dataset.order, decoder(columns), sizes, digests)]
         if cache is not None and not own:
             targets = target_columns(dataset.manifest["seq_len"], cache[1]["k"])
             sources.append(Source([storage.join(cache[0], f) for f in files], dataset.order, decoder(targets), [0] * len(files)))

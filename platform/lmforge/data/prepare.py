@@ -125,10 +125,13 @@ def read_manifest(path: str | Path, field: str = "data.path") -> dict:
 
 
 def _check_shards(directory: str, manifest_path: str, shards: list[dict], size: int, field: str) -> None:
-    present = storage.files_under(directory, field)
+    present = storage.file_sizes(directory, field)
     for index, shard in enumerate(shards):
         if shard["file"] not in present:
             raise UserError(f"{manifest_path}: shard {storage.join(directory, shard['file'])} is missing")
+        if shard.get("bytes") is not None and present[shard["file"]] != shard["bytes"]:
+            raise UserError(f"{manifest_path}: shard {storage.join(directory, shard['file'])} has {present[shard['file']]} bytes, the manifest "
+                            f"says {shard['bytes']}: it was replaced or damaged since it was prepared; prepare the dataset again")
         # The feed shuffles whole shards, so every shard but the last is full.
         if shard["first_sample_id"] != index * size or (shard["num_samples"] != size and index < len(shards) - 1):
             raise UserError(f"{manifest_path}: shard {shard['file']} does not hold samples {index * size}..{(index + 1) * size - 1}")

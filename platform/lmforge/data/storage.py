@@ -102,6 +102,16 @@ def files_under(directory: str, field: str) -> set[str]:
         return {entry.rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(inner, detail=False)}
 
 
+def file_sizes(directory: str, field: str) -> dict[str, int]:
+    """Name -> bytes of the files directly in `directory` (one listing, sizes included)."""
+    with named(directory, field):
+        fs, inner = _filesystem(directory)
+        if not fs.exists(inner):
+            return {}
+        return {entry["name"].rstrip("/").rsplit("/", 1)[-1]: entry.get("size") for entry in fs.ls(inner, detail=True)
+                if entry.get("type") != "directory"}
+
+
 def read_parquet(paths: list[str], columns: list[str]):
     """One table of the files' columns, in order (paths on one filesystem or store)."""
     import pyarrow.fs as pafs
