@@ -129,7 +129,9 @@ def _parser() -> argparse.ArgumentParser:
     judge.add_argument("--max-tokens", type=int, default=256, help="answer length for A and B (default 256)")
     judge.add_argument("--judge-max-tokens", type=int, default=512)
     judge.add_argument("--concurrency", type=int, default=8, help="requests in flight at once (default 8)")
-    judge.add_argument("--api-key", help="key for the endpoints (default: OPENAI_API_KEY, else none)")
+    judge.add_argument("--a-key", help="API key of --a's endpoint only (default: LMFORGE_JUDGE_A_KEY, else none)")
+    judge.add_argument("--b-key", help="API key of --b's endpoint only (default: LMFORGE_JUDGE_B_KEY, else none)")
+    judge.add_argument("--judge-key", help="API key of the judge's endpoint only (default: OPENAI_API_KEY, else none)")
     judge.add_argument("--tracking-uri", help="MLflow store (default: MLFLOW_TRACKING_URI, else sqlite:///runs/mlflow.db)")
     judge.add_argument("--no-tracking", action="store_true")
     judge.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -296,7 +298,7 @@ def _cmd_export(args) -> int:
     return 0
 
 
-GENERATE_FLAGS = {key: "--" + key.replace("_", "-") for key in ("max_new_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "stop", "prompt")}
+GENERATE_FLAGS = {key: "--" + key.replace("_", "-") for key in ("max_new_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "seed", "stop", "prompt")}
 
 
 def _cmd_generate(args) -> int:
@@ -355,6 +357,12 @@ def _serve_options(args):
     for flag in ("max_running", "max_waiting", "max_n", "threads", "max_replicas", "port"):
         if getattr(args, flag) < 1:
             raise UserError(f"--{flag.replace('_', '-')}: must be at least 1, got {getattr(args, flag)}")
+    if args.port > 65535:
+        raise UserError(f"--port: must be at most 65535, got {args.port}")
+    if not args.cpus_per_replica > 0:
+        raise UserError(f"--cpus-per-replica: must be > 0, got {args.cpus_per_replica}")
+    if args.route_prefix != "/" and (args.route_prefix.endswith("/") or "{" in args.route_prefix or "}" in args.route_prefix):
+        raise UserError(f"--route-prefix: a path like /name, not ending in / and without braces, got {args.route_prefix!r}")
     if args.cache_size < 0:
         raise UserError(f"--cache-size: must be >= 0, got {args.cache_size}")
     if not args.route_prefix.startswith("/"):
@@ -373,9 +381,12 @@ def _serve_options(args):
 
 def _cmd_serve(args) -> int:
     options = _serve_options(args)
-    from lmforge.serve.app import check_model, check_port, serve_model
+    from lmforge.cluster.runtime import embedded_resources
+    from lmforge.serve.app import check_cpus, check_model, check_port, serve_model
 
     check_port(args.host, args.port, args.address)
+    embedded = embedded_resources(args.address)  # what a cluster this command starts would have
+    check_cpus(args.cpus_per_replica, embedded["CPU"] if embedded else None)
     check_model(args.model, args.tokenizer)  # as the user typed it, for messages
     replicas = args.replicas if args.replicas == "auto" else int(args.replicas)
     serve_model(options, args.host, args.port, replicas, args.cpus_per_replica, args.address, args.route_prefix,
@@ -388,7 +399,9 @@ def _cmd_eval(args) -> int:
 
     opts = JudgeOptions(a=args.a, b=args.b, judge=args.judge, prompts=args.prompts, out=args.out, max_tokens=args.max_tokens,
                         judge_max_tokens=args.judge_max_tokens, concurrency=args.concurrency,
-                        api_key=args.api_key or os.environ.get("OPENAI_API_KEY"), tracking_uri=args.tracking_uri, tracking=not args.no_tracking)
+                        keys={"a": args.a_key or os.environ.get("LMFORGE_JUDGE_A_KEY"), "b": args.b_key or os.environ.get("LMFORGE_JUDGE_B_KEY"),
+                              "judge": args.judge_key or os.environ.get("OPENAI_API_KEY")},
+                        tracking_uri=args.tracking_uri, tracking=not args.no_tracking)
     report = run_judge(opts, say=lambda line: print(line, file=sys.stderr, flush=True))
     if args.json:
         print(json.dumps(report, indent=2))

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from lmforge.checkpoint.memory import SnapshotTarget, SnapshotWriter, load_snapshot, snapshot_state
 from lmforge.checkpoint.sharded import load_checkpoint, restore_point
 from lmforge.checkpoint.store import CheckpointStore
+from lmforge.credentials import without_credentials
 from lmforge.checkpoint.writer import CheckpointWriter
 from lmforge.data.feed import BatchFeed, FedStep, datasets_of
 from lmforge.data.heldout import HeldOutBatches, eval_batches
@@ -37,7 +38,6 @@ from lmforge.parallel.shape import MeshShape
 from lmforge.planner.fit import check_fits
 from lmforge.spec import JobSpec
 from lmforge.tracking.flops import mfu, peak_flops
-from lmforge.tracking.model_registry import without_credentials
 
 Reporter = Callable[[dict], None]
 

@@ -284,6 +284,12 @@ EARLY_REFUSALS = {
     "checkpoints another job wrote": (
         lambda tmp: job_over_checkpoints(tmp, written_by="other"),
         ["train", "job.yaml"], ["checkpoint.dir: ", "step_00000004 was written by job other, not tiny"]),
+    "a password in the tracking URI of a submitted job": (
+        lambda tmp: write_job(tmp, tiny_job(tmp, tmp / "data", tracking={"uri": "http://alice:pa55@mlflow:5000"})),
+        ["submit", "job.yaml", "--address", "http://127.0.0.1:9"], ["tracking.uri: holds a credential", "MLFLOW_TRACKING_PASSWORD"]),
+    "a DeepSpeed comet key in a submitted job": (
+        lambda tmp: write_job(tmp, tiny_job(tmp, tmp / "data", engine="deepspeed", deepspeed={"config": {"comet": {"api_key": "k"}}})),
+        ["submit", "job.yaml", "--address", "http://127.0.0.1:9"], ["deepspeed.config.comet.api_key: holds a credential", "COMET_API_KEY"]),
     "corpus too small for one sample": (
         lambda tmp: corpus(tmp, a_txt="", b_txt="tiny"),
         ["data", "prepare", "--source", "corpus", "--seq-len", "32", *PREPARE], ["--source: the corpus holds 4 bytes", "fewer than one sample of seq_len+1 = 33"]),
@@ -562,6 +568,9 @@ SERVE_REFUSALS = {
     "an unknown batching": (["partial", "--batching", "dynamic"], "--batching: 'dynamic' is not one of continuous, request, off"),
     "no replicas": (["partial", "--replicas", "0"], "--replicas: a number of at least 1 or auto"),
     "a bad route prefix": (["partial", "--route-prefix", "v1"], "--route-prefix: must start with /"),
+    "a route prefix ending in /": (["partial", "--route-prefix", "/x/"], "--route-prefix: a path like /name, not ending in /"),
+    "a port out of range": (["partial", "--port", "70000"], "--port: must be at most 65535, got 70000"),
+    "negative CPUs per replica": (["partial", "--cpus-per-replica", "-1"], "--cpus-per-replica: must be > 0, got -1.0"),
 }
 
 
@@ -574,6 +583,20 @@ def test_a_model_that_cannot_be_served_is_refused(case, tmp_path):
     (tmp_path / "partial" / "config.json").write_text(json.dumps({"model": {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
                                                                             "vocab_size": 512, "ffn_hidden": 172}}))
     assert_clean_error(run_cli("serve", *args, cwd=tmp_path), *fragments)
+
+
+def test_serve_refuses_a_replica_larger_than_any_node(tmp_path, monkeypatch):
+    """The cluster this command would start has so many CPUs: a replica that needs more
+    would wait forever, so it is refused before that cluster starts."""
+    import ray
+
+    from multinode import free_port
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)  # as a fresh process: it would start its own cluster
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    (tmp_path / "m").mkdir()
+    assert_clean_error(run_cli("serve", "m", "--cpus-per-replica", "512", "--port", str(free_port()), cwd=tmp_path),
+                       "--cpus-per-replica: 512, but the largest node of the cluster has")
 
 
 def test_serve_refuses_a_port_in_use(tmp_path):

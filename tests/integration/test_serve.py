@@ -237,6 +237,7 @@ def test_replicas_fixed_or_autoscaled_and_a_gpu_each_on_gpu_clusters(tmp_path):
     fixed = application(options, 2, 1.0, 1.0)._bound_deployment
     assert fixed.num_replicas == 2 and fixed.ray_actor_options["num_gpus"] == 1.0
     assert fixed.max_ongoing_requests == 16  # the engine's queue, not Serve's default of 5, bounds a replica
+    assert fixed._deployment_config.max_queued_requests == 12  # and Serve's proxy queues that many more at most, then 503
     auto = application(options, "auto", 1.0, 0.0, max_replicas=3)._bound_deployment
     scaling = auto._deployment_config.autoscaling_config
     assert (scaling.min_replicas, scaling.max_replicas, scaling.target_ongoing_requests) == (1, 3, 4)
@@ -250,6 +251,8 @@ def test_api_key_guards_the_v1_routes(serving):
         serving.client("student", "wrong").models.list()
     assert [m.id for m in serving.client("student", KEY).models.list().data] == ["student"]
     assert httpx.get(serving.url("student") + "/health").status_code == 200
+    assert httpx.get(serving.url("student") + "/metrics").status_code == 401
+    assert httpx.get(serving.url("student") + "/metrics", headers={"Authorization": f"bearer {KEY}"}).status_code == 200
 
 
 def test_identical_greedy_requests_are_answered_from_the_cache(serving):
@@ -297,17 +300,18 @@ class ScriptedJudge:
 
     def __init__(self):
         import uvicorn
-        from fastapi import FastAPI
+        from fastapi import FastAPI, Header
 
-        self.requests, app = [], FastAPI()
+        self.requests, self.keys, app = [], set(), FastAPI()
 
         @app.get("/v1/models")
         def models():
             return {"object": "list", "data": [{"id": "longer", "object": "model", "created": 0, "owned_by": "test"}]}
 
         @app.post("/v1/chat/completions")
-        def chat(body: dict):
+        def chat(body: dict, authorization: str = Header("")):
             self.requests.append(body)
+            self.keys.add(authorization)
             shown = dict(ANSWER.findall(body["messages"][-1]["content"]))
             longer = "C" if len(shown["A"]) == len(shown["B"]) else "A" if len(shown["A"]) > len(shown["B"]) else "B"
             reply = {"longer": f"A has more detail [[B]]? No: [[{longer}]]", "always-a": "A", "garbage": "I cannot decide."}[body["model"]]
@@ -334,7 +338,7 @@ def test_judge_compares_student_and_teacher_in_both_orders(serving, tmp_path):
         def run(model: str, out: str, a: str = serving.url("student") + "/v1"):
             result = run_cli("eval", "judge", "--a", a, "--b", serving.url("teacher") + "/v1",
                              "--judge", judge.url(model), "--prompts", str(prompts), "--out", str(tmp_path / out), "--max-tokens", "16",
-                             "--api-key", KEY, "--tracking-uri", SESSION_MLFLOW, "--json", cwd=tmp_path)
+                             "--a-key", KEY, "--judge-key", "judge-key", "--tracking-uri", SESSION_MLFLOW, "--json", cwd=tmp_path)
             assert result.returncode == 0, result.stderr
             return json.loads(result.stdout)
 
@@ -347,6 +351,7 @@ def test_judge_compares_student_and_teacher_in_both_orders(serving, tmp_path):
             a, b = len(row["answer_a"]), len(row["answer_b"])
             assert row["outcome"] == ("tie" if a == b else "win" if a > b else "loss")
         assert all(r["messages"][0]["role"] == "system" and "[[C]]" in r["messages"][0]["content"] for r in judge.requests)
+        assert judge.keys == {"Bearer judge-key"}  # its own key only: never the student's
         assert report["counts"]["inconsistent"] == 0 and sum(report["rates"].values()) == pytest.approx(1.0)
         assert [json.loads(line) for line in (tmp_path / "longer" / "judgments.jsonl").read_text().splitlines()] == report["per_prompt"]
 

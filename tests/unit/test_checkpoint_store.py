@@ -138,3 +138,26 @@ def test_unusable_directory_is_a_user_error(tmp_path):
     blocker.write_text("")
     with pytest.raises(UserError, match="checkpoint.dir"):
         CheckpointStore(str(blocker / "ck")).check_usable()
+
+
+def test_a_fresh_start_discards_checkpoints_only_when_told(tmp_path):
+    """`checkpoint.resume: false` over committed checkpoints: refused, unless
+    `discard_existing` says to delete them (then every step directory goes, and
+    nothing else)."""
+    from conftest import tiny_job
+
+    from lmforge.cluster.driver import _start_over
+    from lmforge.spec import spec_from_dict
+    from lmforge.tracking.console import text_console
+
+    checkpoints = tmp_path / "runs" / "tiny" / "checkpoints"
+    store = CheckpointStore(str(checkpoints))
+    for step in (4, 8):
+        _fake_step(store, step)
+    (checkpoints / "notes.txt").write_text("mine")
+    fresh = spec_from_dict(tiny_job(tmp_path, tmp_path / "data", checkpoint={"resume": False}))
+    with pytest.raises(UserError, match="holds 2 committed checkpoints .steps 4..8. and checkpoint.resume is false"):
+        _start_over(fresh, text_console())
+    assert store.committed() == [4, 8]
+    _start_over(spec_from_dict(tiny_job(tmp_path, tmp_path / "data", checkpoint={"resume": False, "discard_existing": True})), text_console())
+    assert store.committed() == [] and sorted(p.name for p in checkpoints.iterdir()) == ["notes.txt"]

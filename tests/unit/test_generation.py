@@ -138,7 +138,11 @@ def test_generate_on_the_command_line_and_its_refusals(generator, text_model, tm
         (["--max-new-tokens", "0"], "--max-new-tokens: must be at least 1, got 0"),
         (["--top-p", "1.5"], "--top-p: must be in (0, 1], got 1.5"),
         (["--top-p", "0"], "--top-p: must be in (0, 1]"),
-        (["--temperature", "-1"], "--temperature: must be >= 0"),
+        (["--temperature", "-1"], "--temperature: must be from 0 (greedy) to 100, got -1.0"),
+        (["--temperature", "nan"], "--temperature: must be from 0 (greedy) to 100, got nan"),
+        (["--repetition-penalty", "nan"], "--repetition-penalty: must be from 0.01 to 100 (1 is none), got nan"),
+        (["--repetition-penalty", "1e-39"], "--repetition-penalty: must be from 0.01 to 100"),
+        (["--seed", str(2**64)], "--seed: must be from 0 to 2**63-1, got 18446744073709551616"),
         (["--max-new-tokens", "127"], f"--prompt: {len(generator.tokenizer.encode('def f(').ids)} prompt tokens and max_new_tokens 127 "
                                        "exceed the model's context of 128 tokens"),
     ]

@@ -97,3 +97,31 @@ def test_a_cancelled_sequence_leaves_and_frees_its_slot(model):
     assert after.tokens == generate_ids(model, [PROMPTS[2]], params)[0].tokens
     assert len(long.tokens) < 200 and long.finish is None
     assert engine.counts == (0, 0) and engine.free == [0]
+
+
+def test_a_sequence_that_fails_ends_alone_and_the_others_are_untouched(model):
+    """One sequence's own settings fail: at its admission (a seed torch cannot take),
+    in a decode step it shares with another (a penalty that makes its probabilities
+    NaN, set after its second token), and in its stop check. Each ends with an error
+    token; the sequence beside them generates exactly what it would alone."""
+    params = SamplingParams(max_new_tokens=30, temperature=0.9, top_k=50, stop_at_eos=False)
+    engine = ContinuousBatcher(model, frozenset(), model.cfg.vocab_size, max_running=4)
+    steady, unseedable, poisoned, stop_fails = Listener(), Listener(), Listener(), Listener()
+
+    def poison():
+        poisoned.sequence.params.repetition_penalty = 1e-39  # logits / 1e-39: infinities, then NaN probabilities
+
+    poisoned.then = poison
+    poisoned.sequence = Sequence(PROMPTS[1], SamplingParams(max_new_tokens=30, temperature=0.9, stop_at_eos=False), poisoned, seed=3)
+    stop_fails.sequence = Sequence(PROMPTS[2], params, stop_fails, seed=4, stopped=lambda tokens: 1 / (len(tokens) - 3) > 0)
+    engine.submit(Sequence(PROMPTS[0], params, steady, seed=1))
+    engine.submit(Sequence(PROMPTS[3], params, unseedable, seed=2**64))
+    engine.submit(poisoned.sequence)
+    engine.submit(stop_fails.sequence)
+    for listener in (steady, unseedable, poisoned, stop_fails):
+        assert listener.done.wait(60)
+    assert unseedable.finish.startswith("error: ValueError: Overflow") and unseedable.tokens == [-1]
+    assert poisoned.finish.startswith("error:") and len(poisoned.tokens) == 3  # two tokens, then the error
+    assert stop_fails.finish.startswith("error: ZeroDivisionError") and len(stop_fails.tokens) == 3
+    assert (steady.tokens, steady.finish) == (generate_ids(model, [PROMPTS[0]], params, row_seeds=[1])[0].tokens, "length")
+    assert engine.counts == (0, 0) and sorted(engine.free) == [0, 1, 2, 3]

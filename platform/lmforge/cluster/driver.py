@@ -19,6 +19,7 @@ from lmforge.cluster import placement
 from lmforge.cluster.controller import Controller
 from lmforge.checkpoint.store import CheckpointStore
 from lmforge.cluster.runtime import check_capacity, connect, embedded_resources
+from lmforge.credentials import redact_uri
 from lmforge.data.prepare import PrepareOptions, prepare_dataset, read_manifest
 from lmforge.errors import TrainingFailed, UserError, first_line
 from lmforge.lease import JobLease
@@ -174,7 +175,7 @@ def _run(plan: Plan, manifest: dict, console: Console, show_progress: bool, leas
         "ranks": seen.ranks,
         "run_dir": os.path.abspath(spec.run_dir),
         "latest_checkpoint": seen.latest_checkpoint,
-        "mlflow_tracking_uri": spec.tracking_uri if tracker else None,
+        "mlflow_tracking_uri": redact_uri(spec.tracking_uri) if tracker else None,
         "mlflow_run_id": tracker.run_id if tracker else None,
         **({"mlflow_parent_run_id": tracker.parent_id} if tracker and tracker.parent_id else {}),
     }

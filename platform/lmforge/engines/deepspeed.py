@@ -66,6 +66,17 @@ def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor, reduction: str) -
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction=reduction)
 
 
+def _credentials_to_environment(config: dict) -> dict:
+    """DeepSpeed keeps its config in every checkpoint: a key in it (comet's) goes to the
+    rank's environment, where its library reads it, and not into the files."""
+    config = dict(config)
+    comet = dict(config.get("comet") or {})
+    if comet.get("api_key"):
+        os.environ["COMET_API_KEY"] = str(comet.pop("api_key"))
+        config["comet"] = comet
+    return config
+
+
 class DeepSpeedEngine(Engine):
     checkpoint_format = "deepspeed"
 
@@ -74,7 +85,7 @@ class DeepSpeedEngine(Engine):
         import deepspeed
 
         self.spec, self.dims, self.device = spec, dims, device
-        config = spec.deepspeed.config
+        config = _credentials_to_environment(spec.deepspeed.config)
         model = build_model(spec.model_arch, device, spec.train.seed, weights=spec.model.init_from)
         p = spec.parallel
         apply_activation_checkpointing(model, p.activation_checkpointing, p.ac_every)

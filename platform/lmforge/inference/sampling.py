@@ -4,12 +4,20 @@ and top-p (the order transformers applies them in), or greedy at temperature 0.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
 from lmforge.errors import UserError
+
+# The ranges a setting is checked against before it reaches a decode step (which, in a
+# server, other requests share): outside them the arithmetic overflows or seeding fails.
+MAX_SEED = 2**63 - 1  # a sequence's generator is seeded with seed + its index
+PENALTY_RANGE = (0.01, 100.0)
+MAX_TEMPERATURE = 100.0
+GREEDY_BELOW = 1e-5  # a temperature this small samples as greedy (vLLM's rule): dividing by it overflows
 
 
 @dataclass
@@ -30,20 +38,23 @@ class SamplingParams:
 
         if self.max_new_tokens < 1:
             raise UserError(f"{name('max_new_tokens')}: must be at least 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise UserError(f"{name('temperature')}: must be >= 0 (0 is greedy), got {self.temperature}")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:  # NaN fails every comparison
+            raise UserError(f"{name('temperature')}: must be from 0 (greedy) to {MAX_TEMPERATURE:g}, got {self.temperature}")
         if self.top_k < 0:
             raise UserError(f"{name('top_k')}: must be >= 0 (0 keeps every token), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise UserError(f"{name('top_p')}: must be in (0, 1], got {self.top_p}")
-        if self.repetition_penalty <= 0:
-            raise UserError(f"{name('repetition_penalty')}: must be > 0 (1 is none), got {self.repetition_penalty}")
+        low, high = PENALTY_RANGE
+        if not low <= self.repetition_penalty <= high:
+            raise UserError(f"{name('repetition_penalty')}: must be from {low:g} to {high:g} (1 is none), got {self.repetition_penalty}")
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
+            raise UserError(f"{name('seed')}: must be from 0 to 2**63-1, got {self.seed}")
         if any(not s for s in self.stop):
             raise UserError(f"{name('stop')}: an empty stop string would stop at once")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature == 0 or (math.isfinite(self.temperature) and self.temperature < GREEDY_BELOW)
 
 
 def penalize_repeats(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:

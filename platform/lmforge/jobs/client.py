@@ -9,6 +9,7 @@ import uuid
 from contextlib import contextmanager
 from typing import Optional, Union
 
+from lmforge.credentials import secret_fields
 from lmforge.errors import UserError, first_line
 from lmforge.spec import JobSpec, load_spec
 
@@ -94,6 +95,11 @@ def submit(job: Union[str, os.PathLike, JobSpec], overrides: list[str] = (), add
     spec = job if isinstance(job, JobSpec) else load_spec(job, list(overrides))
     if overrides and isinstance(job, JobSpec):
         raise UserError("submit: overrides go with a job file; apply them to a JobSpec with sdk.load(path, overrides)")
+    carried = secret_fields(spec.model_dump(mode="json", exclude_unset=True))
+    if carried:
+        raise UserError(f"{carried[0]}: holds a credential, and a submitted job's environment is readable by anyone who can list the "
+                        "cluster's jobs; give it to the cluster's nodes instead (MLflow: MLFLOW_TRACKING_USERNAME and "
+                        "MLFLOW_TRACKING_PASSWORD; Comet: COMET_API_KEY) and drop it from the job")
     env = dict(runtime_env or {})
     if working_dir is not None:
         if not os.path.isdir(working_dir):

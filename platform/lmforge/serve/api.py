@@ -1,12 +1,15 @@
 """The HTTP face of a replica (FastAPI): OpenAI's `/v1/completions`,
 `/v1/chat/completions` and `/v1/models`, plus `/health` and Prometheus `/metrics`.
-With an API key, the `/v1` routes want `Authorization: Bearer KEY` (401 otherwise)."""
+With an API key every route but `/health` wants `Authorization: Bearer KEY` (401
+otherwise). Bodies are bounded (413), and every error is OpenAI's JSON shape with no
+internals in it: what went wrong inside is logged on the replica."""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
 import json
+import logging
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -15,6 +18,8 @@ from lmforge.serve.backend import Backend
 from lmforge.serve.protocol import APIError, ChatRequest, CompletionRequest, parse
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+OPEN_ROUTES = ("/health",)  # probes (a load balancer, Kubernetes) carry no key; it says only "ok" and the model's name
+log = logging.getLogger(__name__)
 
 
 def key_digest(key: str) -> str:
@@ -31,22 +36,28 @@ def build_api(backend: Backend) -> FastAPI:
 
     @api.middleware("http")
     async def authenticate(request: Request, call_next):
-        if wanted and "/v1/" in request.url.path:  # under a route prefix too; /health and /metrics stay open
-            header = request.headers.get("authorization", "")
-            given = header[len("Bearer "):] if header.startswith("Bearer ") else ""
-            if not hmac.compare_digest(key_digest(given), wanted):
-                return failed(APIError(401, "a valid API key is required: Authorization: Bearer KEY", code="invalid_api_key"))
+        open_route = request.url.path.rstrip("/").endswith(OPEN_ROUTES)  # under a route prefix too
+        if wanted and not open_route and not hmac.compare_digest(key_digest(bearer_token(request.headers.get("authorization", ""))), wanted):
+            return failed(APIError(401, "a valid API key is required: Authorization: Bearer KEY", code="invalid_api_key"))
         return await call_next(request)
 
     @api.exception_handler(Exception)
     async def unexpected(request: Request, err: Exception):
-        return failed(APIError(500, f"the server failed: {type(err).__name__}: {err}", kind="server_error"))
+        log.exception("a request to %s failed", request.url.path)
+        return failed(APIError(500, "the server failed to answer this request (the replica's log says why)", kind="server_error"))
 
     async def body_of(request: Request) -> object:
-        try:
-            return json.loads(await request.body())
-        except ValueError as err:
-            raise APIError(400, f"malformed JSON in the request body ({err})") from None
+        """The JSON body, at most `max_body_bytes` of it read (413 past that)."""
+        limit = backend.options.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise APIError(413, f"the request body is {int(declared)} bytes; at most {limit}", code="request_too_large")
+        data = bytearray()
+        async for chunk in request.stream():
+            data += chunk
+            if len(data) > limit:
+                raise APIError(413, f"the request body is over {limit} bytes", code="request_too_large")
+        return json_body(bytes(data))
 
     async def serve(kind: str, model, request: Request):
         try:
@@ -80,3 +91,27 @@ def build_api(backend: Backend) -> FastAPI:
         return Response(backend.metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
     return api
+
+
+def bearer_token(header: str) -> str:
+    """The token of an `Authorization: Bearer TOKEN` header (the scheme in any case, RFC 7235)."""
+    scheme, _, token = header.strip().partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else ""
+
+
+def json_body(data: bytes) -> object:
+    """A body parsed as JSON whose text is valid Unicode throughout; a 400 otherwise."""
+    try:
+        body = json.loads(data)
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply") from None
+    except ValueError as err:
+        reason = err.msg if isinstance(err, json.JSONDecodeError) else "not UTF-8 text"
+        raise APIError(400, f"malformed JSON in the request body ({reason})") from None
+    try:
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise APIError(400, "the request body holds a lone surrogate (\\ud800-\\udfff): not valid Unicode text") from None
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply") from None
+    return body

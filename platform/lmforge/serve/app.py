@@ -32,8 +32,10 @@ class ModelServer:
 def application(options: ServerOptions, replicas: Union[int, str], cpus: float, gpus: float, max_replicas: int = 4):
     """The bound Serve application."""
     config = {
-        # Serve's own cap on requests a replica holds: above the engine's, which queues.
+        # Serve's own cap on requests a replica holds: above the engine's, which queues;
+        # beyond it Serve would queue without bound at its proxy: a bounded queue, then 503.
         "max_ongoing_requests": options.max_running + options.max_waiting,
+        "max_queued_requests": max(1, options.max_waiting),
         "ray_actor_options": {"num_cpus": cpus, "num_gpus": gpus,
                               "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(options.threads)}}},
         "health_check_period_s": 5,
@@ -72,6 +74,8 @@ def serve_model(options: ServerOptions, host: str, port: int, replicas: Union[in
     logging.getLogger("ray.serve").setLevel(logging.WARNING)  # the command says where it serves
     started_ray = connect(address)
     try:
+        largest = max((node["Resources"].get("CPU", 0.0) for node in ray.nodes() if node["Alive"]), default=0.0)
+        check_cpus(cpus, largest)
         if options.device is None:  # replicas run where the cluster's accelerators are
             options = dataclasses.replace(options, device="cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu")
         gpus = 1.0 if options.device == "cuda" else 0.0
@@ -96,6 +100,13 @@ def serve_model(options: ServerOptions, host: str, port: int, replicas: Union[in
         if started_ray:
             serve.shutdown()
             ray.shutdown()
+
+
+def check_cpus(cpus: float, largest: Optional[float]) -> None:
+    """A replica must fit one node (`largest`: its CPUs, None when not known yet), or
+    Serve would wait for it forever."""
+    if largest is not None and cpus > largest:
+        raise UserError(f"--cpus-per-replica: {cpus:g}, but the largest node of the cluster has {largest:g} CPUs")
 
 
 def check_port(host: str, port: int, address: Optional[str]) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
 import threading
 import time
@@ -19,6 +20,11 @@ from lmforge.serve.engine import Sequence, Token, make_engine
 from lmforge.serve.metrics import ServerMetrics
 from lmforge.serve.protocol import APIError, ChatRequest, CompletionRequest, Shape, logprobs_object, new_id, sse, usage
 
+log = logging.getLogger(__name__)
+# A token of these byte-level BPE vocabularies covers this many characters at most in
+# practice: a prompt longer than context x this cannot fit, and is refused untokenized.
+CHARS_PER_TOKEN = 32
+
 
 @dataclass
 class ServerOptions:
@@ -28,7 +34,9 @@ class ServerOptions:
     max_running: int = 16  # sequences decoding together
     max_waiting: int = 256  # sequences queued for a slot; more are refused (503)
     max_n: int = 8
-    cache_size: int = 256  # responses kept for identical temperature-0 requests (0: none)
+    cache_size: int = 256  # responses kept for identical temperature-0 requests (0: none) ...
+    cache_bytes: int = 64 << 20  # ... and at most this much of their JSON
+    max_body_bytes: int = 8 << 20  # a request body larger is refused (413) before it is read whole
     api_key_sha256: Optional[str] = None  # the key's digest: the key itself never enters Serve's config
     device: Optional[str] = None  # cpu or cuda; None: decided when the cluster is known
     tokenizer: Optional[str] = None
@@ -49,23 +57,29 @@ def chat_template_of(model: str, override: Optional[str] = None) -> Optional[str
 
 
 class ResponseCache:
-    """Bounded LRU of whole responses to temperature-0 requests."""
+    """LRU of whole responses to temperature-0 requests, bounded in entries and in bytes
+    (a key and its response, as JSON)."""
 
-    def __init__(self, size: int):
-        self.size, self.entries = size, OrderedDict()
+    def __init__(self, size: int, max_bytes: int = 64 << 20):
+        self.size, self.max_bytes, self.bytes = size, max_bytes, 0
+        self.entries: OrderedDict[str, tuple[object, int]] = OrderedDict()
 
-    def get(self, key: str) -> Optional[dict]:
+    def get(self, key: str):
         if key in self.entries:
             self.entries.move_to_end(key)
-            return self.entries[key]
+            return self.entries[key][0]
         return None
 
-    def put(self, key: str, value: dict) -> None:
-        if self.size:
-            self.entries[key] = value
-            self.entries.move_to_end(key)
-            while len(self.entries) > self.size:
-                self.entries.popitem(last=False)
+    def put(self, key: str, value) -> None:
+        cost = len(key) + len(json.dumps(value))
+        if not self.size or cost > self.max_bytes:
+            return
+        if key in self.entries:
+            self.bytes -= self.entries.pop(key)[1]
+        self.entries[key] = (value, cost)
+        self.bytes += cost
+        while len(self.entries) > self.size or self.bytes > self.max_bytes:
+            self.bytes -= self.entries.popitem(last=False)[1][1]
 
 
 class Choice:
@@ -75,6 +89,7 @@ class Choice:
         self.index, self.backend, self.stops, self.with_logprobs = index, backend, stops, with_logprobs
         self.tokens, self.logprobs, self.tops, self.pieces = [], [], [], []
         self.sent, self.finish_reason, self.previous = "", None, None
+        self.longest_stop = max(map(len, stops), default=0)
 
     def add(self, token: Token) -> tuple[str, Optional[dict]]:
         """The new text a client may see now (held back: a partial character, or what may
@@ -82,13 +97,15 @@ class Choice:
         self.tokens.append(token.id)
         self.finish_reason = token.finish_reason
         text = self.backend.decode(self.tokens)
-        cuts = [text.find(s) for s in self.stops if s in text]
+        # What was sent had no stop in it: only a stop ending in the new text can start
+        # within the last stop's length before it.
+        since = max(0, len(self.sent) - self.longest_stop)
+        cuts = [at for at in (text.find(s, since) for s in self.stops) if at >= 0]
         if cuts:
             text = text[:min(cuts)]
         elif self.finish_reason is None:
             text = text.rstrip("\ufffd")
-            held = max((n for s in self.stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
-            text = text[:len(text) - held]
+            text = text[:len(text) - max((_held(text, s) for s in self.stops), default=0)]
         delta = text[len(self.sent):] if text.startswith(self.sent) else ""
         self.sent = self.sent + delta
         if not self.with_logprobs:
@@ -117,7 +134,7 @@ class Backend:
         self.metrics = ServerMetrics(options.name, lambda: self.engine.counts)
         self.engine = make_engine(options.batching, self.generator.model, self.generator.eos_ids, self.tokenizer.get_vocab_size(),
                                   options.max_running, self.metrics.batch)
-        self.cache = ResponseCache(options.cache_size)
+        self.cache = ResponseCache(options.cache_size, options.cache_bytes)
         self.render_chat = chat_renderer(chat_template_of(options.model, options.chat_template), "chat_template")
         self._post = None  # made on the event loop that serves requests (see _mailbox)
 
@@ -146,6 +163,10 @@ class Backend:
                 raise APIError(400, str(err), "messages") from None
         else:
             texts, field = request.prompts, "prompt"
+        longest_text = max(map(len, texts), default=0)
+        if longest_text > self.context * CHARS_PER_TOKEN:
+            raise APIError(400, f"{field}: {longest_text} characters, more than the model's context of {self.context} tokens can hold",
+                           field, "context_length_exceeded")
         prompts = [self.tokenizer.encode(text).ids for text in texts]
         longest = max(map(len, prompts), default=0)
         if not prompts or min(map(len, prompts)) == 0:
@@ -242,7 +263,8 @@ class Backend:
                 now, batch = time.perf_counter(), []
                 for index, token in arrivals:
                     if token.finish_reason and token.finish_reason.startswith("error"):
-                        raise APIError(500, f"generation failed: {token.finish_reason.removeprefix('error: ')}", kind="server_error")
+                        log.error("a sequence of a request failed: %s", token.finish_reason)
+                        raise APIError(500, "generation failed for this request (the replica's log says why)", kind="server_error")
                     choice = choices[index]
                     self.metrics.token(now - choice.previous if choice.previous else None, now - arrived if first else None)
                     choice.previous, first = now, False
@@ -285,6 +307,14 @@ class Backend:
         if include_usage:
             yield sse(shape.usage_chunk(use))
         yield sse("[DONE]")
+
+
+def _held(text: str, stop: str) -> int:
+    """How many of `text`'s last characters begin `stop` (a stop that may be completing)."""
+    for n in range(min(len(stop) - 1, len(text)), 0, -1):
+        if text[-n] == stop[0] and text.endswith(stop[:n]):
+            return n
+    return 0
 
 
 def _merged(kind: str, batch: list[tuple]) -> list[tuple]:

@@ -8,7 +8,8 @@
   batch to its end (request-level batching), for comparison.
 
 Each sequence's tokens are sampled from its own generator, so what it generates does
-not depend on which others share its steps.
+not depend on which others share its steps; and a sequence whose own settings fail
+(seeding, sampling) ends alone, with an error token, while the others go on.
 """
 
 from __future__ import annotations
@@ -69,15 +70,27 @@ class _Sampler:
 
     def take(self, seqs: list[Sequence], logits: torch.Tensor) -> list[bool]:
         """Sample each row of `logits` (rows, vocab) for its sequence and tell its
-        listener; which sequences ended. Greedy rows take one argmax together."""
+        listener; which sequences ended (a sequence whose sampling failed ends alone).
+        Greedy rows take one argmax together."""
         logits = logits[:, :self.vocab].float()
         logprobs = logits.log_softmax(dim=-1)
         chosen = logits.argmax(dim=-1).tolist()
+        failed: dict[int, Exception] = {}
         for row, seq in enumerate(seqs):
             if not seq.params.greedy or seq.seen is not None:
-                chosen[row] = int(next_tokens(logits[row:row + 1], seq.params, seq.seen, seq.generator)[0])
+                try:
+                    chosen[row] = int(next_tokens(logits[row:row + 1], seq.params, seq.seen, seq.generator)[0])
+                except Exception as err:  # noqa: BLE001 - this sequence's settings, not the step's
+                    failed[row], chosen[row] = err, 0
         chosen_logprobs = logprobs.gather(1, torch.tensor(chosen, device=logits.device)[:, None]).squeeze(1).tolist()
-        return [self._tell(seq, token, logprob, logprobs[row]) for row, (seq, token, logprob) in enumerate(zip(seqs, chosen, chosen_logprobs))]
+        return [fail(seq, failed[row]) if row in failed else self._tell_or_fail(seq, token, logprob, logprobs[row])
+                for row, (seq, token, logprob) in enumerate(zip(seqs, chosen, chosen_logprobs))]
+
+    def _tell_or_fail(self, seq: Sequence, token: int, logprob: float, row_logprobs: torch.Tensor) -> bool:
+        try:  # its stop check decodes its own tokens
+            return self._tell(seq, token, logprob, row_logprobs)
+        except Exception as err:  # noqa: BLE001 - this sequence's, not the step's
+            return fail(seq, err)
 
     def _tell(self, seq: Sequence, token: int, logprob: float, row_logprobs: torch.Tensor) -> bool:
         top = []
@@ -94,6 +107,12 @@ class _Sampler:
             finish = "length"
         seq.emit(Token(token, logprob, top, finish))
         return finish is not None
+
+
+def fail(seq: Sequence, err: Exception) -> bool:
+    """End one sequence with an error token (its request answers 500; the others go on)."""
+    seq.emit(Token(-1, 0.0, [], f"error: {type(err).__name__}: {err}"))
+    return True
 
 
 class ContinuousBatcher:
@@ -135,9 +154,10 @@ class ContinuousBatcher:
                     self._fail(err)
 
     def _fail(self, err: Exception) -> None:
-        """End every running sequence with an error; the loop serves the next ones."""
+        """A forward that every running sequence shared failed: end them all with an
+        error; the loop serves the next ones."""
         for seq in self.running:
-            seq.emit(Token(-1, 0.0, [], f"error: {type(err).__name__}: {err}"))
+            fail(seq, err)
             self._leave(seq)
         self.running = []
         self.free = list(range(self.max_running))
@@ -152,12 +172,16 @@ class ContinuousBatcher:
             if seq.cancelled:
                 continue
             seq.slot = self.free.pop()
-            self.running.append(seq)
-            self.sampler.first(seq, self.device)
-            logits = self._forward([seq.slot], torch.tensor([seq.prompt], device=self.device))
-            if self.sampler.take([seq], logits)[0]:
+            try:  # a prefill is this sequence's alone: what fails in it ends it alone
+                self.sampler.first(seq, self.device)
+                logits = self._forward([seq.slot], torch.tensor([seq.prompt], device=self.device))
+                done = self.sampler.take([seq], logits)[0]
+            except Exception as err:  # noqa: BLE001
+                done = fail(seq, err)
+            if done:
                 self._leave(seq)
-                self.running.remove(seq)
+            else:
+                self.running.append(seq)
 
     def _step(self) -> None:
         """One new token for every running sequence, in one forward."""

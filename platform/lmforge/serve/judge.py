@@ -11,10 +11,11 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from lmforge.credentials import redact_uri
 from lmforge.errors import UserError
 
 JUDGE_SYSTEM = (
@@ -42,7 +43,7 @@ class JudgeOptions:
     max_tokens: int = 256
     judge_max_tokens: int = 512
     concurrency: int = 8
-    api_key: Optional[str] = None
+    keys: dict[str, Optional[str]] = field(default_factory=dict)  # endpoint (a, b, judge) -> its own API key
     tracking_uri: Optional[str] = None
     tracking: bool = True
 
@@ -147,7 +148,8 @@ class Judging:
 
         self.opts = opts
         self.endpoints = {name: Endpoint.parse(f"--{name}", getattr(opts, name), name != "judge") for name in ("a", "b", "judge")}
-        self.clients = {name: AsyncOpenAI(base_url=e.base_url, api_key=opts.api_key or "none", max_retries=2, timeout=600)
+        # Each endpoint gets its own key: the judge is someone else's service, never sent A's or B's.
+        self.clients = {name: AsyncOpenAI(base_url=e.base_url, api_key=opts.keys.get(name) or "none", max_retries=2, timeout=600)
                         for name, e in self.endpoints.items() if isinstance(e, Endpoint)}
         self.limit = asyncio.Semaphore(opts.concurrency)
 
@@ -157,9 +159,9 @@ class Judging:
                 try:
                     listed = await self.clients[name].models.list()
                 except Exception as err:  # noqa: BLE001 - any client error is the user's endpoint
-                    raise UserError(f"{endpoint.flag}: {endpoint.base_url} did not list its models ({type(err).__name__}: {err})") from None
+                    raise UserError(f"{endpoint.flag}: {redact_uri(endpoint.base_url)} did not list its models ({type(err).__name__}: {err})") from None
                 if not listed.data:
-                    raise UserError(f"{endpoint.flag}: {endpoint.base_url} lists no models")
+                    raise UserError(f"{endpoint.flag}: {redact_uri(endpoint.base_url)} lists no models")
                 endpoint.model = listed.data[0].id
 
     async def chat(self, name: str, messages: list[dict], max_tokens: int) -> tuple[Optional[str], Optional[str]]:
@@ -221,7 +223,7 @@ def run_judge(opts: JudgeOptions, say=print) -> dict:
 async def _judge_all(opts: JudgeOptions, prompts: list[dict], say) -> tuple[list[dict], dict]:
     judging = Judging(opts)
     await judging.resolve_models()
-    endpoints = {name: f"{e.base_url}#{e.model}" for name, e in judging.endpoints.items()}
+    endpoints = {name: f"{redact_uri(e.base_url)}#{e.model}" for name, e in judging.endpoints.items()}
     say(f"judging {len(prompts)} prompts: A {endpoints['a']} against B {endpoints['b']}, judge {endpoints['judge']}")
     tasks = [asyncio.ensure_future(judging.judge_one(i, p)) for i, p in enumerate(prompts)]
     for done, task in enumerate(asyncio.as_completed(tasks), 1):

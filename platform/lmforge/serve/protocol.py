@@ -10,6 +10,15 @@ from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from lmforge.inference.sampling import MAX_SEED, PENALTY_RANGE
+
+# Bounds every field is checked against at the door (a 400 naming it), so no value
+# reaches a decode step that other requests share and fails there.
+MAX_STOP_CHARS = 256  # each stop string: matched on the event loop as tokens arrive
+MAX_PROMPTS = 64  # prompts in one completions request
+MAX_N = 128  # the door's bound; a server's own --max-n is usually lower
+MAX_TOKENS = 1 << 20
+
 
 class APIError(Exception):
     """Answered as `{"error": {message, type, param, code}}` with this status."""
@@ -28,16 +37,17 @@ class StreamOptions(BaseModel):
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # fields of OpenAI's this server does not use (user, ...)
+    # Fields of OpenAI's this server does not use (user, ...) are ignored; NaN and infinities are not numbers here.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
-    model: str
+    model: str = Field(max_length=256)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=-1)  # vLLM's extra; -1 or 0: no limit
-    repetition_penalty: float = Field(1.0, gt=0)
-    n: int = Field(1, ge=1)
+    top_k: int = Field(0, ge=-1, le=1 << 20)  # vLLM's extra; -1 or 0: no limit
+    repetition_penalty: float = Field(1.0, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
+    n: int = Field(1, ge=1, le=MAX_N)
     stop: Optional[Union[str, list[str]]] = Field(None, validate_default=True)
-    seed: Optional[int] = None
+    seed: Optional[int] = Field(None, ge=0, le=MAX_SEED)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     ignore_eos: bool = False  # vLLM's extra: generate max_tokens whatever the model says (benchmarks)
@@ -50,6 +60,8 @@ class _Sampling(BaseModel):
             raise ValueError("an empty stop string would stop at once")
         if len(stops) > 4:
             raise ValueError("at most 4 stop strings")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"a stop string of at most {MAX_STOP_CHARS} characters")
         return stops
 
     @property
@@ -59,9 +71,16 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     prompt: Union[str, list[str]]
-    max_tokens: Optional[int] = Field(16, ge=1)
+    max_tokens: Optional[int] = Field(16, ge=1, le=MAX_TOKENS)
     logprobs: Optional[int] = Field(None, ge=0, le=5)
     echo: bool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _few_prompts(cls, prompt):
+        if isinstance(prompt, list) and not 1 <= len(prompt) <= MAX_PROMPTS:
+            raise ValueError(f"from 1 to {MAX_PROMPTS} prompts, got {len(prompt)}")
+        return prompt
 
     @property
     def prompts(self) -> list[str]:
@@ -87,9 +106,9 @@ class ChatMessage(BaseModel):
 
 
 class ChatRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: Optional[int] = Field(None, ge=1)
-    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=1024)
+    max_tokens: Optional[int] = Field(None, ge=1, le=MAX_TOKENS)
+    max_completion_tokens: Optional[int] = Field(None, ge=1, le=MAX_TOKENS)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=5)
 
@@ -101,9 +120,11 @@ def parse(model: type[BaseModel], body: object) -> BaseModel:
     try:
         return model.model_validate(body)
     except ValidationError as err:
-        first = err.errors()[0]
+        first = err.errors(include_input=False, include_url=False)[0]
         param = ".".join(str(part) for part in first["loc"]) or None
         raise APIError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param) from None
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply") from None
 
 
 def new_id(prefix: str) -> str:

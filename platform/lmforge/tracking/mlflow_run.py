@@ -18,6 +18,7 @@ from functools import cached_property
 
 import yaml
 
+from lmforge.credentials import redact
 from lmforge.data.mixture import is_mixture
 from lmforge.spec import JobSpec, flatten
 from lmforge.tracking import events
@@ -117,14 +118,14 @@ class MlflowRun:
         log them, and they include hashes of the teachers' weights (read in full)."""
         from lmforge.distill.cache import tracking_params
 
-        return flatten(self.spec.model_dump(mode="json")) | tracking_params(self.spec)
+        return flatten(redact(self.spec.model_dump(mode="json"))) | tracking_params(self.spec)
 
     def _log_spec(self, run_id: str) -> None:
         self._log_params(run_id, self._spec_params)
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "job.yaml")
             with open(path, "w") as f:
-                yaml.safe_dump(self.spec.model_dump(mode="json"), f, sort_keys=False)
+                yaml.safe_dump(redact(self.spec.model_dump(mode="json")), f, sort_keys=False)
             self.client.log_artifact(run_id, path)
 
     def log_dataset(self, manifest: dict) -> None:

@@ -6,17 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Optional
-from urllib.parse import urlsplit, urlunsplit
 
 ARTIFACT_PATH = "model"
-
-
-def without_credentials(uri: str) -> str:
-    """A tracking URI as it may be written down: any user:password@ dropped."""
-    parts = urlsplit(uri)
-    if "@" not in parts.netloc:
-        return uri
-    return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
 
 
 def register_export(record: dict, out: str | Path, fmt: str, step: Optional[int]) -> Optional[dict]:
