@@ -50,3 +50,13 @@ def make_hf_model(out: Path, layout: str, tokenizer_dir: Path, seed: int = 0):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer_dir / name, out / name)
     return model
+
+
+def word_level_tokenizer(path: Path, words: int) -> Path:
+    """A word-level tokenizer.json of `words` words (and end-of-text and unknown)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({"<|endoftext|>": 0, "<unk>": 1} | {f"w{i}": i + 2 for i in range(words)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(path))
+    return path

@@ -67,7 +67,7 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--format", default="lmforge", help="lmforge (default) or hf: a directory transformers loads with no custom code")
     export.add_argument("--dtype", default="fp32", help="fp32 (default), bf16 or fp16")
     export.add_argument("--tokenizer", help="tokenizer.json to ship (default: the dataset's the checkpoint was trained on)")
-    export.add_argument("--no-register", action="store_true",
+    export.add_argument("--register", action="store_true",
                         help="do not log the export to the checkpoint's MLflow run nor register it as a model version (default: do, when it has one)")
 
     gen = sub.add_parser("generate", help="generate text from a model: a checkpoint, an lmforge export or a Hugging Face directory")
@@ -288,7 +288,7 @@ def _cmd_distill(args) -> int:
 def _cmd_export(args) -> int:
     from lmforge import sdk
 
-    result = sdk.export(args.checkpoint, args.out, format=args.format, dtype=args.dtype, tokenizer=args.tokenizer, register=not args.no_register)
+    result = sdk.export(args.checkpoint, args.out, format=args.format, dtype=args.dtype, tokenizer=args.tokenizer, register=args.register)
     what = f"step {result['step']}" if result["step"] is not None else f"a {result['from']} model"
     print(f"exported {what} as {result['format']} {args.dtype} ({result['parameters']:,} parameters"
           f"{', with its tokenizer' if result['tokenizer'] else ', no tokenizer'}) -> {result['out']}", file=sys.stderr)

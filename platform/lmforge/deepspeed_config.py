@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import copy
 import difflib
-import json
 import os
 from pathlib import Path
 from typing import Any
+
+from lmforge.jsonfile import read_object
 
 # DeepSpeed's top-level config keys (each is read somewhere in deepspeed 0.19).
 KNOWN_KEYS = frozenset({
@@ -45,13 +46,9 @@ def inline_config_file(tree: dict, base_dir: str | os.PathLike) -> None:
         return
     path = Path(base_dir, section["config"]).resolve()
     try:
-        config = json.loads(path.read_text())
-    except OSError as err:
-        raise ValueError(f"{FIELD}: cannot read {path} ({err.strerror})") from None
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{FIELD}: {path} is not valid JSON (line {err.lineno}: {err.msg})") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{FIELD}: {path} must hold a JSON object")
+        config = read_object(path)
+    except ValueError as err:
+        raise ValueError(f"{FIELD}: {err}") from None
     section["config"], section["config_file"] = config, str(path)
 
 

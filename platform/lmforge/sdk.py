@@ -148,11 +148,12 @@ def plan(spec: JobSpec, cluster: Optional[str] = None) -> dict:
     return result
 
 
-def export(checkpoint, out, format: str = "lmforge", dtype: str = "fp32", tokenizer: Optional[str] = None, register: bool = True) -> dict:
+def export(checkpoint, out, format: str = "lmforge", dtype: str = "fp32", tokenizer: Optional[str] = None, register: bool = False) -> dict:
     """`lmforge export`: a model directory from a committed checkpoint (`format` "hf":
-    one transformers loads); returns what was written. `register`: when the checkpoint
-    belongs to an MLflow run, log the directory there and register it as a new version
-    of the model named after the job (result["registered"]: name, version, run_id)."""
+    one transformers loads); returns what was written. `register` (only when asked: the
+    MLflow store a checkpoint names may be another's, or unreachable from here): when
+    the checkpoint belongs to an MLflow run, log the directory there and register it as
+    a new version of the model named after the job (result["registered"]: name, version, run_id)."""
     from lmforge.checkpoint.export import export_model
     from lmforge.tracking.model_registry import register_export
 

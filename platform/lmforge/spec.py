@@ -104,7 +104,7 @@ class TrainSpec(_Section):
     micro_batch: int = Field(4, gt=0, description="samples per forward/backward on one rank")
     seq_len: int = Field(128, description="tokens per sample fed to the model")
     max_steps: int = Field(100, gt=0)
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=2**63 - 1, description="decides the initial weights and the data order")
     precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="fp16: deepspeed engine only (with loss scaling)")
 
     @field_validator("seq_len")
@@ -397,7 +397,12 @@ def apply_override(tree: dict, assignment: str) -> None:
         if not isinstance(child, dict):
             raise UserError(f"--set {key}: {part} is not a section")
         node = child
-    node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else raw
+    try:
+        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else raw
+    except yaml.YAMLError as err:
+        raise UserError(f"--set {key}: the value is not valid YAML ({str(err).splitlines()[0]})") from None
+    except RecursionError:
+        raise UserError(f"--set {key}: the value is nested too deeply") from None
 
 
 def spec_from_dict(tree: dict[str, Any], overrides: list[str] = (), base_dir: str | os.PathLike = ".") -> JobSpec:
@@ -412,6 +417,8 @@ def spec_from_dict(tree: dict[str, Any], overrides: list[str] = (), base_dir: st
         return JobSpec.model_validate(tree)
     except ValidationError as err:
         raise UserError(_format_error(err)) from None
+    except RecursionError:
+        raise UserError("a value is nested too deeply to be a job field") from None
     except ValueError as err:
         raise UserError(str(err)) from None
 
@@ -427,6 +434,8 @@ def load_spec(path: str | os.PathLike, overrides: list[str] = ()) -> JobSpec:
         tree = yaml.safe_load(text)
     except yaml.YAMLError as err:
         raise UserError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
+    except RecursionError:
+        raise UserError(f"{path}: nested too deeply to be a job file") from None
     if not isinstance(tree, dict):
         raise UserError(f"{path}: a job file is a YAML mapping with at least `name` and `data`")
     try:

@@ -99,10 +99,10 @@ def test_engine_and_section_must_agree():
 def test_config_file_errors_name_the_file(tmp_path):
     (tmp_path / "bad.json").write_text("{not json")
     job = {"name": "t", "data": {"path": "d"}, "engine": "deepspeed", "deepspeed": {"config": "bad.json"}}
-    with pytest.raises(UserError, match=r"deepspeed.config: .*bad.json is not valid JSON \(line 1"):
+    with pytest.raises(UserError, match=r"deepspeed.config: .*bad.json: not valid JSON \(line 1"):
         spec_from_dict(job, base_dir=tmp_path)
     job["deepspeed"]["config"] = "missing.json"
-    with pytest.raises(UserError, match=r"deepspeed.config: cannot read .*missing.json"):
+    with pytest.raises(UserError, match=r"deepspeed.config: .*missing.json: unreadable"):
         spec_from_dict(job, base_dir=tmp_path)
 
 

@@ -50,3 +50,30 @@ def test_a_flipped_byte_in_a_native_checkpoint_is_refused_before_export(tmp_path
     with pytest.raises(UserError, match=f"{shard.name}: does not match its checksum in commit.json"):
         export_model(step_dir, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+class _Payload:
+    """What a crafted checkpoint's .metadata would hold: a call run as it is unpickled."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def test_a_crafted_checkpoint_index_is_refused_without_running_it(tmp_path):
+    """An attacker who writes a checkpoint writes its commit.json too: the checksums
+    match, and the index (DCP's pickled .metadata) must still not run code."""
+    import pickle
+
+    store = CheckpointStore(str(tmp_path))
+    step_dir = tmp_path / "step_00000002"
+    step_dir.mkdir()
+    marker = tmp_path / "payload-ran"
+    (step_dir / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    store.write_state(2, {"step": 2, "format": "dcp", "model": PRESETS["tiny"].as_dict(), "engine": {}})
+    store.commit(2, store.digest(2, store.files(2)))
+    with pytest.raises(UserError, match=r"\.metadata: refused to unpickle it: io.open is not part of a checkpoint's metadata"):
+        export_model(step_dir, tmp_path / "out")
+    assert not marker.exists() and not (tmp_path / "out").exists()

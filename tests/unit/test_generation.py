@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cli import assert_clean_error, run_cli
-from hf_models import VOCAB, make_hf_model
+from hf_models import VOCAB, make_hf_model, word_level_tokenizer
 from lmforge.inference.cache import KVCache
 from lmforge.inference.generate import Generator, generate_ids
 from lmforge.inference.sampling import SamplingParams, keep_top_k, keep_top_p, penalize_repeats
@@ -146,6 +146,10 @@ def test_generate_on_the_command_line_and_its_refusals(generator, text_model, tm
         (["--max-new-tokens", "127"], f"--prompt: {len(generator.tokenizer.encode('def f(').ids)} prompt tokens and max_new_tokens 127 "
                                        "exceed the model's context of 128 tokens"),
     ]
+    big = tmp_path / "big-tokenizer.json"
+    word_level_tokenizer(big, generator.model.cfg.vocab_size + 10)
+    refusals.append((["--tokenizer", str(big)], f"--tokenizer: the tokenizer has {generator.model.cfg.vocab_size + 12} tokens, more than the "
+                                                 f"model's vocabulary of {generator.model.cfg.vocab_size}"))
     for args, message in refusals:
         assert_clean_error(run_cli("generate", model, "--prompt", "def f(", *args, cwd=tmp_path), message)
     assert_clean_error(run_cli("generate", str(tmp_path / "nowhere"), "--prompt", "x", cwd=tmp_path), "MODEL:", "does not exist")

@@ -123,7 +123,30 @@ def _sharded_with_a_missing_shard(path):
     (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
 
 
+def _index_naming(shard: str):
+    """A sharded directory whose index names `shard` (outside the directory, say) for one tensor."""
+    def change(path):
+        outside = path.parent / "elsewhere.safetensors"
+        (path / "model.safetensors").rename(outside)
+        (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"model.embed_tokens.weight": shard}}))
+    return change
+
+
+def _config_text(text: str):
+    return lambda path: (path / "config.json").write_text(text)
+
+
 BAD_DIRECTORIES = {
+    "an index naming a shard by absolute path": ({"change": _index_naming("/etc/passwd")}, "names the shard '/etc/passwd', which is not a file of its own directory"),
+    "an index naming a shard above its directory": ({"change": _index_naming("../elsewhere.safetensors")},
+                                                     "names the shard '../elsewhere.safetensors', which is not a file of its own directory"),
+    "an index that is a list": ({"change": lambda p: (p / "model.safetensors.index.json").write_text("[1, 2]")},
+                                "model.safetensors.index.json: holds a JSON list, where an object belongs"),
+    "a weight map that is a list": ({"change": lambda p: (p / "model.safetensors.index.json").write_text('{"weight_map": []}')},
+                                    "`weight_map` is a JSON list, where an object belongs"),
+    "a config that is a list": ({"change": _config_text("[]")}, "config.json: holds a JSON list, where an object belongs"),
+    "zero attention heads": ({"num_attention_heads": 0}, "num_attention_heads is 0, not a positive whole number"),
+    "heads given as text": ({"num_attention_heads": "4"}, "num_attention_heads is '4', not a positive whole number"),
     "a pickle": ({"change": _pickle_only}, "pytorch_model.bin: a pickle, which lmforge never loads; convert it to safetensors"),
     "a missing shard": ({"change": _sharded_with_a_missing_shard}, "lists the shard model-00002-of-00002.safetensors, which is not there"),
     "no tokenizer": ({"change": lambda p: (p / "tokenizer.json").unlink()}, "a Hugging Face directory without its tokenizer.json"),

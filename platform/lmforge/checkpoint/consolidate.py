@@ -9,7 +9,6 @@ metadata and DeepSpeed's files are pickles.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import warnings
@@ -18,9 +17,12 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
+from lmforge.checkpoint.safe_metadata import MetadataRefused, SafeFileSystemReader
 from lmforge.checkpoint.store import COMMIT, STATE, CheckpointStore, CheckpointUnreadable
 from lmforge.errors import UserError
+from lmforge.jsonfile import member, read_object
 from lmforge.models import ModelConfig, Transformer
+from lmforge.models.config import config_from_dict
 from lmforge.models.weights import clean_name, weight_names
 
 
@@ -28,7 +30,7 @@ def read_checkpoint(step_dir: str | os.PathLike) -> tuple[ModelConfig, dict[str,
     """(the model's shape, its full fp32 weights in lmforge's names, the checkpoint's state.json)."""
     step_dir = Path(step_dir)
     state = committed_state(step_dir)
-    cfg = ModelConfig(**state["model"])
+    cfg = config_from_dict(state["model"], str(step_dir / STATE))
     _verify(step_dir)
     fmt = state.get("format", "dcp")
     tensors = _read_dcp(step_dir, cfg) if fmt == "dcp" else _read_deepspeed(step_dir)
@@ -49,11 +51,11 @@ def committed_state(step_dir: Path) -> dict:
     if not (step_dir / COMMIT).is_file():
         raise UserError(f"{step_dir}: not a committed checkpoint (no {COMMIT}); pass a step_XXXXXXXX directory")
     try:
-        state = json.loads((step_dir / STATE).read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise UserError(f"{step_dir / STATE}: unreadable ({err})") from None
-    if "model" not in state:
-        raise UserError(f"{step_dir / STATE}: records no model shape")
+        state = read_object(step_dir / STATE)
+        config_from_dict(member(state, "model", dict, str(step_dir / STATE)), str(step_dir / STATE))
+        member(state, "step", int, str(step_dir / STATE))
+    except ValueError as err:
+        raise UserError(str(err)) from None
     return state
 
 
@@ -63,14 +65,19 @@ def _read_dcp(step_dir: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     template = {name: tensor for name, tensor in model.state_dict().items() if name in names}
     with warnings.catch_warnings():  # DCP warns that no process group is up: reading in one process is the point
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load({"model": template}, checkpoint_id=str(step_dir), no_dist=True)
+        reader = SafeFileSystemReader(str(step_dir))
+        try:
+            reader.read_metadata()  # first on its own: DCP would bury the refusal in its collective's error
+        except MetadataRefused as err:
+            raise UserError(str(err)) from None
+        dcp.load({"model": template}, storage_reader=reader, no_dist=True)
     return template
 
 
 def _verify(step_dir: Path) -> None:
     """Every file against the commit record, as a restore checks them (same store code)."""
     store = CheckpointStore(str(step_dir.parent))
-    step = int(json.loads((step_dir / STATE).read_text())["step"])
+    step = committed_state(step_dir)["step"]
     if store.step_path(step) != str(step_dir).rstrip("/"):
         raise UserError(f"{step_dir}: its state.json is for step {step}; pass the step_XXXXXXXX directory as written")
     try:

@@ -8,6 +8,7 @@ lmforge's format (the default) or Hugging Face's, with its tokenizer.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,10 +21,12 @@ from lmforge.data import storage
 from lmforge.data.tokenizer import end_of_text_token, tokenizer_files
 from lmforge.errors import UserError
 from lmforge.models import ModelConfig
+from lmforge.models.config import config_from_dict
 from lmforge.models.hf import DTYPES
 from lmforge.models.weights import open_model_dir, write_model_dir
 
 FORMATS = ("lmforge", "hf")
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -65,12 +68,26 @@ def open_source(path: str | os.PathLike, tokenizer: Optional[str] = None, name: 
         if not Path(tokenizer).is_file():
             raise UserError(f"--tokenizer: {tokenizer} does not exist")
         source.tokenizer_json, source.eos_token = Path(tokenizer).read_text(), end_of_text_token(tokenizer)
+        _check_tokenizer(source, "--tokenizer")
     return source
+
+
+def _check_tokenizer(source: ModelSource, name: str) -> None:
+    """A tokenizer whose ids the model has no rows for would index past its embedding."""
+    try:
+        vocab = source.tokenizer().get_vocab_size()
+    except Exception as err:  # noqa: BLE001 - tokenizers raises its own types for a file that is not one
+        raise UserError(f"{name}: not a tokenizer.json ({str(err).splitlines()[0] if str(err) else type(err).__name__})") from None
+    if vocab > source.cfg.vocab_size:
+        raise UserError(f"{name}: the tokenizer has {vocab} tokens, more than the model's vocabulary of {source.cfg.vocab_size}")
 
 
 def _checkpoint_source(step_dir: Path) -> ModelSource:
     state = committed_state(step_dir)
-    source = ModelSource(step_dir, "checkpoint", ModelConfig(**state["model"]), lambda: read_checkpoint(step_dir)[1],
+    if state.get("format") == "deepspeed":
+        log.warning("warning: %s is a DeepSpeed checkpoint, whose files Python unpickles (they can run code): open only checkpoints "
+                    "your own jobs wrote, and share models as exports (safetensors and JSON)", step_dir)
+    source = ModelSource(step_dir, "checkpoint", config_from_dict(state["model"], str(step_dir / "state.json")), lambda: read_checkpoint(step_dir)[1],
                          record={"checkpoint": str(step_dir.absolute()), "step": state["step"], "format": state.get("format", "dcp"),
                                  **{key: state[key] for key in ("job", "mlflow") if state.get(key)}})
     dataset = state.get("data_path") or "."

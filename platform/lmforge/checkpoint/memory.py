@@ -23,8 +23,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
-from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemWriter
 
+from lmforge.checkpoint.safe_metadata import SafeFileSystemReader
 from lmforge.checkpoint.sharded import rng_name, rng_state, set_rng_state
 from lmforge.checkpoint.store import STATE
 from lmforge.checkpoint.writer import BackgroundSaver
@@ -121,8 +122,8 @@ def _writer(files: MemoryFiles) -> FileSystemWriter:
     return writer
 
 
-def _reader(files: MemoryFiles) -> FileSystemReader:
-    reader = FileSystemReader("")
+def _reader(files: MemoryFiles) -> SafeFileSystemReader:
+    reader = SafeFileSystemReader("")
     reader.fs = files
     return reader
 

@@ -18,8 +18,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
+from lmforge.checkpoint.safe_metadata import SafeFileSystemReader, SafeFsspecReader
 from lmforge.checkpoint.store import CheckpointStore, CheckpointUnreadable, CommittedCheckpoint, join_path
 from lmforge.engines.base import Engine
 
@@ -31,7 +32,7 @@ def dcp_writer(store: CheckpointStore, path: str):
 
 
 def _reader(store: CheckpointStore, path: str):
-    return FsspecReader(path) if store.is_uri else dcp.FileSystemReader(store.fs_path(path))
+    return SafeFsspecReader(path) if store.is_uri else SafeFileSystemReader(store.fs_path(path))
 
 
 def rng_name(rank: int) -> str:

@@ -13,7 +13,7 @@ class MixtureSource(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     path: str = Field(..., description="a prepared dataset (directory or URI)")
-    weight: float = Field(..., ge=0, description="its share of the samples, relative to the others' weights")
+    weight: float = Field(..., ge=0, allow_inf_nan=False, description="its share of the samples, relative to the others' weights")
 
 
 class DataSpec(BaseModel):

@@ -8,13 +8,13 @@ request reads the same for prepare, training and evaluation.
 
 from __future__ import annotations
 
-import json
 from contextlib import contextmanager
 from pathlib import Path
 
 import fsspec
 
 from lmforge.errors import UserError
+from lmforge.jsonfile import parse_object
 
 
 def is_uri(path: str) -> bool:
@@ -77,11 +77,11 @@ def read_text(path: str, field: str) -> str:
 
 
 def read_json(path: str, field: str) -> dict:
-    text = read_text(path, field)
+    """The JSON object in a file or object; UserError naming the field and the file otherwise."""
     try:
-        return json.loads(text)
-    except json.JSONDecodeError as err:
-        raise UserError(f"{field}: {path}: not valid JSON ({err.msg})") from None
+        return parse_object(read_text(path, field), path)
+    except ValueError as err:
+        raise UserError(f"{field}: {err}") from None
 
 
 def write_bytes(path: str, data: bytes, field: str = "data.path") -> None:

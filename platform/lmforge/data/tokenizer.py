@@ -15,6 +15,7 @@ from typing import Iterable
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from lmforge.errors import UserError
+from lmforge.jsonfile import read_object
 
 EOS_TOKEN = "<|endoftext|>"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -50,9 +51,9 @@ def end_of_text_token(tokenizer_file: str | Path | None) -> str:
         return EOS_TOKEN
     sidecar = Path(tokenizer_file).with_name(TOKENIZER_CONFIG)
     try:
-        token = json.loads(sidecar.read_text()).get("eos_token") if sidecar.is_file() else None
-    except (OSError, ValueError) as err:
-        raise UserError(f"{sidecar}: unreadable ({err})") from None
+        token = read_object(sidecar).get("eos_token") if sidecar.is_file() else None
+    except ValueError as err:
+        raise UserError(str(err)) from None
     if isinstance(token, dict):  # an AddedToken as transformers saves it
         token = token.get("content")
     return token or EOS_TOKEN

@@ -6,9 +6,10 @@ for planning and are never materialized on a CPU.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+
+from lmforge.jsonfile import read_object
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,16 @@ class ModelConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     tie_embeddings: bool = False
+
+    def __post_init__(self):
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden", "max_seq_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} is {value!r}, not a positive whole number")
+        for name in ("norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ValueError(f"{name} is {value!r}, not a positive number")
 
     @property
     def head_dim(self) -> int:
@@ -69,13 +80,25 @@ def read_model_config(path: str | Path) -> tuple[str, ModelConfig]:
     file = Path(path) / CONFIG
     if not file.is_file():
         raise ValueError(f"{path}: not a model directory (no {CONFIG})")
-    try:
-        config = json.loads(file.read_text())
-    except (OSError, ValueError) as err:
-        raise ValueError(f"{file}: unreadable ({err})") from None
+    config = read_object(file)
     if is_hf_dir(path):
         return "hf", config_from_hf(config, str(file))
+    if "model" not in config:
+        raise ValueError(f"{file}: neither lmforge's nor Hugging Face's model config (no `model` section, no `model_type`)")
+    return "lmforge", config_from_dict(config["model"], str(file))
+
+
+def config_from_dict(values, where: str) -> ModelConfig:
+    """A model section (lmforge's config.json, a checkpoint's state.json) as a shape;
+    ValueError naming `where` for one that is not."""
+    if not isinstance(values, dict):
+        raise ValueError(f"{where}: the model section is not a JSON object")
     try:
-        return "lmforge", ModelConfig(**config["model"])
-    except (KeyError, TypeError) as err:
-        raise ValueError(f"{file}: neither lmforge's nor Hugging Face's model config ({err})") from None
+        cfg = ModelConfig(**values)
+    except TypeError as err:  # an unknown or missing field
+        raise ValueError(f"{where}: the model section {str(err).removeprefix('ModelConfig.__init__() ')}") from None
+    except ValueError as err:
+        raise ValueError(f"{where}: model {err}") from None
+    if cfg.dim % cfg.n_heads or cfg.n_heads % cfg.n_kv_heads:
+        raise ValueError(f"{where}: model dim {cfg.dim}, n_heads {cfg.n_heads} and n_kv_heads {cfg.n_kv_heads}: each must divide the one before")
+    return cfg

@@ -5,13 +5,13 @@ permuted across the boundary). Read with safetensors only, never a pickle.
 
 from __future__ import annotations
 
-import json
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
+from lmforge.jsonfile import member, read_object
 from lmforge.models.config import ModelConfig
 
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
@@ -81,10 +81,12 @@ class HFFiles:
 
     def _files(self) -> dict[str, str]:
         if (self.path / INDEX).is_file():
-            try:
-                weight_map = json.loads((self.path / INDEX).read_text())["weight_map"]
-            except (ValueError, KeyError) as err:
-                raise ValueError(f"{self.path / INDEX}: unreadable ({err})") from None
+            where = str(self.path / INDEX)
+            weight_map = member(read_object(self.path / INDEX), "weight_map", dict, where)
+            for shard in set(weight_map.values()):
+                # A path in a file is data, not permission: shards live in the directory itself.
+                if not isinstance(shard, str) or Path(shard).name != shard or shard in (".", ".."):
+                    raise ValueError(f"{where}: names the shard {shard!r}, which is not a file of its own directory")
             absent = sorted({f for f in weight_map.values() if not (self.path / f).is_file()})
             if absent:
                 raise ValueError(f"{self.path / INDEX}: lists the shard {absent[0]}, which is not there")

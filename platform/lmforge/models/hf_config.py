@@ -5,10 +5,10 @@ lmforge cannot represent exactly.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from lmforge.models.config import ModelConfig
+from lmforge.jsonfile import read_object
+from lmforge.models.config import ModelConfig, config_from_dict
 
 CONFIG = "config.json"
 
@@ -17,8 +17,8 @@ def is_hf_dir(path: str | Path) -> bool:
     """A Hugging Face model directory: its config.json names a model type (lmforge's
     own config.json holds a `model` section instead)."""
     try:
-        config = json.loads((Path(path) / CONFIG).read_text())
-    except (OSError, ValueError):
+        config = read_object(Path(path) / CONFIG)
+    except ValueError:
         return False
     return isinstance(config, dict) and ("model_type" in config or "architectures" in config)
 
@@ -71,11 +71,16 @@ def config_from_hf(config: dict, where: str) -> ModelConfig:
     missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size") if k not in config]
     if missing:
         refuse(missing[0], "is missing")
+    for field in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "num_key_value_heads", "head_dim",
+                  "max_position_embeddings"):
+        value = config.get(field)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            refuse(field, f"is {value!r}, not a positive whole number")
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     if head_dim * heads != config["hidden_size"]:
         refuse("head_dim", f"is {head_dim}, not hidden_size / num_attention_heads = {config['hidden_size'] / heads:g}")
-    return ModelConfig(
+    return config_from_dict(dict(
         dim=config["hidden_size"],
         n_layers=config["num_hidden_layers"],
         n_heads=heads,
@@ -86,4 +91,4 @@ def config_from_hf(config: dict, where: str) -> ModelConfig:
         norm_eps=config.get("rms_norm_eps", 1e-6),
         rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-    )
+    ), where)

@@ -15,7 +15,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import AsyncIterator, Optional
 
+from lmforge.errors import UserError
 from lmforge.inference.sampling import SamplingParams
+from lmforge.jsonfile import read_object
 from lmforge.serve.engine import Sequence, Token, make_engine
 from lmforge.serve.metrics import ServerMetrics
 from lmforge.serve.protocol import APIError, ChatRequest, CompletionRequest, Shape, logprobs_object, new_id, sse, usage
@@ -52,7 +54,10 @@ def chat_template_of(model: str, override: Optional[str] = None) -> Optional[str
     if override:
         return Path(override).read_text()
     config = Path(model) / "tokenizer_config.json"
-    template = json.loads(config.read_text()).get("chat_template") if config.is_file() else None
+    try:
+        template = read_object(config).get("chat_template") if config.is_file() else None
+    except ValueError as err:
+        raise UserError(str(err)) from None
     return template if isinstance(template, str) else None
 
 
@@ -155,8 +160,6 @@ class Backend:
         if kind == "completion" and request.echo:
             raise APIError(400, "echo: not supported", "echo")
         if kind == "chat":
-            from lmforge.errors import UserError
-
             try:
                 texts, field = [self.render_chat([{"role": m.role, "content": m.text} for m in request.messages])], "messages"
             except UserError as err:

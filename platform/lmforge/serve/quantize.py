@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 
 from lmforge.errors import UserError
+from lmforge.jsonfile import member, read_object
 
 METHODS = ("int8", "int4")
 GROUP_SIZES = (32, 64, 128, 256)
@@ -108,16 +109,20 @@ def load_quantized(path: Path, device: str):
     """A quantized directory's model, on `device` (UserError naming the file when it does not fit)."""
     from safetensors.torch import load_file
 
-    from lmforge.models import ModelConfig
     from lmforge.models.build import build_model
+    from lmforge.models.config import config_from_dict
 
-    record = json.loads((path / QUANTIZATION).read_text())
-    if record.get("device_type", "cpu") != torch.device(device).type and record["method"] == "int4":
+    try:
+        record = read_object(path / QUANTIZATION)
+        cfg = config_from_dict(member(read_object(path / "config.json"), "model", dict, str(path / "config.json")), str(path / "config.json"))
+        method, group_size = member(record, "method", str, str(path / QUANTIZATION)), member(record, "group_size", int, str(path / QUANTIZATION))
+    except ValueError as err:
+        raise UserError(str(err)) from None
+    if record.get("device_type", "cpu") != torch.device(device).type and method == "int4":
         raise UserError(f"{path / QUANTIZATION}: int4 weights packed for {record['device_type']} do not load on {device}; "
                         f"quantize on the device that will serve")
-    cfg = ModelConfig(**json.loads((path / "config.json").read_text())["model"])
     model = build_model(cfg, device)
-    quantize_blocks(model, record["method"], record["group_size"])
+    quantize_blocks(model, method, group_size)
     saved = load_file(str(path / WEIGHTS), device=str(device))
     wanted = stored_tensors(model)
     if set(saved) != set(wanted):

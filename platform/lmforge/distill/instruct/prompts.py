@@ -16,6 +16,7 @@ import pyarrow.parquet as pq
 
 from lmforge.data.packing import held_out
 from lmforge.errors import UserError
+from lmforge.jsonfile import read_object
 
 # When neither `distill.instruct.chat_template` nor the teacher's tokenizer_config.json
 # gives one: each message as a role line then its content, and the assistant's line last.
@@ -130,7 +131,7 @@ def chat_template(instruct, teacher_dir: Optional[Path]) -> Optional[str]:
     if config is None or not config.is_file():
         return None
     try:
-        template = json.loads(config.read_text()).get("chat_template")
-    except (OSError, ValueError) as err:
-        raise UserError(f"{config}: unreadable ({err})") from None
+        template = read_object(config).get("chat_template")
+    except ValueError as err:
+        raise UserError(str(err)) from None
     return template if isinstance(template, str) else None
