@@ -1,8 +1,11 @@
 """The KubeRay deployment, rendered per overlay (k8s/render.py): every manifest is
 valid (KubeRay kinds strictly against the vendored CRD schemas, their pod templates
 and the core kinds against Kubernetes' own schemas via kubernetes-validate), and
-the security properties hold: no container as root, no credential in plain text,
-token auth on, Ray's ports closed outside the namespace, requests on every container."""
+the security properties hold: no container as root, no credential in plain text or
+in a process's argv, the autoscaler's token in its container alone, MLflow behind
+authentication, token auth on, Ray's ports closed outside the namespace, egress
+bounded for every pod, requests on every container, images pinned by digest, and a
+build context that ships no repository, runs or databases."""
 
 import copy
 import functools
@@ -15,13 +18,14 @@ import sys
 import jsonschema
 import kubernetes_validate
 import pytest
+import yaml
 
 from conftest import REPO
 
 K8S = REPO / "k8s"
 sys.path.insert(0, str(K8S))
 sys.path.insert(0, str(K8S / "schemas"))
-from render import merge, render  # noqa: E402
+from render import images, merge, render, unpinned  # noqa: E402
 from trim import OVERLAYS, trim  # noqa: E402
 
 KUBERNETES = "1.30"
@@ -110,9 +114,14 @@ def test_vendored_schemas_hold_just_the_fields_the_manifests_use():
         assert trim(vendored(kind), [doc for doc in docs if doc["kind"] == kind]) == vendored(kind), kind
 
 
+ARGV_SECRET = re.compile(r"\$\((\w+)\)")
+
+
 def insecure(doc: dict) -> list[str]:
     """What in one manifest breaks the security rules: a container that may run as
-    root or escalate, one without requests, a credential written in plain text."""
+    root or escalate, one without requests, a credential written in plain text or
+    expanded into a process's argv (where `ps` shows it), the head's Kubernetes token
+    mounted where job code runs, an MLflow server that takes unauthenticated writes."""
     problems = []
     if doc["kind"] == "Secret":
         problems.append("a Secret in a manifest (Secrets are created out of band, never committed)")
@@ -126,12 +135,23 @@ def insecure(doc: dict) -> list[str]:
             problems.append(f"{container['name']} requests no cpu or memory")
         problems += [f"{variable['name']} in plain text" for variable in container.get("env", [])
                      if SECRET_NAME.search(variable["name"]) and "value" in variable]
+        argv = " ".join(container.get("command", []) + container.get("args", []))
+        problems += [f"{name} in a process's argv" for name in ARGV_SECRET.findall(argv) if SECRET_NAME.search(name)]
+        problems += ["a password in a process's argv" for _ in re.findall(r"--requirepass\b", argv)]
     text = json.dumps(doc)
-    problems += [f"credentials in {url}" for url in re.findall(r"[a-z]+://[^\s\"]*@", text)
-                 if not re.fullmatch(r"[a-z]+://\$\(\w+\):\$\(\w+\)@", url)]  # user:password@ only through $(VARS)
-    problems += ["a Redis password in plain text" for _ in re.findall(r"--requirepass\", \"(?!\$\()", text)]
+    problems += [f"credentials in {url}" for url in re.findall(r"[a-z]+://[^\s\"/]*@", text)]
     problems += ["the GCS Redis password in plain text" for spec in cluster_specs(doc)
                  if "value" in spec.get("gcsFaultToleranceOptions", {}).get("redisPassword", {})]
+    for spec in cluster_specs(doc):
+        head = spec["headGroupSpec"]["template"]["spec"]
+        if head.get("automountServiceAccountToken") is not False:
+            problems.append("job code on the head can read the autoscaler's Kubernetes token")
+        mounts = [m["name"] for c in head["containers"] for m in c.get("volumeMounts", [])]
+        if "autoscaler-token" in mounts:
+            problems.append("the autoscaler's token is mounted where job code runs")
+    if doc["kind"] == "Deployment" and doc["metadata"]["name"] == "lmforge-mlflow":
+        if "--app-name=basic-auth" not in doc["spec"]["template"]["spec"]["containers"][0].get("args", []):
+            problems.append("MLflow takes requests without authentication")
     return problems
 
 
@@ -156,9 +176,16 @@ def test_the_security_rules_catch_each_mistake():
     assert broken(cluster, lambda d: d["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["resources"].pop("requests")) == [
         "ray-worker requests no cpu or memory"]
     assert broken(server, lambda d: mlflow(d)["env"].append({"name": "AWS_SECRET_ACCESS_KEY", "value": "x"})) == ["AWS_SECRET_ACCESS_KEY in plain text"]
-    assert broken(server, lambda d: mlflow(d)["args"].__setitem__(0, "--backend-store-uri=postgresql://mlflow:hunter2@db/mlflow")) == [
+    assert broken(server, lambda d: mlflow(d)["args"].__setitem__(1, "--backend-store-uri=postgresql://mlflow:hunter2@db/mlflow")) == [
         "credentials in postgresql://mlflow:hunter2@"]
-    assert broken(redis, lambda d: d["spec"]["template"]["spec"]["containers"][0]["args"].__setitem__(1, "hunter2")) == ["a Redis password in plain text"]
+    assert broken(server, lambda d: mlflow(d)["args"].__setitem__(1, "--backend-store-uri=postgresql://$(PGUSER):$(PGPASSWORD)@db/mlflow")) == [
+        "PGPASSWORD in a process's argv", "credentials in postgresql://$(PGUSER):$(PGPASSWORD)@"]
+    assert broken(server, lambda d: mlflow(d)["args"].remove("--app-name=basic-auth")) == ["MLflow takes requests without authentication"]
+    assert broken(redis, lambda d: d["spec"]["template"]["spec"]["containers"][0]["args"].extend(["--requirepass", "$(REDIS_PASSWORD)"])) == [
+        "REDIS_PASSWORD in a process's argv", "a password in a process's argv"]
+    assert broken(cluster, lambda d: head(d).pop("automountServiceAccountToken")) == ["job code on the head can read the autoscaler's Kubernetes token"]
+    assert broken(cluster, lambda d: head(d)["containers"][0]["volumeMounts"].append({"name": "autoscaler-token", "mountPath": "/t"})) == [
+        "the autoscaler's token is mounted where job code runs"]
     assert broken(cluster, lambda d: d["spec"]["gcsFaultToleranceOptions"].update(redisPassword={"value": "hunter2"})) == [
         "the GCS Redis password in plain text"]
     assert insecure({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s"}, "stringData": {"password": "x"}}) != []
@@ -172,7 +199,7 @@ def test_token_auth_is_on_and_ray_ports_admit_only_the_namespace():
         ray_labels = {"app.kubernetes.io/component": "ray"}
         assert all(ray_labels.items() <= template["metadata"]["labels"].items() for doc in docs for template in ray_pod_templates(doc))
         policy = next(d for d in docs if d["kind"] == "NetworkPolicy" and d["spec"]["podSelector"]["matchLabels"] == ray_labels)
-        assert policy["spec"]["policyTypes"] == ["Ingress"]
+        assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"]
         for rule in policy["spec"]["ingress"]:
             for peer in rule["from"]:
                 assert "ipBlock" not in peer
@@ -181,8 +208,46 @@ def test_token_auth_is_on_and_ray_ports_admit_only_the_namespace():
                     assert [port["port"] for port in rule["ports"]] in ([8265], [8080])
                 else:
                     assert peer == {"podSelector": {}}
-        for component in ("mlflow", "postgres"):
-            assert any(d["kind"] == "NetworkPolicy" and d["spec"]["podSelector"]["matchLabels"] == {"app.kubernetes.io/component": component} for d in docs)
+        assert unbounded(docs) == [], overlay
+
+
+def unbounded(docs) -> list[str]:
+    """Pods whose traffic no policy bounds: every component with a pod template needs
+    ingress and egress rules, and egress to the wide network must spare the cloud's
+    metadata endpoint (it hands out the node's credentials) and name its ports."""
+    problems = []
+    policies = {json.dumps(d["spec"]["podSelector"]["matchLabels"], sort_keys=True): d["spec"] for d in docs if d["kind"] == "NetworkPolicy"}
+    components = {template["metadata"]["labels"]["app.kubernetes.io/component"] for doc in docs for template in pod_templates(doc)}
+    for component in sorted(components):
+        policy = policies.get(json.dumps({"app.kubernetes.io/component": component}))
+        if policy is None or set(policy["policyTypes"]) != {"Ingress", "Egress"}:
+            problems.append(f"{component}: no ingress and egress policy")
+            continue
+        for rule in policy.get("egress", []):
+            for peer in rule["to"]:
+                block = peer.get("ipBlock")
+                if block and block["cidr"] == "0.0.0.0/0" and ("169.254.169.254/32" not in block.get("except", []) or not rule.get("ports")):
+                    problems.append(f"{component}: egress anywhere, the metadata endpoint or every port included")
+    mlflow = policies[json.dumps({"app.kubernetes.io/component": "mlflow"})]
+    if any(peer != {"podSelector": {"matchLabels": {"app.kubernetes.io/component": "ray"}}} for rule in mlflow["ingress"] for peer in rule["from"]):
+        problems.append("mlflow: reachable from pods other than Ray's")
+    return problems
+
+
+def test_the_traffic_rules_catch_each_mistake():
+    docs = rendered("gpu-8x")
+
+    def broken(name, change):
+        changed = copy.deepcopy(list(docs))
+        change(next(d["spec"] for d in changed if d["kind"] == "NetworkPolicy" and d["metadata"]["name"] == name))
+        return unbounded(changed)
+
+    assert broken("lmforge-postgres", lambda p: p.update(policyTypes=["Ingress"])) == ["postgres: no ingress and egress policy"]
+    assert broken("lmforge-ray", lambda p: p["egress"][2]["to"][0]["ipBlock"].pop("except")) == [
+        "ray: egress anywhere, the metadata endpoint or every port included"]
+    assert broken("lmforge-mlflow", lambda p: p["egress"][2].pop("ports")) == ["mlflow: egress anywhere, the metadata endpoint or every port included"]
+    assert broken("lmforge-mlflow", lambda p: p["ingress"][0]["from"].__setitem__(0, {"podSelector": {}})) == [
+        "mlflow: reachable from pods other than Ray's"]
 
 
 def test_gpu_overlay_shape_and_cpu_dev_without_gpus():
@@ -266,9 +331,33 @@ def test_overlay_merge_rules():
     assert base["args"] == [1, 2]  # the base is not modified
 
 
-def test_render_command():
-    out = subprocess.run([sys.executable, str(K8S / "render.py"), "gpu-8x"], capture_output=True, text=True)
+def test_render_command_pins_every_image_by_digest():
+    """A tag can be moved to other contents: rendering refuses an image not pinned by
+    digest, unless told it is a development cluster."""
+    command = [sys.executable, str(K8S / "render.py"), "gpu-8x"]
+    tagged = sorted(images(rendered("gpu-8x")))
+    assert tagged == ["lmforge:0.1.0", "postgres:17.6", "redis:7.4"]
+    refused = subprocess.run(command, capture_output=True, text=True)
+    assert refused.returncode == 2 and refused.stdout == ""
+    assert refused.stderr.strip().startswith("render: images not pinned by digest: lmforge:0.1.0, postgres:17.6, redis:7.4; pass --pin")
+    pins = [f"--pin={image}=sha256:{str(i) * 64}" for i, image in enumerate(tagged)]
+    out = subprocess.run(command + pins, capture_output=True, text=True)
     assert out.returncode == 0 and "kind: RayJob" in out.stdout and "nvidia.com/gpu" in out.stdout
+    docs = list(yaml.safe_load_all(out.stdout))
+    assert unpinned(docs) == [] and sorted(images(docs)) == [f"{image}@sha256:{str(i) * 64}" for i, image in enumerate(tagged)]
+    bad = subprocess.run(command + ["--pin", "redis:7.4=latest"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "expected IMAGE=sha256:<64 hex digits>" in bad.stderr
+    assert subprocess.run(command + ["--allow-tags"], capture_output=True, text=True).returncode == 0
+
+
+def test_the_image_build_pins_its_base_and_ships_no_repository_runs_or_databases():
+    dockerfile = (K8S / "Dockerfile").read_text()
+    bases = re.findall(r"^FROM\s+(\S+)", dockerfile, re.MULTILINE)
+    assert bases and all(re.search(r"@(sha256:[0-9a-f]{64}|\$\{\w+\})$", base) for base in bases), bases
+    assert re.search(r"^ARG RAY_DIGEST$", dockerfile, re.MULTILINE)  # required: no default that could go stale
+    ignored = [line.strip() for line in (REPO / ".dockerignore").read_text().splitlines() if line.strip() and not line.startswith("#")]
+    for path in (".git", ".venv", "runs", ".lmforge", "**/*.db", "mlruns", "**/__pycache__", ".env"):
+        assert path in ignored, path
     missing = subprocess.run([sys.executable, str(K8S / "render.py"), "tpu"], capture_output=True, text=True)
     assert missing.returncode == 2 and missing.stderr.strip() == "render: no overlay 'tpu' (have: cpu-dev, gpu-8x)"
 
