@@ -189,6 +189,23 @@ OBJECT_STORE_REFUSALS = {
 }
 
 
+def test_checkpoints_on_object_storage_are_guarded_as_on_disk(s3_bucket, tmp_path, monkeypatch):
+    """On the S3 server: a fresh start over committed checkpoints and another job's
+    checkpoints are refused, naming checkpoint.dir, and a corrupt step is set aside
+    (copied under another name, its files kept), not deleted."""
+    from lmforge import sdk
+
+    monkeypatch.setattr(sdk, "connect", lambda *a, **k: pytest.fail("Ray was started (or joined) before the refusal"))
+    where = f"{s3_bucket}/guarded-checkpoints"
+    store = job_over_checkpoints(tmp_path, dir=where, resume=False)
+    assert_clean_error(run_cli("train", "job.yaml", cwd=tmp_path), f"checkpoint.dir: {where} holds 1 committed checkpoints")
+    (tmp_path / "other").mkdir()
+    job_over_checkpoints(tmp_path / "other", written_by="other", dir=f"{where}-other")
+    assert_clean_error(run_cli("train", "job.yaml", cwd=tmp_path / "other"), "step_00000004 was written by job other, not tiny")
+    assert store.clear_after(0) == {"set_aside": [4], "removed": []} and store.committed() == []
+    assert store.fs.exists(f"{where.removeprefix('s3://')}/corrupt_step_00000004/commit.json")
+
+
 @pytest.mark.parametrize("case", OBJECT_STORE_REFUSALS)
 def test_object_store_uris_that_cannot_serve_are_named(case, s3_bucket, tmp_path, monkeypatch):
     import fsspec
@@ -221,16 +238,18 @@ def job_with_tokenizer(tmp_path: Path, tokenizer: Path, in_job: bool = True) -> 
 PREPARE = ["--out", "prepared", "--no-progress"]
 
 
-def job_over_checkpoints(tmp_path: Path, written_by: str = "tiny", **checkpoint) -> None:
-    """A job whose checkpoint directory holds a committed step of `written_by`."""
+def job_over_checkpoints(tmp_path: Path, written_by: str = "tiny", **checkpoint):
+    """A job whose checkpoint directory (`checkpoint.dir`, else the run's) holds a
+    committed step of `written_by`; returns its store."""
     from lmforge.checkpoint.store import CheckpointStore
 
     data = {"source": corpus(tmp_path, a_txt="x " * 100), "vocab_size": 300}
     write_job(tmp_path, tiny_job(tmp_path, tmp_path / "data", data=data, checkpoint=checkpoint))
-    store = CheckpointStore(str(tmp_path / "runs" / "tiny" / "checkpoints"))
+    store = CheckpointStore(checkpoint.get("dir") or str(tmp_path / "runs" / "tiny" / "checkpoints"))
     store.fs.makedirs(store.fs_path(store.step_path(4)), exist_ok=True)
     store.write_state(4, {"step": 4, "job": written_by, "global_batch": 8})
     store.commit(4, store.digest(4, store.files(4)))
+    return store
 
 # Each is refused before Ray starts and before anything is written: (set-up, command, fragments).
 EARLY_REFUSALS = {

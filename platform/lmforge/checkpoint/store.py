@@ -200,7 +200,7 @@ class CheckpointStore:
             if not (m and int(m.group(1)) > step and self.fs.isdir(path)):
                 continue
             if self.fs.exists(join_path(path, COMMIT)):
-                self.fs.mv(path, self._aside_name(name), recursive=True)
+                self._move_tree(path, self._aside_name(name))
                 cleared["set_aside"].append(int(m.group(1)))
             else:
                 self.fs.rm(path, recursive=True)
@@ -216,6 +216,17 @@ class CheckpointStore:
                 self.fs.rm(path, recursive=True)
                 removed.append(int(m.group(1)))
         return sorted(removed)
+
+    def _move_tree(self, source: str, target: str) -> None:
+        """A rename on a filesystem; on an object store (no rename, no directories) each
+        file is copied, then the originals removed."""
+        if isinstance(self.fs, LocalFileSystem):
+            self.fs.mv(source, target, recursive=True)
+            return
+        source = source.rstrip("/")
+        for file in self.fs.find(source):
+            self.fs.copy(file, target + file[len(source):])
+        self.fs.rm(source, recursive=True)
 
     def _aside_name(self, name: str) -> str:
         taken = {p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self._fs_root, detail=False)}

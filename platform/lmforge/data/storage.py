@@ -44,7 +44,7 @@ def named(uri: str, field: str):
         raise UserError(f"{field}: {uri}: access denied ({_reason(err)}); check the credentials in the environment") from None
     except FileNotFoundError as err:
         raise UserError(f"{field}: {uri}: not found ({_reason(err)})") from None
-    except (OSError, ValueError, ImportError) as err:  # fsspec backends raise their own kinds for unreachable stores
+    except Exception as err:  # noqa: BLE001 - fsspec backends raise their own kinds (botocore's for an endpoint down)
         raise UserError(f"{field}: {uri}: unreadable ({_reason(err)})") from None
 
 
