@@ -27,6 +27,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from rich.console import Console
 
+from lmforge.credentials import redact_uri
 from lmforge.errors import UserError
 from lmforge.spec import JobSpec, TrackingSpec, _format_error, load_spec
 from lmforge.tracking.console import plain, text_console
@@ -216,7 +217,7 @@ def run_pipeline(path: str | os.PathLike, address: Optional[str] = None, show_pr
         if started:
             ray.shutdown()
     return {"pipeline": pipeline.name, "directory": str(directory), "stages": {s.entry.name: state.done(s) for s in stages},
-            "mlflow_run_id": tracker.run_id if tracker else None, "mlflow_tracking_uri": stages[0].job.tracking_uri if tracker else None}
+            "mlflow_run_id": tracker.run_id if tracker else None, "mlflow_tracking_uri": redact_uri(stages[0].job.tracking_uri) if tracker else None}
 
 
 def _train(stage: Stage, job: JobSpec, show_progress: bool, console: Console, tracker) -> dict:

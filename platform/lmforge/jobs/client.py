@@ -9,7 +9,7 @@ import uuid
 from contextlib import contextmanager
 from typing import Optional, Union
 
-from lmforge.credentials import secret_fields
+from lmforge.credentials import redact_uri, secret_fields
 from lmforge.errors import UserError, first_line
 from lmforge.spec import JobSpec, load_spec
 
@@ -150,10 +150,10 @@ def runs(experiment: str = "lmforge", tracking_uri: Optional[str] = None):
 
     uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
     if uri.startswith("sqlite:///") and not os.path.exists(uri.removeprefix("sqlite:///")):
-        raise UserError(f"tracking_uri: {uri} does not exist (a job's store is sqlite:///<output_dir>/mlflow.db unless tracking.uri says otherwise)")
+        raise UserError(f"tracking_uri: {redact_uri(uri)} does not exist (a job's store is sqlite:///<output_dir>/mlflow.db unless tracking.uri says otherwise)")
     found = mlflow.MlflowClient(uri).get_experiment_by_name(experiment)
     if found is None:
-        raise UserError(f"experiment: no MLflow experiment {experiment!r} in {uri}")
+        raise UserError(f"experiment: no MLflow experiment {experiment!r} in {redact_uri(uri)}")
     mlflow.set_tracking_uri(uri)
     return mlflow.search_runs(experiment_ids=[found.experiment_id], order_by=["attributes.start_time DESC"])
 

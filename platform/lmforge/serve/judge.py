@@ -237,7 +237,7 @@ def _log(opts: JudgeOptions, report: dict) -> str:
     from lmforge.tracking.command_run import log_command_run, tracking_uri
 
     uri = tracking_uri(opts.tracking_uri)
-    report["mlflow_tracking_uri"] = uri
+    report["mlflow_tracking_uri"] = redact_uri(uri)
     metrics = {f"{name}_rate": rate for name, rate in report["rates"].items()} | {"prompts": report["prompts"], "unparsable_verdicts": report["unparsable"]}
     params = {"a": report["a"], "b": report["b"], "judge": report["judge"], "prompts_file": opts.prompts, "max_tokens": opts.max_tokens}
     return log_command_run(uri, "lmforge-judge", f"judge-{Path(opts.out).name}", "judge", params, metrics,

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from lmforge.credentials import redact_uri
 from lmforge.errors import UserError
 from lmforge.serve.quantize import GROUP_SIZES, METHODS, byte_counts, is_quantized, linear_weight_names, quantize_blocks, \
     stored_tensors, write_quantized
@@ -96,6 +97,6 @@ def _log(opts: QuantizeOptions, result: dict) -> str:
     params = {key: result[key] for key in ("source", "method", "group_size", "library", "device_type", "eval_data", "eval_samples", "out")}
     metrics = {key: result[key] for key in ("source_perplexity", "quantized_perplexity", "perplexity_ratio", "linear_bytes",
                                             "linear_bytes_bf16", "linear_ratio_vs_bf16", "model_bytes", "model_bytes_bf16", "model_ratio_vs_bf16")}
-    result["mlflow_tracking_uri"] = uri
+    result["mlflow_tracking_uri"] = redact_uri(uri)
     return log_command_run(uri, "lmforge-quantize", f"quantize-{opts.method}-{Path(opts.out).name}", "quantize", params, metrics,
                            [Path(opts.out) / REPORT])
