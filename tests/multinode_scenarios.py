@@ -17,13 +17,12 @@ Writes each run's summary to RESULT.json. Launched by the `multinode` fixture.
     python multinode_scenarios.py JOBS.json RESULT.json   # {"prepare": options, "placement": job, "elastic": job, "spared_steps": n}
 """
 
-import io
 import json
+import os
+import subprocess
 import sys
 import threading
 import time
-import traceback
-from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import ray
@@ -35,7 +34,7 @@ sys.path[:0] = [str(TESTS), str(TESTS / "chaos")]
 from chaos import events, reached_step, recorded_event, wait_until  # noqa: E402
 from multinode import start_cluster  # noqa: E402
 
-from lmforge import cli, sdk  # noqa: E402
+from lmforge import sdk  # noqa: E402
 from lmforge.data.prepare import PrepareOptions, prepare_dataset  # noqa: E402
 from lmforge.spec import spec_from_dict  # noqa: E402
 
@@ -51,23 +50,20 @@ def in_background(job: dict) -> tuple[threading.Thread, dict]:
 CLI_DIR = "[/x]"  # a closing tag to rich: every path the driver prints holds it
 
 
-def through_cli(job: dict) -> tuple[threading.Thread, dict]:
-    """`lmforge train JOB --json` in a thread, its progress on: the summary, the exit
-    code and what it printed (a traceback as the interpreter would print it)."""
+def through_cli(job: dict, address: str) -> tuple[threading.Thread, dict]:
+    """`lmforge train JOB --json --address ADDRESS` as a user runs it, its own process
+    with its progress on, waited on in a thread: the summary, the exit code and what
+    it printed."""
     job_file = Path(job["output_dir"]) / f"{job['name']}.yaml"
     job_file.parent.mkdir(parents=True, exist_ok=True)
     job_file.write_text(yaml.safe_dump(job))
     outcome: dict = {}
 
     def run():
-        out, err = io.StringIO(), io.StringIO()
-        with redirect_stdout(out), redirect_stderr(err):
-            try:
-                code = cli.main(["train", str(job_file), "--json"])
-            except BaseException:  # noqa: BLE001 - what the process would print
-                traceback.print_exc()
-                code = 1
-        outcome["summary"] = (json.loads(out.getvalue()) if code == 0 else {}) | {"exit_code": code, "stderr": err.getvalue()}
+        done = subprocess.run([sys.executable, "-m", "lmforge", "train", str(job_file), "--json", "--address", address],
+                              capture_output=True, text=True, env=os.environ | {"OMP_NUM_THREADS": "1"}, timeout=600)
+        summary = json.loads(done.stdout[done.stdout.index("{"):]) if done.returncode == 0 and "{" in done.stdout else {}
+        outcome["summary"] = summary | {"exit_code": done.returncode, "stderr": done.stderr}
 
     thread = threading.Thread(target=run)
     thread.start()
@@ -85,7 +81,7 @@ def shrink_then_grow(cluster, job: dict) -> dict:
     of 2 again, in the same process (kept across attempts)."""
     job = job | {"output_dir": str(Path(job["output_dir"]) / CLI_DIR)}
     run_dir = Path(job["output_dir"]) / job["name"]
-    thread, outcome = through_cli(job)
+    thread, outcome = through_cli(job, cluster.address)
     wait_until(reached_step(run_dir, 5))
     cluster.remove_node(node_of_rank(cluster, run_dir, 0), allow_graceful=False)
     wait_until(recorded_event(run_dir, "recovered"))
