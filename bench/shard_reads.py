@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("RAY_DATA_LOG_LEVEL", "WARNING")
 
 import ray
 
@@ -45,13 +46,13 @@ def parquet(paths: list[str], _digests) -> int:
 def verified(paths: list[str], digests: dict) -> int:
     ds = ray.data.read_binary_files(paths, include_paths=True, num_cpus=0, concurrency=2, override_num_blocks=len(paths))
     ds = ds.map_batches(verified_shards, fn_kwargs={"digests": digests, "columns": COLUMNS}, batch_size=None, batch_format="pyarrow",
-                        num_cpus=0, concurrency=2)
+                        num_cpus=0, compute=ray.data.TaskPoolStrategy(size=2))
     return sum(batch.num_rows for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None, prefetch_batches=2))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--files", type=int, default=400, help="stdlib files in the corpus")
+    parser.add_argument("--files", type=int, default=1790, help="stdlib files in the corpus (1790: all)")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)

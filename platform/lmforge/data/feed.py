@@ -94,7 +94,7 @@ class EpochStream:
         ds = ray.data.read_binary_files([paths[b] for b in blocks], include_paths=True, num_cpus=0, concurrency=2, override_num_blocks=len(blocks),
                                         ray_remote_args={"scheduling_strategy": here})
         ds = ds.map_batches(verified_shards, fn_kwargs={"digests": digests, "columns": ["sample_id", *columns]}, batch_size=None,
-                            batch_format="pyarrow", num_cpus=0, concurrency=2, scheduling_strategy=here)
+                            batch_format="pyarrow", num_cpus=0, compute=ray.data.TaskPoolStrategy(size=2), scheduling_strategy=here)
         self._batches: Iterator = iter(ds.iter_batches(batch_format="pyarrow", batch_size=None, prefetch_batches=2))
         self.samples: dict[int, object] = {}
         self.shards_read: set[int] = set()  # a resume must not scan from the start: see test_feed
