@@ -13,8 +13,8 @@ is a `SnapshotTarget`, so this module knows nothing of Ray's actors.
 from __future__ import annotations
 
 import io
-import os
 import json
+import os
 from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Callable, Optional, Protocol
@@ -30,6 +30,7 @@ from lmforge.checkpoint.sharded import rng_name, rng_state, set_rng_state
 from lmforge.checkpoint.store import STATE
 from lmforge.checkpoint.writer import BackgroundSaver
 from lmforge.engines.base import Engine
+
 
 class SnapshotTarget(Protocol):
     def put(self, step: int, rank: int, files: dict[str, bytes]) -> None:

@@ -15,9 +15,9 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from rich.console import Console
 
+from lmforge.checkpoint.store import CheckpointStore
 from lmforge.cluster import placement
 from lmforge.cluster.controller import Controller
-from lmforge.checkpoint.store import CheckpointStore
 from lmforge.cluster.runtime import check_capacity, connect, embedded_resources
 from lmforge.credentials import redact_uri
 from lmforge.data.prepare import PrepareOptions, prepare_dataset, read_manifest
@@ -27,10 +27,10 @@ from lmforge.memory.snapshots import check_host_memory
 from lmforge.plan import Plan, check_dataset, check_fresh_start, check_resume_order
 from lmforge.spec import JobSpec
 from lmforge.tracking import events
+from lmforge.tracking.console import plain, text_console
 from lmforge.tracking.events import EVENT_PREFIX
 from lmforge.tracking.progress import ProgressView
 from lmforge.tracking.run_dir import STEP_FIELDS, RunDir
-from lmforge.tracking.console import plain, text_console
 
 
 def drive(plan: Plan, address: Optional[str] = None, show_progress: bool = True, console: Optional[Console] = None,

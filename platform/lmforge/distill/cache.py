@@ -18,6 +18,7 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Optional
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -27,6 +28,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedCo
 from lmforge.data.prepare import EVAL_DIR, read_manifest
 from lmforge.data.staging import staged
 from lmforge.errors import UserError
+from lmforge.jsonfile import read_object
 from lmforge.tracking.console import text_column
 
 FORMAT = "lmforge.teacher-topk.v1"
@@ -250,9 +252,9 @@ def read_cache(spec, dataset: dict) -> dict:
     if not file.is_file():
         raise UserError(f"distill.cache: {path} holds no teacher cache ({MANIFEST} missing); build it with `lmforge distill cache JOB`")
     try:
-        manifest = json.loads(file.read_text())
-    except (OSError, ValueError) as err:
-        raise UserError(f"{file}: unreadable ({err})") from None
+        manifest = read_object(file)
+    except ValueError as err:
+        raise UserError(f"distill.cache: {err}") from None
     if manifest.get("format") != FORMAT:
         raise UserError(f"{file}: not an lmforge teacher cache")
     want = made_from(spec, dataset)

@@ -4,7 +4,6 @@ compares a quantized model against its source with."""
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import torch.nn.functional as F
 
 from lmforge.data.columns import is_masked
 from lmforge.errors import UserError
+from lmforge.jsonfile import read_object
 
 
 def held_out_samples(dataset: str | Path, limit: int, name: str = "--eval-data") -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -22,7 +22,10 @@ def held_out_samples(dataset: str | Path, limit: int, name: str = "--eval-data")
     manifest_file = dataset / "manifest.json"
     if not manifest_file.is_file():
         raise UserError(f"{name}: {dataset} is not a prepared dataset (no manifest.json)")
-    manifest = json.loads(manifest_file.read_text())
+    try:
+        manifest = read_object(manifest_file)
+    except ValueError as err:
+        raise UserError(f"{name}: {err}") from None
     held = manifest.get("eval")
     if not held:
         raise UserError(f"{name}: {dataset} has no held-out split; prepare it with --eval-fraction or --eval-source")

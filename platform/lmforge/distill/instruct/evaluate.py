@@ -15,6 +15,7 @@ import ray
 
 from lmforge.data.prepare import EVAL_DIR, MANIFEST
 from lmforge.errors import UserError
+from lmforge.jsonfile import read_object
 
 TABLE = "student_answers.json"  # the MLflow table artifact
 ANSWERS_FILE = "student_answers.jsonl"  # the same rows, in the run directory
@@ -24,7 +25,10 @@ NLL_BATCH = 16  # held-out samples scored per forward
 def held_out_samples(dataset: Path) -> dict:
     """The held-out split's samples: tokens, loss mask, which prompt each answers and
     its teacher's mean log-probability."""
-    manifest = json.loads((dataset / MANIFEST).read_text())
+    try:
+        manifest = read_object(dataset / MANIFEST)
+    except ValueError as err:
+        raise UserError(f"data.path: {err}") from None
     if "instruct" not in manifest:
         raise UserError(f"data.path: {dataset} is not an instruction distillation's dataset (`lmforge distill generate` writes one)")
     if "eval" not in manifest:
