@@ -5,14 +5,17 @@ import json
 
 import pytest
 
+from cli import run_cli
+from hf_models import word_level_tokenizer
 from lmforge.checkpoint.export import export_model
 from lmforge.checkpoint.store import CheckpointStore
 from lmforge.engines.deepspeed import CHECKPOINT_TAG
 from lmforge.errors import UserError
 from lmforge.models.config import PRESETS
+from multinode import free_port
 
 
-def test_a_tampered_deepspeed_file_is_refused_before_unpickling(tmp_path):
+def test_a_tampered_deepspeed_file_is_refused_before_unpickling(tmp_path, caplog):
     store = CheckpointStore(str(tmp_path))
     step_dir = tmp_path / "step_00000003"
     (step_dir / CHECKPOINT_TAG).mkdir(parents=True)
@@ -21,10 +24,11 @@ def test_a_tampered_deepspeed_file_is_refused_before_unpickling(tmp_path):
     store.write_state(3, {"step": 3, "format": "deepspeed", "model": PRESETS["tiny"].as_dict()})
     store.commit(3, store.digest(3, store.files(3)))
     pickle.write_bytes(b"X" + pickle.read_bytes()[1:])
-    with pytest.raises(UserError, match="mp_rank_00_model_states.pt: does not match its checksum in commit.json; refusing to read the checkpoint"):
+    with caplog.at_level("WARNING"), pytest.raises(UserError, match="mp_rank_00_model_states.pt: does not match its checksum in commit.json; refusing to read the checkpoint"):
         export_model(step_dir, tmp_path / "out")
     assert not (tmp_path / "out").exists()
     assert json.loads((step_dir / "state.json").read_text())["step"] == 3
+    assert "is a DeepSpeed checkpoint, whose files Python unpickles (they can run code)" in caplog.text  # said before anything is read
 
 
 def test_a_flipped_byte_in_a_native_checkpoint_is_refused_before_export(tmp_path):
@@ -40,9 +44,13 @@ def test_a_flipped_byte_in_a_native_checkpoint_is_refused_before_export(tmp_path
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save({"model": Transformer(cfg).state_dict()}, checkpoint_id=str(step_dir), no_dist=True)
-    store.write_state(5, {"step": 5, "format": "dcp", "model": cfg.as_dict(), "engine": {}})
+    # The run it names has a store nobody answers at: an export must not try it unless asked (--register).
+    mlflow = {"tracking_uri": f"http://127.0.0.1:{free_port()}", "run_id": "0" * 32}
+    store.write_state(5, {"step": 5, "format": "dcp", "model": cfg.as_dict(), "engine": {}, "job": "tiny", "mlflow": mlflow})
     store.commit(5, store.digest(5, store.files(5)))
-    export_model(step_dir, tmp_path / "good")  # as committed: exported
+    exported = run_cli("export", str(step_dir), "--out", str(tmp_path / "good"), "--tokenizer", str(word_level_tokenizer(tmp_path / "t.json", 10)),
+                       cwd=tmp_path)
+    assert exported.returncode == 0 and "registered" not in exported.stderr, exported.stderr  # as committed: exported
     shard = sorted(step_dir.glob("*.distcp"))[0]
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
