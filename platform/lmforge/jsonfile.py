@@ -52,5 +52,6 @@ def _kind(value: Any) -> str:
 
 def _article(kind) -> str:
     kinds = kind if isinstance(kind, tuple) else (kind,)
-    return " or ".join({dict: "an object", list: "a list", str: "a string", int: "a whole number", float: "a number", bool: "a boolean"}.get(k, k.__name__)
+    return " or ".join({dict: "an object", list: "a list", str: "a string", int: "a whole number", float: "a number", bool: "a boolean",
+                        type(None): "null"}.get(k, k.__name__)
                        for k in kinds)

@@ -115,7 +115,7 @@ def load_quantized(path: Path, device: str):
     try:
         record = read_object(path / QUANTIZATION)
         cfg = config_from_dict(member(read_object(path / "config.json"), "model", dict, str(path / "config.json")), str(path / "config.json"))
-        method, group_size = member(record, "method", str, str(path / QUANTIZATION)), member(record, "group_size", int, str(path / QUANTIZATION))
+        method, group_size = member(record, "method", str, str(path / QUANTIZATION)), member(record, "group_size", (int, type(None)), str(path / QUANTIZATION))
     except ValueError as err:
         raise UserError(str(err)) from None
     if record.get("device_type", "cpu") != torch.device(device).type and method == "int4":
