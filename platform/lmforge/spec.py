@@ -130,13 +130,8 @@ class CheckpointSpec(_Section):
         "each snapshot costs the loop a copy and a serialization of the rank's state (bench/RESULTS.md)"
     )
     max_failed_writes: int = Field(3, gt=0, description="checkpoint writes that may fail in a row (logged) before the job fails")
-    resume: bool = Field(
-        True, description="continue from the latest checkpoint in checkpoint.dir; false: start at step 0, refused while "
-        "the directory holds committed checkpoints unless discard_existing (restarts within the job always continue)"
-    )
-    discard_existing: bool = Field(
-        False, description="with resume: false, delete the checkpoints checkpoint.dir holds before starting over (an explicit choice)"
-    )
+    resume: bool = Field(True, description="continue from the latest checkpoint; false: start at 0 over an empty checkpoint.dir")
+    discard_existing: bool = Field(False, description="with resume: false, delete the checkpoints checkpoint.dir holds first")
     allow_data_change: bool = Field(
         False, description="resume although the seed, shuffle window or dataset changed (a new data order; recorded as a data_changed event)"
     )
@@ -397,12 +392,17 @@ def apply_override(tree: dict, assignment: str) -> None:
         if not isinstance(child, dict):
             raise UserError(f"--set {key}: {part} is not a section")
         node = child
+    node[parts[-1]] = parse_yaml(raw, f"--set {key}") if raw.strip() else raw
+
+
+def parse_yaml(text: str, where: str) -> Any:
+    """`text` as YAML; UserError naming `where` for text that is not, or nests too deeply."""
     try:
-        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else raw
+        return yaml.safe_load(text)
     except yaml.YAMLError as err:
-        raise UserError(f"--set {key}: the value is not valid YAML ({str(err).splitlines()[0]})") from None
+        raise UserError(f"{where}: not valid YAML ({str(err).splitlines()[0]})") from None
     except RecursionError:
-        raise UserError(f"--set {key}: the value is nested too deeply") from None
+        raise UserError(f"{where}: nested too deeply") from None
 
 
 def spec_from_dict(tree: dict[str, Any], overrides: list[str] = (), base_dir: str | os.PathLike = ".") -> JobSpec:
@@ -417,8 +417,6 @@ def spec_from_dict(tree: dict[str, Any], overrides: list[str] = (), base_dir: st
         return JobSpec.model_validate(tree)
     except ValidationError as err:
         raise UserError(_format_error(err)) from None
-    except RecursionError:
-        raise UserError("a value is nested too deeply to be a job field") from None
     except ValueError as err:
         raise UserError(str(err)) from None
 
@@ -430,12 +428,7 @@ def load_spec(path: str | os.PathLike, overrides: list[str] = ()) -> JobSpec:
         text = path.read_text()
     except OSError as err:
         raise UserError(f"{path}: cannot read job file ({err.strerror})") from None
-    try:
-        tree = yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        raise UserError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
-    except RecursionError:
-        raise UserError(f"{path}: nested too deeply to be a job file") from None
+    tree = parse_yaml(text, str(path))
     if not isinstance(tree, dict):
         raise UserError(f"{path}: a job file is a YAML mapping with at least `name` and `data`")
     try:
