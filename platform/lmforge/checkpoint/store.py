@@ -96,9 +96,7 @@ class CheckpointStore:
         try:
             with self.fs.open(self.fs_path(join_path(path, STATE))) as f:
                 state = json.load(f)
-        except FileNotFoundError:
-            state = None
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
             state = None
         except OSError as err:
             raise CheckpointUnreadable(f"{path}/{STATE}: {err}") from err
@@ -176,17 +174,6 @@ class CheckpointStore:
             except OSError as err:
                 raise CheckpointUnreadable(f"{self.step_path(step)}/{name}: {err}") from err
         return bad
-
-    def verify(self, step: int) -> None:
-        """Every file of a committed step is there at its recorded size (cheap: no reading);
-        raises ValueError naming the first that is not."""
-        for name, meta in self.manifest(step).items():
-            try:
-                size = self.fs.size(self.fs_path(join_path(self.step_path(step), name)))
-            except FileNotFoundError:
-                raise ValueError(f"{name} is missing") from None
-            if size != meta.get("bytes"):
-                raise ValueError(f"{name} has {size} bytes, commit.json says {meta.get('bytes')}")
 
     def clear_after(self, step: int) -> dict[str, list[int]]:
         """Make way for steps after `step` to be written again (an old commit marker must
