@@ -93,15 +93,6 @@ def write_bytes(path: str, data: bytes, field: str = "data.path") -> None:
             f.write(data)
 
 
-def files_under(directory: str, field: str) -> set[str]:
-    """Names of the files directly in `directory` (one listing: one request on an object store)."""
-    with named(directory, field):
-        fs, inner = _filesystem(directory)
-        if not fs.exists(inner):
-            return set()
-        return {entry.rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(inner, detail=False)}
-
-
 def file_sizes(directory: str, field: str) -> dict[str, int]:
     """Name -> bytes of the files directly in `directory` (one listing, sizes included)."""
     with named(directory, field):
