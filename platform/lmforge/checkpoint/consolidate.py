@@ -31,7 +31,7 @@ def read_checkpoint(step_dir: str | os.PathLike) -> tuple[ModelConfig, dict[str,
     step_dir = Path(step_dir)
     state = committed_state(step_dir)
     cfg = config_from_dict(state["model"], str(step_dir / STATE))
-    _verify(step_dir)
+    _verify(step_dir, state["step"])
     fmt = state.get("format", "dcp")
     tensors = _read_dcp(step_dir, cfg) if fmt == "dcp" else _read_deepspeed(step_dir)
     names = weight_names(cfg)
@@ -74,10 +74,9 @@ def _read_dcp(step_dir: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     return template
 
 
-def _verify(step_dir: Path) -> None:
+def _verify(step_dir: Path, step: int) -> None:
     """Every file against the commit record, as a restore checks them (same store code)."""
     store = CheckpointStore(str(step_dir.parent))
-    step = committed_state(step_dir)["step"]
     if store.step_path(step) != str(step_dir).rstrip("/"):
         raise UserError(f"{step_dir}: its state.json is for step {step}; pass the step_XXXXXXXX directory as written")
     try:
