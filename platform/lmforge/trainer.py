@@ -51,6 +51,9 @@ class Trainer:
         latest checkpoint when it is at least as new."""
         self.spec, self.manifest = spec, manifest
         self.report = report or (lambda event: None)
+        # What the run directory records since the last checkpoint: that checkpoint
+        # carries it, for a driver killed before these lines reached metrics.jsonl.
+        self.unsaved_records: list[dict] = []
         self.metrics = metrics  # this rank's exported gauges (`lmforge.tracking.prometheus.RankMetrics`), under Ray
         self.should_stop = should_stop  # asked on rank 0 after each checkpoint (elastic growth)
         self.rank = dist.get_rank()
@@ -123,6 +126,8 @@ class Trainer:
     def _event(self, event: dict) -> None:
         if self.rank == 0:
             self.report(event)
+            if event["event"] in ("step", "eval"):
+                self.unsaved_records.append(event)
 
     def _trainer_state(self, step: int) -> dict:
         return {
@@ -160,7 +165,8 @@ class Trainer:
                 if self.snapshots and step % self.spec.checkpoint.memory_interval == 0 and step < train.max_steps:
                     self.snapshots.save(step, self.engine, self._trainer_state(step))
                 if step % self.spec.checkpoint.interval == 0 or step == train.max_steps:
-                    self.writer.save(step, self.engine, self._trainer_state(step))
+                    self.writer.save(step, self.engine, self._trainer_state(step) | {"records": self.unsaved_records})
+                    self.unsaved_records = []
                     if step < train.max_steps and self._stop_requested():
                         stopped = True
                         break

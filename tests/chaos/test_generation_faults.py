@@ -99,6 +99,8 @@ def test_a_pipeline_killed_in_its_second_stage_resumes_there(instruct_dataset, t
         _, stderr = driver.communicate()
     state = json.loads((runs / "progressive" / "pipeline.json").read_text())
     assert list(state["stages"]) == ["general"], stderr[-3000:]
+    saved = json.loads((runs / "progressive-task" / "checkpoints" / "step_00000004" / "state.json").read_text())
+    assert [(row["event"], row["step"]) for row in saved["records"]] == [("step", 1), ("step", 2), ("step", 3), ("step", 4), ("eval", 4)]
     wait_until(Condition(lambda: not actor_processes("Worker") and not actor_processes("Controller"), "the killed driver's actors to exit"), timeout_s=60)
     first = (runs / "progressive-general" / "metrics.jsonl").read_text()
 

@@ -1,6 +1,8 @@
 """A resume is refused when what decides the data order changed since the
 checkpoint (seed, shuffle window, shard size, the dataset), unless the job allows it."""
 
+import json
+
 import pytest
 
 from lmforge.checkpoint.store import CommittedCheckpoint
@@ -46,3 +48,22 @@ def test_the_same_inputs_and_an_older_checkpoint_pass():
     assert check_resume_order(spec_from_dict(BASE), manifest(), checkpoint_of()) == {}
     older = CommittedCheckpoint(step=10, path="ckpt/step_10", state={"global_batch": 16})  # written before the order was kept
     assert check_resume_order(spec_from_dict(BASE), manifest(), older) == {}
+
+
+def test_a_resume_restores_the_lines_its_checkpoint_carries_and_the_run_dir_lacks(tmp_path):
+    """A driver killed after step 4 committed but before step 3's and 4's lines arrived:
+    the resumed run appends them from the checkpoint, once, and keeps history."""
+    from lmforge.tracking.run_dir import RunDir
+
+    run_dir = RunDir(str(tmp_path))
+    for step in (1, 2):
+        run_dir.append_step({"event": "step", "step": step, "loss": float(step), "sample_ids": [step]})
+    run_dir.append_event({"event": "failure", "step": 2, "error": "x"})
+    records = [{"event": "step", "step": s, "loss": float(s), "sample_ids": [s]} for s in (1, 2, 3, 4)] + [{"event": "eval", "step": 4, "eval_loss": 1.0}]
+    run_dir.rewind(4)
+    assert run_dir.restore_records(records) == 3
+    assert run_dir.restore_records(records) == 0
+    assert [row["step"] for row in run_dir.steps()] == [1, 2, 3, 4]
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [row.get("event") for row in lines] == [None, None, "failure", None, None, "eval"]
+    assert [json.loads(line)["step"] for line in (tmp_path / "samples.jsonl").read_text().splitlines()] == [1, 2, 3, 4]

@@ -199,10 +199,12 @@ class Backend:
         if cached is not None:
             self.metrics.cache_hit()
             return self._replay(shape, cached, request.include_usage) if request.stream else shape.response(*cached)
-        waiting = self.engine.counts[1]
+        # Free slots take sequences at once, so only what exceeds running plus waiting is refused.
+        in_hand = sum(self.engine.counts)
         choices_count = len(prompts) * request.n
-        if waiting + choices_count > self.options.max_waiting:
-            raise APIError(503, f"the server has {waiting} sequences waiting (limit {self.options.max_waiting}); retry later", kind="server_overloaded")
+        if in_hand + choices_count > self.options.max_running + self.options.max_waiting:
+            raise APIError(503, f"the server has {in_hand} sequences running or waiting (limit {self.options.max_running} running, "
+                                f"{self.options.max_waiting} waiting); retry later", kind="server_overloaded")
         with_logprobs = (request.logprobs is not None) if kind == "completion" else request.logprobs
         top = request.top_logprobs or 0
         choices = [Choice(i, self, params.stop, with_logprobs) for i in range(choices_count)]

@@ -130,8 +130,9 @@ class ContinuousBatcher:
 
     @property
     def counts(self) -> tuple[int, int]:
-        """(running, waiting)."""
-        return len(self.running), len(self.waiting)
+        """(running, waiting); a sequence being prefilled counts as running."""
+        with self._wake:
+            return len(self.running), len(self.waiting)
 
     def submit(self, seq: Sequence) -> None:
         with self._wake:
@@ -165,12 +166,13 @@ class ContinuousBatcher:
     def _admit(self) -> None:
         """Prefill waiting sequences into free slots, each sampling its first token."""
         while self.free:
-            with self._wake:
+            with self._wake:  # from waiting to running at once: `counts` never misses it
                 if not self.waiting:
                     return
                 seq = self.waiting.popleft()
-            if seq.cancelled:
-                continue
+                if seq.cancelled:
+                    continue
+                self.running.append(seq)
             seq.slot = self.free.pop()
             try:  # a prefill is this sequence's alone: what fails in it ends it alone
                 self.sampler.first(seq, self.device)
@@ -180,8 +182,7 @@ class ContinuousBatcher:
                 done = fail(seq, err)
             if done:
                 self._leave(seq)
-            else:
-                self.running.append(seq)
+                self.running.remove(seq)
 
     def _step(self) -> None:
         """One new token for every running sequence, in one forward."""

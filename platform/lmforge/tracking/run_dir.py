@@ -36,6 +36,20 @@ class RunDir:
             tmp.write_text("".join(line + "\n" for line in kept))
             os.replace(tmp, path)
 
+    def restore_records(self, records: list[dict]) -> int:
+        """Append the step and evaluation lines a checkpoint carries that metrics.jsonl
+        lacks (its driver was killed between the commit and their arrival); returns
+        how many."""
+        rows = (json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()) if self.metrics_path.exists() else ()
+        present = {(row.get("event", "step"), row["step"]) for row in rows if "step" in row}
+        missing = [record for record in records if (record["event"], record["step"]) not in present]
+        for record in missing:
+            if record["event"] == "step":
+                self.append_step(record)
+            else:
+                self.append_event(record)
+        return len(missing)
+
     def steps(self) -> list[dict]:
         """The step lines of metrics.jsonl."""
         if not self.metrics_path.exists():
