@@ -43,6 +43,7 @@ from lmforge.models.weights import write_model_dir
 from lmforge.parallel.mesh import build_mesh
 from lmforge.parallel.shape import MeshShape
 from lmforge.spec import spec_from_dict
+from lmforge.trainer import job_loss
 
 VOCAB, SEQ, MICRO, ACCUM = 8192, 128, 4, 2
 TARGET, CACHED_TARGET, BYTES_TARGET = 1.1, 1.15, 350
@@ -139,9 +140,10 @@ def main() -> None:
         student_spec, distill_spec = (spec_from_dict(job(args, t)) for t in (None, teacher_dir))
         dims = build_mesh(device.type, MeshShape.for_spec(student_spec.parallel))
         student = create_engine(student_spec, dims, device)
-        distilled = create_engine(distill_spec, dims, device)
-        cached = create_engine(spec_from_dict(job(args, teacher_dir, cache=f"{tmp}/cache")), dims, device)
-        teacher = distilled.teachers[0]
+        distilled = create_engine(distill_spec, dims, device, job_loss(distill_spec))
+        cached_spec = spec_from_dict(job(args, teacher_dir, cache=f"{tmp}/cache"))
+        cached = create_engine(cached_spec, dims, device, job_loss(cached_spec))
+        teacher = distilled.loss.teachers[0]
         data = batches(args.steps)
         stored = stored_targets(teacher, data, args.k)
         bytes_per_token = cache_bytes_per_token(stored, tmp)
@@ -149,7 +151,7 @@ def main() -> None:
 
     def cached_step(batch):
         ids, logprobs = by_batch[id(batch)]  # converted as the trainer converts what the feed read
-        cached.train_step(batch, targets=(torch.from_numpy(ids.astype(np.int64)), torch.from_numpy(logprobs.astype(np.float32))))
+        cached.train_step(batch, loss_inputs=cached.loss.step_inputs(0, None, (ids, logprobs)))
 
     @torch.no_grad()
     def teacher_forward(batch):

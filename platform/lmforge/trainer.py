@@ -26,8 +26,8 @@ from lmforge.data.heldout import HeldOutBatches, eval_batches
 from lmforge.data.identity import order_inputs
 from lmforge.data.order import BatchLayout
 from lmforge.distill.cache import teacher_cache
-from lmforge.distill.on_policy import OnPolicy
-from lmforge.engines import create_engine
+from lmforge.distill.loss import DistillLoss
+from lmforge.engines import CrossEntropy, Loss, create_engine
 from lmforge.errors import OutOfMemory
 from lmforge.guards.divergence import DivergenceGuard
 from lmforge.guards.inject import FaultInjector
@@ -94,8 +94,8 @@ class Trainer:
         )
         if self.device.type == "cuda" and not spec.resources.memory_per_worker:
             check_fits(spec, torch.cuda.get_device_properties(self.device).total_memory, f"{torch.cuda.get_device_name(self.device)} memory")
-        self.engine = create_engine(spec, self.dims, self.device, vocab=manifest["tokenizer"]["vocab_size"])
-        self.on_policy = OnPolicy(spec, manifest["tokenizer"]["eos_id"]) if spec.distill and spec.distill.on_policy else None
+        self.loss = job_loss(spec, manifest["tokenizer"]["vocab_size"], manifest["tokenizer"]["eos_id"])
+        self.engine = create_engine(spec, self.dims, self.device, self.loss)
         self.held_out = None
         if spec.eval is not None:
             held_cache = (str(Path(self.cache[0]) / self.cache[1]["eval"]["dir"]), self.cache[1]["k"]) if self.cache else None
@@ -182,10 +182,10 @@ class Trainer:
         train = self.spec.train
         try:
             self.faults.before_step(step)
-            rollout = self.on_policy.for_step(step, fed.ids) if self.on_policy else None
+            loss_inputs = self.loss.step_inputs(step, fed.ids, fed.targets)
             # A checkpoint started at the last step may still be copying the weights.
             stats = self.engine.train_step(torch.from_numpy(fed.tokens.astype(np.int64)), before_update=self._staged,
-                                           targets=_targets(fed.targets), loss_mask=_mask(fed.loss_mask), on_policy=rollout)
+                                           loss_mask=_mask(fed.loss_mask), loss_inputs=loss_inputs)
         except torch.OutOfMemoryError as err:
             raise OutOfMemory(step, self.rank, train.micro_batch, memory_report(self.spec, self.rank, step, self.device, err)) from None
         self.faults.after_step()
@@ -217,8 +217,7 @@ class Trainer:
         if stats.bubble is not None:
             row.update(bubble=stats.bubble, bubble_theory=stats.bubble_theory)
         row.update(stats.terms)
-        if self.on_policy:
-            row["on_policy"] = int(rollout is not None)  # the step learnt the student's own continuations
+        row.update(self.loss.row_fields(loss_inputs))
         if self.metrics:
             self.metrics.step(row, torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else None)
         self._event(row)
@@ -234,7 +233,7 @@ class Trainer:
         """The held-out loss (and a distillation's agreement with the teacher): every
         layout reads the same samples, so each is one number."""
         began = time.perf_counter()
-        batches = [self.engine.evaluate(torch.from_numpy(tokens.astype(np.int64)), targets=_targets(targets), loss_mask=_mask(mask))
+        batches = [self.engine.evaluate(torch.from_numpy(tokens.astype(np.int64)), loss_mask=_mask(mask), loss_inputs=self.loss.held_out_inputs(targets))
                    for tokens, targets, mask in self.held_out]
         metrics = {name: float(np.mean([b[name] for b in batches])) for name in batches[0]}
         self._event({"event": "eval", "step": step, **metrics, "eval_ppl": math.exp(min(metrics["eval_loss"], 700.0)),
@@ -263,9 +262,7 @@ def _mask(loss_mask):
     return None if loss_mask is None else torch.from_numpy(loss_mask.astype(bool))
 
 
-def _targets(targets):
-    """A teacher cache's top-k ids and log-probabilities as tensors (None without a cache)."""
-    if targets is None:
-        return None
-    ids, logprobs = targets
-    return torch.from_numpy(ids.astype(np.int64)), torch.from_numpy(logprobs.astype(np.float32))
+def job_loss(spec: JobSpec, vocab: Optional[int] = None, eos: int = 0) -> Loss:
+    """What the job minimises: a distillation's loss, or cross-entropy. `vocab`: the
+    tokenizer's real vocabulary; `eos`: its end-of-text id (on-policy rollouts end there)."""
+    return DistillLoss(spec, vocab, eos) if spec.distill else CrossEntropy()

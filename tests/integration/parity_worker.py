@@ -25,11 +25,13 @@ from lmforge.checkpoint.sharded import load_checkpoint
 from lmforge.checkpoint.store import CheckpointStore
 from lmforge.checkpoint.writer import CheckpointWriter
 from lmforge.cluster.runtime import tune_process
+from lmforge.distill.loss import DistillInputs
 from lmforge.distill.on_policy import OnPolicy
 from lmforge.engines import create_engine
 from lmforge.parallel.mesh import build_mesh
 from lmforge.parallel.shape import MeshShape
 from lmforge.spec import CheckpointSpec, spec_from_dict
+from lmforge.trainer import job_loss
 
 STEPS = 6
 EVAL_AFTER = (0, 3)  # and after the last step: held-out losses at these step counts
@@ -79,7 +81,7 @@ def state_bytes(engine) -> dict | None:
     params = list({id(p): p for part in engine.parts for p in part.parameters()}.values())
     size = lambda t: _local(t).numel() * _local(t).element_size()  # noqa: E731
     moments = [v for opt in engine.optimizers for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-    teacher = sum(size(p) for t in engine.teachers for p in t.parameters())
+    teacher = sum(size(p) for t in getattr(engine.loss, "teachers", ()) for p in t.parameters())
     return {"params": sum(map(size, params)), "grads": sum(size(p.grad) for p in params if p.grad is not None), "optimizer": sum(map(size, moments)),
             "teacher": teacher}
 
@@ -157,7 +159,7 @@ def run_case(args: argparse.Namespace, device: torch.device) -> None:
     spec = spec_from_dict(base, [*args.overrides, f"parallel.dp={dp}", f"train.micro_batch={8 // dp // 2}"])
     p = spec.parallel
     dims = build_mesh(device.type, MeshShape.for_spec(p))
-    engine = create_engine(spec, dims, device)
+    engine = create_engine(spec, dims, device, job_loss(spec))
     start = args.skip_steps
     if args.load:
         store = CheckpointStore(args.load)
@@ -175,6 +177,7 @@ def run_case(args: argparse.Namespace, device: torch.device) -> None:
     cache = CachedTargets(spec) if spec.distill and spec.distill.cache else None
     targets = lambda batch: None if cache is None else cache(batch, lambda t: t.view(dp, -1, *t.shape[1:])[dims.dp_rank].reshape(  # noqa: E731
         spec.grad_accum, spec.train.micro_batch, *t.shape[1:]))
+    loss_inputs = lambda batch, rollout=None: DistillInputs(targets(batch), rollout or None) if spec.distill else None  # noqa: E731
 
     # The masks come from a generator of their own: the batches stay those of the other cases.
     masks = torch.Generator().manual_seed(7)
@@ -183,7 +186,7 @@ def run_case(args: argparse.Namespace, device: torch.device) -> None:
 
     def evaluate(done: int) -> None:
         if done in (*EVAL_AFTER, args.steps) and done >= start:
-            measured = [engine.evaluate(share(batch), targets=targets(batch), loss_mask=mask_of(mask)) for batch, mask in zip(held_out_batches(), held_out_masks)]
+            measured = [engine.evaluate(share(batch), loss_mask=mask_of(mask), loss_inputs=loss_inputs(batch)) for batch, mask in zip(held_out_batches(), held_out_masks)]
             evals[done] = sum(m["eval_loss"] for m in measured) / 2
             if "eval_kl" in measured[0]:  # a distillation: its agreement with the teacher too
                 against_teacher[done] = {k: sum(m[k] for m in measured) / 2 for k in ("eval_kl", "eval_top1")}
@@ -197,8 +200,8 @@ def run_case(args: argparse.Namespace, device: torch.device) -> None:
         if step < start:
             continue  # the batch was drawn so the generator stays in step
         global_batch = (start_tok + stride * torch.arange(17)) % 256
-        stats = engine.train_step(share(global_batch), before_update=lambda: states.update(measured=state_bytes(engine)), targets=targets(global_batch),
-                                  loss_mask=mask_of(mask), on_policy=rollout(step))
+        stats = engine.train_step(share(global_batch), before_update=lambda: states.update(measured=state_bytes(engine)), loss_mask=mask_of(mask),
+                                  loss_inputs=loss_inputs(global_batch, rollout(step)))
         losses.append(stats.loss)
         terms.append(stats.terms)
         evaluate(step + 1)

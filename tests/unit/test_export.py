@@ -9,7 +9,7 @@ from cli import run_cli
 from hf_models import word_level_tokenizer
 from lmforge.checkpoint.export import export_model
 from lmforge.checkpoint.store import CheckpointStore
-from lmforge.engines.deepspeed import CHECKPOINT_TAG
+from lmforge.checkpoint.deepspeed_files import CHECKPOINT_TAG
 from lmforge.errors import UserError
 from lmforge.models.config import PRESETS
 from multinode import free_port

@@ -6,10 +6,12 @@ weights after it are the same; an answer token changed is seen."""
 import pytest
 import torch
 
+from lmforge.distill.loss import DistillInputs
 from lmforge.engines.native import NativeEngine
 from lmforge.parallel.mesh import build_mesh
 from lmforge.parallel.shape import MeshShape
 from lmforge.spec import spec_from_dict
+from lmforge.trainer import job_loss
 
 SEQ, VOCAB, K = 16, 96, 4
 PROMPTS, ANSWERS = [3, 5, 2, 6], [6, 4, 9, 5]  # per row: prompt tokens, answer tokens (then padding)
@@ -39,10 +41,11 @@ def step(overrides: list[str], tokens: torch.Tensor, targets) -> tuple[object, d
     spec = spec_from_dict({"name": "t", "data": {"path": "d"}, "model": {"preset": "tiny", "vocab_size": VOCAB, "n_layers": 2},
                            "optim": {"lr": 1e-2, "warmup_steps": 1}, "train": {"global_batch": 4, "micro_batch": 2, "seq_len": SEQ}},
                           overrides)
-    engine = NativeEngine(spec, build_mesh("cpu", MeshShape.for_spec(spec.parallel)), torch.device("cpu"), vocab=VOCAB)
+    engine = NativeEngine(spec, build_mesh("cpu", MeshShape.for_spec(spec.parallel)), torch.device("cpu"), job_loss(spec, VOCAB))
     shape = (2, 2)
+    cached = None if targets is None else tuple(t.view(*shape, SEQ, K) for t in targets)
     stats = engine.train_step(tokens.view(*shape, SEQ + 1), loss_mask=loss_mask().view(*shape, SEQ),
-                              targets=None if targets is None else tuple(t.view(*shape, SEQ, K) for t in targets))
+                              loss_inputs=DistillInputs(cached=cached) if spec.distill else None)
     return stats, {k: v.clone() for k, v in engine.parts[0].state_dict().items()}
 
 

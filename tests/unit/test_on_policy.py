@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from lmforge.distill.on_policy import OnPolicy, Rollout
+from lmforge.distill.loss import DistillInputs
 from lmforge.engines.native import NativeEngine
 from lmforge.inference.generate import generate_ids
 from lmforge.inference.sampling import SamplingParams
@@ -19,6 +20,7 @@ from lmforge.models.weights import write_model_dir
 from lmforge.parallel.mesh import build_mesh
 from lmforge.parallel.shape import MeshShape
 from lmforge.spec import spec_from_dict
+from lmforge.trainer import job_loss
 
 SEQ, VOCAB, NEW = 16, 96, 5
 MODEL = {"preset": "tiny", "vocab_size": VOCAB, "n_layers": 2}
@@ -103,11 +105,11 @@ def test_an_on_policy_step_learns_reverse_kl_on_the_students_own_tokens(one_rank
                            "train": {"global_batch": 6, "micro_batch": 3, "seq_len": SEQ, "seed": 3},
                            "distill": {"teacher": str(tmp_path / "teacher"), "temperature": temperature, "ce_weight": 0.5,
                                        "on_policy": {"fraction": 1.0, "max_new_tokens": NEW, "temperature": 0}}})
-    engine = NativeEngine(spec, build_mesh("cpu", MeshShape.for_spec(spec.parallel)), torch.device("cpu"), vocab=VOCAB)
+    engine = NativeEngine(spec, build_mesh("cpu", MeshShape.for_spec(spec.parallel)), torch.device("cpu"), job_loss(spec, VOCAB, eos))
     copy = build_model(spec.model_arch, weights={k: v.clone() for k, v in engine.parts[0].state_dict().items()}).eval()
     tokens, loss_mask = batches(), masks()
     rollout = OnPolicy(spec, eos).for_step(1, np.arange(6))
-    stats = engine.train_step(tokens, loss_mask=loss_mask, on_policy=rollout)
+    stats = engine.train_step(tokens, loss_mask=loss_mask, loss_inputs=DistillInputs(rollout=rollout))
 
     total, count = 0.0, 0
     for row in range(5):  # the sixth has no room

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
+from lmforge.checkpoint.deepspeed_files import CHECKPOINT_TAG, skip_shared_memory_op
 from lmforge.checkpoint.safe_metadata import MetadataRefused, SafeFileSystemReader
 from lmforge.checkpoint.store import COMMIT, STATE, CheckpointStore, CheckpointUnreadable
 from lmforge.errors import UserError
@@ -89,8 +90,6 @@ def _verify(step_dir: Path, step: int) -> None:
 
 
 def _read_deepspeed(step_dir: Path) -> dict[str, torch.Tensor]:
-    from lmforge.engines.deepspeed import CHECKPOINT_TAG, skip_shared_memory_op
-
     skip_shared_memory_op()
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 

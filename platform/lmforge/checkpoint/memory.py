@@ -29,7 +29,7 @@ from lmforge.checkpoint.safe_metadata import SafeFileSystemReader
 from lmforge.checkpoint.sharded import rng_name, rng_state, set_rng_state
 from lmforge.checkpoint.store import STATE
 from lmforge.checkpoint.writer import BackgroundSaver
-from lmforge.engines.base import Engine
+from lmforge.checkpoint.stateful import Checkpointable
 
 
 class SnapshotTarget(Protocol):
@@ -135,7 +135,7 @@ class SnapshotWriter(BackgroundSaver):
         super().__init__(group, "snapshot")
         self.target = target
 
-    def save(self, step: int, engine: Engine, trainer_state: dict) -> None:
+    def save(self, step: int, engine: Checkpointable, trainer_state: dict) -> None:
         """Collective over every rank at the same step."""
         self.wait()
         tensors, plain = engine.state_dict()
@@ -158,7 +158,7 @@ def snapshot_state(fetch: Callable[[str], bytes]) -> dict:
     return json.loads(fetch(STATE))
 
 
-def load_snapshot(fetch: Callable[[str], bytes], engine: Engine, state: dict) -> None:
+def load_snapshot(fetch: Callable[[str], bytes], engine: Checkpointable, state: dict) -> None:
     """This rank's share of a snapshot, resharded to the engine's layout; `state`:
     its `state.json`."""
     tensors, _ = engine.state_dict()

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
 from lmforge.checkpoint.safe_metadata import SafeFileSystemReader, SafeFsspecReader
 from lmforge.checkpoint.store import CheckpointStore, CheckpointUnreadable, CommittedCheckpoint, join_path
-from lmforge.engines.base import Engine
+from lmforge.checkpoint.stateful import Checkpointable
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ def restore_point(store: CheckpointStore, group: dist.ProcessGroup, report: Call
     return None
 
 
-def load_checkpoint(store: CheckpointStore, ckpt: CommittedCheckpoint, engine: Engine) -> None:
+def load_checkpoint(store: CheckpointStore, ckpt: CommittedCheckpoint, engine: Checkpointable) -> None:
     if engine.checkpoint_format == "dcp":
         tensors, _ = engine.state_dict()
         dcp.load(tensors, storage_reader=_reader(store, ckpt.path))

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from lmforge.checkpoint.sharded import dcp_writer, rng_state, write_rng
 from lmforge.checkpoint.store import CheckpointStore
-from lmforge.engines.base import Engine
+from lmforge.checkpoint.stateful import Checkpointable
 from lmforge.errors import CheckpointWritesFailing
 from lmforge.spec import CheckpointSpec
 
@@ -88,7 +88,7 @@ class CheckpointWriter(BackgroundSaver):
         self.report = report  # called on rank 0 only, from the writer thread too
         self.failed_in_a_row = 0
 
-    def save(self, step: int, engine: Engine, trainer_state: dict) -> None:
+    def save(self, step: int, engine: Checkpointable, trainer_state: dict) -> None:
         """Collective over every rank at the same step. Training is held up while the
         previous write finishes (`stall_seconds`), and later in `staged()` if the copy
         is slower than a forward and backward."""

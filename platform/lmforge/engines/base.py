@@ -1,7 +1,7 @@
 """The engine interface: build a parallel model and optimizer, take a step, expose state.
 
 The trainer, checkpointing and tracking only ever talk to this interface, so a
-new engine (DeepSpeed) is one more file.
+new engine (DeepSpeed) is one more file; what a step minimises is the `Loss` it holds.
 """
 
 from __future__ import annotations
@@ -9,12 +9,11 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 
-if TYPE_CHECKING:
-    from lmforge.distill.on_policy import Rollout
+from lmforge.engines.loss import LossInputs
 
 
 @dataclass
@@ -26,7 +25,7 @@ class StepStats:
     bubble_theory: Optional[float] = None  # pipelines: the schedule's (p-1)/(v*m+p-1)
     finite: bool = True  # loss and gradient norm both finite
     update_skipped: bool = False  # the engine left the weights as they were (non-finite)
-    terms: dict = field(default_factory=dict)  # a distillation job's loss terms (ce_loss, kd_loss, hidden_loss), each over the global batch
+    terms: dict = field(default_factory=dict)  # the loss's named terms (a distillation's ce_loss, kd_loss, hidden_loss), each over the global batch
 
 
 class Engine(ABC):
@@ -36,29 +35,24 @@ class Engine(ABC):
 
     @abstractmethod
     def train_step(self, micro_batches: torch.Tensor, before_update: Callable[[], None] = lambda: None,
-                   targets: Optional[tuple[torch.Tensor, torch.Tensor]] = None, loss_mask: Optional[torch.Tensor] = None,
-                   on_policy: Optional[Rollout] = None) -> StepStats:
+                   loss_mask: Optional[torch.Tensor] = None, loss_inputs: LossInputs = None) -> StepStats:
         """One optimizer step over this rank's micro-batches [accum, micro, seq_len+1].
         `before_update` runs after the backward passes, before any weight or optimizer
         state changes (a checkpoint's background copy must have finished by then).
-        `targets`: a distillation's teacher from its offline cache (or an instruction
-        dataset), top-k ids and log-probabilities [accum, micro, seq_len, k].
         `loss_mask` [accum, micro, seq_len]: only the next tokens it marks are learnt,
         the loss their mean over the global batch (an instruction dataset's answers).
-        `on_policy`: an on-policy step's rollout: the student first continues each row's
-        prompt, and learns the online teachers' distributions on its own tokens."""
+        `loss_inputs`: what the engine's `Loss` reads beside the tokens (its
+        `step_inputs`), passed on untouched."""
 
     def eval_loss(self, micro_batches: torch.Tensor, loss_mask: Optional[torch.Tensor] = None) -> float:
-        """The mean token loss of one held-out global batch, forward only (this rank's
-        micro-batches [accum, micro, seq_len+1]); the same number on every rank."""
+        """The mean token cross-entropy of one held-out global batch, forward only (this
+        rank's micro-batches [accum, micro, seq_len+1]); the same number on every rank."""
         raise NotImplementedError(f"{type(self).__name__} does not evaluate")
 
-    def evaluate(self, micro_batches: torch.Tensor, targets: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-                 loss_mask: Optional[torch.Tensor] = None) -> dict[str, float]:
+    def evaluate(self, micro_batches: torch.Tensor, loss_mask: Optional[torch.Tensor] = None, loss_inputs: LossInputs = None) -> dict[str, float]:
         """What one held-out global batch measures (this rank's micro-batches): its
-        `eval_loss`, and for a distillation job `eval_kl` (KL(teacher || student) per
-        token) and `eval_top1` (the share of tokens where both rank the same token first);
-        `targets` and `loss_mask` as for `train_step`."""
+        `eval_loss`, or the loss's own measures when it has them (a distillation's
+        `eval_kl` and `eval_top1` beside it)."""
         return {"eval_loss": self.eval_loss(micro_batches, loss_mask)}
 
     def modules(self) -> list[torch.nn.Module]:

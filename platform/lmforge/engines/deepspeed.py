@@ -9,62 +9,20 @@ teachers are whole, frozen copies on every rank, beside the ZeRO-partitioned stu
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import io
 import math
 import os
-import sys
-import tempfile
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from lmforge.distill.objective import HELD_OUT_SUMS, DistillObjective, compared_vocab
-from lmforge.distill.on_policy import Rollout
-from lmforge.distill.teacher import build_teacher, micro_batch, teacher_targets
+from lmforge.checkpoint.deepspeed_files import CHECKPOINT_TAG, UNIVERSAL_TAG, skip_shared_memory_op, to_universal
 from lmforge.engines.base import Engine, StepStats, warmup_cosine
+from lmforge.engines.loss import Loss, LossInputs, Placement, cross_entropy
 from lmforge.engines.loss_mask import learnt_per_rank, next_token_labels
 from lmforge.models import build_model
 from lmforge.parallel.checkpointing import apply_activation_checkpointing
 from lmforge.parallel.mesh import ParallelDims
-
-CHECKPOINT_TAG = "deepspeed"
-UNIVERSAL_TAG = "universal"
-
-
-def skip_shared_memory_op() -> None:
-    """DeepSpeed compiles a shared-memory collective op at every start on CPU (minutes);
-    lmforge's collectives go through torch.distributed, so it is not needed."""
-    import deepspeed.comm.torch  # noqa: F401  (the name resolves to torch; the module is in sys.modules)
-
-    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
-
-
-def to_universal(step_dir: str) -> str:
-    """Convert `<step_dir>/deepspeed` to DeepSpeed's DP-size-independent layout, unless
-    already done; written under a temporary name and renamed, so it is whole or absent."""
-    from deepspeed.checkpoint import ds_to_universal
-
-    out = os.path.join(step_dir, UNIVERSAL_TAG)
-    if os.path.isdir(out):
-        return out
-    staging = tempfile.mkdtemp(prefix=f".{UNIVERSAL_TAG}.", dir=step_dir)
-    args = argparse.Namespace(
-        input_folder=os.path.join(step_dir, CHECKPOINT_TAG), output_folder=staging, num_extract_workers=1,
-        num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True,
-    )
-    with contextlib.redirect_stdout(io.StringIO()):  # it prints every parameter
-        ds_to_universal.main(args)
-    os.replace(staging, out)
-    return out
-
-
-def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor, reduction: str) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction=reduction)
-
 
 def _credentials_to_environment(config: dict) -> dict:
     """DeepSpeed keeps its config in every checkpoint: a key in it (comet's) goes to the
@@ -80,11 +38,11 @@ def _credentials_to_environment(config: dict) -> dict:
 class DeepSpeedEngine(Engine):
     checkpoint_format = "deepspeed"
 
-    def __init__(self, spec, dims: ParallelDims, device: torch.device, vocab: Optional[int] = None):
+    def __init__(self, spec, dims: ParallelDims, device: torch.device, loss: Loss):
         skip_shared_memory_op()
         import deepspeed
 
-        self.spec, self.dims, self.device = spec, dims, device
+        self.spec, self.dims, self.device, self.loss = spec, dims, device, loss
         config = _credentials_to_environment(spec.deepspeed.config)
         model = build_model(spec.model_arch, device, spec.train.seed, weights=spec.model.init_from)
         p = spec.parallel
@@ -93,33 +51,23 @@ class DeepSpeedEngine(Engine):
         self.engine, _, _, _ = deepspeed.initialize(
             model=model, model_parameters=model.parameters(), config=dict(config), lr_scheduler=scheduler, dist_init_required=False
         )
-        self.teachers, self.objective = [], None
-        if spec.distill:
-            self._build_objective(vocab)
-
-    def _build_objective(self, vocab: Optional[int]) -> None:
-        """Logits distillation (the spec refuses hidden states here): online teachers as
-        plain frozen modules, or the cache's targets with the batches."""
-        d, train = self.spec.distill, self.spec.train
-        if d.online:
-            self.teachers = [build_teacher(source.path, self.device, lambda teacher: teacher) for source in d.sources]
-        self.objective = DistillObjective(self.spec, self.spec.grad_accum * train.micro_batch * train.seq_len,
-                                          compared_vocab(self.spec, vocab, self.teachers))
+        # Teachers stay plain frozen modules; the spec refuses what would train beside the student (hidden-state adapters).
+        loss.build(Placement(device, lambda teacher: teacher, grad_accum=spec.grad_accum))
+        loss.bind(model)
 
     def _warmup_cosine(self, optimizer: torch.optim.Optimizer):
         opt = self.spec.optim
         return torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(opt.warmup_steps, self.spec.decay_steps, opt.min_lr_ratio))
 
-    def train_step(self, micro_batches: torch.Tensor, before_update: Callable[[], None] = lambda: None, targets=None,
-                   loss_mask: Optional[torch.Tensor] = None, on_policy: Optional[Rollout] = None) -> StepStats:
+    def train_step(self, micro_batches: torch.Tensor, before_update: Callable[[], None] = lambda: None,
+                   loss_mask: Optional[torch.Tensor] = None, loss_inputs: LossInputs = None) -> StepStats:
         micro_batches = micro_batches.to(self.device, non_blocking=True)
         before_update()  # DeepSpeed steps inside its backward loop; its checkpoints are synchronous anyway
         self.engine.train()
         lr = self.engine.get_lr()[0]
-        if on_policy is not None:  # the student's continuations replace the data's, scored by the online teachers
-            micro_batches, loss_mask = on_policy.continue_prompts(self.engine, micro_batches, loss_mask, self.objective.vocab)
-            targets = None
-        loss, terms = self._accumulate(micro_batches, *self._labels(micro_batches, loss_mask), targets, on_policy is not None)
+        if self.loss.rewrites(loss_inputs):  # e.g. the student's continuations replace the data's
+            micro_batches, loss_mask = self.loss.rewrite(self.engine, micro_batches, loss_mask, loss_inputs)
+        loss, terms = self._accumulate(micro_batches, *self._labels(micro_batches, loss_mask), loss_inputs)
         if self.dims.shape.dp > 1:
             reduced = torch.stack([loss, *terms.values()])  # one collective for the loss and its terms
             dist.all_reduce(reduced, op=dist.ReduceOp.AVG, group=self.dims.dp_group)
@@ -136,12 +84,12 @@ class DeepSpeedEngine(Engine):
         labels = next_token_labels(micro_batches, loss_mask)
         return labels, None if loss_mask is None else learnt_per_rank(labels, self.dims.dp_group, self.dims.shape.dp)
 
-    def _accumulate(self, micro_batches: torch.Tensor, labels: torch.Tensor, learnt, cached, on_policy: bool = False) -> tuple[torch.Tensor, dict]:
-        """The step's loss on this rank and its terms (a distillation's), each micro-batch
-        stepped through DeepSpeed (which reduces and updates at the last)."""
+    def _accumulate(self, micro_batches: torch.Tensor, labels: torch.Tensor, learnt, loss_inputs: LossInputs) -> tuple[torch.Tensor, dict]:
+        """The step's loss on this rank and its terms, each micro-batch stepped through
+        DeepSpeed (which reduces and updates at the last)."""
         loss_sum, term_sums = torch.zeros((), device=self.device), {}
         for i, batch in enumerate(micro_batches):
-            loss, terms = self._micro_batch_loss(batch[:, :-1], labels[i], learnt, micro_batch(cached, i), len(micro_batches), on_policy)
+            loss, terms = self.loss(self.engine, batch[:, :-1], labels[i], i, learnt, len(micro_batches), loss_inputs)
             # Already the micro-batch's share of the step's loss: DeepSpeed must not divide again.
             self.engine.backward(loss, scale_wrt_gas=False)
             self.engine.step()
@@ -150,40 +98,30 @@ class DeepSpeedEngine(Engine):
                 term_sums[name] = term_sums.get(name, 0) + value.detach()
         return loss_sum, term_sums
 
-    def _micro_batch_loss(self, inputs: torch.Tensor, labels: torch.Tensor, learnt, cached, accum: int, on_policy: bool = False) -> tuple[torch.Tensor, dict]:
-        logits = self.engine(inputs)
-        if self.objective is None:  # every micro-batch holds as many tokens: its mean over the accumulation
-            if learnt is not None:  # a masked batch's do not: each one's sum over N / dp
-                return _cross_entropy(logits, labels, "sum") / learnt, {}
-            return _cross_entropy(logits, labels, "mean") / accum, {}
-        # Each term is divided by the tokens this rank trains on per step (see DistillObjective).
-        return self.objective(logits, labels, teacher_targets(self.teachers, inputs, cached, self.device), learnt=learnt, on_policy=on_policy)
-
     @torch.no_grad()
     def eval_loss(self, micro_batches: torch.Tensor, loss_mask: Optional[torch.Tensor] = None) -> float:
         micro_batches = micro_batches.to(self.device, non_blocking=True)
         self.engine.eval()
         labels, learnt = self._labels(micro_batches, loss_mask)
         if learnt is None:
-            loss = torch.stack([_cross_entropy(self.engine(batch[:, :-1]), labels[i], "mean") for i, batch in enumerate(micro_batches)]).mean()
+            loss = torch.stack([cross_entropy(self.engine(batch[:, :-1]), labels[i]) for i, batch in enumerate(micro_batches)]).mean()
         else:
-            loss = sum(_cross_entropy(self.engine(batch[:, :-1]), labels[i], "sum") for i, batch in enumerate(micro_batches)) / learnt
+            loss = sum(cross_entropy(self.engine(batch[:, :-1]), labels[i], "sum") for i, batch in enumerate(micro_batches)) / learnt
         if self.dims.shape.dp > 1:
             dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.dims.dp_group)
         return loss.item()
 
     @torch.no_grad()
-    def evaluate(self, micro_batches: torch.Tensor, targets=None, loss_mask: Optional[torch.Tensor] = None) -> dict[str, float]:
-        if self.objective is None:
+    def evaluate(self, micro_batches: torch.Tensor, loss_mask: Optional[torch.Tensor] = None, loss_inputs: LossInputs = None) -> dict[str, float]:
+        if not self.loss.measures_held_out:
             return super().evaluate(micro_batches, loss_mask=loss_mask)
         micro_batches = micro_batches.to(self.device, non_blocking=True)
         self.engine.eval()
         labels = next_token_labels(micro_batches, loss_mask)
-        sums = torch.zeros(HELD_OUT_SUMS, device=self.device)
+        sums = torch.zeros(self.loss.held_out_size, device=self.device)
         for i, batch in enumerate(micro_batches):
-            teacher = teacher_targets(self.teachers, batch[:, :-1], micro_batch(targets, i), self.device)
-            sums += self.objective.held_out_sums(self.engine(batch[:, :-1]), labels[i], teacher)
-        return self.objective.held_out_means(sums, self.dims.dp_group if self.dims.shape.dp > 1 else None)
+            sums += self.loss.held_out_sums(self.engine, batch[:, :-1], labels[i], i, loss_inputs)
+        return self.loss.held_out_means(sums, self.dims.dp_group if self.dims.shape.dp > 1 else None)
 
     def modules(self) -> list[torch.nn.Module]:
         return [self.engine.module]
