@@ -1,4 +1,5 @@
 # `make run`: set up .venv, prepare the built-in corpus, train the quickstart.
+# `make check`: lint, format, import layers and types (what CI runs first).
 # `make test`: set up .venv, run the whole suite (what CI runs).
 PYTHON ?= python3
 VENV   := .venv
@@ -6,7 +7,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup run test unit bench clean
+.PHONY: setup run check test unit bench clean
 
 setup: $(STAMP)
 
@@ -20,6 +21,14 @@ $(STAMP): pyproject.toml requirements.txt
 run: $(STAMP)
 	$(BIN)/lmforge data prepare jobs/quickstart.yaml
 	$(BIN)/lmforge train jobs/quickstart.yaml
+
+# ruff (pyproject.toml), import-linter's contracts (.importlinter), pyright on the
+# typed boundaries (pyproject.toml); `ruff format platform tests bench` fixes the format.
+check: $(STAMP)
+	$(BIN)/ruff check platform tests bench
+	$(BIN)/ruff format --check platform tests bench
+	$(BIN)/lint-imports --no-cache
+	$(BIN)/pyright
 
 # Ends with the suite's wall time and its 15 slowest tests (tests/suite_timing.py).
 test: $(STAMP)

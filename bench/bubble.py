@@ -57,7 +57,7 @@ def run_rank(rank: int, world: int, port: int, virtual: int, microbatches: int, 
     num_stages = world * virtual
     stage_ids = [rank + k * world for k in range(virtual)]
     stages = [PipelineStage(SleepStage(forward_s, backward_s), i, num_stages, torch.device("cpu")) for i in stage_ids]
-    loss_fn = lambda output, target: ((output - target) ** 2).mean()  # noqa: E731
+    loss_fn = lambda output, target: ((output - target) ** 2).mean()
     if virtual == 1:
         schedule = Schedule1F1B(stages[0], n_microbatches=microbatches, loss_fn=loss_fn)
     else:

@@ -33,12 +33,16 @@ STEPS, GLOBAL_BATCH, SEQ_LEN = 40, 64, 32
 
 def job(workdir: str, data: str, name: str, parallel: dict) -> dict:
     return {
-        "name": name.replace(" ", ""), "output_dir": os.path.join(workdir, "runs"),
-        "model": {"preset": "tiny", "vocab_size": 512}, "parallel": parallel,
+        "name": name.replace(" ", ""),
+        "output_dir": os.path.join(workdir, "runs"),
+        "model": {"preset": "tiny", "vocab_size": 512},
+        "parallel": parallel,
         "train": {"global_batch": GLOBAL_BATCH, "micro_batch": 8, "seq_len": SEQ_LEN, "max_steps": STEPS, "seed": 1},
         "optim": {"lr": 1e-3, "warmup_steps": 2, "decay_steps": STEPS},
         "data": {"path": data, "shuffle_window": 2, "prefetch_steps": 4},
-        "checkpoint": {"interval": STEPS}, "tracking": {"enabled": False}, "resources": {"cpus_per_worker": 0.5},
+        "checkpoint": {"interval": STEPS},
+        "tracking": {"enabled": False},
+        "resources": {"cpus_per_worker": 0.5},
     }
 
 
@@ -59,13 +63,17 @@ def main() -> None:
         if trained > manifest["num_samples"]:
             sys.exit(f"the dataset holds {manifest['num_samples']} samples, fewer than the {trained} trained: give more --files")
         ideal = per_sample / SEQ_LEN
-        print(f"dataset: {manifest['num_samples']:,} samples in {len(manifest['shards'])} shards, {per_sample:.0f} bytes a sample; "
-              f"{STEPS} steps of {GLOBAL_BATCH} samples: ideal {ideal:.2f} bytes per trained token")
+        print(
+            f"dataset: {manifest['num_samples']:,} samples in {len(manifest['shards'])} shards, {per_sample:.0f} bytes a sample; "
+            f"{STEPS} steps of {GLOBAL_BATCH} samples: ideal {ideal:.2f} bytes per trained token"
+        )
         for name, parallel in LAYOUTS.items():
             summary = sdk.train(spec_from_dict(job(workdir, data, name, parallel)), show_progress=False)
             per_token = summary["data_bytes_read"] / summary["tokens"]
-            print(f"{name:12s}: {summary['data_bytes_read']:>10,} bytes read, {per_token:6.2f} bytes per trained token, "
-                  f"{per_token / ideal:.3f}x the ideal (target <= 1.2)")
+            print(
+                f"{name:12s}: {summary['data_bytes_read']:>10,} bytes read, {per_token:6.2f} bytes per trained token, "
+                f"{per_token / ideal:.3f}x the ideal (target <= 1.2)"
+            )
         ray.shutdown()
 
 

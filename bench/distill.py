@@ -33,7 +33,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from lmforge.cluster.runtime import tune_process
 from lmforge.distill.cache import write_shard
 from lmforge.distill.losses import teacher_log_probs
 from lmforge.engines import create_engine
@@ -42,6 +41,7 @@ from lmforge.models.build import build_model
 from lmforge.models.weights import write_model_dir
 from lmforge.parallel.mesh import build_mesh
 from lmforge.parallel.shape import MeshShape
+from lmforge.ray_runtime import tune_process
 from lmforge.spec import spec_from_dict
 from lmforge.trainer import job_loss
 
@@ -59,7 +59,13 @@ def job(args, teacher_dir: str | None, cache: str | None = None) -> dict:
         "parallel": {"compile": args.compile},
     }
     if teacher_dir:
-        base["distill"] = {"teacher": teacher_dir, "loss": args.loss, "temperature": 2.0, "ce_weight": args.ce_weight, "chunk_tokens": args.chunk_tokens}
+        base["distill"] = {
+            "teacher": teacher_dir,
+            "loss": args.loss,
+            "temperature": 2.0,
+            "ce_weight": args.ce_weight,
+            "chunk_tokens": args.chunk_tokens,
+        }
     if cache:
         base["distill"] |= {"cache": cache, "top_k": args.k}
     return base
@@ -80,8 +86,11 @@ def cache_bytes_per_token(stored: list[tuple[np.ndarray, np.ndarray]], directory
     ids = np.concatenate([i.reshape(-1, SEQ * i.shape[-1]) for i, _ in stored])
     logprobs = np.concatenate([v.reshape(-1, SEQ * v.shape[-1]) for _, v in stored])
     path = Path(directory) / "shard.parquet"
-    write_shard(path, {"sample_id": np.arange(len(ids)), "topk_ids": ids, "topk_logprobs": logprobs},
-                {"file": path.name, "first_sample_id": 0, "num_samples": len(ids)})
+    write_shard(
+        path,
+        {"sample_id": np.arange(len(ids)), "topk_ids": ids, "topk_logprobs": logprobs},
+        {"file": path.name, "first_sample_id": 0, "num_samples": len(ids)},
+    )
     return path.stat().st_size / (len(ids) * SEQ)
 
 
@@ -158,8 +167,12 @@ def main() -> None:
         for micro in batch:
             teacher(micro[:, :-1])
 
-    sides = {"student alone": student.train_step, "teacher forward alone": teacher_forward, "online KD step": distilled.train_step,
-             "cached KD step": cached_step}
+    sides = {
+        "student alone": student.train_step,
+        "teacher forward alone": teacher_forward,
+        "online KD step": distilled.train_step,
+        "cached KD step": cached_step,
+    }
     timed(sides, data[:2])  # warm-up: allocator, first-call costs
     seconds = {name: [] for name in sides}
     ratios: list[float] = []
@@ -172,16 +185,20 @@ def main() -> None:
         if len(ratios) >= args.min_repeats and settled(ratios, TARGET) and settled(cached_ratios, CACHED_TARGET):
             break
     tokens = MICRO * ACCUM * SEQ
-    print(f"student: tiny ({student_spec.model_arch.num_params():,} params), teacher: small ({teacher_cfg.num_params():,} params), "
-          f"vocab {VOCAB}; {args.loss}, ce_weight {args.ce_weight}, chunk {args.chunk_tokens} tokens, compile {args.compile}; {tokens} tokens per step, 1 rank, "
-          f"{torch.get_num_threads()} threads")
+    print(
+        f"student: tiny ({student_spec.model_arch.num_params():,} params), teacher: small ({teacher_cfg.num_params():,} params), "
+        f"vocab {VOCAB}; {args.loss}, ce_weight {args.ce_weight}, chunk {args.chunk_tokens} tokens, compile {args.compile}; {tokens} tokens per step, 1 rank, "
+        f"{torch.get_num_threads()} threads"
+    )
     print(f"{len(ratios)} repeats of {args.steps} steps per side, sides interleaved")
     for name, times in seconds.items():
         print(f"  {name:22s} {statistics.median(times) * 1000:8.1f} ms/step  ({tokens / statistics.median(times):,.0f} tokens/s)")
     print(f"  KD / (student + teacher forward): {verdict(ratios, TARGET)}")
     print(f"  cached KD (top-{args.k}) / student: {verdict(cached_ratios, CACHED_TARGET)}")
-    print(f"  cache: {bytes_per_token:.1f} bytes per token at k = {args.k} (dense bf16 logits: {2 * VOCAB:,}); "
-          f"target <= {BYTES_TARGET}: {'met' if bytes_per_token <= BYTES_TARGET else 'NOT met'}")
+    print(
+        f"  cache: {bytes_per_token:.1f} bytes per token at k = {args.k} (dense bf16 logits: {2 * VOCAB:,}); "
+        f"target <= {BYTES_TARGET}: {'met' if bytes_per_token <= BYTES_TARGET else 'NOT met'}"
+    )
     dist.destroy_process_group()
 
 

@@ -49,8 +49,14 @@ def teacher_checkpoint(out: Path, steps: int) -> Path:
 
 
 def student(name: str, out: Path, teacher: Path, steps: int, extra: list[str]) -> tuple[Path, dict]:
-    overrides = [f"name={name}", f"output_dir={out}", f"distill.teacher={teacher}", f"train.max_steps={steps}",
-                 f"checkpoint.interval={steps}", *extra]
+    overrides = [
+        f"name={name}",
+        f"output_dir={out}",
+        f"distill.teacher={teacher}",
+        f"train.max_steps={steps}",
+        f"checkpoint.interval={steps}",
+        *extra,
+    ]
     spec = load_spec(ROOT / "jobs" / "distill-logits.yaml", overrides)
     if spec.distill.cache and not (Path(spec.distill.cache) / "manifest.json").is_file():
         sdk.build_cache(spec, show_progress=False)
@@ -117,14 +123,20 @@ def main() -> None:
     for name, m in measured.items():
         print(f"{name:11s} held-out KL(teacher || student) {m['kl']:.4f}, top-1 agreement {m['top1']:.3f}")
     kl_ratio = measured["online"]["kl"] / measured["ce-only"]["kl"]
-    gap = lambda online: abs(measured["cache"]["kl"] - measured[online]["kl"]) / measured[online]["kl"]  # noqa: E731
+    gap = lambda online: abs(measured["cache"]["kl"] - measured[online]["kl"]) / measured[online]["kl"]
     cache_gap, dense_gap = gap("online-topk"), gap("online")
     print(f"KL(online) / KL(CE only) = {kl_ratio:.3f} (target < {KL_TARGET}) {'OK' if kl_ratio < KL_TARGET else 'MISSED'}")
-    print(f"|KL(cache) - KL(online, top-{args.top_k})| / KL(online, top-{args.top_k}) = {cache_gap:.3f} (target <= {CACHE_TARGET}) "
-          f"{'OK' if cache_gap <= CACHE_TARGET else 'MISSED'}")
+    print(
+        f"|KL(cache) - KL(online, top-{args.top_k})| / KL(online, top-{args.top_k}) = {cache_gap:.3f} (target <= {CACHE_TARGET}) "
+        f"{'OK' if cache_gap <= CACHE_TARGET else 'MISSED'}"
+    )
     print(f"|KL(cache) - KL(online, dense)| / KL(online, dense) = {dense_gap:.3f} (what top-{args.top_k} targets give up)")
-    (out / "quality.json").write_text(json.dumps({"steps": args.steps, "top_k": args.top_k, "measured": measured, "kl_ratio": kl_ratio,
-                                                  "cache_gap": cache_gap, "dense_gap": dense_gap}, indent=2))
+    (out / "quality.json").write_text(
+        json.dumps(
+            {"steps": args.steps, "top_k": args.top_k, "measured": measured, "kl_ratio": kl_ratio, "cache_gap": cache_gap, "dense_gap": dense_gap},
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

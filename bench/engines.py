@@ -64,7 +64,9 @@ def run_rank(rank: int, port: int, engine_name: str, args, out) -> None:
     engine = create_engine(spec, dims, device)
     vocab = spec.model_arch.vocab_size
     gen = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, vocab, (WORLD, spec.grad_accum, spec.train.micro_batch, spec.train.seq_len + 1), generator=gen) for _ in range(args.steps)]
+    batches = [
+        torch.randint(0, vocab, (WORLD, spec.grad_accum, spec.train.micro_batch, spec.train.seq_len + 1), generator=gen) for _ in range(args.steps)
+    ]
     losses, began = [], None
     for step, batch in enumerate(batches):
         if step == args.warmup:

@@ -51,8 +51,14 @@ def hf_directory(args, tmp: Path) -> Path:
     tokenizer = train_bpe([Path(f).read_text(errors="replace") for f in stdlib_files()[:20]], 1024)
     model = build_model(cfg, seed=0)
     out = tmp / "hf"
-    write_model_dir(out, "hf", cfg, model.state_dict(), eos_id=tokenizer.token_to_id(EOS_TOKEN),
-                    files=tokenizer_files(tokenizer.to_str(), EOS_TOKEN, cfg.max_seq_len))
+    write_model_dir(
+        out,
+        "hf",
+        cfg,
+        model.state_dict(),
+        eos_id=tokenizer.token_to_id(EOS_TOKEN),
+        files=tokenizer_files(tokenizer.to_str(), EOS_TOKEN, cfg.max_seq_len),
+    )
     return out
 
 
@@ -67,10 +73,17 @@ def run_transformers(model, batch: list[list[int]], new_tokens: int, device: str
     ids = torch.zeros(len(batch), longest, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for row, prompt in enumerate(batch):
-        ids[row, longest - len(prompt):] = torch.tensor(prompt)
-        mask[row, longest - len(prompt):] = 1
-    out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                         do_sample=False, eos_token_id=None, pad_token_id=0)
+        ids[row, longest - len(prompt) :] = torch.tensor(prompt)
+        mask[row, longest - len(prompt) :] = 1
+    out = model.generate(
+        input_ids=ids.to(device),
+        attention_mask=mask.to(device),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     return out[:, longest:].tolist()
 
 
@@ -111,8 +124,10 @@ def main() -> None:
         "lmforge (recompute)": lambda b: [g.tokens for g in generate_ids(ours, b, params, use_cache=False)],
         "transformers generate": lambda b: run_transformers(theirs, b, args.new_tokens, args.device),
     }
-    print(f"model: {cfg.n_layers} layers, dim {cfg.dim}, vocab {cfg.vocab_size} ({path if args.model else 'small preset, seeded'}); "
-          f"{args.new_tokens} new tokens, greedy; device {args.device}, {torch.get_num_threads()} threads")
+    print(
+        f"model: {cfg.n_layers} layers, dim {cfg.dim}, vocab {cfg.vocab_size} ({path if args.model else 'small preset, seeded'}); "
+        f"{args.new_tokens} new tokens, greedy; device {args.device}, {torch.get_num_threads()} threads"
+    )
     largest = max(int(b) for b in args.batches.split(","))
     with torch.no_grad():
         for size in (int(b) for b in args.batches.split(",")):

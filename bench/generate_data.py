@@ -33,7 +33,6 @@ os.environ.setdefault("RAY_DATA_LOG_LEVEL", "WARNING")  # not every pipeline run
 import ray
 import torch
 
-from lmforge.cluster.runtime import tune_process
 from lmforge.data.corpus import stdlib_files
 from lmforge.data.tokenizer import EOS_TOKEN, train_bpe
 from lmforge.distill.instruct.build import answered_units, plan_generation
@@ -42,6 +41,7 @@ from lmforge.inference.sampling import SamplingParams
 from lmforge.models import PRESETS
 from lmforge.models.build import build_model
 from lmforge.models.weights import write_model_dir
+from lmforge.ray_runtime import tune_process
 from lmforge.spec import spec_from_dict
 
 TARGETS = {"batch 16 / batch 1": 4.0, "2 actors / 1 actor": 1.6}
@@ -63,11 +63,18 @@ def teacher_and_prompts(tmp: Path, count: int) -> tuple[Path, Path]:
 def job(tmp: Path, teacher: Path, prompts: Path, new_tokens: int, actors: int) -> dict:
     generate = {"max_new_tokens": new_tokens, "temperature": 1.0, "n": 1, "seed": 0, "batch_size": 16}
     return {
-        "name": "bench-generate-data", "output_dir": str(tmp / "runs"), "model": {"preset": "tiny", "vocab_size": 1024},
+        "name": "bench-generate-data",
+        "output_dir": str(tmp / "runs"),
+        "model": {"preset": "tiny", "vocab_size": 1024},
         "train": {"global_batch": 16, "micro_batch": 16, "seq_len": 128, "max_steps": 1},
-        "data": {"path": str(tmp / f"answers-{actors}")}, "tracking": {"enabled": False},
-        "distill": {"teacher": str(teacher), "kd_weight": 0, "ce_weight": 1.0,
-                    "instruct": {"prompts": str(prompts), "prompts_per_shard": 16, "actors": actors, "generate": generate}},
+        "data": {"path": str(tmp / f"answers-{actors}")},
+        "tracking": {"enabled": False},
+        "distill": {
+            "teacher": str(teacher),
+            "kd_weight": 0,
+            "ce_weight": 1.0,
+            "instruct": {"prompts": str(prompts), "prompts_per_shard": 16, "actors": actors, "generate": generate},
+        },
     }
 
 
@@ -89,7 +96,7 @@ def in_actor(model, prompts: list[list[int]], new_tokens: int, batch: int) -> fl
     params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, stop_at_eos=False)
     began = time.process_time()
     for start in range(0, len(prompts), batch):
-        chunk = prompts[start:start + batch]
+        chunk = prompts[start : start + batch]
         generate_ids(model, chunk, params, row_seeds=list(range(start, start + len(chunk))))
     return len(prompts) * new_tokens / (time.process_time() - began)
 
@@ -135,12 +142,16 @@ def main() -> None:
             if len(ratios["2 actors / 1 actor"]) >= args.min_repeats and all(settled(ratios[n], t) for n, t in TARGETS.items()):
                 break
     ray.shutdown()
-    print(f"teacher: small ({PRESETS['small'].with_overrides(vocab_size=1024).num_params():,} params), {args.prompts} prompts, "
-          f"{args.new_tokens} new tokens each, {torch.get_num_threads()} thread per actor; {len(ratios['2 actors / 1 actor'])} repeats, sides interleaved")
+    print(
+        f"teacher: small ({PRESETS['small'].with_overrides(vocab_size=1024).num_params():,} params), {args.prompts} prompts, "
+        f"{args.new_tokens} new tokens each, {torch.get_num_threads()} thread per actor; {len(ratios['2 actors / 1 actor'])} repeats, sides interleaved"
+    )
     for name, values in measured.items():
         print(f"  {name:9s} {statistics.median(values):8,.0f} new tokens/s")
-    print(f"  time to the first unit written (actors and models starting): 1 actor {statistics.median(startup[1]):.1f} s, "
-          f"2 actors {statistics.median(startup[2]):.1f} s")
+    print(
+        f"  time to the first unit written (actors and models starting): 1 actor {statistics.median(startup[1]):.1f} s, "
+        f"2 actors {statistics.median(startup[2]):.1f} s"
+    )
     for name, target in TARGETS.items():
         print(f"  {name}: {verdict(ratios[name], target)}")
 

@@ -131,7 +131,9 @@ def main() -> int:
     dist.destroy_process_group()
     ray.shutdown()
     ratio = statistics.median(ours) / statistics.median(base)
-    print(f"model: small ({spec.model_arch.num_params() / 1e6:.2f}M params), {args.steps} steps x {spec.train.global_batch * spec.train.seq_len} tokens, 1 rank, 1 thread")
+    print(
+        f"model: small ({spec.model_arch.num_params() / 1e6:.2f}M params), {args.steps} steps x {spec.train.global_batch * spec.train.seq_len} tokens, 1 rank, 1 thread"
+    )
     print(f"losses identical to the hand-written loop: {same}")
     print(f"hand-written loop : {statistics.median(base):10,.0f} tokens/s  (runs: {', '.join(f'{t:,.0f}' for t in base)})")
     print(f"lmforge trainer   : {statistics.median(ours):10,.0f} tokens/s  (runs: {', '.join(f'{t:,.0f}' for t in ours)})")

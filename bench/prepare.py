@@ -51,8 +51,7 @@ def encode_batch_seconds(tokenizer_path: str, texts: list[str]) -> tuple[float, 
 
 def prepare_seconds(source: str, tokenizer_path: str, seq_len: int, workdir: str, run: int) -> tuple[float, float, dict]:
     """(wall seconds, the driver's CPU seconds, manifest) of one prepare."""
-    opts = PrepareOptions(source=source, out=os.path.join(workdir, f"out-{run}"), seq_len=seq_len, tokenizer=tokenizer_path,
-                          show_progress=False)
+    opts = PrepareOptions(source=source, out=os.path.join(workdir, f"out-{run}"), seq_len=seq_len, tokenizer=tokenizer_path, show_progress=False)
     cpu, began = time.process_time(), time.perf_counter()
     manifest = prepare_dataset(opts)
     return time.perf_counter() - began, time.process_time() - cpu, manifest
@@ -83,8 +82,11 @@ def main() -> None:
             lmforge.append(seconds)
             driver_cpu.append(cpu)
             coordinator_cpu.append(manifest["coordinator_cpu_seconds"])
-            print(f"run {run + 1}: encode_batch {baseline[-1]:.2f} s, prepare {seconds:.2f} s (driver CPU {cpu:.2f} s, "
-                  f"coordinator CPU {coordinator_cpu[-1]:.2f} s)", file=sys.stderr)
+            print(
+                f"run {run + 1}: encode_batch {baseline[-1]:.2f} s, prepare {seconds:.2f} s (driver CPU {cpu:.2f} s, "
+                f"coordinator CPU {coordinator_cpu[-1]:.2f} s)",
+                file=sys.stderr,
+            )
         ray.shutdown()
     assert manifest["corpus_tokens"] == tokens + len(texts) - sum(1 for t in texts if not t), "prepare tokenized other texts"
     base, ours = statistics.median(baseline), statistics.median(lmforge)
@@ -93,8 +95,10 @@ def main() -> None:
     print(f"encode_batch (baseline): {tokens / base:12,.0f} tokens/s  (runs: {', '.join(f'{s:.2f}' for s in baseline)} s)")
     print(f"lmforge data prepare   : {tokens / ours:12,.0f} tokens/s  (runs: {', '.join(f'{s:.2f}' for s in lmforge)} s)")
     print(f"driver CPU: {statistics.median(driver_cpu):.2f} s of {ours:.2f} s wall ({statistics.median(driver_cpu) / ours:.0%}; target < 5%)")
-    print(f"coordinator task CPU (Ray Data's executor, on the cluster): {statistics.median(coordinator_cpu):.2f} s "
-          f"({statistics.median(coordinator_cpu) / ours:.0%} of the wall)")
+    print(
+        f"coordinator task CPU (Ray Data's executor, on the cluster): {statistics.median(coordinator_cpu):.2f} s "
+        f"({statistics.median(coordinator_cpu) / ours:.0%} of the wall)"
+    )
     print(f"ratio prepare / encode_batch: {base / ours:.3f}  (per-run ratios {ratios[0]:.3f}..{ratios[-1]:.3f}; target >= 0.8)")
 
 

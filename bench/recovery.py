@@ -40,27 +40,31 @@ import torch
 TESTS = Path(__file__).resolve().parents[1] / "tests"
 sys.path[:0] = [str(TESTS), str(TESTS / "chaos")]
 from chaos import wait_until  # noqa: E402
-from multinode import free_port, start_cluster  # noqa: E402
-
 from lmforge import sdk  # noqa: E402
 from lmforge.data.corpus import stdlib_files  # noqa: E402
 from lmforge.data.prepare import PrepareOptions, prepare_dataset  # noqa: E402
-from lmforge.models.config import PRESETS  # noqa: E402
 from lmforge.models.build import build_model  # noqa: E402
+from lmforge.models.config import PRESETS  # noqa: E402
 from lmforge.spec import spec_from_dict  # noqa: E402
+from multinode import free_port, start_cluster  # noqa: E402
 
 STEPS, INTERVAL, GLOBAL_BATCH, MICRO_BATCH, SEQ, VOCAB = 60, 10, 8, 2, 32, 512
 
 
 def lmforge_job(out: Path, data: Path, in_memory: bool) -> dict:
     return {
-        "name": "recovery", "output_dir": str(out),
-        "model": {"preset": "tiny", "vocab_size": VOCAB}, "parallel": {"dp": 2},
+        "name": "recovery",
+        "output_dir": str(out),
+        "model": {"preset": "tiny", "vocab_size": VOCAB},
+        "parallel": {"dp": 2},
         "optim": {"lr": 3e-3, "warmup_steps": 2, "decay_steps": STEPS},
         "train": {"global_batch": GLOBAL_BATCH, "micro_batch": MICRO_BATCH, "seq_len": SEQ, "max_steps": STEPS},
-        "data": {"path": str(data)}, "checkpoint": {"interval": INTERVAL, "in_memory": in_memory, "memory_interval": 1},
-        "tracking": {"enabled": False}, "resources": {"cpus_per_worker": 2},
-        "fault_tolerance": {"max_failures": 3, "backoff_s": 0.1}, "elastic": {"min_dp": 1, "max_dp": 2},
+        "data": {"path": str(data)},
+        "checkpoint": {"interval": INTERVAL, "in_memory": in_memory, "memory_interval": 1},
+        "tracking": {"enabled": False},
+        "resources": {"cpus_per_worker": 2},
+        "fault_tolerance": {"max_failures": 3, "backoff_s": 0.1},
+        "elastic": {"min_dp": 1, "max_dp": 2},
     }
 
 
@@ -94,14 +98,19 @@ def lmforge_recovery(cluster, node, out: Path, data: Path, kill_at: int, in_memo
     detection (the failure event), re-form (the new layout), restore, first step."""
     run_dir = out / "recovery"
     spec = spec_from_dict(lmforge_job(out, data, in_memory))
-    steps = lambda: [row for row in jsonl(run_dir / "metrics.jsonl") if "event" not in row]  # noqa: E731
+    steps = lambda: [row for row in jsonl(run_dir / "metrics.jsonl") if "event" not in row]
     killed_at = lose_a_node(cluster, node, lambda: sdk.train(spec, show_progress=False), lambda: len(steps()) >= kill_at)
     after = [row for row in jsonl(run_dir / "metrics.jsonl") if row.get("time", 0) >= killed_at and "event" in row]
-    at = lambda kind: next(row for row in after if row["event"] == kind)  # noqa: E731
+    at = lambda kind: next(row for row in after if row["event"] == kind)
     restored, recovered = at("restored"), at("recovered")
-    return {"detection": at("failure")["time"] - killed_at, "re-form": at("layout")["time"] - killed_at,
-            "restore": restored["time"] - killed_at, "first step": recovered["time"] - killed_at,
-            "steps redone": recovered["steps_redone"], "from memory": restored.get("from_memory", False)}
+    return {
+        "detection": at("failure")["time"] - killed_at,
+        "re-form": at("layout")["time"] - killed_at,
+        "restore": restored["time"] - killed_at,
+        "first step": recovered["time"] - killed_at,
+        "steps redone": recovered["steps_redone"],
+        "from memory": restored.get("from_memory", False),
+    }
 
 
 def ray_train_loop(config: dict) -> None:
@@ -123,7 +132,7 @@ def ray_train_loop(config: dict) -> None:
         plain.load_state_dict(state["model"])
         opt.load_state_dict(state["optim"])
         start = state["step"]
-    log = lambda row: rank == 0 and open(config["log"], "a").write(json.dumps(row | {"time": time.time()}) + "\n")  # noqa: E731
+    log = lambda row: rank == 0 and open(config["log"], "a").write(json.dumps(row | {"time": time.time()}) + "\n")
     log({"event": "start", "step": start, "world": world})
     accum = GLOBAL_BATCH // (MICRO_BATCH * world)
     for step in range(start, STEPS):
@@ -152,17 +161,21 @@ def ray_train_recovery(cluster, node, out: Path, kill_at: int) -> dict[str, floa
     out.mkdir(parents=True, exist_ok=True)
     log = out / "ray-train.jsonl"
     trainer = TorchTrainer(
-        ray_train_loop, train_loop_config={"log": str(log)},
+        ray_train_loop,
+        train_loop_config={"log": str(log)},
         scaling_config=ScalingConfig(num_workers=(1, 2), resources_per_worker={"CPU": 2}),
         run_config=RunConfig(name="recovery", storage_path=str(out / "ray-train"), failure_config=FailureConfig(max_failures=3)),
     )
-    reached = lambda: sum(row["event"] == "step" for row in jsonl(log)) >= kill_at  # noqa: E731
+    reached = lambda: sum(row["event"] == "step" for row in jsonl(log)) >= kill_at
     killed_at = lose_a_node(cluster, node, trainer.fit, reached)
     rows = [row for row in jsonl(log) if row["time"] > killed_at]
     restart = next(i for i, row in enumerate(rows) if row["event"] == "start")
     first_step = next(row for row in rows[restart:] if row["event"] == "step")
-    return {"restore": rows[restart]["time"] - killed_at, "first step": first_step["time"] - killed_at,
-            "steps redone": max(row["step"] for row in rows[:restart] if row["event"] == "step") + 1 - first_step["step"] if restart else 0}
+    return {
+        "restore": rows[restart]["time"] - killed_at,
+        "first step": first_step["time"] - killed_at,
+        "steps redone": max(row["step"] for row in rows[:restart] if row["event"] == "step") + 1 - first_step["step"] if restart else 0,
+    }
 
 
 @ray.remote(num_cpus=0)
@@ -178,21 +191,26 @@ def save_stall(dim: int, layers: int, saves: int) -> dict[str, float]:
 
     from lmforge.checkpoint.memory import SnapshotWriter
     from lmforge.checkpoint.store import CheckpointStore
-    from lmforge.cluster.keepers import Keeper, SnapshotShipper
     from lmforge.checkpoint.writer import CheckpointWriter
+    from lmforge.cluster.keepers import Keeper, SnapshotShipper
     from lmforge.engines import create_engine
     from lmforge.parallel.mesh import build_mesh
     from lmforge.parallel.shape import MeshShape
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    spec = spec_from_dict({
-        "name": "stall", "model": {"preset": "small", "dim": dim, "n_layers": layers, "ffn_hidden": 4 * dim, "vocab_size": 8192},
-        "parallel": {"dp": 1, "zero": 0}, "train": {"global_batch": 2, "micro_batch": 2, "seq_len": 64, "max_steps": 1}, "data": {"path": "unused"},
-    })
+    spec = spec_from_dict(
+        {
+            "name": "stall",
+            "model": {"preset": "small", "dim": dim, "n_layers": layers, "ffn_hidden": 4 * dim, "vocab_size": 8192},
+            "parallel": {"dp": 1, "zero": 0},
+            "train": {"global_batch": 2, "micro_batch": 2, "seq_len": 64, "max_steps": 1},
+            "data": {"path": "unused"},
+        }
+    )
     engine = create_engine(spec, build_mesh("cpu", MeshShape.for_spec(spec.parallel)), torch.device("cpu"))
     engine.train_step(torch.randint(0, 8192, (1, 2, 65)))  # AdamW state exists from here on
     group = dist.new_group(backend="gloo")
-    batch = lambda: torch.randint(0, 8192, (1, 2, 65))  # noqa: E731
+    batch = lambda: torch.randint(0, 8192, (1, 2, 65))
     stalls: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for mode in ("sync", "async", "snapshot"):
@@ -237,13 +255,17 @@ def main() -> None:
 
     if not args.no_stall:
         stall = save_stall(args.stall_dim, args.stall_layers, args.saves)
-        print(f"checkpoint stall, one rank, {stall['state_mib']:.0f} MiB of model + AdamW state, median of {args.saves - 1} saves "
-              f"(a training step alone: {stall['step'] * 1000:.0f} ms)")
+        print(
+            f"checkpoint stall, one rank, {stall['state_mib']:.0f} MiB of model + AdamW state, median of {args.saves - 1} saves "
+            f"(a training step alone: {stall['step'] * 1000:.0f} ms)"
+        )
         print(f"  synchronous save : {stall['sync'] * 1000:8.1f} ms held up")
         print(f"  async save       : {stall['async'] * 1000:8.1f} ms held up")
         print(f"  ratio async / sync: {stall['async'] / stall['sync']:.3f}  (target <= 0.05)")
-        print(f"  in-memory snapshot: {stall['snapshot'] * 1000:8.1f} ms held up (checkpoint.in_memory, once per memory_interval; "
-              f"ratio to sync {stall['snapshot'] / stall['sync']:.3f})")
+        print(
+            f"  in-memory snapshot: {stall['snapshot'] * 1000:8.1f} ms held up (checkpoint.in_memory, once per memory_interval; "
+            f"ratio to sync {stall['snapshot'] / stall['sync']:.3f})"
+        )
     if args.no_recovery:
         return
 
@@ -276,12 +298,15 @@ def main() -> None:
 
 
 def report(runs: dict[str, list], kill_at: int) -> None:
-    print(f"recovery after a node loss at step {kill_at} (dp 2 -> 1, tiny model, checkpoint every {INTERVAL} steps; "
-          "seconds from the kill to the end of each phase, median of the repeats)")
+    print(
+        f"recovery after a node loss at step {kill_at} (dp 2 -> 1, tiny model, checkpoint every {INTERVAL} steps; "
+        "seconds from the kill to the end of each phase, median of the repeats)"
+    )
     phases = ["detection", "re-form", "restore", "first step"]
     print(f"  {'':20s}" + "".join(f"{phase:>12s}" for phase in phases) + "  steps redone")
-    median = {side: {k: statistics.median(run[k] for run in rows) for k in rows[0] if k in phases + ["steps redone"]}
-              for side, rows in runs.items() if rows}
+    median = {
+        side: {k: statistics.median(run[k] for run in rows) for k in rows[0] if k in phases + ["steps redone"]} for side, rows in runs.items() if rows
+    }
     for side, m in median.items():
         cells = "".join(f"{m[phase]:12.1f}" if phase in m else f"{'-':>12s}" for phase in phases)
         print(f"  {side:20s}{cells}  {m.get('steps redone', '-')}")

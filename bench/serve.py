@@ -51,8 +51,14 @@ def model_dir(args, tmp: Path) -> Path:
 
     cfg = PRESETS["small"]
     tokenizer = train_bpe([Path(f).read_text(errors="replace") for f in stdlib_files()[:20]], 1024)
-    write_model_dir(out, "lmforge", cfg, build_model(cfg, seed=0).state_dict(), eos_id=tokenizer.token_to_id(EOS_TOKEN),
-                    files=tokenizer_files(tokenizer.to_str(), EOS_TOKEN, cfg.max_seq_len))
+    write_model_dir(
+        out,
+        "lmforge",
+        cfg,
+        build_model(cfg, seed=0).state_dict(),
+        eos_id=tokenizer.token_to_id(EOS_TOKEN),
+        files=tokenizer_files(tokenizer.to_str(), EOS_TOKEN, cfg.max_seq_len),
+    )
     return out
 
 
@@ -73,7 +79,7 @@ def prompts(count: int) -> list[str]:
     from lmforge.data.corpus import stdlib_files
 
     texts = [text for text in (Path(f).read_text(errors="replace") for f in stdlib_files()[:200]) if len(text) > 1000][:64]
-    return [texts[i % len(texts)][(37 * i) % 500:][: 60 + (29 * i) % 140] for i in range(count)]
+    return [texts[i % len(texts)][(37 * i) % 500 :][: 60 + (29 * i) % 140] for i in range(count)]
 
 
 async def load(url: str, texts: list[str], concurrency: int, max_tokens: int) -> dict:
@@ -89,8 +95,15 @@ async def load(url: str, texts: list[str], concurrency: int, max_tokens: int) ->
             began = time.perf_counter()
             first = None
             try:
-                stream = await client.completions.create(model="model", prompt=text, max_tokens=max_tokens, temperature=0, stream=True,
-                                                         stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+                stream = await client.completions.create(
+                    model="model",
+                    prompt=text,
+                    max_tokens=max_tokens,
+                    temperature=0,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                    extra_body={"ignore_eos": True},
+                )
                 async for chunk in stream:
                     if chunk.choices and chunk.choices[0].text and first is None:
                         first = time.perf_counter() - began
@@ -105,8 +118,15 @@ async def load(url: str, texts: list[str], concurrency: int, max_tokens: int) ->
     await asyncio.gather(*(one(t) for t in texts))
     wall = time.perf_counter() - began
     await client.close()
-    return {"tok_s": sum(tokens) / wall, "ttft_p50": pct(ttfts, 50), "ttft_p99": pct(ttfts, 99), "e2e_p50": pct(e2es, 50),
-            "e2e_p99": pct(e2es, 99), "errors": len(errors), "error_samples": errors[:2]}
+    return {
+        "tok_s": sum(tokens) / wall,
+        "ttft_p50": pct(ttfts, 50),
+        "ttft_p99": pct(ttfts, 99),
+        "e2e_p50": pct(e2es, 50),
+        "e2e_p99": pct(e2es, 99),
+        "errors": len(errors),
+        "error_samples": errors[:2],
+    }
 
 
 def pct(values: list[float], q: int) -> float:
@@ -129,8 +149,14 @@ def deploy(model: Path, int8: Path, max_running: int) -> int:
         port = sock.getsockname()[1]
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     for side in SIDES:
-        options = ServerOptions(model=str(int8 if side == "int8" else model), name="model", batching="continuous" if side == "int8" else side,
-                                max_running=max_running, cache_size=0, device="cpu")
+        options = ServerOptions(
+            model=str(int8 if side == "int8" else model),
+            name="model",
+            batching="continuous" if side == "int8" else side,
+            max_running=max_running,
+            cache_size=0,
+            device="cpu",
+        )
         serve.run(application(options, 1, 0.5, 0.0), name=side, route_prefix=f"/{side}", blocking=False)
     return port
 
@@ -206,8 +232,10 @@ def main() -> None:
             if settled(history) or time.time() - started > args.time_limit:
                 break
         report(cells, history, model, args)
-        print(f"engine alone (no HTTP), 8 sequences: 8 slots / 1 slot {statistics.median(engine):.2f}x tok/s "
-              f"(repeats {', '.join(f'{v:.2f}' for v in engine)})")
+        print(
+            f"engine alone (no HTTP), 8 sequences: 8 slots / 1 slot {statistics.median(engine):.2f}x tok/s "
+            f"(repeats {', '.join(f'{v:.2f}' for v in engine)})"
+        )
 
 
 def report(cells, history, model, args) -> None:
@@ -218,20 +246,28 @@ def report(cells, history, model, args) -> None:
         med = {key: statistics.median(r[key] for r in runs) for key in ("tok_s", "ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99")}
         count = sum(r["errors"] for r in runs)
         errors += count
-        print(f"{concurrency:>4} {side:<11} {med['tok_s']:>8.1f} {med['ttft_p50'] * 1e3:>7.1f}ms {med['ttft_p99'] * 1e3:>7.1f}ms "
-              f"{med['e2e_p50']:>7.3f}s {med['e2e_p99']:>7.3f}s {count:>6}")
+        print(
+            f"{concurrency:>4} {side:<11} {med['tok_s']:>8.1f} {med['ttft_p50'] * 1e3:>7.1f}ms {med['ttft_p99'] * 1e3:>7.1f}ms "
+            f"{med['e2e_p50']:>7.3f}s {med['e2e_p99']:>7.3f}s {count:>6}"
+        )
         for sample in (s for r in runs for s in r["error_samples"]):
             print(f"     error: {sample}")
     for name, values in history.items():
         target, kind = TARGETS[name]
         median = statistics.median(values)
         met = median >= target if kind == "min" else median <= target
-        print(f"{name}: {median:.3f} (repeats {', '.join(f'{v:.3f}' for v in values)}; spread {max(values) - min(values):.3f}), "
-              f"target {'>=' if kind == 'min' else '<='} {target}: {'met' if met else 'NOT met'}")
+        print(
+            f"{name}: {median:.3f} (repeats {', '.join(f'{v:.3f}' for v in values)}; spread {max(values) - min(values):.3f}), "
+            f"target {'>=' if kind == 'min' else '<='} {target}: {'met' if met else 'NOT met'}"
+        )
     for concurrency in sorted({c for c, _ in cells}):
-        ratio = lambda a, b: statistics.median(r["tok_s"] for r in cells[(concurrency, a)]) / statistics.median(r["tok_s"] for r in cells[(concurrency, b)])  # noqa: E731
-        print(f"@{concurrency}: continuous / off {ratio('continuous', 'off'):.2f}x, request / off {ratio('request', 'off'):.2f}x, "
-              f"continuous / request {ratio('continuous', 'request'):.2f}x, int8 / fp32 (continuous) {ratio('int8', 'continuous'):.2f}x tok/s")
+        ratio = lambda a, b: (
+            statistics.median(r["tok_s"] for r in cells[(concurrency, a)]) / statistics.median(r["tok_s"] for r in cells[(concurrency, b)])
+        )
+        print(
+            f"@{concurrency}: continuous / off {ratio('continuous', 'off'):.2f}x, request / off {ratio('request', 'off'):.2f}x, "
+            f"continuous / request {ratio('continuous', 'request'):.2f}x, int8 / fp32 (continuous) {ratio('int8', 'continuous'):.2f}x tok/s"
+        )
     print(f"errors: {errors} (target 0)")
 
 

@@ -30,9 +30,9 @@ import pyarrow.parquet as pq
 import torch
 import torch.nn.functional as F
 
-from lmforge.cluster.runtime import tune_process
 from lmforge.models import PRESETS
 from lmforge.models.build import build_model
+from lmforge.ray_runtime import tune_process
 
 
 class DocumentMask:
@@ -76,8 +76,8 @@ def one_per_row(lengths, seq_len: int, vocab: int, seed: int = 0):
     docs = []
     for row, (prompt, answer) in enumerate(lengths):
         doc = torch.from_numpy(rng.integers(1, vocab, prompt + answer))
-        tokens[row, :len(doc)] = doc
-        labels[row, prompt - 1:prompt - 1 + answer] = doc[prompt:]
+        tokens[row, : len(doc)] = doc
+        labels[row, prompt - 1 : prompt - 1 + answer] = doc[prompt:]
         docs.append(doc)
     return tokens[:, :-1], labels, docs
 
@@ -103,9 +103,9 @@ def packed(lengths, docs, seq_len: int):
         for i in members:
             prompt, answer = lengths[i]
             doc = docs[i]
-            tokens[r, at:at + len(doc)] = doc
-            labels[r, at + prompt - 1:at + prompt - 1 + answer] = doc[prompt:]  # its last token predicts no other sample's
-            documents[r, at:at + len(doc)] = i
+            tokens[r, at : at + len(doc)] = doc
+            labels[r, at + prompt - 1 : at + prompt - 1 + answer] = doc[prompt:]  # its last token predicts no other sample's
+            documents[r, at : at + len(doc)] = i
             where[i] = (r, at)
             at += len(doc)
         documents[r, at:] = len(lengths) + r  # the padding: a document of its own
@@ -121,15 +121,15 @@ def check_boundaries(model, single, labels_single, packed_tokens, documents, whe
     for i in range(8):
         r, at = where[i]
         n = sum(lengths[i])
-        worst = max(worst, (alone[i, :n] - together[r, at:at + n]).abs().max().item())
+        worst = max(worst, (alone[i, :n] - together[r, at : at + n]).abs().max().item())
     return worst
 
 
 def step(model, tokens, labels, micro_batch: int, documents=None) -> None:
     for start in range(0, len(tokens), micro_batch):
-        cache = DocumentMask(documents[start:start + micro_batch]) if documents is not None else None
-        logits = model(tokens[start:start + micro_batch], cache)
-        F.cross_entropy(logits.flatten(0, 1), labels[start:start + micro_batch].flatten(), ignore_index=-100).backward()
+        cache = DocumentMask(documents[start : start + micro_batch]) if documents is not None else None
+        logits = model(tokens[start : start + micro_batch], cache)
+        F.cross_entropy(logits.flatten(0, 1), labels[start : start + micro_batch].flatten(), ignore_index=-100).backward()
 
 
 def main() -> None:
@@ -150,12 +150,16 @@ def main() -> None:
     packed_tokens, packed_labels, documents, where = packed(lengths, docs, args.seq_len)
     worst = check_boundaries(model, single, single_labels, packed_tokens, documents, where, lengths)
     used = sum(p + a for p, a in lengths)
-    print(f"{len(lengths)} samples, {used / len(lengths):.1f} tokens each on average; one per row: {len(single)} rows "
-          f"({used / single.numel():.0%} of their positions used); packed: {len(packed_tokens)} rows ({used / packed_tokens.numel():.0%}); "
-          f"packed logits vs alone: max difference {worst:.2e}")
+    print(
+        f"{len(lengths)} samples, {used / len(lengths):.1f} tokens each on average; one per row: {len(single)} rows "
+        f"({used / single.numel():.0%} of their positions used); packed: {len(packed_tokens)} rows ({used / packed_tokens.numel():.0%}); "
+        f"packed logits vs alone: max difference {worst:.2e}"
+    )
     assert worst < 1e-4, "document masking let a sample see another"
-    sides = {"one per row": lambda: step(model, single, single_labels, args.micro_batch),
-             "packed": lambda: step(model, packed_tokens, packed_labels, args.micro_batch, documents)}
+    sides = {
+        "one per row": lambda: step(model, single, single_labels, args.micro_batch),
+        "packed": lambda: step(model, packed_tokens, packed_labels, args.micro_batch, documents),
+    }
     for run in sides.values():
         run()  # warm up
     times = {name: [] for name in sides}
@@ -168,16 +172,21 @@ def main() -> None:
             sides[name]()
             times[name].append(time.process_time() - began)
         ratios.append(times["one per row"][-1] / times["packed"][-1])  # > 1: packing is faster
-        print(f"repeat {repeat + 1}: " + ", ".join(f"{name} {len(lengths) / times[name][-1]:.1f} samples/s" for name in sides)
-              + f"; packed / one per row speed {ratios[-1]:.3f}")
+        print(
+            f"repeat {repeat + 1}: "
+            + ", ".join(f"{name} {len(lengths) / times[name][-1]:.1f} samples/s" for name in sides)
+            + f"; packed / one per row speed {ratios[-1]:.3f}"
+        )
         spread = max(ratios) - min(ratios)
         if repeat >= 3 and spread < abs(statistics.median(ratios) - 1.0):
             break
     median = statistics.median(ratios)
     settled = max(ratios) - min(ratios) < abs(median - 1.0)
     faster = "packing with document masking" if median > 1 else "one sample per row"
-    print(f"packed / one per row speed: median {median:.3f} over {len(ratios)} repeats (spread {max(ratios) - min(ratios):.3f}): "
-          f"{faster} is faster here" + ("" if settled else " (unsettled)"))
+    print(
+        f"packed / one per row speed: median {median:.3f} over {len(ratios)} repeats (spread {max(ratios) - min(ratios):.3f}): "
+        f"{faster} is faster here" + ("" if settled else " (unsettled)")
+    )
 
 
 if __name__ == "__main__":

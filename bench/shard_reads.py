@@ -45,8 +45,14 @@ def parquet(paths: list[str], _digests) -> int:
 
 def verified(paths: list[str], digests: dict) -> int:
     ds = ray.data.read_binary_files(paths, include_paths=True, num_cpus=0, concurrency=2, override_num_blocks=len(paths))
-    ds = ds.map_batches(verified_shards, fn_kwargs={"digests": digests, "columns": COLUMNS}, batch_size=None, batch_format="pyarrow",
-                        num_cpus=0, compute=ray.data.TaskPoolStrategy(size=2))
+    ds = ds.map_batches(
+        verified_shards,
+        fn_kwargs={"digests": digests, "columns": COLUMNS},
+        batch_size=None,
+        batch_format="pyarrow",
+        num_cpus=0,
+        compute=ray.data.TaskPoolStrategy(size=2),
+    )
     return sum(batch.num_rows for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None, prefetch_batches=2))
 
 
@@ -79,8 +85,10 @@ def main() -> None:
                 seconds[name].append(time.perf_counter() - began)
                 assert rows == manifest["num_samples"], (name, rows)
         for name, values in seconds.items():
-            print(f"{name:20s}: median {statistics.median(values):.3f} s  (runs {min(values):.3f}-{max(values):.3f}), "
-                  f"{size / 2**20 / statistics.median(values):.0f} MiB/s")
+            print(
+                f"{name:20s}: median {statistics.median(values):.3f} s  (runs {min(values):.3f}-{max(values):.3f}), "
+                f"{size / 2**20 / statistics.median(values):.0f} MiB/s"
+            )
         ratio = statistics.median(seconds["verified"]) / statistics.median(seconds["parquet (baseline)"])
         print(f"verified / baseline: {ratio:.2f}x the time")
     ray.shutdown()

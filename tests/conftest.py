@@ -74,8 +74,13 @@ def ray_session(private_ray_env):
 
     # Ray 2.60 starts its API server even without the dashboard: on a port of its own.
     ray.init(
-        address="local", num_cpus=6, include_dashboard=False, dashboard_port=free_port(), log_to_driver=False,
-        logging_level=logging.WARNING, _temp_dir=private_ray_env["root"],
+        address="local",
+        num_cpus=6,
+        include_dashboard=False,
+        dashboard_port=free_port(),
+        log_to_driver=False,
+        logging_level=logging.WARNING,
+        _temp_dir=private_ray_env["root"],
     )
     ray.data.DataContext.get_current().enable_progress_bars = False
     yield ray
@@ -88,7 +93,7 @@ def tiny_corpus(tmp_path_factory) -> Path:
     from lmforge.data.corpus import stdlib_files
 
     out = tmp_path_factory.mktemp("corpus")
-    files = [f for f in stdlib_files() if "/test" not in f][:: 40][:40]
+    files = [f for f in stdlib_files() if "/test" not in f][::40][:40]
     for i, path in enumerate(files):
         shutil.copy(path, out / f"{i:03d}_{Path(path).name}")
     return out
@@ -137,8 +142,11 @@ def s3_dataset(s3_bucket, tiny_corpus, tiny_dataset) -> str:
 
     fsspec.filesystem("s3").put(f"{tiny_corpus}/", f"{s3_bucket}/corpus/", recursive=True)
     out = f"{s3_bucket}/tiny-32"
-    prepare_dataset(PrepareOptions(source=f"{s3_bucket}/corpus", out=out, seq_len=32, tokenizer=str(tiny_dataset / "tokenizer.json"),
-                                   eval_fraction=0.1, show_progress=False))
+    prepare_dataset(
+        PrepareOptions(
+            source=f"{s3_bucket}/corpus", out=out, seq_len=32, tokenizer=str(tiny_dataset / "tokenizer.json"), eval_fraction=0.1, show_progress=False
+        )
+    )
     return out
 
 
@@ -197,8 +205,13 @@ def reference_job(tmp_path: Path, data_path: Path, **sections) -> dict:
     leave the numbers alone (a fault, a resume, a layout, fewer steps) must give
     `reference_run`'s losses."""
     job = tiny_job(
-        tmp_path, data_path, train={"max_steps": REFERENCE_STEPS}, optim={"decay_steps": REFERENCE_STEPS}, checkpoint={"interval": 10},
-        data={"path": str(data_path), "prefetch_steps": 4, "record_sample_ids": True}, fault_tolerance={"max_failures": 2, "backoff_s": 0.1},
+        tmp_path,
+        data_path,
+        train={"max_steps": REFERENCE_STEPS},
+        optim={"decay_steps": REFERENCE_STEPS},
+        checkpoint={"interval": 10},
+        data={"path": str(data_path), "prefetch_steps": 4, "record_sample_ids": True},
+        fault_tolerance={"max_failures": 2, "backoff_s": 0.1},
         eval=dict(REFERENCE_EVAL),
     )
     return with_sections(job, sections)
@@ -221,11 +234,18 @@ def distill_job(tmp_path: Path, data_path: Path, reference_dir: Path, **sections
     """The distillation tests' job: `reference_run`'s last two checkpoints, mixed 3:1,
     teach the tiny job's student (another seed) their top 32 tokens for 12 steps,
     checkpoint every 4, the held-out KL every 6, one restart allowed."""
-    teachers = [{"path": str(reference_dir / "checkpoints" / f"step_{step:08d}"), "weight": weight}
-                for step, weight in ((REFERENCE_STEPS, 3), (REFERENCE_STEPS - 10, 1))]
+    teachers = [
+        {"path": str(reference_dir / "checkpoints" / f"step_{step:08d}"), "weight": weight}
+        for step, weight in ((REFERENCE_STEPS, 3), (REFERENCE_STEPS - 10, 1))
+    ]
     job = tiny_job(
-        tmp_path, data_path, name="distill", train={"max_steps": DISTILL_STEPS, "seed": 2}, optim={"decay_steps": DISTILL_STEPS},
-        eval={"interval": 6, "batches": 2}, fault_tolerance={"max_failures": 1, "backoff_s": 0.1},
+        tmp_path,
+        data_path,
+        name="distill",
+        train={"max_steps": DISTILL_STEPS, "seed": 2},
+        optim={"decay_steps": DISTILL_STEPS},
+        eval={"interval": 6, "batches": 2},
+        fault_tolerance={"max_failures": 1, "backoff_s": 0.1},
         distill={"teachers": teachers, "loss": "reverse_kl", "ce_weight": 0.5, "temperature": 1.5, "top_k": DISTILL_TOP_K},
     )
     return with_sections(job, sections)
@@ -277,12 +297,21 @@ def instruct_job(tmp_path: Path, reference_dir: Path, prompts: Path, **sections)
     into `tmp_path/sft`, which the tiny student then learns for 12 steps (answers and
     soft targets), evaluating every 6."""
     teachers = [{"path": str(reference_dir / "checkpoints" / f"step_{step:08d}")} for step in (REFERENCE_STEPS, REFERENCE_STEPS - 10)]
-    instruct = {"prompts": str(prompts), "eval_fraction": 0.25, "prompts_per_shard": 2,
-                "generate": {"max_new_tokens": 10, "temperature": 0.7, "n": 2, "seed": 5, "batch_size": 4},
-                "select": {"drop_truncated": False, "min_tokens": 3, "min_mean_logprob": -6.0}}
+    instruct = {
+        "prompts": str(prompts),
+        "eval_fraction": 0.25,
+        "prompts_per_shard": 2,
+        "generate": {"max_new_tokens": 10, "temperature": 0.7, "n": 2, "seed": 5, "batch_size": 4},
+        "select": {"drop_truncated": False, "min_tokens": 3, "min_mean_logprob": -6.0},
+    }
     job = tiny_job(
-        tmp_path, tmp_path / "sft", name="instruct", train={"max_steps": 12, "seed": 2}, optim=INSTRUCT_OPTIM,
-        data={"path": str(tmp_path / "sft"), "shard_samples": 16, "prefetch_steps": 4}, eval={"interval": 6, "batches": 1},
+        tmp_path,
+        tmp_path / "sft",
+        name="instruct",
+        train={"max_steps": 12, "seed": 2},
+        optim=INSTRUCT_OPTIM,
+        data={"path": str(tmp_path / "sft"), "shard_samples": 16, "prefetch_steps": 4},
+        eval={"interval": 6, "batches": 1},
         distill={"teachers": teachers, "top_k": 4, "ce_weight": 1.0, "kd_weight": 1.0, "instruct": instruct},
     )
     return with_sections(job, sections)
@@ -319,16 +348,24 @@ def multinode(tiny_corpus, tiny_dataset, second_dataset, tmp_path_factory):
     placement = tiny_job(tmp_path, tiny_dataset, name="placement", parallel={"dp": 2, "tp": 2}, train={"max_steps": 3}, checkpoint={"interval": 3})
     mixture = [{"path": str(path), "weight": weight} for path, weight in zip((tiny_dataset, second_dataset), MIXTURE_WEIGHTS)]
     elastic = tiny_job(
-        tmp_path, tiny_dataset, train={"max_steps": MULTINODE_STEPS}, optim={"decay_steps": MULTINODE_STEPS}, checkpoint={"interval": 10},
+        tmp_path,
+        tiny_dataset,
+        train={"max_steps": MULTINODE_STEPS},
+        optim={"decay_steps": MULTINODE_STEPS},
+        checkpoint={"interval": 10},
         data={"path": None, "sources": mixture, "prefetch_steps": 4, "record_sample_ids": True},
         resources={"cpus_per_worker": 2},
         # A loaded machine may notice a node's death late, so a first restart can land on it and fail too.
         fault_tolerance={"max_failures": 3, "backoff_s": 0.1},
         elastic={"min_dp": 1, "max_dp": 2},
     )
-    prepare = {"source": str(tiny_corpus), "out": str(tmp_path / "prepared"), "seq_len": 32, "tokenizer": str(tiny_dataset / "tokenizer.json"),
-               "eval_fraction": 0.1}
+    prepare = {
+        "source": str(tiny_corpus),
+        "out": str(tmp_path / "prepared"),
+        "seq_len": 32,
+        "tokenizer": str(tiny_dataset / "tokenizer.json"),
+        "eval_fraction": 0.1,
+    }
     scenarios = {"prepare": prepare, "placement": placement, "elastic": elastic, "spared_steps": SPARED_STEPS}
     results = run_script(REPO / "tests" / "multinode_scenarios.py", scenarios, tmp_path, timeout_s=MULTINODE_SCRIPT_S)
     return results, tmp_path / "runs"
-

@@ -39,8 +39,16 @@ def make_hf_model(out: Path, layout: str, tokenizer_dir: Path, seed: int = 0):
 
     eos = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).token_to_id(EOS_TOKEN)
     config = LlamaConfig(
-        hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, vocab_size=VOCAB,
-        max_position_embeddings=128, rope_theta=5000.0, rms_norm_eps=1e-5, bos_token_id=eos, eos_token_id=eos,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        vocab_size=VOCAB,
+        max_position_embeddings=128,
+        rope_theta=5000.0,
+        rms_norm_eps=1e-5,
+        bos_token_id=eos,
+        eos_token_id=eos,
         initializer_range=0.1,  # wider than the default: logits that a rounding error cannot reorder
         **LAYOUTS[layout],
     )

@@ -32,11 +32,17 @@ IDLE_WORKERS_PER_NODE = 16
 def start_cluster(worker_nodes: int, cpus_per_node: int) -> tuple[Cluster, list]:
     """A 1-CPU head (the driver, controller and Ray Data's reads) plus worker nodes,
     joined by this process."""
-    cluster = Cluster(initialize_head=True, head_node_args={
-        # Ray 2.60 starts its API server even without the dashboard: on a port of its own.
-        "num_cpus": 1, "gcs_server_port": free_port(), "include_dashboard": False, "dashboard_port": free_port(),
-        "_system_config": {"num_workers_soft_limit": IDLE_WORKERS_PER_NODE},
-    })
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            # Ray 2.60 starts its API server even without the dashboard: on a port of its own.
+            "num_cpus": 1,
+            "gcs_server_port": free_port(),
+            "include_dashboard": False,
+            "dashboard_port": free_port(),
+            "_system_config": {"num_workers_soft_limit": IDLE_WORKERS_PER_NODE},
+        },
+    )
     nodes = [cluster.add_node(num_cpus=cpus_per_node) for _ in range(worker_nodes)]
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False, logging_level=logging.WARNING)
@@ -48,8 +54,15 @@ def run_script(script: Path, job: dict, workdir: Path, timeout_s: float = 600) -
     to RESULT.json (not stdout: Ray's own log lines land there too)."""
     job_file, result_file = workdir / "job.json", workdir / "result.json"
     job_file.write_text(json.dumps(job))
-    proc = subprocess.Popen([sys.executable, str(script), str(job_file), str(result_file)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=os.environ | {"OMP_NUM_THREADS": "1"}, start_new_session=True, cwd=script.parent)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(job_file), str(result_file)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=os.environ | {"OMP_NUM_THREADS": "1"},
+        start_new_session=True,
+        cwd=script.parent,
+    )
     try:
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:

@@ -32,11 +32,10 @@ from ray.util.placement_group import placement_group, placement_group_table, rem
 TESTS = Path(__file__).parent
 sys.path[:0] = [str(TESTS), str(TESTS / "chaos")]
 from chaos import events, reached_step, recorded_event, wait_until  # noqa: E402
-from multinode import start_cluster  # noqa: E402
-
 from lmforge import sdk  # noqa: E402
 from lmforge.data.prepare import PrepareOptions, prepare_dataset  # noqa: E402
 from lmforge.spec import spec_from_dict  # noqa: E402
+from multinode import start_cluster  # noqa: E402
 
 
 def in_background(job: dict) -> tuple[threading.Thread, dict]:
@@ -60,9 +59,14 @@ def through_cli(job: dict, address: str) -> tuple[threading.Thread, dict]:
     outcome: dict = {}
 
     def run():
-        done = subprocess.run([sys.executable, "-m", "lmforge", "train", str(job_file), "--json", "--address", address],
-                              capture_output=True, text=True, env=os.environ | {"OMP_NUM_THREADS": "1"}, timeout=600)
-        summary = json.loads(done.stdout[done.stdout.index("{"):]) if done.returncode == 0 and "{" in done.stdout else {}
+        done = subprocess.run(
+            [sys.executable, "-m", "lmforge", "train", str(job_file), "--json", "--address", address],
+            capture_output=True,
+            text=True,
+            env=os.environ | {"OMP_NUM_THREADS": "1"},
+            timeout=600,
+        )
+        summary = json.loads(done.stdout[done.stdout.index("{") :]) if done.returncode == 0 and "{" in done.stdout else {}
         outcome["summary"] = summary | {"exit_code": done.returncode, "stderr": done.stderr}
 
     thread = threading.Thread(target=run)
@@ -102,8 +106,12 @@ def spared(cluster, job: dict, steps: int) -> dict:
     cluster.add_node(num_cpus=2)
     cluster.wait_for_nodes()
     # A shorter run of the same schedule: no node comes back here, so it need not wait for one.
-    job = job | {"name": "spared", "fault_tolerance": job["fault_tolerance"] | {"spares": 1}, "train": job["train"] | {"max_steps": steps},
-                 "checkpoint": job["checkpoint"] | {"in_memory": True, "memory_interval": 1}}
+    job = job | {
+        "name": "spared",
+        "fault_tolerance": job["fault_tolerance"] | {"spares": 1},
+        "train": job["train"] | {"max_steps": steps},
+        "checkpoint": job["checkpoint"] | {"in_memory": True, "memory_interval": 1},
+    }
     job.pop("elastic")
     run_dir = Path(job["output_dir"]) / job["name"]
     thread, outcome = in_background(job)

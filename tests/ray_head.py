@@ -45,8 +45,11 @@ def ray_head(log_dir: Path, num_cpus: int = 4):
     temp_dir.mkdir()
     token_path.write_text(uuid.uuid4().hex)
     env = os.environ | {
-        "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_path), "RAY_TMPDIR": str(temp_dir),
-        "PATH": f"{BIN}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1",
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN_PATH": str(token_path),
+        "RAY_TMPDIR": str(temp_dir),
+        "PATH": f"{BIN}:{os.environ['PATH']}",
+        "OMP_NUM_THREADS": "1",
     }
     env.pop("RAY_ADDRESS", None)
     gcs, dash, agent, agent_grpc, metrics, rt_env, client, nm, om = free_ports(9)
@@ -54,17 +57,32 @@ def ray_head(log_dir: Path, num_cpus: int = 4):
     while any(lo <= port <= lo + 200 for port in (gcs, dash, agent, agent_grpc, metrics, rt_env, client, nm, om)):
         lo += 211  # the worker port range must not hold a port given to another component
     cmd = [
-        str(BIN / "ray"), "start", "--head", "--block", "--disable-usage-stats", f"--num-cpus={num_cpus}",
-        f"--port={gcs}", f"--dashboard-port={dash}", "--dashboard-host=127.0.0.1", "--include-dashboard=true",
-        f"--dashboard-agent-listen-port={agent}", f"--dashboard-agent-grpc-port={agent_grpc}",
-        f"--metrics-export-port={metrics}", f"--runtime-env-agent-port={rt_env}",
-        f"--ray-client-server-port={client}", f"--node-manager-port={nm}", f"--object-manager-port={om}",
-        f"--min-worker-port={lo}", f"--max-worker-port={lo + 200}", f"--temp-dir={temp_dir}",
+        str(BIN / "ray"),
+        "start",
+        "--head",
+        "--block",
+        "--disable-usage-stats",
+        f"--num-cpus={num_cpus}",
+        f"--port={gcs}",
+        f"--dashboard-port={dash}",
+        "--dashboard-host=127.0.0.1",
+        "--include-dashboard=true",
+        f"--dashboard-agent-listen-port={agent}",
+        f"--dashboard-agent-grpc-port={agent_grpc}",
+        f"--metrics-export-port={metrics}",
+        f"--runtime-env-agent-port={rt_env}",
+        f"--ray-client-server-port={client}",
+        f"--node-manager-port={nm}",
+        f"--object-manager-port={om}",
+        f"--min-worker-port={lo}",
+        f"--max-worker-port={lo + 200}",
+        f"--temp-dir={temp_dir}",
     ]
     log = log_dir / "head.log"
     # Metrics reach the node's exporter every 10 s by default; tests scrape sooner.
-    head = subprocess.Popen(cmd, env=env | {"RAY_metrics_report_interval_ms": "1000"}, start_new_session=True,
-                            stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    head = subprocess.Popen(
+        cmd, env=env | {"RAY_metrics_report_interval_ms": "1000"}, start_new_session=True, stdout=open(log, "w"), stderr=subprocess.STDOUT
+    )
     address = f"http://127.0.0.1:{dash}"
     try:
         wait_for_job_api(address, token_path.read_text(), head, log)

@@ -19,7 +19,6 @@ import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
-
 BUCKET = "lmforge-tests"
 
 
@@ -53,8 +52,13 @@ def s3_server(log: Path, endpoint: str = "", deny_all: bool = False):
     port = endpoint.rsplit(":", 1)[1]
     env = os.environ | ({"INITIAL_NO_AUTH_ACTION_COUNT": "0"} if deny_all else {})
     with open(log, "wb") as out:
-        server = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", port],
-                                  stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        server = subprocess.Popen(
+            [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", port],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=env,
+        )
     try:
         deadline = time.time() + 30
         while True:
@@ -65,7 +69,7 @@ def s3_server(log: Path, endpoint: str = "", deny_all: bool = False):
                 break  # it answers (a server checking credentials refuses the anonymous probe)
             except OSError:
                 if time.time() > deadline or server.poll() is not None:
-                    raise RuntimeError(f"moto's S3 server did not start; see {log}")
+                    raise RuntimeError(f"moto's S3 server did not start; see {log}") from None
                 time.sleep(0.2)
         import fsspec
 

@@ -62,13 +62,19 @@ def _parser() -> argparse.ArgumentParser:
     stages.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
 
     export = sub.add_parser("export", help="write a model directory (config.json, model.safetensors, tokenizer) from a checkpoint")
-    export.add_argument("checkpoint", help="a committed step directory (e.g. runs/NAME/checkpoints/step_00000100), an lmforge export or a Hugging Face Llama directory")
+    export.add_argument(
+        "checkpoint",
+        help="a committed step directory (e.g. runs/NAME/checkpoints/step_00000100), an lmforge export or a Hugging Face Llama directory",
+    )
     export.add_argument("--out", required=True, help="new directory to write (usable as model.init_from)")
     export.add_argument("--format", default="lmforge", help="lmforge (default) or hf: a directory transformers loads with no custom code")
     export.add_argument("--dtype", default="fp32", help="fp32 (default), bf16 or fp16")
     export.add_argument("--tokenizer", help="tokenizer.json to ship (default: the dataset's the checkpoint was trained on)")
-    export.add_argument("--register", action="store_true",
-                        help="do not log the export to the checkpoint's MLflow run nor register it as a model version (default: do, when it has one)")
+    export.add_argument(
+        "--register",
+        action="store_true",
+        help="do not log the export to the checkpoint's MLflow run nor register it as a model version (default: do, when it has one)",
+    )
 
     gen = sub.add_parser("generate", help="generate text from a model: a checkpoint, an lmforge export or a Hugging Face directory")
     gen.add_argument("model", help="a committed step directory, an lmforge export or a Hugging Face Llama directory")
@@ -85,7 +91,9 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="fp32", help="fp32 (default), bf16 or fp16")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt: text, tokens, logprobs, finish_reason")
 
-    quant = sub.add_parser("quantize", help="weight-only int8 or int4 quantization of a model's Linear layers (torchao), with its perplexity and size against the source")
+    quant = sub.add_parser(
+        "quantize", help="weight-only int8 or int4 quantization of a model's Linear layers (torchao), with its perplexity and size against the source"
+    )
     quant.add_argument("model", help="an lmforge export, a Hugging Face Llama directory or a committed step directory")
     quant.add_argument("--method", required=True, help="int8 (per output channel) or int4 (group-wise)")
     quant.add_argument("--group-size", type=int, default=128, help="int4: weights per scale and zero point (32, 64, 128 or 256; default 128)")
@@ -121,10 +129,12 @@ def _parser() -> argparse.ArgumentParser:
 
     evaluate = sub.add_parser("eval", help="evaluation commands").add_subparsers(dest="eval_command", required=True)
     judge = evaluate.add_parser("judge", help="pairwise LLM-as-judge of two OpenAI-compatible models, each pair judged in both orders")
-    judge.add_argument("--a", required=True, help="model A: an OpenAI-compatible base URL (http://host:port/v1, optionally URL#model) or a model directory")
+    judge.add_argument(
+        "--a", required=True, help="model A: an OpenAI-compatible base URL (http://host:port/v1, optionally URL#model) or a model directory"
+    )
     judge.add_argument("--b", required=True, help="model B: as --a")
     judge.add_argument("--judge", required=True, help="the judge: as --a (any OpenAI-compatible chat model)")
-    judge.add_argument("--prompts", required=True, help="JSONL file: one {\"prompt\": ...} (or {\"messages\": [...]}) per line")
+    judge.add_argument("--prompts", required=True, help='JSONL file: one {"prompt": ...} (or {"messages": [...]}) per line')
     judge.add_argument("--out", required=True, help="directory for report.json and judgments.jsonl")
     judge.add_argument("--max-tokens", type=int, default=256, help="answer length for A and B (default 256)")
     judge.add_argument("--judge-max-tokens", type=int, default=512)
@@ -139,7 +149,10 @@ def _parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="per-rank memory breakdown of a job, and the layouts that fit a cluster")
     plan.add_argument("job", help="job YAML file")
     plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    plan.add_argument("--cluster", help='devices to plan for, e.g. "nodes=4,gpus_per_node=8,gpu_mem=80GB" (--search: default, the job\'s world size in 8 x 80 GB nodes)')
+    plan.add_argument(
+        "--cluster",
+        help='devices to plan for, e.g. "nodes=4,gpus_per_node=8,gpu_mem=80GB" (--search: default, the job\'s world size in 8 x 80 GB nodes)',
+    )
     plan.add_argument("--search", action="store_true", help="rank the layouts that fit the cluster by a step-time model")
     plan.add_argument("--top", type=int, default=5, help="--search: how many layouts to show (default 5)")
     plan.add_argument("--chart", help="PNG bar chart to write (default <output_dir>/<name>/memory-plan.png)")
@@ -163,18 +176,34 @@ def _prepare_options(args):
         if not spec.data.source:
             raise UserError(f"{args.job}: data.source is not set; nothing to prepare")
         return PrepareOptions.for_job(
-            spec, source=args.source, out=args.out, seq_len=args.seq_len, tokenizer=args.tokenizer, text_column=args.text_column,
-            eval_fraction=args.eval_fraction, eval_source=args.eval_source, shard_samples=args.shard_samples, vocab_size=args.vocab_size,
-            show_progress=not args.no_progress, names=_typed_flags(args),
+            spec,
+            source=args.source,
+            out=args.out,
+            seq_len=args.seq_len,
+            tokenizer=args.tokenizer,
+            text_column=args.text_column,
+            eval_fraction=args.eval_fraction,
+            eval_source=args.eval_source,
+            shard_samples=args.shard_samples,
+            vocab_size=args.vocab_size,
+            show_progress=not args.no_progress,
+            names=_typed_flags(args),
         )
     missing = [flag for flag, value in (("--source", args.source), ("--out", args.out), ("--seq-len", args.seq_len)) if value is None]
     if missing:
         raise UserError(f"data prepare: give a job file or {', '.join(missing)}")
     return PrepareOptions(
-        source=args.source, out=args.out, seq_len=args.seq_len, tokenizer=args.tokenizer,
-        vocab_size=8192 if args.vocab_size is None else args.vocab_size, text_column=args.text_column or "text",
+        source=args.source,
+        out=args.out,
+        seq_len=args.seq_len,
+        tokenizer=args.tokenizer,
+        vocab_size=8192 if args.vocab_size is None else args.vocab_size,
+        text_column=args.text_column or "text",
         shard_samples=2048 if args.shard_samples is None else args.shard_samples,
-        eval_fraction=args.eval_fraction or 0.0, eval_source=args.eval_source, show_progress=not args.no_progress, names=_typed_flags(args, every=True),
+        eval_fraction=args.eval_fraction or 0.0,
+        eval_source=args.eval_source,
+        show_progress=not args.no_progress,
+        names=_typed_flags(args, every=True),
     )
 
 
@@ -224,15 +253,20 @@ def _cmd_train(args) -> int:
         print(json.dumps(summary, indent=2))
         return 0
     lines = [
-        f"done: {spec.name} reached step {summary['final_step']}, loss {summary['final_loss']:.4f}" if summary["final_loss"] is not None else f"done: {spec.name} already at step {summary['final_step']}",
+        f"done: {spec.name} reached step {summary['final_step']}, loss {summary['final_loss']:.4f}"
+        if summary["final_loss"] is not None
+        else f"done: {spec.name} already at step {summary['final_step']}",
         f"  run directory : {summary['run_dir']}",
         f"  checkpoints   : {summary['latest_checkpoint']}",
     ]
     if summary["mlflow_run_id"]:
         lines += [
             f"  MLflow run    : {summary['mlflow_run_id']} ({summary['mlflow_tracking_uri']})",
-            *([f"  MLflow job run: {summary['mlflow_parent_run_id']} (its stages' runs nested: cache or generate, train, evaluation)"]
-              if summary.get("mlflow_parent_run_id") else []),
+            *(
+                [f"  MLflow job run: {summary['mlflow_parent_run_id']} (its stages' runs nested: cache or generate, train, evaluation)"]
+                if summary.get("mlflow_parent_run_id")
+                else []
+            ),
             f"  open the UI   : mlflow ui --backend-store-uri {summary['mlflow_tracking_uri']}",
         ]
     print("\n".join(lines))
@@ -272,16 +306,21 @@ def _cmd_distill(args) -> int:
         manifest = sdk.generate_answers(spec, address=args.address, show_progress=not args.no_progress)
         counts = manifest["instruct"]["counts"]
         dropped = ", ".join(f"{n} {rule.replace('_', ' ')}" for rule, n in counts["dropped"].items() if n) or "none"
-        print(f"{counts['prompts']:,} prompts ({counts['prompt_too_long']:,} too long), {counts['answers']:,} answers, kept {counts['kept']:,} "
-              f"(dropped: {dropped}); {manifest['num_samples']:,} training samples, {manifest.get('eval', {}).get('num_samples', 0):,} held out; "
-              f"{manifest['seconds']} s -> {spec.with_absolute_paths().data.path}", file=sys.stderr)
+        print(
+            f"{counts['prompts']:,} prompts ({counts['prompt_too_long']:,} too long), {counts['answers']:,} answers, kept {counts['kept']:,} "
+            f"(dropped: {dropped}); {manifest['num_samples']:,} training samples, {manifest.get('eval', {}).get('num_samples', 0):,} held out; "
+            f"{manifest['seconds']} s -> {spec.with_absolute_paths().data.path}",
+            file=sys.stderr,
+        )
         return 0
     manifest = sdk.build_cache(spec, address=args.address, show_progress=not args.no_progress)
     tokens = manifest["dataset"]["num_samples"] * manifest["dataset"]["seq_len"]
-    print(f"cached the teacher's top {manifest['k']} at temperature {manifest['temperature']:g} for {tokens:,} tokens "
-          f"({manifest['dataset']['eval_samples']:,} held-out samples too): {manifest['bytes_per_token']:g} bytes per token, "
-          f"dense bf16 logits {manifest['dense_bf16_bytes_per_token']:,}; {manifest['seconds']} s -> {spec.with_absolute_paths().distill.cache}",
-          file=sys.stderr)
+    print(
+        f"cached the teacher's top {manifest['k']} at temperature {manifest['temperature']:g} for {tokens:,} tokens "
+        f"({manifest['dataset']['eval_samples']:,} held-out samples too): {manifest['bytes_per_token']:g} bytes per token, "
+        f"dense bf16 logits {manifest['dense_bf16_bytes_per_token']:,}; {manifest['seconds']} s -> {spec.with_absolute_paths().distill.cache}",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -290,15 +329,20 @@ def _cmd_export(args) -> int:
 
     result = sdk.export(args.checkpoint, args.out, format=args.format, dtype=args.dtype, tokenizer=args.tokenizer, register=args.register)
     what = f"step {result['step']}" if result["step"] is not None else f"a {result['from']} model"
-    print(f"exported {what} as {result['format']} {args.dtype} ({result['parameters']:,} parameters"
-          f"{', with its tokenizer' if result['tokenizer'] else ', no tokenizer'}) -> {result['out']}", file=sys.stderr)
+    print(
+        f"exported {what} as {result['format']} {args.dtype} ({result['parameters']:,} parameters"
+        f"{', with its tokenizer' if result['tokenizer'] else ', no tokenizer'}) -> {result['out']}",
+        file=sys.stderr,
+    )
     if result.get("registered"):
         registered = result["registered"]
         print(f"registered in MLflow as {registered['name']} version {registered['version']} (run {registered['run_id']})", file=sys.stderr)
     return 0
 
 
-GENERATE_FLAGS = {key: "--" + key.replace("_", "-") for key in ("max_new_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "seed", "stop", "prompt")}
+GENERATE_FLAGS = {
+    key: "--" + key.replace("_", "-") for key in ("max_new_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "seed", "stop", "prompt")
+}
 
 
 def _cmd_generate(args) -> int:
@@ -307,8 +351,13 @@ def _cmd_generate(args) -> int:
     from lmforge.serve.quantize import load_generator
 
     params = SamplingParams(
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-        repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+        stop=args.stop,
     )
     params.check(GENERATE_FLAGS)  # before the model loads
     generator = load_generator(args.model, args.device or default_device(), args.dtype, args.tokenizer)
@@ -324,22 +373,37 @@ def _cmd_generate(args) -> int:
 def _cmd_quantize(args) -> int:
     from lmforge.serve.quantize_run import QuantizeOptions, quantize_model
 
-    opts = QuantizeOptions(model=args.model, method=args.method, out=args.out, group_size=args.group_size, eval_data=args.eval_data,
-                           eval_samples=args.eval_samples, tokenizer=args.tokenizer, tracking_uri=args.tracking_uri, tracking=not args.no_tracking)
+    opts = QuantizeOptions(
+        model=args.model,
+        method=args.method,
+        out=args.out,
+        group_size=args.group_size,
+        eval_data=args.eval_data,
+        eval_samples=args.eval_samples,
+        tokenizer=args.tokenizer,
+        tracking_uri=args.tracking_uri,
+        tracking=not args.no_tracking,
+    )
     opts.check()  # before torch loads the model
     report = quantize_model(opts, say=lambda line: print(line, file=sys.stderr))
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    print("\n".join([
-        f"quantized {args.model} to {report['method']}" + (f" (group {report['group_size']})" if report["group_size"] else "") + f" -> {args.out}",
-        f"  with          : {report['library']}",
-        f"  Linear weights: {report['linear_bytes']:,} bytes, {report['linear_ratio_vs_bf16']:.3f}x bf16 ({report['linear_bytes_bf16']:,})",
-        f"  whole model   : {report['model_bytes']:,} bytes, {report['model_ratio_vs_bf16']:.3f}x bf16 ({report['model_bytes_bf16']:,})",
-        f"  perplexity    : {report['quantized_perplexity']:.4f} against {report['source_perplexity']:.4f} unquantized "
-        f"({100 * (report['perplexity_ratio'] - 1):+.2f}%), {report['eval_samples']} held-out samples of {report['eval_data']}",
-        *([f"  MLflow run    : {report['mlflow_run_id']} ({report['mlflow_tracking_uri']})"] if report.get("mlflow_run_id") else []),
-    ]))
+    print(
+        "\n".join(
+            [
+                f"quantized {args.model} to {report['method']}"
+                + (f" (group {report['group_size']})" if report["group_size"] else "")
+                + f" -> {args.out}",
+                f"  with          : {report['library']}",
+                f"  Linear weights: {report['linear_bytes']:,} bytes, {report['linear_ratio_vs_bf16']:.3f}x bf16 ({report['linear_bytes_bf16']:,})",
+                f"  whole model   : {report['model_bytes']:,} bytes, {report['model_ratio_vs_bf16']:.3f}x bf16 ({report['model_bytes_bf16']:,})",
+                f"  perplexity    : {report['quantized_perplexity']:.4f} against {report['source_perplexity']:.4f} unquantized "
+                f"({100 * (report['perplexity_ratio'] - 1):+.2f}%), {report['eval_samples']} held-out samples of {report['eval_data']}",
+                *([f"  MLflow run    : {report['mlflow_run_id']} ({report['mlflow_tracking_uri']})"] if report.get("mlflow_run_id") else []),
+            ]
+        )
+    )
     return 0
 
 
@@ -373,15 +437,25 @@ def _serve_options(args):
         raise UserError(f"MODEL: {args.model} does not exist")
     key = args.api_key or os.environ.get("LMFORGE_API_KEY")
     name = args.name or Path(args.model).resolve().name
-    return ServerOptions(model=str(Path(args.model).resolve()), name=name, batching=args.batching, max_running=args.max_running,
-                         max_waiting=args.max_waiting, max_n=args.max_n, cache_size=args.cache_size, api_key_sha256=key_digest(key) if key else None,
-                         device=args.device, tokenizer=args.tokenizer, threads=args.threads,
-                         chat_template=str(Path(args.chat_template).resolve()) if args.chat_template else None)
+    return ServerOptions(
+        model=str(Path(args.model).resolve()),
+        name=name,
+        batching=args.batching,
+        max_running=args.max_running,
+        max_waiting=args.max_waiting,
+        max_n=args.max_n,
+        cache_size=args.cache_size,
+        api_key_sha256=key_digest(key) if key else None,
+        device=args.device,
+        tokenizer=args.tokenizer,
+        threads=args.threads,
+        chat_template=str(Path(args.chat_template).resolve()) if args.chat_template else None,
+    )
 
 
 def _cmd_serve(args) -> int:
     options = _serve_options(args)
-    from lmforge.cluster.runtime import embedded_resources
+    from lmforge.ray_runtime import embedded_resources
     from lmforge.serve.app import check_cpus, check_model, check_port, serve_model
 
     check_port(args.host, args.port, args.address)
@@ -389,26 +463,49 @@ def _cmd_serve(args) -> int:
     check_cpus(args.cpus_per_replica, embedded["CPU"] if embedded else None)
     check_model(args.model, args.tokenizer)  # as the user typed it, for messages
     replicas = args.replicas if args.replicas == "auto" else int(args.replicas)
-    serve_model(options, args.host, args.port, replicas, args.cpus_per_replica, args.address, args.route_prefix,
-                args.app_name or options.name, say=lambda line: print(line, file=sys.stderr, flush=True))
+    serve_model(
+        options,
+        args.host,
+        args.port,
+        replicas,
+        args.cpus_per_replica,
+        args.address,
+        args.route_prefix,
+        args.app_name or options.name,
+        say=lambda line: print(line, file=sys.stderr, flush=True),
+    )
     return 0
 
 
 def _cmd_eval(args) -> int:
     from lmforge.serve.judge import JudgeOptions, run_judge
 
-    opts = JudgeOptions(a=args.a, b=args.b, judge=args.judge, prompts=args.prompts, out=args.out, max_tokens=args.max_tokens,
-                        judge_max_tokens=args.judge_max_tokens, concurrency=args.concurrency,
-                        keys={"a": args.a_key or os.environ.get("LMFORGE_JUDGE_A_KEY"), "b": args.b_key or os.environ.get("LMFORGE_JUDGE_B_KEY"),
-                              "judge": args.judge_key or os.environ.get("OPENAI_API_KEY")},
-                        tracking_uri=args.tracking_uri, tracking=not args.no_tracking)
+    opts = JudgeOptions(
+        a=args.a,
+        b=args.b,
+        judge=args.judge,
+        prompts=args.prompts,
+        out=args.out,
+        max_tokens=args.max_tokens,
+        judge_max_tokens=args.judge_max_tokens,
+        concurrency=args.concurrency,
+        keys={
+            "a": args.a_key or os.environ.get("LMFORGE_JUDGE_A_KEY"),
+            "b": args.b_key or os.environ.get("LMFORGE_JUDGE_B_KEY"),
+            "judge": args.judge_key or os.environ.get("OPENAI_API_KEY"),
+        },
+        tracking_uri=args.tracking_uri,
+        tracking=not args.no_tracking,
+    )
     report = run_judge(opts, say=lambda line: print(line, file=sys.stderr, flush=True))
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
     rates = report["rates"]
-    print(f"judged {report['prompts']} prompts in both orders: A wins {rates['win']:.1%}, loses {rates['loss']:.1%}, "
-          f"ties {rates['tie']:.1%}, inconsistent {rates['inconsistent']:.1%} ({report['unparsable']} unparsable verdicts) -> {args.out}")
+    print(
+        f"judged {report['prompts']} prompts in both orders: A wins {rates['win']:.1%}, loses {rates['loss']:.1%}, "
+        f"ties {rates['tie']:.1%}, inconsistent {rates['inconsistent']:.1%} ({report['unparsable']} unparsable verdicts) -> {args.out}"
+    )
     return 0
 
 
@@ -428,8 +525,17 @@ def main(argv: list[str] | None = None) -> int:
 
             print(__version__)
             return 0
-        commands = {"data": _cmd_prepare, "distill": _cmd_distill, "eval": _cmd_eval, "export": _cmd_export, "generate": _cmd_generate,
-                    "plan": _cmd_plan, "quantize": _cmd_quantize, "serve": _cmd_serve, "train": _cmd_train}
+        commands = {
+            "data": _cmd_prepare,
+            "distill": _cmd_distill,
+            "eval": _cmd_eval,
+            "export": _cmd_export,
+            "generate": _cmd_generate,
+            "plan": _cmd_plan,
+            "quantize": _cmd_quantize,
+            "serve": _cmd_serve,
+            "train": _cmd_train,
+        }
         if args.command in JOB_COMMANDS:
             from lmforge.jobs.commands import run
 

@@ -12,8 +12,11 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 REDACTED = "***"
 # A field or query parameter named like a secret: `password`, `api_key`, `comet.api_key`,
 # `aws_secret_access_key`, `auth_token` (but not `tokenizer` or `max_tokens`).
-SECRET_NAME = re.compile(r"(^|[_.-])(password|passwd|pwd|secret|secret[_-]access[_-]key|token|api[_-]?key|apikey|credentials?|"
-                         r"private[_-]?key|signature|sig)$", re.I)
+SECRET_NAME = re.compile(
+    r"(^|[_.-])(password|passwd|pwd|secret|secret[_-]access[_-]key|token|api[_-]?key|apikey|credentials?|"
+    r"private[_-]?key|signature|sig)$",
+    re.I,
+)
 
 
 def is_secret_name(name: str) -> bool:

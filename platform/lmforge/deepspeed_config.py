@@ -17,22 +17,67 @@ from typing import Any
 from lmforge.jsonfile import read_object
 
 # DeepSpeed's top-level config keys (each is read somewhere in deepspeed 0.19).
-KNOWN_KEYS = frozenset({
-    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-    "optimizer", "scheduler", "fp16", "bf16", "bfloat16", "amp", "torch_autocast",
-    "gradient_clipping", "prescale_gradients", "gradient_predivide_factor",
-    "communication_data_type", "seq_parallel_communication_data_type", "sparse_gradients",
-    "zero_optimization", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
-    "aio", "steps_per_print", "wall_clock_breakdown", "dump_state", "memory_breakdown",
-    "flops_profiler", "activation_checkpointing", "sparse_attention", "data_efficiency",
-    "curriculum_learning", "tensorboard", "wandb", "csv_monitor", "comet", "elasticity",
-    "autotuning", "checkpoint", "data_types", "compression_training", "pipeline",
-    "eigenvalue", "progressive_layer_drop", "quantize_training", "hybrid_engine", "nebula",
-    "weight_quantization", "compile", "dataloader_drop_last", "mics_shard_size",
-    "mics_hierarchical_params_gather", "graph_harvesting", "timers", "disable_allgather",
-    "use_data_before_expert_parallelism", "tensor_parallel", "sequence_parallel_size",
-    "expert_parallel", "zenflow",
-})
+KNOWN_KEYS = frozenset(
+    {
+        "train_batch_size",
+        "train_micro_batch_size_per_gpu",
+        "gradient_accumulation_steps",
+        "optimizer",
+        "scheduler",
+        "fp16",
+        "bf16",
+        "bfloat16",
+        "amp",
+        "torch_autocast",
+        "gradient_clipping",
+        "prescale_gradients",
+        "gradient_predivide_factor",
+        "communication_data_type",
+        "seq_parallel_communication_data_type",
+        "sparse_gradients",
+        "zero_optimization",
+        "zero_allow_untested_optimizer",
+        "zero_force_ds_cpu_optimizer",
+        "aio",
+        "steps_per_print",
+        "wall_clock_breakdown",
+        "dump_state",
+        "memory_breakdown",
+        "flops_profiler",
+        "activation_checkpointing",
+        "sparse_attention",
+        "data_efficiency",
+        "curriculum_learning",
+        "tensorboard",
+        "wandb",
+        "csv_monitor",
+        "comet",
+        "elasticity",
+        "autotuning",
+        "checkpoint",
+        "data_types",
+        "compression_training",
+        "pipeline",
+        "eigenvalue",
+        "progressive_layer_drop",
+        "quantize_training",
+        "hybrid_engine",
+        "nebula",
+        "weight_quantization",
+        "compile",
+        "dataloader_drop_last",
+        "mics_shard_size",
+        "mics_hierarchical_params_gather",
+        "graph_harvesting",
+        "timers",
+        "disable_allgather",
+        "use_data_before_expert_parallelism",
+        "tensor_parallel",
+        "sequence_parallel_size",
+        "expert_parallel",
+        "zenflow",
+    }
+)
 OFFLOAD_DEVICES = ("cpu", "nvme", "none")
 ADAM_TYPES = ("adam", "adamw")
 FIELD = "deepspeed.config"
@@ -172,4 +217,3 @@ def _zero(config: dict) -> None:
             raise ValueError(f"{where}.{kind}.nvme_path: offloading to nvme needs a path")
         if device != "none" and stage not in stages:
             raise ValueError(f"{where}.{kind}: needs stage {' or '.join(map(str, stages))}, not {stage}")
-

@@ -47,11 +47,16 @@ def member(obj: dict, key: str, kind: type | tuple[type, ...], where: str, defau
 
 
 def _kind(value: Any) -> str:
-    return {dict: "object", list: "list", str: "string", bool: "boolean", int: "number", float: "number", type(None): "null"}.get(type(value), "value")
+    return {dict: "object", list: "list", str: "string", bool: "boolean", int: "number", float: "number", type(None): "null"}.get(
+        type(value), "value"
+    )
 
 
 def _article(kind) -> str:
     kinds = kind if isinstance(kind, tuple) else (kind,)
-    return " or ".join({dict: "an object", list: "a list", str: "a string", int: "a whole number", float: "a number", bool: "a boolean",
-                        type(None): "null"}.get(k, k.__name__)
-                       for k in kinds)
+    return " or ".join(
+        {dict: "an object", list: "a list", str: "a string", int: "a whole number", float: "a number", bool: "a boolean", type(None): "null"}.get(
+            k, k.__name__
+        )
+        for k in kinds
+    )

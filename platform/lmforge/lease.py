@@ -30,8 +30,9 @@ TRIES = 3  # generations lost to a racing driver before giving up (each loss re-
 
 
 class JobLease:
-    def __init__(self, location: str | os.PathLike, job: str, lease_s: float = LEASE_S, heartbeat_s: float = HEARTBEAT_S,
-                 field: str = "checkpoint.dir"):
+    def __init__(
+        self, location: str | os.PathLike, job: str, lease_s: float = LEASE_S, heartbeat_s: float = HEARTBEAT_S, field: str = "checkpoint.dir"
+    ):
         self.location, self.job, self.field = str(location), job, field
         self.lease_s, self.heartbeat_s = lease_s, heartbeat_s
         self.fs, self.root = fsspec.core.url_to_fs(self.location, use_listings_cache=False)
@@ -77,8 +78,10 @@ class JobLease:
     def check(self) -> None:
         """Raise TrainingFailed once another driver has taken the job over."""
         if self.taken_by is not None:
-            raise TrainingFailed(f"the job's lease ({self.path}) was taken over by pid {self.taken_by.get('pid')} on "
-                                 f"{self.taken_by.get('host')} after this driver missed its heartbeats; that driver runs the job now")
+            raise TrainingFailed(
+                f"the job's lease ({self.path}) was taken over by pid {self.taken_by.get('pid')} on "
+                f"{self.taken_by.get('host')} after this driver missed its heartbeats; that driver runs the job now"
+            )
 
     def release(self) -> None:
         self._stop.set()
@@ -96,10 +99,13 @@ class JobLease:
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("started", 0)))
         who = f"pid {holder.get('pid')} on {holder.get('host')} (since {since}, heartbeat {time.time() - holder.get('heartbeat', 0):.0f}s ago)"
         if holder.get("job") == self.job:
-            return (f"name: job {self.job} is already being trained by {who}; lease in {self.location}; "
-                    f"wait for it to finish or stop it, or give this job another name")
-        return (f"{self.field}: {self.location} is in use by job {holder.get('job')}, trained by {who}; "
-                f"give this job a checkpoint directory of its own")
+            return (
+                f"name: job {self.job} is already being trained by {who}; lease in {self.location}; "
+                f"wait for it to finish or stop it, or give this job another name"
+            )
+        return (
+            f"{self.field}: {self.location} is in use by job {holder.get('job')}, trained by {who}; give this job a checkpoint directory of its own"
+        )
 
     def _file(self, generation: int) -> str:
         return f"{self.root.rstrip('/')}/{LEASE_PREFIX}{generation:08d}"
@@ -144,8 +150,16 @@ class JobLease:
         return True
 
     def _record(self) -> bytes:
-        return json.dumps({"job": self.job, "host": socket.gethostname(), "pid": os.getpid(), "started": self.started,
-                           "heartbeat": time.time(), "token": self.token}).encode()
+        return json.dumps(
+            {
+                "job": self.job,
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "started": self.started,
+                "heartbeat": time.time(),
+                "token": self.token,
+            }
+        ).encode()
 
     def _create(self, generation: int) -> bool:
         """Create generation `generation`'s file, whole, only if no one has: False when another did."""

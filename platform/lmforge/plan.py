@@ -13,17 +13,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from lmforge.checkpoint.export import open_source
 from lmforge.checkpoint.store import CheckpointStore, CheckpointUnreadable, CommittedCheckpoint
+from lmforge.data import storage
 from lmforge.data.columns import is_masked
 from lmforge.data.heldout import check_held_out
 from lmforge.data.identity import describe, order_changes, order_inputs
-from lmforge.data.precheck import check_before_ray
-from lmforge.data import storage
 from lmforge.data.mixture import is_mixture, mixture_manifest
+from lmforge.data.precheck import check_before_ray
 from lmforge.data.prepare import MANIFEST, PrepareOptions, has_manifest, read_manifest
 from lmforge.data.tokenizer import load_tokenizer
 from lmforge.distill.cache import read_cache
-from lmforge.checkpoint.export import open_source
 from lmforge.errors import UserError
 from lmforge.models.weights import open_model_dir
 from lmforge.planner.fit import check_fits
@@ -49,9 +49,7 @@ def check_dataset(spec: JobSpec, manifest: dict) -> None:
         raise UserError(f"train.seq_len: {spec.train.seq_len} does not match the dataset's seq_len {manifest['seq_len']} ({path})")
     vocab = manifest["tokenizer"]["vocab_size"]
     if vocab > spec.model_arch.vocab_size:
-        raise UserError(
-            f"model.vocab_size: {spec.model_arch.vocab_size} is smaller than the tokenizer's vocabulary ({vocab}) in {path}"
-        )
+        raise UserError(f"model.vocab_size: {spec.model_arch.vocab_size} is smaller than the tokenizer's vocabulary ({vocab}) in {path}")
     if manifest["num_samples"] < spec.train.global_batch:
         raise UserError(f"train.global_batch: {spec.train.global_batch} exceeds the dataset's {manifest['num_samples']} samples ({path})")
     if not is_mixture(manifest):
@@ -72,16 +70,20 @@ def check_fresh_start(spec: JobSpec, store: CheckpointStore) -> None:
         return
     steps = store.committed()
     if steps:
-        raise UserError(f"checkpoint.dir: {spec.checkpoint_dir} holds {len(steps)} committed checkpoints (steps {steps[0]}..{steps[-1]}) "
-                        "and checkpoint.resume is false: resume them (checkpoint.resume: true), give another checkpoint.dir, "
-                        "or set checkpoint.discard_existing: true to delete them")
+        raise UserError(
+            f"checkpoint.dir: {spec.checkpoint_dir} holds {len(steps)} committed checkpoints (steps {steps[0]}..{steps[-1]}) "
+            "and checkpoint.resume is false: resume them (checkpoint.resume: true), give another checkpoint.dir, "
+            "or set checkpoint.discard_existing: true to delete them"
+        )
 
 
 def check_resume(spec: JobSpec, ckpt: CommittedCheckpoint) -> None:
     saved_job = ckpt.state.get("job")
     if saved_job and saved_job != spec.name:
-        raise UserError(f"checkpoint.dir: {ckpt.path} was written by job {saved_job}, not {spec.name}; "
-                        "give this job a checkpoint directory of its own (or its init_from a checkpoint to start from)")
+        raise UserError(
+            f"checkpoint.dir: {ckpt.path} was written by job {saved_job}, not {spec.name}; "
+            "give this job a checkpoint directory of its own (or its init_from a checkpoint to start from)"
+        )
     saved_model = ckpt.state.get("model")
     if saved_model and saved_model != spec.model_arch.as_dict():
         changed = sorted(k for k in saved_model if saved_model.get(k) != spec.model_arch.as_dict().get(k))
@@ -105,8 +107,10 @@ def check_resume_order(spec: JobSpec, manifest: dict, ckpt: CommittedCheckpoint)
     changes = order_changes(ckpt.state.get("order", {}), order_inputs(spec, manifest))
     if changes and not spec.checkpoint.allow_data_change:
         key, (saved, now) = next(iter(changes.items()))
-        raise UserError(f"{describe(key, saved, now)} ({ckpt.path}); the data order would not continue exactly "
-                        "(checkpoint.allow_data_change: true resumes on the new order)")
+        raise UserError(
+            f"{describe(key, saved, now)} ({ckpt.path}); the data order would not continue exactly "
+            "(checkpoint.allow_data_change: true resumes on the new order)"
+        )
     return changes
 
 
@@ -124,8 +128,10 @@ def check_init_from(spec: JobSpec, manifest: Optional[dict]) -> None:
     dataset_tokenizer = _dataset_tokenizer(spec, manifest)
     if dataset_tokenizer and model_dir.tokenizer_file is not None:
         if _vocabulary(dataset_tokenizer) != _vocabulary(model_dir.tokenizer_file):
-            raise UserError(f"data.path: {spec.data.path or dataset_tokenizer} was tokenized with another vocabulary than model.init_from's "
-                            f"{model_dir.tokenizer_file}; prepare the dataset with data.tokenizer: {model_dir.tokenizer_file}")
+            raise UserError(
+                f"data.path: {spec.data.path or dataset_tokenizer} was tokenized with another vocabulary than model.init_from's "
+                f"{model_dir.tokenizer_file}; prepare the dataset with data.tokenizer: {model_dir.tokenizer_file}"
+            )
 
 
 def _dataset_tokenizer(spec: JobSpec, manifest: Optional[dict]) -> Optional[str]:
@@ -147,12 +153,15 @@ def check_distill(spec: JobSpec, manifest: Optional[dict]) -> None:
     if spec.distill.instruct is not None:
         check_instruct_dataset(spec, manifest)
     elif manifest is not None and is_masked(manifest) and spec.distill.hidden is not None:
-        raise UserError(f"distill.hidden: {spec.data.path} is an instruction dataset, whose loss mask hidden-state distillation does not take; "
-                        "distill its logits")
+        raise UserError(
+            f"distill.hidden: {spec.data.path} is an instruction dataset, whose loss mask hidden-state distillation does not take; distill its logits"
+        )
     if spec.distill.cache:
         if manifest is None:
-            raise UserError(f"distill.cache: {spec.data.path} is not prepared yet, so no cache can match it; "
-                            "prepare the data (lmforge data prepare JOB), then build the cache (lmforge distill cache JOB)")
+            raise UserError(
+                f"distill.cache: {spec.data.path} is not prepared yet, so no cache can match it; "
+                "prepare the data (lmforge data prepare JOB), then build the cache (lmforge distill cache JOB)"
+            )
         read_cache(spec, manifest)
 
 
@@ -161,8 +170,10 @@ def check_teachers(spec: JobSpec, manifest: Optional[dict], tokenizer=None) -> N
     distillation's), and splits as the student does."""
     dataset_tokenizer = tokenizer or _dataset_tokenizer(spec, manifest)
     if dataset_tokenizer is None:
-        raise UserError("data.tokenizer: not set, so preparing the data would train a new BPE, not the teacher's tokenizer; "
-                        "set it to the teacher's tokenizer.json")
+        raise UserError(
+            "data.tokenizer: not set, so preparing the data would train a new BPE, not the teacher's tokenizer; "
+            "set it to the teacher's tokenizer.json"
+        )
     vocabulary = _vocabulary(dataset_tokenizer)
     for number, source in enumerate(spec.distill.sources):
         name = "distill.teacher" if spec.distill.teacher else f"distill.teachers[{number}]"
@@ -171,17 +182,21 @@ def check_teachers(spec: JobSpec, manifest: Optional[dict], tokenizer=None) -> N
 
 def _check_teacher(spec: JobSpec, teacher, name: str, vocabulary: dict, dataset_tokenizer: str) -> None:
     if teacher.tokenizer_json is None:
-        raise UserError(f"{name}: {teacher.path} has no tokenizer to compare with the dataset's; teacher and student must share one "
-                        "(lmforge export --tokenizer ships one)")
+        raise UserError(
+            f"{name}: {teacher.path} has no tokenizer to compare with the dataset's; teacher and student must share one "
+            "(lmforge export --tokenizer ships one)"
+        )
     if _vocabulary(teacher.tokenizer()) != vocabulary:
         theirs = "the first teacher's" if not isinstance(dataset_tokenizer, (str, Path)) else f"the dataset's ({dataset_tokenizer})"
         raise UserError(f"{name}: its tokenizer ({teacher.path}) is not {theirs}; teacher and student must share one")
     tp = spec.parallel.tp
     online = spec.distill.online  # from a cache, or an instruction distillation's answers, no teacher is built, so none is split
     if online and tp > 1 and teacher.cfg.vocab_size != spec.model_arch.vocab_size:
-        raise UserError(f"{name}: its vocab_size {teacher.cfg.vocab_size} differs from model.vocab_size {spec.model_arch.vocab_size}; "
-                        "with parallel.tp > 1 an online teacher's vocabulary is split like the student's, so they must be equal "
-                        "(an offline cache, distill.cache, has no such limit)")
+        raise UserError(
+            f"{name}: its vocab_size {teacher.cfg.vocab_size} differs from model.vocab_size {spec.model_arch.vocab_size}; "
+            "with parallel.tp > 1 an online teacher's vocabulary is split like the student's, so they must be equal "
+            "(an offline cache, distill.cache, has no such limit)"
+        )
     if online and tp > 1 and (teacher.cfg.n_kv_heads % tp or teacher.cfg.n_heads % tp):
         raise UserError(f"{name}: its {teacher.cfg.n_heads} heads ({teacher.cfg.n_kv_heads} key/value) do not split over parallel.tp {tp}")
     if spec.distill.hidden is not None:
@@ -196,19 +211,27 @@ def check_instruct_dataset(spec: JobSpec, manifest: dict) -> None:
     KD term learns (the same k and temperature)."""
     made = manifest.get("instruct")
     if made is None:
-        raise UserError(f"data.path: {spec.data.path} is not an instruction dataset (no answers to learn); write one with "
-                        "`lmforge distill generate JOB` into another data.path")
+        raise UserError(
+            f"data.path: {spec.data.path} is not an instruction dataset (no answers to learn); write one with "
+            "`lmforge distill generate JOB` into another data.path"
+        )
     d = spec.distill
     if [(t["path"], t["weight"]) for t in made["teachers"]] != [(str(s.path), s.weight) for s in d.sources]:
-        raise UserError(f"data.path: {spec.data.path} holds answers of other teachers ({', '.join(t['path'] for t in made['teachers'])}); "
-                        "generate it again for this job's, or name those")
+        raise UserError(
+            f"data.path: {spec.data.path} holds answers of other teachers ({', '.join(t['path'] for t in made['teachers'])}); "
+            "generate it again for this job's, or name those"
+        )
     stored = made.get("soft_targets")
     if d.top_k and stored is None:
-        raise UserError(f"distill.top_k: {spec.data.path} holds no soft targets (it was generated without distill.top_k); "
-                        "generate it again with top_k, or remove top_k and set kd_weight: 0")
+        raise UserError(
+            f"distill.top_k: {spec.data.path} holds no soft targets (it was generated without distill.top_k); "
+            "generate it again with top_k, or remove top_k and set kd_weight: 0"
+        )
     if d.top_k and (stored["k"], stored["temperature"]) != (d.top_k, d.temperature):
-        raise UserError(f"distill.top_k: {spec.data.path} holds the teachers' top {stored['k']} at temperature {stored['temperature']:g}, "
-                        f"not top_k {d.top_k} at distill.temperature {d.temperature:g}; generate it again, or match them")
+        raise UserError(
+            f"distill.top_k: {spec.data.path} holds the teachers' top {stored['k']} at temperature {stored['temperature']:g}, "
+            f"not top_k {d.top_k} at distill.temperature {d.temperature:g}; generate it again, or match them"
+        )
 
 
 def check_deepspeed(spec: JobSpec) -> None:
@@ -243,8 +266,10 @@ def preflight(spec: JobSpec) -> Plan:
         manifest = read_manifest(spec.data.path)
         check_dataset(spec, manifest)
     elif spec.distill is not None and spec.distill.instruct is not None:
-        raise UserError(f"data.path: {spec.data.path} holds no instruction dataset yet; write it with `lmforge distill generate JOB` "
-                        "(the teachers answer distill.instruct.prompts)")
+        raise UserError(
+            f"data.path: {spec.data.path} holds no instruction dataset yet; write it with `lmforge distill generate JOB` "
+            "(the teachers answer distill.instruct.prompts)"
+        )
     elif spec.data.source is None:
         raise UserError(f"data.path: {spec.data.path} holds no prepared dataset and data.source is not set")
     else:
@@ -252,9 +277,7 @@ def preflight(spec: JobSpec) -> Plan:
         if spec.eval is not None and not (spec.data.eval_fraction or spec.eval.source):
             raise UserError("eval: measures a held-out split, and preparing data.source makes none; set data.eval_fraction or eval.source")
         if spec.data.tokenizer is None and spec.data.vocab_size > spec.model_arch.vocab_size:
-            raise UserError(
-                f"data.vocab_size: {spec.data.vocab_size} is larger than model.vocab_size {spec.model_arch.vocab_size}"
-            )
+            raise UserError(f"data.vocab_size: {spec.data.vocab_size} is larger than model.vocab_size {spec.model_arch.vocab_size}")
     if spec.engine == "deepspeed":
         check_deepspeed(spec)
     if spec.resources.memory_per_worker:

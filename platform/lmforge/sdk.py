@@ -23,16 +23,32 @@ import ray
 from rich.console import Console
 
 from lmforge.cluster import driver
-from lmforge.cluster.runtime import connect
 from lmforge.data.precheck import check_before_ray
 from lmforge.data.prepare import MANIFEST, PrepareOptions, has_manifest, prepare_dataset, read_manifest
+from lmforge.distill import pipeline
 from lmforge.errors import UserError
 from lmforge.jobs import JobHandle, job, jobs, runs, submit
 from lmforge.plan import preflight
+from lmforge.ray_runtime import connect
 from lmforge.spec import JobSpec, load_spec
 
 load = load_spec
-__all__ = ["load", "prepare", "plan", "train", "submit", "JobHandle", "job", "jobs", "runs", "export", "generate", "build_cache", "generate_answers", "run_pipeline"]
+__all__ = [
+    "load",
+    "prepare",
+    "plan",
+    "train",
+    "submit",
+    "JobHandle",
+    "job",
+    "jobs",
+    "runs",
+    "export",
+    "generate",
+    "build_cache",
+    "generate_answers",
+    "run_pipeline",
+]
 
 
 def prepare(opts: PrepareOptions, address: Optional[str] = None) -> dict:
@@ -56,8 +72,9 @@ def build_cache(spec: JobSpec, address: Optional[str] = None, show_progress: boo
 
     spec = spec.with_absolute_paths()
     check_can_build(spec)
-    prepared = has_manifest(spec.data.path)
-    check_teachers(spec, read_manifest(spec.data.path) if prepared else None)
+    data_path = _required(spec.data.path, "data.path", "a teacher cache scores one dataset")
+    prepared = has_manifest(data_path)
+    check_teachers(spec, read_manifest(data_path) if prepared else None)
     with _distill_stage(spec, "cache", address) as tracker:
         if not prepared:
             prepare_dataset(PrepareOptions.for_job(spec, show_progress=show_progress))
@@ -85,9 +102,7 @@ def generate_answers(spec: JobSpec, address: Optional[str] = None, show_progress
 def run_pipeline(path, address: Optional[str] = None, show_progress: bool = True) -> dict:
     """Run a distillation pipeline file's stages in order, each from the previous stage's
     student (`lmforge.distill.pipeline`); rerun, it resumes at the stage that stopped."""
-    from lmforge.distill.pipeline import run_pipeline as run
-
-    return run(path, address, show_progress)
+    return pipeline.run_pipeline(path, pipeline.StageCalls(train, build_cache, generate_answers), address, show_progress)
 
 
 @contextmanager
@@ -118,7 +133,7 @@ def _track_generation(tracker, spec: JobSpec, manifest: dict) -> None:
     for rule, count in counts["dropped"].items():
         tracker.log_metric(f"dropped_{rule}", count, 0)
     tracker.log_metric("seconds", manifest["seconds"], 0)
-    tracker.log_artifact(Path(spec.data.path) / MANIFEST)
+    tracker.log_artifact(Path(_required(spec.data.path, "data.path", "answers are one dataset")) / MANIFEST)
 
 
 def _track_cache(tracker, spec: JobSpec, manifest: dict) -> None:
@@ -131,7 +146,15 @@ def _track_cache(tracker, spec: JobSpec, manifest: dict) -> None:
     # Tokens scored, both splits: each position of each sample once.
     tokens = (data["num_samples"] + data["eval_samples"]) * data["seq_len"]
     tracker.log_metric("tokens_per_s", tokens / max(manifest["seconds"], 1e-9), 0)
-    tracker.log_artifact(Path(spec.distill.cache) / MANIFEST)
+    cache = spec.distill.cache if spec.distill else None
+    tracker.log_artifact(Path(_required(cache, "distill.cache", "the cache was just built")) / MANIFEST)
+
+
+def _required(value: Optional[str], field: str, why: str) -> str:
+    """A setting this call cannot do without (the spec's rules normally saw to it)."""
+    if not value:
+        raise UserError(f"{field}: required here ({why})")
+    return value
 
 
 def plan(spec: JobSpec, cluster: Optional[str] = None) -> dict:
@@ -188,8 +211,9 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def train(spec: JobSpec, address: Optional[str] = None, show_progress: bool = True, console: Optional[Console] = None,
-          stream_events: bool = False) -> dict:
+def train(
+    spec: JobSpec, address: Optional[str] = None, show_progress: bool = True, console: Optional[Console] = None, stream_events: bool = False
+) -> dict:
     """Run a job to `train.max_steps` (resuming from its latest checkpoint) with this
     process as its driver; returns the summary. `submit` runs it on a cluster instead,
     so that it outlives this process (`stream_events` is how its driver reports back)."""

@@ -16,11 +16,12 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from lmforge import spec_rules as rules
-from lmforge.deepspeed_config import inline_config_file
 from lmforge.data.config import DataSpec
+from lmforge.deepspeed_config import inline_config_file
 from lmforge.distill.config import DistillSpec
 from lmforge.errors import UserError
-from lmforge.models.config import PRESETS, ModelConfig, read_model_config
+from lmforge.models.config import PRESETS, ModelConfig
+from lmforge.models.model_dir import read_model_config
 from lmforge.sizes import parse_size
 
 
@@ -39,8 +40,9 @@ class ModelSpec(_Section):
     max_seq_len: Optional[int] = Field(None, gt=0)
     tie_embeddings: Optional[bool] = None
     init_from: Optional[str] = Field(
-        None, description="start from a model directory (an `lmforge export`, or a Hugging Face Llama); unless resuming. "
-        "Without a preset, the model's shape is the directory's"
+        None,
+        description="start from a model directory (an `lmforge export`, or a Hugging Face Llama); unless resuming. "
+        "Without a preset, the model's shape is the directory's",
     )
     _init_shape: Optional[ModelConfig] = PrivateAttr(None)
 
@@ -122,12 +124,15 @@ class CheckpointSpec(_Section):
     keep_every: Optional[int] = Field(None, gt=0, description="also keep every checkpoint whose step is a multiple of this")
     async_save: bool = Field(True, description="write in the background; training pauses only to copy the state to CPU memory")
     in_memory: bool = Field(
-        False, description="also keep a snapshot in host memory, on the rank's node and one other, every memory_interval steps; "
-        "a restart within the job restores from it (up to 4x each rank's weights and optimizer state per rank, see `lmforge plan`)"
+        False,
+        description="also keep a snapshot in host memory, on the rank's node and one other, every memory_interval steps; "
+        "a restart within the job restores from it (up to 4x each rank's weights and optimizer state per rank, see `lmforge plan`)",
     )
     memory_interval: int = Field(
-        5, gt=0, description="steps between in-memory snapshots (with in_memory): a failure redoes at most about this many steps; "
-        "each snapshot costs the loop a copy and a serialization of the rank's state (bench/RESULTS.md)"
+        5,
+        gt=0,
+        description="steps between in-memory snapshots (with in_memory): a failure redoes at most about this many steps; "
+        "each snapshot costs the loop a copy and a serialization of the rank's state (bench/RESULTS.md)",
     )
     max_failed_writes: int = Field(3, gt=0, description="checkpoint writes that may fail in a row (logged) before the job fails")
     resume: bool = Field(True, description="continue from the latest checkpoint; false: start at 0 over an empty checkpoint.dir")
@@ -155,7 +160,7 @@ class ResourcesSpec(_Section):
     cpus_per_worker: float = Field(1.0, gt=0)
     gpus_per_worker: float = Field(0.0, ge=0)
     memory_per_worker: Optional[Union[int, str]] = Field(
-        None, description="device memory of one worker (\"24GiB\"; on CPU, what a rank may use): a job whose estimate exceeds it is refused"
+        None, description='device memory of one worker ("24GiB"; on CPU, what a rank may use): a job whose estimate exceeds it is refused'
     )
 
     @field_validator("memory_per_worker")
@@ -172,20 +177,28 @@ class FaultToleranceSpec(_Section):
     )
     spares: int = Field(0, ge=0, description="ranks' worth of capacity held beyond the layout, so a lost rank is replaced without shrinking")
     keep_survivors: bool = Field(
-        True, description="after a failure, ranks that are done with the attempt keep their processes for the next one (native engine); "
-        "false: every rank starts afresh"
+        True,
+        description="after a failure, ranks that are done with the attempt keep their processes for the next one (native engine); "
+        "false: every rank starts afresh",
     )
 
 
 class GuardSpec(_Section):
-    nonfinite_in_a_row: int = Field(3, ge=1, description="non-finite losses or grad norms in a row (each skips its update) before rolling back to the latest checkpoint and skipping those batches")
+    nonfinite_in_a_row: int = Field(
+        3,
+        ge=1,
+        description="non-finite losses or grad norms in a row (each skips its update) before rolling back to the latest checkpoint and skipping those batches",
+    )
     max_rollbacks: int = Field(3, ge=0, description="rollbacks (non-finite steps, or spikes under on_spike: rollback) before the job fails")
     spike_window: int = Field(50, ge=5, description="steps of loss history that a spike is measured against")
     spike_zscore: float = Field(6.0, gt=0, description="a loss this many standard deviations above the window's mean is a spike")
     on_spike: Literal["log", "rollback"] = Field(
-        "log", description="log: record the spike and go on; rollback: restart from the latest checkpoint skipping the spike's batch (as for non-finite steps)"
+        "log",
+        description="log: record the spike and go on; rollback: restart from the latest checkpoint skipping the spike's batch (as for non-finite steps)",
     )
-    oom_min_micro_batch: int = Field(1, ge=1, description="on out-of-memory, retry with half the micro-batch (twice the accumulation) down to this, then fail")
+    oom_min_micro_batch: int = Field(
+        1, ge=1, description="on out-of-memory, retry with half the micro-batch (twice the accumulation) down to this, then fail"
+    )
     skip_batches: list[int] = Field([], description="steps whose batch is read but not trained on (a rollback adds the offending ones)")
     leak_check: bool = Field(False, description="debug: report tensors that stay alive across steps, and their growth per step")
 
@@ -205,7 +218,9 @@ class EvalSpec(_Section):
 
     source: Optional[str] = Field(None, description="prepare: a separate corpus as the held-out split (instead of data.eval_fraction)")
     interval: Optional[int] = Field(None, gt=0, description="evaluate every N optimizer steps (and at the last step); default checkpoint.interval")
-    batches: Optional[int] = Field(None, gt=0, description="global batches of held-out samples per evaluation; default all whole batches the split holds")
+    batches: Optional[int] = Field(
+        None, gt=0, description="global batches of held-out samples per evaluation; default all whole batches the split holds"
+    )
 
 
 class ElasticSpec(_Section):
@@ -249,8 +264,7 @@ class JobSpec(_Section):
         per_step = self.train.micro_batch * self.parallel.dp
         if self.train.global_batch % per_step:
             raise ValueError(
-                f"train.global_batch: {self.train.global_batch} is not divisible by "
-                f"micro_batch x dp = {self.train.micro_batch} x {self.parallel.dp}"
+                f"train.global_batch: {self.train.global_batch} is not divisible by micro_batch x dp = {self.train.micro_batch} x {self.parallel.dp}"
             )
         rules.check_tensor_parallel(self, model)
         rules.check_pipeline(self, model)
@@ -261,9 +275,7 @@ class JobSpec(_Section):
         rules.check_mixture(self)
         rules.check_distill(self, model)
         if self.resources.workers is not None and self.resources.workers != self.parallel.world_size:
-            raise ValueError(
-                f"resources.workers: {self.resources.workers} != pp x dp x tp = {self.parallel.world_size}"
-            )
+            raise ValueError(f"resources.workers: {self.resources.workers} != pp x dp x tp = {self.parallel.world_size}")
         return self
 
     def _resolve_dp(self) -> None:
@@ -328,34 +340,47 @@ class JobSpec(_Section):
     def with_absolute_paths(self) -> "JobSpec":
         """Local paths resolved against the driver's working directory, so that rank
         actors (whose working directory may differ) see the same files."""
+
         def local(path: str) -> str:
             return path if "://" in path else os.path.abspath(path)
 
         def source(path: Optional[str]) -> Optional[str]:
             return path if path is None or path.startswith("builtin:") else local(path)
 
-        return self.model_copy(update={
-            "output_dir": local(self.output_dir),
-            "model": self.model.model_copy(update={"init_from": local(self.model.init_from) if self.model.init_from else None}),
-            "data": self.data.model_copy(update={
-                "path": local(self.data.path) if self.data.path else None,
-                "sources": [m.model_copy(update={"path": local(m.path)}) for m in self.data.sources] if self.data.sources else None,
-                "source": source(self.data.source),
-                "tokenizer": local(self.data.tokenizer) if self.data.tokenizer else None,
-            }),
-            "eval": self.eval.model_copy(update={"source": source(self.eval.source)}) if self.eval else None,
-            "distill": self.distill.model_copy(update={
-                "teacher": local(self.distill.teacher) if self.distill.teacher else None,
-                "teachers": [t.model_copy(update={"path": local(t.path)}) for t in self.distill.teachers] if self.distill.teachers else None,
-                "cache": local(self.distill.cache) if self.distill.cache else None,
-                "instruct": self.distill.instruct.model_copy(update={
-                    "prompts": local(self.distill.instruct.prompts),
-                    "chat_template": local(self.distill.instruct.chat_template) if self.distill.instruct.chat_template else None,
-                }) if self.distill.instruct else None,
-            }) if self.distill else None,
-            "checkpoint": self.checkpoint.model_copy(update={"dir": local(self.checkpoint_dir)}),
-            "tracking": self.tracking.model_copy(update={"uri": self.tracking_uri}),
-        })
+        return self.model_copy(
+            update={
+                "output_dir": local(self.output_dir),
+                "model": self.model.model_copy(update={"init_from": local(self.model.init_from) if self.model.init_from else None}),
+                "data": self.data.model_copy(
+                    update={
+                        "path": local(self.data.path) if self.data.path else None,
+                        "sources": [m.model_copy(update={"path": local(m.path)}) for m in self.data.sources] if self.data.sources else None,
+                        "source": source(self.data.source),
+                        "tokenizer": local(self.data.tokenizer) if self.data.tokenizer else None,
+                    }
+                ),
+                "eval": self.eval.model_copy(update={"source": source(self.eval.source)}) if self.eval else None,
+                "distill": self.distill.model_copy(
+                    update={
+                        "teacher": local(self.distill.teacher) if self.distill.teacher else None,
+                        "teachers": [t.model_copy(update={"path": local(t.path)}) for t in self.distill.teachers] if self.distill.teachers else None,
+                        "cache": local(self.distill.cache) if self.distill.cache else None,
+                        "instruct": self.distill.instruct.model_copy(
+                            update={
+                                "prompts": local(self.distill.instruct.prompts),
+                                "chat_template": local(self.distill.instruct.chat_template) if self.distill.instruct.chat_template else None,
+                            }
+                        )
+                        if self.distill.instruct
+                        else None,
+                    }
+                )
+                if self.distill
+                else None,
+                "checkpoint": self.checkpoint.model_copy(update={"dir": local(self.checkpoint_dir)}),
+                "tracking": self.tracking.model_copy(update={"uri": self.tracking_uri}),
+            }
+        )
 
     @property
     def eval_interval(self) -> Optional[int]:
@@ -375,7 +400,7 @@ def _format_error(err: ValidationError) -> str:
         msg = "unknown field"
     if not loc:
         return msg
-    if msg.startswith(loc.split(".")[0] + ".") or msg.startswith(loc + ":"):
+    if msg.startswith((loc.split(".")[0] + ".", loc + ":")):
         return msg
     return f"{loc}: {msg}"
 

@@ -33,8 +33,9 @@ def check_engine(spec: "JobSpec") -> None:
     if spec.deepspeed is None:
         raise ValueError("deepspeed: engine: deepspeed needs a deepspeed.config (a mapping or a JSON file)")
     if spec.checkpoint.in_memory:
-        raise ValueError("checkpoint.in_memory: snapshots are DCP files of the native engine's state; "
-                         "the deepspeed engine checkpoints to storage only")
+        raise ValueError(
+            "checkpoint.in_memory: snapshots are DCP files of the native engine's state; the deepspeed engine checkpoints to storage only"
+        )
     p = spec.parallel
     if p.tp > 1 or p.pp > 1:
         raise ValueError("parallel.tp: the deepspeed engine runs data parallelism only; use engine: native for tp or pp")
@@ -100,7 +101,12 @@ def check_tensor_parallel(spec: "JobSpec", model: ModelConfig) -> None:
     tp = spec.parallel.tp
     if tp == 1:
         return
-    for field, value in (("n_heads", model.n_heads), ("n_kv_heads", model.n_kv_heads), ("ffn_hidden", model.ffn_hidden), ("vocab_size", model.vocab_size)):
+    for field, value in (
+        ("n_heads", model.n_heads),
+        ("n_kv_heads", model.n_kv_heads),
+        ("ffn_hidden", model.ffn_hidden),
+        ("vocab_size", model.vocab_size),
+    ):
         if value % tp:
             raise ValueError(f"model.{field}: {value} is not divisible by parallel.tp {tp}")
     if model.tie_embeddings:
@@ -125,7 +131,9 @@ def check_pipeline(spec: "JobSpec", model: ModelConfig) -> None:
     if model.tie_embeddings:
         # Each stage is its own module: the first stage's embedding and the last's head
         # would train as two separate weights, silently untied.
-        raise ValueError("model.tie_embeddings: not supported with parallel.pp > 1 (the embedding and the head are on different stages); set it to false")
+        raise ValueError(
+            "model.tie_embeddings: not supported with parallel.pp > 1 (the embedding and the head are on different stages); set it to false"
+        )
     stages = p.pp * p.virtual_stages
     if model.n_layers < stages:
         raise ValueError(f"model.n_layers: {model.n_layers} layers cannot fill pp x virtual_stages = {stages} stages")
@@ -175,19 +183,22 @@ def check_distill(spec: "JobSpec", model: ModelConfig) -> None:
     if distill.on_policy is not None:
         check_on_policy(spec)
     if spec.parallel.pp > 1 and distill.cache is None and distill.instruct is None:
-        raise ValueError("distill.cache: with parallel.pp > 1 the teacher's targets come from an offline cache "
-                         "(build it with `lmforge distill cache JOB`, then set distill.cache and distill.top_k)")
+        raise ValueError(
+            "distill.cache: with parallel.pp > 1 the teacher's targets come from an offline cache "
+            "(build it with `lmforge distill cache JOB`, then set distill.cache and distill.top_k)"
+        )
 
 
 def check_on_policy(spec: "JobSpec") -> None:
     """The student generates with whole-model forwards: every rank holds every layer."""
     if spec.parallel.pp > 1:
-        raise ValueError("distill.on_policy: the student writes its continuations with the whole model on each rank, which "
-                         "pipeline parallelism splits; use parallel.pp: 1 (data and tensor parallelism work)")
+        raise ValueError(
+            "distill.on_policy: the student writes its continuations with the whole model on each rank, which "
+            "pipeline parallelism splits; use parallel.pp: 1 (data and tensor parallelism work)"
+        )
     new_tokens = spec.distill.on_policy.max_new_tokens
     if new_tokens >= spec.train.seq_len:
-        raise ValueError(f"distill.on_policy.max_new_tokens: {new_tokens} leaves no prompt in a row of train.seq_len "
-                         f"{spec.train.seq_len}; use fewer")
+        raise ValueError(f"distill.on_policy.max_new_tokens: {new_tokens} leaves no prompt in a row of train.seq_len {spec.train.seq_len}; use fewer")
 
 
 def check_hidden_layers(layers: dict[int, int], n_layers: int, whose: str, side: str) -> None:
@@ -195,5 +206,4 @@ def check_hidden_layers(layers: dict[int, int], n_layers: int, whose: str, side:
     named = layers.keys() if side == "keys" else layers.values()
     missing = sorted(i for i in named if i >= n_layers)
     if missing:
-        raise ValueError(f"distill.hidden.layers: {whose} block {missing[0]} does not exist; the {whose} has {n_layers} "
-                         f"blocks (0-{n_layers - 1})")
+        raise ValueError(f"distill.hidden.layers: {whose} block {missing[0]} does not exist; the {whose} has {n_layers} blocks (0-{n_layers - 1})")

@@ -19,8 +19,8 @@ import torch.distributed as dist
 from lmforge.checkpoint.memory import SnapshotTarget, SnapshotWriter, load_snapshot, snapshot_state
 from lmforge.checkpoint.sharded import load_checkpoint, restore_point
 from lmforge.checkpoint.store import CheckpointStore
-from lmforge.credentials import without_credentials
 from lmforge.checkpoint.writer import CheckpointWriter
+from lmforge.credentials import without_credentials
 from lmforge.data.feed import BatchFeed, FedStep, datasets_of
 from lmforge.data.heldout import HeldOutBatches, eval_batches
 from lmforge.data.identity import order_inputs
@@ -43,8 +43,17 @@ Reporter = Callable[[dict], None]
 
 
 class Trainer:
-    def __init__(self, spec: JobSpec, manifest: dict, report: Optional[Reporter] = None, should_stop: Optional[Callable[[], bool]] = None,
-                 metrics=None, reader=None, snapshot_target: Optional[SnapshotTarget] = None, snapshot_source=None):
+    def __init__(
+        self,
+        spec: JobSpec,
+        manifest: dict,
+        report: Optional[Reporter] = None,
+        should_stop: Optional[Callable[[], bool]] = None,
+        metrics=None,
+        reader=None,
+        snapshot_target: Optional[SnapshotTarget] = None,
+        snapshot_source=None,
+    ):
         """`reader`: the job's shared `FeedReader` (its controller's); else this rank starts its own.
         `snapshot_target`: where `checkpoint.in_memory` snapshots go; `snapshot_source`
         (`step`, `fetch(name)`): the newest complete one, restored instead of storage's
@@ -141,7 +150,9 @@ class Trainer:
             "order": order_inputs(self.spec, self.manifest),
             "job": self.spec.name,
             # Where `lmforge export` registers a model made from this checkpoint.
-            "mlflow": {"tracking_uri": without_credentials(self.spec.tracking_uri), "run_id": self.spec.tracking.run_id} if self.spec.tracking.run_id else None,
+            "mlflow": {"tracking_uri": without_credentials(self.spec.tracking_uri), "run_id": self.spec.tracking.run_id}
+            if self.spec.tracking.run_id
+            else None,
         }
 
     def run(self) -> dict:
@@ -184,8 +195,9 @@ class Trainer:
             self.faults.before_step(step)
             loss_inputs = self.loss.step_inputs(step, fed.ids, fed.targets)
             # A checkpoint started at the last step may still be copying the weights.
-            stats = self.engine.train_step(torch.from_numpy(fed.tokens.astype(np.int64)), before_update=self._staged,
-                                           loss_mask=_mask(fed.loss_mask), loss_inputs=loss_inputs)
+            stats = self.engine.train_step(
+                torch.from_numpy(fed.tokens.astype(np.int64)), before_update=self._staged, loss_mask=_mask(fed.loss_mask), loss_inputs=loss_inputs
+            )
         except torch.OutOfMemoryError as err:
             raise OutOfMemory(step, self.rank, train.micro_batch, memory_report(self.spec, self.rank, step, self.device, err)) from None
         self.faults.after_step()
@@ -233,11 +245,21 @@ class Trainer:
         """The held-out loss (and a distillation's agreement with the teacher): every
         layout reads the same samples, so each is one number."""
         began = time.perf_counter()
-        batches = [self.engine.evaluate(torch.from_numpy(tokens.astype(np.int64)), loss_mask=_mask(mask), loss_inputs=self.loss.held_out_inputs(targets))
-                   for tokens, targets, mask in self.held_out]
+        batches = [
+            self.engine.evaluate(torch.from_numpy(tokens.astype(np.int64)), loss_mask=_mask(mask), loss_inputs=self.loss.held_out_inputs(targets))
+            for tokens, targets, mask in self.held_out
+        ]
         metrics = {name: float(np.mean([b[name] for b in batches])) for name in batches[0]}
-        self._event({"event": "eval", "step": step, **metrics, "eval_ppl": math.exp(min(metrics["eval_loss"], 700.0)),
-                     "batches": len(batches), "seconds": round(time.perf_counter() - began, 3)})
+        self._event(
+            {
+                "event": "eval",
+                "step": step,
+                **metrics,
+                "eval_ppl": math.exp(min(metrics["eval_loss"], 700.0)),
+                "batches": len(batches),
+                "seconds": round(time.perf_counter() - began, 3),
+            }
+        )
 
     def _stop_requested(self) -> bool:
         """Rank 0 asks; every rank gets the same answer."""
@@ -255,7 +277,6 @@ class Trainer:
         gathered = [torch.empty_like(local) for _ in range(self.dims.shape.dp)]
         dist.all_gather(gathered, local, group=self.dims.dp_group)
         return torch.cat(gathered).cpu().tolist()
-
 
 
 def _mask(loss_mask):

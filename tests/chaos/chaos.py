@@ -50,8 +50,10 @@ def reached_step(run_dir: Path, step: int) -> Condition:
 
 
 def recorded_event(run_dir: Path, kind: str) -> Condition:
-    return Condition(lambda: (run_dir / "metrics.jsonl").exists() and any(e["event"] == kind for e in events(run_dir)),
-                     f"a {kind!r} event in {run_dir.name}/metrics.jsonl")
+    return Condition(
+        lambda: (run_dir / "metrics.jsonl").exists() and any(e["event"] == kind for e in events(run_dir)),
+        f"a {kind!r} event in {run_dir.name}/metrics.jsonl",
+    )
 
 
 def committed(run_dir: Path, step: int) -> Condition:
@@ -68,6 +70,7 @@ def wait_until(condition, timeout_s: float = 300) -> None:
 
 def when(condition, action, timeout_s: float = 300) -> threading.Thread:
     """Run `action()` once `condition()` holds (in a background thread)."""
+
     def watch():
         wait_until(condition, timeout_s)
         action()

@@ -27,7 +27,17 @@ def test_a_killed_generation_rerun_answers_the_rest_and_writes_the_same_bytes(in
     job_file = tmp_path / "job.yaml"
     job_file.write_text(yaml.safe_dump(job))
     work = answers_dir(spec_from_dict(job).with_absolute_paths())
-    command = [sys.executable, "-m", "lmforge", "distill", "generate", str(job_file), "--no-progress", "--address", ray_session.get_runtime_context().gcs_address]
+    command = [
+        sys.executable,
+        "-m",
+        "lmforge",
+        "distill",
+        "generate",
+        str(job_file),
+        "--no-progress",
+        "--address",
+        ray_session.get_runtime_context().gcs_address,
+    ]
     generating = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         wait_until(Condition(lambda: any(work.glob("unit-*.parquet")) or generating.poll() is not None, "a first unit of answers"), timeout_s=120)
@@ -41,7 +51,9 @@ def test_a_killed_generation_rerun_answers_the_rest_and_writes_the_same_bytes(in
     assert {f: (Path(job["data"]["path"]) / "answers" / f).stat().st_mtime_ns for f in done} == done
     want = Path(instruct_dataset[0]["data"]["path"])
     files = sorted(p.relative_to(want) for p in want.rglob("*.parquet") if "answers" not in p.parts)
-    assert files and files == sorted(p.relative_to(Path(job["data"]["path"])) for p in Path(job["data"]["path"]).rglob("*.parquet") if "answers" not in p.parts)
+    assert files and files == sorted(
+        p.relative_to(Path(job["data"]["path"])) for p in Path(job["data"]["path"]).rglob("*.parquet") if "answers" not in p.parts
+    )
     for name in files:
         assert (Path(job["data"]["path"]) / name).read_bytes() == (want / name).read_bytes(), name
     assert manifest["instruct"]["counts"] == instruct_dataset[1]["instruct"]["counts"]
@@ -79,18 +91,40 @@ def test_a_pipeline_killed_in_its_second_stage_resumes_there(instruct_dataset, t
 
     general = tiny_job(tmp_path, tiny_dataset, train={"max_steps": 4, "seed": 2}, optim=INSTRUCT_OPTIM)
     # The task stage also has on-policy steps (1-6 of 8 at its seed): the student continues the prompts, the teachers online.
-    task = with_sections(json.loads(json.dumps(instruct_dataset[0])), {"train": {"max_steps": 8}, "checkpoint": {"interval": 4, "keep": 3},
-                                                                       "eval": {"interval": 4, "batches": 1}})
+    task = with_sections(
+        json.loads(json.dumps(instruct_dataset[0])),
+        {"train": {"max_steps": 8}, "checkpoint": {"interval": 4, "keep": 3}, "eval": {"interval": 4, "batches": 1}},
+    )
     task["distill"]["on_policy"] = {"fraction": 0.5, "max_new_tokens": 8}
     (tmp_path / "general.yaml").write_text(yaml.safe_dump(general))
     (tmp_path / "task.yaml").write_text(yaml.safe_dump(task))
     pipeline = tmp_path / "pipeline.yaml"
-    pipeline.write_text(yaml.safe_dump({"name": "progressive", "output_dir": str(tmp_path / "runs"), "tracking": {"experiment": "pipeline"},
-                                        "stages": [{"name": "general", "kind": "train", "job": "general.yaml"},
-                                                   {"name": "task", "kind": "instruct", "job": "task.yaml"},
-                                                   {"name": "check", "kind": "evaluate", "job": "task.yaml"}]}))
+    pipeline.write_text(
+        yaml.safe_dump(
+            {
+                "name": "progressive",
+                "output_dir": str(tmp_path / "runs"),
+                "tracking": {"experiment": "pipeline"},
+                "stages": [
+                    {"name": "general", "kind": "train", "job": "general.yaml"},
+                    {"name": "task", "kind": "instruct", "job": "task.yaml"},
+                    {"name": "check", "kind": "evaluate", "job": "task.yaml"},
+                ],
+            }
+        )
+    )
     runs = tmp_path / "runs"
-    command = [sys.executable, "-m", "lmforge", "distill", "run", str(pipeline), "--no-progress", "--address", ray_session.get_runtime_context().gcs_address]
+    command = [
+        sys.executable,
+        "-m",
+        "lmforge",
+        "distill",
+        "run",
+        str(pipeline),
+        "--no-progress",
+        "--address",
+        ray_session.get_runtime_context().gcs_address,
+    ]
     driver = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         wait_until(committed(runs / "progressive-task", 4) | Condition(lambda: driver.poll() is not None, "the driver to exit"), timeout_s=240)
@@ -101,16 +135,24 @@ def test_a_pipeline_killed_in_its_second_stage_resumes_there(instruct_dataset, t
     assert list(state["stages"]) == ["general"], stderr[-3000:]
     saved = json.loads((runs / "progressive-task" / "checkpoints" / "step_00000004" / "state.json").read_text())
     assert [(row["event"], row["step"]) for row in saved["records"]] == [("step", 1), ("step", 2), ("step", 3), ("step", 4), ("eval", 4)]
-    wait_until(Condition(lambda: not actor_processes("Worker") and not actor_processes("Controller"), "the killed driver's actors to exit"), timeout_s=60)
+    wait_until(
+        Condition(lambda: not actor_processes("Worker") and not actor_processes("Controller"), "the killed driver's actors to exit"), timeout_s=60
+    )
     first = (runs / "progressive-general" / "metrics.jsonl").read_text()
 
     result = sdk.run_pipeline(pipeline, show_progress=False)
     assert (runs / "progressive-general" / "metrics.jsonl").read_text() == first  # not run again
     stages = result["stages"]
     assert stages["task"]["summary"]["start_step"] == 4 and stages["task"]["summary"]["final_step"] == 8
-    steps = {row["step"]: row for row in map(json.loads, (runs / "progressive-task" / "metrics.jsonl").read_text().splitlines()) if "loss" in row and row.get("event") is None}
+    steps = {
+        row["step"]: row
+        for row in map(json.loads, (runs / "progressive-task" / "metrics.jsonl").read_text().splitlines())
+        if "loss" in row and row.get("event") is None
+    }
     on_policy = OnPolicy(spec_from_dict(task), eos=0)
-    assert sorted(steps) == list(range(1, 9)) and {s for s, row in steps.items() if row["on_policy"]} == {s for s in steps if on_policy.chooses(s)} == set(range(1, 7))
+    assert sorted(steps) == list(range(1, 9)) and {s for s, row in steps.items() if row["on_policy"]} == {
+        s for s in steps if on_policy.chooses(s)
+    } == set(range(1, 7))
     assert all(("ce_loss" in row) != bool(row["on_policy"]) and row["kd_loss"] > 0 for row in steps.values())
     student = runs / "progressive" / "students"
     check = stages["check"]["metrics"]

@@ -12,8 +12,7 @@ import pytest
 
 from chaos import events, step_rows
 from conftest import MULTINODE_STEPS as STEPS
-from conftest import MULTINODE_TIMEOUT_S
-from conftest import SPARED_STEPS
+from conftest import MULTINODE_TIMEOUT_S, SPARED_STEPS
 from multinode_scenarios import CLI_DIR
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(MULTINODE_TIMEOUT_S)]
@@ -25,7 +24,7 @@ def _same_as_whole(runs, name, rel, steps=STEPS):
     assert sorted(lost) == list(range(1, steps + 1))
     for step in range(1, steps + 1):
         assert lost[step]["loss"] == pytest.approx(whole[step]["loss"], rel=rel), step
-    ids = lambda name: {s: row["ids"] for s, row in step_rows(runs / name, "samples.jsonl").items() if s <= steps}  # noqa: E731
+    ids = lambda name: {s: row["ids"] for s, row in step_rows(runs / name, "samples.jsonl").items() if s <= steps}
     assert ids(name) == ids("whole")
 
 
@@ -74,9 +73,7 @@ def test_a_spare_rank_replaces_a_lost_node_without_shrinking(multinode):
     first_failure = next(event for event in history if event["event"] == "failure")
     first_layout, *restarts = [event["ranks"] for event in history if event["event"] == "layout"]
     assert first_failure["nodes_lost"] == [first_layout[1]["node"]]
-    assert restarts and all(
-        ranks[0]["node"] == first_layout[0]["node"] and ranks[1]["node"] not in first_failure["nodes_lost"] for ranks in restarts
-    )
+    assert restarts and all(ranks[0]["node"] == first_layout[0]["node"] and ranks[1]["node"] not in first_failure["nodes_lost"] for ranks in restarts)
     assert not [event for event in history if event["event"] == "resized"]
     assert all(event["dp"] == 2 for event in history if event["event"] == "recovered")
     restored = [event for event in history if event["event"] == "restored"]

@@ -16,16 +16,27 @@ import pytest
 import yaml
 from ray.util.placement_group import placement_group_table
 
+from chaos import (
+    Condition,
+    actor_processes,
+    committed,
+    events,
+    kill_one_rank_process,
+    reached_step,
+    same_as_uninterrupted,
+    step_rows,
+    wait_until,
+    when,
+    when_step_reached,
+)
+from cli import assert_clean_error, run_cli
+from conftest import DISTILL_STEPS, REFERENCE_STEPS, distill_job, reference_job, with_sections
 from lmforge import sdk
 from lmforge.checkpoint.store import CheckpointStore
 from lmforge.data.order import GlobalOrder
 from lmforge.data.prepare import read_manifest
 from lmforge.errors import TrainingFailed
 from lmforge.spec import spec_from_dict
-
-from chaos import Condition, actor_processes, committed, events, kill_one_rank_process, reached_step, same_as_uninterrupted, step_rows, wait_until, when, when_step_reached
-from cli import assert_clean_error, run_cli
-from conftest import DISTILL_STEPS, REFERENCE_STEPS, distill_job, reference_job, with_sections
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 STEPS = REFERENCE_STEPS
@@ -225,7 +236,9 @@ def test_resubmitted_job_resumes_after_its_driver_was_killed(uninterrupted, ray_
     finally:
         driver.kill()
         driver.wait()
-    wait_until(Condition(lambda: not actor_processes("Worker") and not actor_processes("Controller"), "the killed driver's actors to exit"), timeout_s=60)
+    wait_until(
+        Condition(lambda: not actor_processes("Worker") and not actor_processes("Controller"), "the killed driver's actors to exit"), timeout_s=60
+    )
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -33,8 +33,12 @@ def check_state_bytes(result: dict) -> None:
         if spec.parallel.cpu_offload:
             assert estimated.host == sum(measured.values()), (rank, measured, estimated)
         else:
-            assert {"params": estimated.params, "grads": estimated.grads, "optimizer": estimated.optimizer, "teacher": estimated.teacher} == measured, \
-                (rank, spec.parallel)
+            assert {
+                "params": estimated.params,
+                "grads": estimated.grads,
+                "optimizer": estimated.optimizer,
+                "teacher": estimated.teacher,
+            } == measured, (rank, spec.parallel)
 
 
 def losses(tmp_path, nproc, *overrides, extra=(), describe=False):
@@ -146,7 +150,6 @@ class Launches:
             self.exported[name, fmt] = out
         return self.exported[name, fmt]
 
-
     def _tokenizer(self) -> Path:
         """Words that fit the tiny model's 256 rows (a byte-level BPE cannot: it needs 257)."""
         from hf_models import word_level_tokenizer
@@ -172,5 +175,7 @@ def _launch(cmd: list[str], timeout_s: float) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)  # torchrun and every rank it started
         _, stderr = proc.communicate()
-        raise AssertionError(f"the torchrun launch did not finish within {timeout_s:.0f}s ({' '.join(cmd[-4:])}); the end of its stderr:\n{stderr[-3000:]}") from None
+        raise AssertionError(
+            f"the torchrun launch did not finish within {timeout_s:.0f}s ({' '.join(cmd[-4:])}); the end of its stderr:\n{stderr[-3000:]}"
+        ) from None
     assert proc.returncode == 0, stderr[-3000:]

@@ -24,12 +24,12 @@ from torch.distributed.tensor import DTensor
 from lmforge.checkpoint.sharded import load_checkpoint
 from lmforge.checkpoint.store import CheckpointStore
 from lmforge.checkpoint.writer import CheckpointWriter
-from lmforge.cluster.runtime import tune_process
 from lmforge.distill.loss import DistillInputs
 from lmforge.distill.on_policy import OnPolicy
 from lmforge.engines import create_engine
 from lmforge.parallel.mesh import build_mesh
 from lmforge.parallel.shape import MeshShape
+from lmforge.ray_runtime import tune_process
 from lmforge.spec import CheckpointSpec, spec_from_dict
 from lmforge.trainer import job_loss
 
@@ -40,7 +40,9 @@ EVAL_AFTER = (0, 3)  # and after the last step: held-out losses at these step co
 def held_out_batches(count: int = 2) -> list[torch.Tensor]:
     """Global batches the runs never train on (another generator), as in the held-out split."""
     gen = torch.Generator().manual_seed(1)
-    return [(torch.randint(0, 256, (8, 1), generator=gen) + torch.randint(1, 4, (8, 1), generator=gen) * torch.arange(17)) % 256 for _ in range(count)]
+    return [
+        (torch.randint(0, 256, (8, 1), generator=gen) + torch.randint(1, 4, (8, 1), generator=gen) * torch.arange(17)) % 256 for _ in range(count)
+    ]
 
 
 def loss_masks(gen: torch.Generator, rows: int = 8, seq: int = 16) -> torch.Tensor:
@@ -79,11 +81,15 @@ def state_bytes(engine) -> dict | None:
     if not hasattr(engine, "parts"):
         return None
     params = list({id(p): p for part in engine.parts for p in part.parameters()}.values())
-    size = lambda t: _local(t).numel() * _local(t).element_size()  # noqa: E731
+    size = lambda t: _local(t).numel() * _local(t).element_size()
     moments = [v for opt in engine.optimizers for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
     teacher = sum(size(p) for t in getattr(engine.loss, "teachers", ()) for p in t.parameters())
-    return {"params": sum(map(size, params)), "grads": sum(size(p.grad) for p in params if p.grad is not None), "optimizer": sum(map(size, moments)),
-            "teacher": teacher}
+    return {
+        "params": sum(map(size, params)),
+        "grads": sum(size(p.grad) for p in params if p.grad is not None),
+        "optimizer": sum(map(size, moments)),
+        "teacher": teacher,
+    }
 
 
 class CachedTargets:
@@ -95,7 +101,9 @@ class CachedTargets:
         from lmforge.distill.cache import TeacherTopK
 
         d = spec.distill
-        self.score = TeacherTopK([s.path for s in d.sources], [s.weight for s in d.sources], d.top_k, d.temperature, spec.model_arch.vocab_size, threads=1)
+        self.score = TeacherTopK(
+            [s.path for s in d.sources], [s.weight for s in d.sources], d.top_k, d.temperature, spec.model_arch.vocab_size, threads=1
+        )
         self.k = d.top_k
 
     def __call__(self, global_batch: torch.Tensor, share) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,25 +176,34 @@ def run_case(args: argparse.Namespace, device: torch.device) -> None:
         start = ckpt.step
     gen = torch.Generator().manual_seed(0)
     losses, terms, states, evals, against_teacher = [], [], {}, {}, {}
-    share = lambda batch: batch.view(dp, -1, 17)[dims.dp_rank].reshape(spec.grad_accum, spec.train.micro_batch, 17)  # noqa: E731
+    share = lambda batch: batch.view(dp, -1, 17)[dims.dp_rank].reshape(spec.grad_accum, spec.train.micro_batch, 17)
 
     # On-policy steps: the row's sample id is its place in the global batch, counted over the steps.
     on_policy = OnPolicy(spec, eos=0) if spec.distill and spec.distill.on_policy else None
-    rollout = lambda step: on_policy and on_policy.for_step(step + 1, (torch.arange(8) + 8 * step).view(dp, -1)[dims.dp_rank].numpy())  # noqa: E731
+    rollout = lambda step: on_policy and on_policy.for_step(step + 1, (torch.arange(8) + 8 * step).view(dp, -1)[dims.dp_rank].numpy())
 
     cache = CachedTargets(spec) if spec.distill and spec.distill.cache else None
-    targets = lambda batch: None if cache is None else cache(batch, lambda t: t.view(dp, -1, *t.shape[1:])[dims.dp_rank].reshape(  # noqa: E731
-        spec.grad_accum, spec.train.micro_batch, *t.shape[1:]))
-    loss_inputs = lambda batch, rollout=None: DistillInputs(targets(batch), rollout or None) if spec.distill else None  # noqa: E731
+    targets = lambda batch: (
+        None
+        if cache is None
+        else cache(
+            batch,
+            lambda t: t.view(dp, -1, *t.shape[1:])[dims.dp_rank].reshape(spec.grad_accum, spec.train.micro_batch, *t.shape[1:]),
+        )
+    )
+    loss_inputs = lambda batch, rollout=None: DistillInputs(targets(batch), rollout or None) if spec.distill else None
 
     # The masks come from a generator of their own: the batches stay those of the other cases.
     masks = torch.Generator().manual_seed(7)
     held_out_masks = [loss_masks(masks) for _ in held_out_batches()]
-    mask_of = lambda mask: mask.view(dp, -1, 16)[dims.dp_rank].reshape(spec.grad_accum, spec.train.micro_batch, 16) if args.masked else None  # noqa: E731
+    mask_of = lambda mask: mask.view(dp, -1, 16)[dims.dp_rank].reshape(spec.grad_accum, spec.train.micro_batch, 16) if args.masked else None
 
     def evaluate(done: int) -> None:
         if done in (*EVAL_AFTER, args.steps) and done >= start:
-            measured = [engine.evaluate(share(batch), loss_mask=mask_of(mask), loss_inputs=loss_inputs(batch)) for batch, mask in zip(held_out_batches(), held_out_masks)]
+            measured = [
+                engine.evaluate(share(batch), loss_mask=mask_of(mask), loss_inputs=loss_inputs(batch))
+                for batch, mask in zip(held_out_batches(), held_out_masks)
+            ]
             evals[done] = sum(m["eval_loss"] for m in measured) / 2
             if "eval_kl" in measured[0]:  # a distillation: its agreement with the teacher too
                 against_teacher[done] = {k: sum(m[k] for m in measured) / 2 for k in ("eval_kl", "eval_top1")}
@@ -200,21 +217,38 @@ def run_case(args: argparse.Namespace, device: torch.device) -> None:
         if step < start:
             continue  # the batch was drawn so the generator stays in step
         global_batch = (start_tok + stride * torch.arange(17)) % 256
-        stats = engine.train_step(share(global_batch), before_update=lambda: states.update(measured=state_bytes(engine)), loss_mask=mask_of(mask),
-                                  loss_inputs=loss_inputs(global_batch, rollout(step)))
+        stats = engine.train_step(
+            share(global_batch),
+            before_update=lambda: states.update(measured=state_bytes(engine)),
+            loss_mask=mask_of(mask),
+            loss_inputs=loss_inputs(global_batch, rollout(step)),
+        )
         losses.append(stats.loss)
         terms.append(stats.terms)
         evaluate(step + 1)
         if args.save and step + 1 == args.save_at:
-            writer = CheckpointWriter(CheckpointStore(args.save), CheckpointSpec(keep=1, async_save=False), dist.new_group(backend="gloo"), lambda event: None)
+            writer = CheckpointWriter(
+                CheckpointStore(args.save), CheckpointSpec(keep=1, async_save=False), dist.new_group(backend="gloo"), lambda event: None
+            )
             writer.save(step + 1, engine, {"step": step + 1, "dp": p.dp, "model": spec.model_arch.as_dict()})
             writer.close()
     per_rank = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, states.get("measured"))
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
-            json.dump({"losses": losses, "terms": terms, "eval": evals, "against_teacher": against_teacher, "engine": describe(engine), "states": per_rank, "spec": spec.model_dump(mode="json", exclude_unset=True),
-                       "seconds": round(time.perf_counter() - began, 2)}, f)
+            json.dump(
+                {
+                    "losses": losses,
+                    "terms": terms,
+                    "eval": evals,
+                    "against_teacher": against_teacher,
+                    "engine": describe(engine),
+                    "states": per_rank,
+                    "spec": spec.model_dump(mode="json", exclude_unset=True),
+                    "seconds": round(time.perf_counter() - began, 2),
+                },
+                f,
+            )
     dist.barrier()  # results are written; no rank leaves while a peer still sends
 
 

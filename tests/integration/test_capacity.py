@@ -19,9 +19,13 @@ pytestmark = pytest.mark.ray
 
 def job(**sections) -> JobSpec:
     tree = {
-        "name": "capacity", "model": {"preset": "tiny", "vocab_size": 512}, "parallel": {"dp": 2},
-        "train": {"global_batch": 12, "micro_batch": 1, "seq_len": 32}, "data": {"path": "unused"},
-        "resources": {"cpus_per_worker": 1}, "fault_tolerance": {"max_failures": 1},
+        "name": "capacity",
+        "model": {"preset": "tiny", "vocab_size": 512},
+        "parallel": {"dp": 2},
+        "train": {"global_batch": 12, "micro_batch": 1, "seq_len": 32},
+        "data": {"path": "unused"},
+        "resources": {"cpus_per_worker": 1},
+        "fault_tolerance": {"max_failures": 1},
     }
     for section, values in sections.items():
         tree[section] = tree.get(section, {}) | values

@@ -96,8 +96,14 @@ def test_world_larger_than_cluster_says_so_with_numbers(tmp_path, tiny_dataset):
 @pytest.mark.ray
 def test_world_larger_than_a_joined_cluster_names_elastic_min_dp(ray_session, tmp_path, tiny_dataset):
     """In this process the CLI joins the session's cluster (6 CPUs) instead of starting one."""
-    job = tiny_job(tmp_path, tiny_dataset, parallel={"dp": 8}, train={"global_batch": 16}, elastic={"min_dp": 8, "max_dp": 8},
-                   fault_tolerance={"max_failures": 1})
+    job = tiny_job(
+        tmp_path,
+        tiny_dataset,
+        parallel={"dp": 8},
+        train={"global_batch": 16},
+        elastic={"min_dp": 8, "max_dp": 8},
+        fault_tolerance={"max_failures": 1},
+    )
     result = run_cli("train", str(write_job(tmp_path, job)), cwd=tmp_path)
     assert_clean_error(result, "elastic.min_dp: 8 workers", "need 9 CPUs", "even dp 8 does not fit")
     assert nothing_written(tmp_path)
@@ -106,8 +112,12 @@ def test_world_larger_than_a_joined_cluster_names_elastic_min_dp(ray_session, tm
 @pytest.mark.ray
 def test_in_memory_checkpoints_the_nodes_cannot_hold_say_so_with_numbers(ray_session, tmp_path, tiny_dataset):
     """A 1.6B-parameter model's weights and AdamW state, four copies per rank, on the session's one node."""
-    job = tiny_job(tmp_path, tiny_dataset, model={"preset": "tiny", "dim": 4096, "n_layers": 8, "n_heads": 32, "n_kv_heads": 32, "ffn_hidden": 16384},
-                   checkpoint={"in_memory": True})
+    job = tiny_job(
+        tmp_path,
+        tiny_dataset,
+        model={"preset": "tiny", "dim": 4096, "n_layers": 8, "n_heads": 32, "n_kv_heads": 32, "ffn_hidden": 16384},
+        checkpoint={"in_memory": True},
+    )
     result = run_cli("train", str(write_job(tmp_path, job)), cwd=tmp_path)
     assert_clean_error(result, "checkpoint.in_memory: each rank's snapshot is", "kept 4 times over", "may hold 2 ranks", "of host memory for Ray")
     assert nothing_written(tmp_path)
@@ -123,7 +133,9 @@ def test_a_corpus_too_small_once_tokenized_leaves_nothing_behind(ray_session, s3
     corpus.mkdir()
     (corpus / "a.txt").write_text("a" * 40)
     for out in (str(tmp_path / "prepared"), f"{s3_bucket}/too-small"):
-        result = run_cli("data", "prepare", "--source", str(corpus), "--out", out, "--seq-len", "32", "--vocab-size", "300", "--no-progress", cwd=tmp_path)
+        result = run_cli(
+            "data", "prepare", "--source", str(corpus), "--out", out, "--seq-len", "32", "--vocab-size", "300", "--no-progress", cwd=tmp_path
+        )
         assert_clean_error(result, "--source: ", "yields 2 tokens, fewer than one sample")
     assert [p.name for p in tmp_path.iterdir()] == ["corpus"]
     assert not fsspec.filesystem("s3").find(f"{s3_bucket}/too-small")
@@ -135,8 +147,19 @@ def test_a_denied_request_names_the_uri(tmp_path):
 
     endpoint = free_endpoint()
     with s3_server(tmp_path / "s3.log", endpoint, deny_all=True) as bucket:
-        result = run_cli_process("data", "prepare", "--source", f"{bucket}/corpus", "--seq-len", "32", "--out", "prepared", "--no-progress",
-                                 cwd=tmp_path, env={"AWS_ENDPOINT_URL": endpoint})
+        result = run_cli_process(
+            "data",
+            "prepare",
+            "--source",
+            f"{bucket}/corpus",
+            "--seq-len",
+            "32",
+            "--out",
+            "prepared",
+            "--no-progress",
+            cwd=tmp_path,
+            env={"AWS_ENDPOINT_URL": endpoint},
+        )
     assert_clean_error(result, f"--source: cannot open {bucket}/corpus", "ACCESS_DENIED")
     assert not (tmp_path / "prepared").exists()
 
@@ -156,10 +179,14 @@ def altered_copy(dataset: Path, out: Path, change) -> Path:
 # Mixtures (`data.sources`) whose datasets cannot be read as one stream: (second source, fragments).
 MIXTURE_REFUSALS = {
     "a source not prepared": (lambda tmp, data: tmp / "absent", ["data.sources[1].path: ", "absent holds no prepared dataset"]),
-    "another seq_len": (lambda tmp, data: altered_copy(data, tmp / "long", lambda m: m.update(seq_len=64)),
-                        ["data.sources[1].path: ", "has seq_len 64, data.sources[0] 32; a mixture needs one"]),
-    "another tokenizer": (lambda tmp, data: altered_copy(data, tmp / "other", lambda m: m["tokenizer"].update(sha256="0" * 64)),
-                          ["data.sources[1].path: ", "was tokenized with another tokenizer than data.sources[0]"]),
+    "another seq_len": (
+        lambda tmp, data: altered_copy(data, tmp / "long", lambda m: m.update(seq_len=64)),
+        ["data.sources[1].path: ", "has seq_len 64, data.sources[0] 32; a mixture needs one"],
+    ),
+    "another tokenizer": (
+        lambda tmp, data: altered_copy(data, tmp / "other", lambda m: m["tokenizer"].update(sha256="0" * 64)),
+        ["data.sources[1].path: ", "was tokenized with another tokenizer than data.sources[0]"],
+    ),
 }
 
 
@@ -178,14 +205,18 @@ def test_a_mixture_that_cannot_be_one_stream_is_refused(case, tmp_path, tiny_dat
 # Object-store URIs that cannot serve: refused with the URI named, before anything starts.
 OBJECT_STORE_REFUSALS = {
     "a source in a bucket that does not exist": (
-        ["data", "prepare", "--source", "s3://no-such-bucket/corpus", "--seq-len", "32", "--out", "prepared", "--no-progress"], ["--source: s3://no-such-bucket/corpus does not exist"]),
+        ["data", "prepare", "--source", "s3://no-such-bucket/corpus", "--seq-len", "32", "--out", "prepared", "--no-progress"],
+        ["--source: s3://no-such-bucket/corpus does not exist"],
+    ),
     "an output in a bucket that does not exist": (
         ["data", "prepare", "--source", "corpus", "--seq-len", "32", "--out", "s3://no-such-bucket/prepared", "--no-progress"],
-        ["--out: s3://no-such-bucket/prepared: the bucket no-such-bucket does not exist"]),
+        ["--out: s3://no-such-bucket/prepared: the bucket no-such-bucket does not exist"],
+    ),
     "a dataset URI with nothing there": (["train", "job.yaml"], ["data.path: s3://lmforge-tests/nothing-here", "data.source is not set"]),
     "an output prefix holding objects": (
         ["data", "prepare", "--source", "corpus", "--seq-len", "32", "--out", "s3://lmforge-tests/occupied", "--no-progress"],
-        ["--out: s3://lmforge-tests/occupied is not empty (1 files, e.g. theirs.txt)"]),
+        ["--out: s3://lmforge-tests/occupied is not empty (1 files, e.g. theirs.txt)"],
+    ),
 }
 
 
@@ -251,59 +282,94 @@ def job_over_checkpoints(tmp_path: Path, written_by: str = "tiny", **checkpoint)
     store.commit(4, store.digest(4, store.files(4)))
     return store
 
+
 # Each is refused before Ray starts and before anything is written: (set-up, command, fragments).
 EARLY_REFUSALS = {
     "corrupt tokenizer": (
         lambda tmp: job_with_tokenizer(tmp, tmp / "tok.json") or (tmp / "tok.json").write_text("{not json"),
-        ["train", "job.yaml"], ["data.tokenizer:", "tok.json is not a tokenizer.json"]),
+        ["train", "job.yaml"],
+        ["data.tokenizer:", "tok.json is not a tokenizer.json"],
+    ),
     "tokenizer larger than the model": (
         lambda tmp: job_with_tokenizer(tmp, word_level_tokenizer(tmp / "tok.json", 600)),
-        ["train", "job.yaml"], ["data.tokenizer:", "has a vocabulary of 602, larger than model.vocab_size 512"]),
+        ["train", "job.yaml"],
+        ["data.tokenizer:", "has a vocabulary of 602, larger than model.vocab_size 512"],
+    ),
     "tokenizer larger than the job's model, given as a flag": (
         lambda tmp: job_with_tokenizer(tmp, word_level_tokenizer(tmp / "tok.json", 600), in_job=False),
-        ["data", "prepare", "job.yaml", "--tokenizer", "tok.json", *PREPARE], ["--tokenizer: tok.json has a vocabulary of 602"]),
+        ["data", "prepare", "job.yaml", "--tokenizer", "tok.json", *PREPARE],
+        ["--tokenizer: tok.json has a vocabulary of 602"],
+    ),
     "negative sequence length": (
         lambda tmp: corpus(tmp, a_txt="x " * 100),
-        ["data", "prepare", "--source", "corpus", "--seq-len", "-5", *PREPARE], ["--seq-len: must be > 0, got -5"]),
+        ["data", "prepare", "--source", "corpus", "--seq-len", "-5", *PREPARE],
+        ["--seq-len: must be > 0, got -5"],
+    ),
     "JSONL without the text column": (
         lambda tmp: corpus(tmp, a_jsonl=json.dumps({"body": "x " * 100}) + "\n"),
-        ["data", "prepare", "--source", "corpus", "--seq-len", "32", *PREPARE], ["--text-column: 'text' is not a field of", "a.jsonl", "['body']"]),
+        ["data", "prepare", "--source", "corpus", "--seq-len", "32", *PREPARE],
+        ["--text-column: 'text' is not a field of", "a.jsonl", "['body']"],
+    ),
     "held-out share out of range": (
         lambda tmp: corpus(tmp, a_txt="x " * 100),
-        ["data", "prepare", "--source", "corpus", "--seq-len", "32", "--eval-fraction", "1.5", *PREPARE], ["--eval-fraction: a share of the documents", "got 1.5"]),
+        ["data", "prepare", "--source", "corpus", "--seq-len", "32", "--eval-fraction", "1.5", *PREPARE],
+        ["--eval-fraction: a share of the documents", "got 1.5"],
+    ),
     "held-out corpus missing": (
         lambda tmp: corpus(tmp, a_txt="x " * 100),
-        ["data", "prepare", "--source", "corpus", "--seq-len", "32", "--eval-source", "absent", *PREPARE], ["--eval-source: ", "absent does not exist"]),
+        ["data", "prepare", "--source", "corpus", "--seq-len", "32", "--eval-source", "absent", *PREPARE],
+        ["--eval-source: ", "absent does not exist"],
+    ),
     "evaluation with no held-out split to prepare": (
         lambda tmp: write_job(tmp, tiny_job(tmp, tmp / "data", data={"source": corpus(tmp, a_txt="x " * 100)}, eval={"interval": 2})),
-        ["train", "job.yaml"], ["eval: measures a held-out split", "set data.eval_fraction or eval.source"]),
+        ["train", "job.yaml"],
+        ["eval: measures a held-out split", "set data.eval_fraction or eval.source"],
+    ),
     "no samples per shard": (
         lambda tmp: corpus(tmp, a_txt="x " * 100),
-        ["data", "prepare", "--source", "corpus", "--seq-len", "32", "--shard-samples", "0", *PREPARE], ["--shard-samples: must be > 0, got 0"]),
+        ["data", "prepare", "--source", "corpus", "--seq-len", "32", "--shard-samples", "0", *PREPARE],
+        ["--shard-samples: must be > 0, got 0"],
+    ),
     "a negative vocabulary": (
         lambda tmp: corpus(tmp, a_txt="x " * 100),
-        ["data", "prepare", "--source", "corpus", "--seq-len", "32", "--vocab-size", "-1", *PREPARE], ["--vocab-size: the BPE trained here needs at least 257", "got -1"]),
+        ["data", "prepare", "--source", "corpus", "--seq-len", "32", "--vocab-size", "-1", *PREPARE],
+        ["--vocab-size: the BPE trained here needs at least 257", "got -1"],
+    ),
     "an output that is a file": (
         lambda tmp: corpus(tmp, a_txt="x " * 100) and (tmp / "prepared").write_text("mine"),
-        ["data", "prepare", "--source", "corpus", "--seq-len", "32", *PREPARE], ["--out: prepared is a file"]),
+        ["data", "prepare", "--source", "corpus", "--seq-len", "32", *PREPARE],
+        ["--out: prepared is a file"],
+    ),
     "an output folder holding files": (
         lambda tmp: corpus(tmp, a_txt="x " * 100) and (tmp / "prepared").mkdir() or (tmp / "prepared" / "notes.txt").write_text("mine"),
-        ["data", "prepare", "--source", "corpus", "--seq-len", "32", *PREPARE], ["--out: prepared is not empty (1 files, e.g. notes.txt)"]),
+        ["data", "prepare", "--source", "corpus", "--seq-len", "32", *PREPARE],
+        ["--out: prepared is not empty (1 files, e.g. notes.txt)"],
+    ),
     "a fresh start over committed checkpoints": (
         lambda tmp: job_over_checkpoints(tmp, resume=False),
-        ["train", "job.yaml"], ["checkpoint.dir: ", "holds 1 committed checkpoints (steps 4..4) and checkpoint.resume is false", "discard_existing"]),
+        ["train", "job.yaml"],
+        ["checkpoint.dir: ", "holds 1 committed checkpoints (steps 4..4) and checkpoint.resume is false", "discard_existing"],
+    ),
     "checkpoints another job wrote": (
         lambda tmp: job_over_checkpoints(tmp, written_by="other"),
-        ["train", "job.yaml"], ["checkpoint.dir: ", "step_00000004 was written by job other, not tiny"]),
+        ["train", "job.yaml"],
+        ["checkpoint.dir: ", "step_00000004 was written by job other, not tiny"],
+    ),
     "a password in the tracking URI of a submitted job": (
         lambda tmp: write_job(tmp, tiny_job(tmp, tmp / "data", tracking={"uri": "http://alice:pa55@mlflow:5000"})),
-        ["submit", "job.yaml", "--address", "http://127.0.0.1:9"], ["tracking.uri: holds a credential", "MLFLOW_TRACKING_PASSWORD"]),
+        ["submit", "job.yaml", "--address", "http://127.0.0.1:9"],
+        ["tracking.uri: holds a credential", "MLFLOW_TRACKING_PASSWORD"],
+    ),
     "a DeepSpeed comet key in a submitted job": (
         lambda tmp: write_job(tmp, tiny_job(tmp, tmp / "data", engine="deepspeed", deepspeed={"config": {"comet": {"api_key": "k"}}})),
-        ["submit", "job.yaml", "--address", "http://127.0.0.1:9"], ["deepspeed.config.comet.api_key: holds a credential", "COMET_API_KEY"]),
+        ["submit", "job.yaml", "--address", "http://127.0.0.1:9"],
+        ["deepspeed.config.comet.api_key: holds a credential", "COMET_API_KEY"],
+    ),
     "corpus too small for one sample": (
         lambda tmp: corpus(tmp, a_txt="", b_txt="tiny"),
-        ["data", "prepare", "--source", "corpus", "--seq-len", "32", *PREPARE], ["--source: the corpus holds 4 bytes", "fewer than one sample of seq_len+1 = 33"]),
+        ["data", "prepare", "--source", "corpus", "--seq-len", "32", *PREPARE],
+        ["--source: the corpus holds 4 bytes", "fewer than one sample of seq_len+1 = 33"],
+    ),
 }
 
 
@@ -324,10 +390,18 @@ def test_refused_before_ray_starts(case, tmp_path, monkeypatch):
 
 # An evaluation the prepared dataset (one document in ten held out) cannot serve.
 HELD_OUT_REFUSALS = {
-    "more batches than held out": ({"eval": {"interval": 2, "batches": 1000}}, ["eval.batches: 1000 batches of 8 samples need 8000 held-out samples", "at most"]),
+    "more batches than held out": (
+        {"eval": {"interval": 2, "batches": 1000}},
+        ["eval.batches: 1000 batches of 8 samples need 8000 held-out samples", "at most"],
+    ),
     "another held-out share than prepared": (
-        {"data": {"eval_fraction": 0.3}, "eval": {"interval": 2}}, ["data.eval_fraction: 0.3, but", "was prepared with data.eval_fraction 0.1"]),
-    "a held-out corpus and a share": ({"data": {"eval_fraction": 0.1}, "eval": {"source": "elsewhere"}}, ["eval.source: a separate held-out corpus and data.eval_fraction"]),
+        {"data": {"eval_fraction": 0.3}, "eval": {"interval": 2}},
+        ["data.eval_fraction: 0.3, but", "was prepared with data.eval_fraction 0.1"],
+    ),
+    "a held-out corpus and a share": (
+        {"data": {"eval_fraction": 0.1}, "eval": {"source": "elsewhere"}},
+        ["eval.source: a separate held-out corpus and data.eval_fraction"],
+    ),
 }
 
 
@@ -406,12 +480,23 @@ def _teacher_with_the_datasets_tokenizer(tmp_path, hf_teacher, dataset):
 TEACHER_REFUSALS = {
     "missing": (lambda tmp_path, hf_teacher, data: tmp_path / "nowhere", {}, "distill.teacher:", "does not exist"),
     "another tokenizer": (lambda tmp_path, hf_teacher, data: hf_teacher, {}, "distill.teacher: its tokenizer", "is not the dataset's"),
-    "no tokenizer": (lambda tmp_path, hf_teacher, data: _teacher_without_a_tokenizer(tmp_path, hf_teacher), {},
-                     "distill.teacher:", "has no tokenizer to compare with the dataset's"),
-    "a block it lacks": (_teacher_with_the_datasets_tokenizer, {"distill": {"hidden": {"layers": {0: 1, 1: 5}}}},
-                         "distill.hidden.layers: teacher block 5 does not exist; the teacher has 2 blocks (0-1)"),
-    "another padded vocabulary under tp": (_teacher_with_the_datasets_tokenizer, {"parallel": {"dp": 1, "tp": 2}},
-                                           "distill.teacher: its vocab_size 320 differs from model.vocab_size 512", "distill.cache"),
+    "no tokenizer": (
+        lambda tmp_path, hf_teacher, data: _teacher_without_a_tokenizer(tmp_path, hf_teacher),
+        {},
+        "distill.teacher:",
+        "has no tokenizer to compare with the dataset's",
+    ),
+    "a block it lacks": (
+        _teacher_with_the_datasets_tokenizer,
+        {"distill": {"hidden": {"layers": {0: 1, 1: 5}}}},
+        "distill.hidden.layers: teacher block 5 does not exist; the teacher has 2 blocks (0-1)",
+    ),
+    "another padded vocabulary under tp": (
+        _teacher_with_the_datasets_tokenizer,
+        {"parallel": {"dp": 1, "tp": 2}},
+        "distill.teacher: its vocab_size 320 differs from model.vocab_size 512",
+        "distill.cache",
+    ),
 }
 
 
@@ -454,11 +539,14 @@ def test_a_teacher_cache_made_for_another_job_is_refused(case, tmp_path, distill
     assert nothing_written(tmp_path)
 
 
-@pytest.mark.parametrize("change, fragment", [
-    ({"cache": None}, "distill.cache: not set"),
-    ({}, "already holds a teacher cache; remove it or choose another path"),
-    ({"top_k": None}, "distill.cache: the cache keeps the teacher's k most likely tokens per position; set distill.top_k"),
-])
+@pytest.mark.parametrize(
+    "change, fragment",
+    [
+        ({"cache": None}, "distill.cache: not set"),
+        ({}, "already holds a teacher cache; remove it or choose another path"),
+        ({"top_k": None}, "distill.cache: the cache keeps the teacher's k most likely tokens per position; set distill.top_k"),
+    ],
+)
 def test_a_teacher_cache_that_cannot_be_built_is_refused(change, fragment, tmp_path, distill_cache):
     import copy
 
@@ -469,18 +557,36 @@ def test_a_teacher_cache_that_cannot_be_built_is_refused(change, fragment, tmp_p
 
 # name: (the job's sections changed, given the instruct job and a tmp dir; the command; what the message says)
 INSTRUCT_REFUSALS = {
-    "a missing prompts file": (lambda job, tmp: {"instruct": {"prompts": str(tmp / "none.jsonl")}}, "generate",
-                               "distill.instruct.prompts: ", "none.jsonl does not exist"),
+    "a missing prompts file": (
+        lambda job, tmp: {"instruct": {"prompts": str(tmp / "none.jsonl")}},
+        "generate",
+        "distill.instruct.prompts: ",
+        "none.jsonl does not exist",
+    ),
     "an empty prompts file": (lambda job, tmp: {"instruct": {"prompts": _file(tmp / "empty.jsonl", "")}}, "generate", "holds no prompts"),
-    "no prompt column": (lambda job, tmp: {"instruct": {"prompts": _file(tmp / "p.jsonl", '{"question": "x"}\n')}}, "generate",
-                         "has neither a 'prompt' nor a 'messages' column"),
-    "messages not pairs": (lambda job, tmp: {"instruct": {"prompts": _file(tmp / "p.jsonl", '{"messages": [{"role": "user"}]}\n')}}, "generate",
-                           "distill.instruct.messages_column:", "{role, content} pairs"),
-    "every prompt too long": (lambda job, tmp: {"instruct": {"generate": {"max_new_tokens": 40}}}, "generate",
-                              "none of the 24 prompts fits", "train.seq_len + 1 = 33"),
+    "no prompt column": (
+        lambda job, tmp: {"instruct": {"prompts": _file(tmp / "p.jsonl", '{"question": "x"}\n')}},
+        "generate",
+        "has neither a 'prompt' nor a 'messages' column",
+    ),
+    "messages not pairs": (
+        lambda job, tmp: {"instruct": {"prompts": _file(tmp / "p.jsonl", '{"messages": [{"role": "user"}]}\n')}},
+        "generate",
+        "distill.instruct.messages_column:",
+        "{role, content} pairs",
+    ),
+    "every prompt too long": (
+        lambda job, tmp: {"instruct": {"generate": {"max_new_tokens": 40}}},
+        "generate",
+        "none of the 24 prompts fits",
+        "train.seq_len + 1 = 33",
+    ),
     "a dataset already there": (lambda job, tmp: {}, "generate", "data.path:", "already holds a dataset"),
-    "trained before generating": (lambda job, tmp: {"data": {"path": str(tmp / "nothing-yet")}}, "train",
-                                  "holds no instruction dataset yet; write it with `lmforge distill generate JOB`"),
+    "trained before generating": (
+        lambda job, tmp: {"data": {"path": str(tmp / "nothing-yet")}},
+        "train",
+        "holds no instruction dataset yet; write it with `lmforge distill generate JOB`",
+    ),
     "other soft targets": (lambda job, tmp: {"top_k": 2}, "train", "distill.top_k:", "holds the teachers' top 4 at temperature 1, not top_k 2"),
     "other teachers": (lambda job, tmp: {"teachers": job["distill"]["teachers"][:1]}, "train", "data.path:", "holds answers of other teachers"),
 }
@@ -542,13 +648,17 @@ def _stage(name: str, kind: str, job: str = "general.yaml", **more) -> dict:
 # student), wide.yaml (a wider one), task.yaml (an instruction distillation).
 PIPELINE_REFUSALS = {
     "an unknown kind": ([_stage("a", "train"), _stage("b", "finetune")], "stages.1.kind: Input should be 'train', 'instruct' or 'evaluate'"),
-    "a student unlike the previous": ([_stage("a", "train"), _stage("b", "train", "wide.yaml")],
-                                      "stages[1] (b): its student is not the previous stage's (a): model differs in dim (96 vs 64)"),
+    "a student unlike the previous": (
+        [_stage("a", "train"), _stage("b", "train", "wide.yaml")],
+        "stages[1] (b): its student is not the previous stage's (a): model differs in dim (96 vs 64)",
+    ),
     "an evaluation first": ([_stage("a", "evaluate", "task.yaml")], "stages[0] (a): kind evaluate: judges the previous stage's student"),
     "instruct without prompts": ([_stage("a", "instruct")], "stages[0] (a): kind instruct: its job (general.yaml) has no distill.instruct"),
     "instructions as kind train": ([_stage("a", "train", "task.yaml")], "give the stage kind: instruct"),
-    "a later stage's own init_from": ([_stage("a", "train"), _stage("b", "train", set=["model.init_from=elsewhere"])],
-                                      "stages[1] (b): model.init_from: a stage starts from the previous stage's student"),
+    "a later stage's own init_from": (
+        [_stage("a", "train"), _stage("b", "train", set=["model.init_from=elsewhere"])],
+        "stages[1] (b): model.init_from: a stage starts from the previous stage's student",
+    ),
     "a missing job file": ([_stage("a", "train", "none.yaml")], "stages[0] (a):", "none.yaml: cannot read job file"),
     "a bad override": ([_stage("a", "train", set=["train.max_stepz=3"])], "stages[0] (a):", "train.max_stepz: unknown field"),
     "two stages of one name": ([_stage("a", "train"), _stage("a", "train")], "stages: two stages are named 'a'"),
@@ -594,8 +704,9 @@ def test_a_model_that_cannot_be_served_is_refused(case, tmp_path):
     args, *fragments = SERVE_REFUSALS[case]
     (tmp_path / "empty").mkdir()
     (tmp_path / "partial").mkdir()
-    (tmp_path / "partial" / "config.json").write_text(json.dumps({"model": {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
-                                                                            "vocab_size": 512, "ffn_hidden": 172}}))
+    (tmp_path / "partial" / "config.json").write_text(
+        json.dumps({"model": {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 512, "ffn_hidden": 172}})
+    )
     assert_clean_error(run_cli("serve", *args, cwd=tmp_path), *fragments)
 
 
@@ -609,8 +720,10 @@ def test_serve_refuses_a_replica_larger_than_any_node(tmp_path, monkeypatch):
     monkeypatch.setattr(ray, "is_initialized", lambda: False)  # as a fresh process: it would start its own cluster
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     (tmp_path / "m").mkdir()
-    assert_clean_error(run_cli("serve", "m", "--cpus-per-replica", "512", "--port", str(free_port()), cwd=tmp_path),
-                       "--cpus-per-replica: 512, but the largest node of the cluster has")
+    assert_clean_error(
+        run_cli("serve", "m", "--cpus-per-replica", "512", "--port", str(free_port()), cwd=tmp_path),
+        "--cpus-per-replica: 512, but the largest node of the cluster has",
+    )
 
 
 def test_serve_refuses_a_port_in_use(tmp_path):

@@ -26,14 +26,14 @@ class ReachedRay(BaseException):
 
 @pytest.fixture(autouse=True)
 def no_cluster(monkeypatch):
-    import lmforge.cluster.runtime
+    import lmforge.ray_runtime
     from lmforge import sdk
 
     def reached(*args, **kwargs):
         raise ReachedRay()
 
     monkeypatch.setattr(sdk, "connect", reached)
-    monkeypatch.setattr(lmforge.cluster.runtime, "connect", reached)
+    monkeypatch.setattr(lmforge.ray_runtime, "connect", reached)
 
 
 def answered(*args: str, cwd: Path) -> None:
@@ -44,18 +44,46 @@ def answered(*args: str, cwd: Path) -> None:
     assert "Traceback" not in result.stderr, (args, result.stderr[-2000:])
     assert result.returncode in (0, 2), (args, result.returncode, result.stderr[-2000:])
     if result.returncode == 2:
-        errors = [line for line in result.stderr.splitlines() if line.startswith("lmforge: error:") or line.startswith("usage:")]
+        errors = [line for line in result.stderr.splitlines() if line.startswith(("lmforge: error:", "usage:"))]
         assert errors and len([line for line in errors if line.startswith("lmforge: error:")]) <= 1, (args, result.stderr)
 
 
 TEXT = st.text(alphabet=string.printable + "[]/\\:{}é\u2028\x00", max_size=24)
-NUMBERS = st.one_of(st.integers(-(2**70), 2**70), st.floats(allow_nan=True, allow_infinity=True).map(repr),
-                    st.sampled_from(["0", "-1", "1e999", "nan", "inf", "2**64", "18446744073709551616"]))
+NUMBERS = st.one_of(
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=True, allow_infinity=True).map(repr),
+    st.sampled_from(["0", "-1", "1e999", "nan", "inf", "2**64", "18446744073709551616"]),
+)
 VALUES = st.one_of(NUMBERS.map(str), TEXT, st.sampled_from(["[/x]", "{a: [", "[" * 2000 + "]" * 2000, "~", "null", "true", "[1, 2]", "{}"]))
-FIELDS = ["train.seed", "train.max_steps", "train.global_batch", "train.micro_batch", "train.seq_len", "parallel.dp", "parallel.tp",
-          "optim.lr", "checkpoint.interval", "checkpoint.keep", "checkpoint.dir", "checkpoint.resume", "model.dim", "model.n_heads",
-          "model.vocab_size", "data.path", "data.shard_samples", "data.eval_fraction", "output_dir", "name", "eval.interval",
-          "resources.cpus_per_worker", "fault_tolerance.max_failures", "engine", "data.sources", "tracking.uri", "unknown.field"]
+FIELDS = [
+    "train.seed",
+    "train.max_steps",
+    "train.global_batch",
+    "train.micro_batch",
+    "train.seq_len",
+    "parallel.dp",
+    "parallel.tp",
+    "optim.lr",
+    "checkpoint.interval",
+    "checkpoint.keep",
+    "checkpoint.dir",
+    "checkpoint.resume",
+    "model.dim",
+    "model.n_heads",
+    "model.vocab_size",
+    "data.path",
+    "data.shard_samples",
+    "data.eval_fraction",
+    "output_dir",
+    "name",
+    "eval.interval",
+    "resources.cpus_per_worker",
+    "fault_tolerance.max_failures",
+    "engine",
+    "data.sources",
+    "tracking.uri",
+    "unknown.field",
+]
 
 
 @pytest.fixture(scope="module")
@@ -72,10 +100,18 @@ def test_train_with_generated_set_values(job_dir, assignments):
     answered("train", "job.yaml", *sets, cwd=job_dir)
 
 
-JSONISH = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(-(2**40), 2**40), st.floats(allow_nan=False), TEXT),
-                       lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(TEXT, inner, max_size=4)), max_leaves=12)
-JOB_TREES = st.one_of(JSONISH, st.fixed_dictionaries({"name": st.one_of(TEXT, JSONISH), "data": st.one_of(JSONISH, st.just({"path": "d"}))},
-                                                     optional={key: JSONISH for key in ("train", "model", "parallel", "checkpoint", "eval")}))
+JSONISH = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-(2**40), 2**40), st.floats(allow_nan=False), TEXT),
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(TEXT, inner, max_size=4)),
+    max_leaves=12,
+)
+JOB_TREES = st.one_of(
+    JSONISH,
+    st.fixed_dictionaries(
+        {"name": st.one_of(TEXT, JSONISH), "data": st.one_of(JSONISH, st.just({"path": "d"}))},
+        optional={key: JSONISH for key in ("train", "model", "parallel", "checkpoint", "eval")},
+    ),
+)
 
 
 @FUZZ
@@ -86,9 +122,17 @@ def test_train_with_generated_job_files(tmp_path_factory, tree):
     answered("train", "job.yaml", cwd=where)
 
 
-PREPARE_FLAGS = st.fixed_dictionaries({}, optional={
-    "--seq-len": NUMBERS, "--shard-samples": NUMBERS, "--vocab-size": NUMBERS, "--eval-fraction": NUMBERS,
-    "--out": st.sampled_from(["prepared", "corpus", "corpus/a.txt", "s3://no-such-bucket/x", "[/x]"]), "--text-column": TEXT})
+PREPARE_FLAGS = st.fixed_dictionaries(
+    {},
+    optional={
+        "--seq-len": NUMBERS,
+        "--shard-samples": NUMBERS,
+        "--vocab-size": NUMBERS,
+        "--eval-fraction": NUMBERS,
+        "--out": st.sampled_from(["prepared", "corpus", "corpus/a.txt", "s3://no-such-bucket/x", "[/x]"]),
+        "--text-column": TEXT,
+    },
+)
 
 
 @FUZZ
@@ -110,9 +154,18 @@ def model_dir(tmp_path_factory, hf_tokenizer):
     return out
 
 
-GENERATE_FLAGS = st.fixed_dictionaries({}, optional={
-    "--temperature": NUMBERS, "--top-p": NUMBERS, "--top-k": NUMBERS, "--repetition-penalty": NUMBERS, "--seed": NUMBERS,
-    "--max-new-tokens": st.integers(-3, 4).map(str), "--stop": TEXT})
+GENERATE_FLAGS = st.fixed_dictionaries(
+    {},
+    optional={
+        "--temperature": NUMBERS,
+        "--top-p": NUMBERS,
+        "--top-k": NUMBERS,
+        "--repetition-penalty": NUMBERS,
+        "--seed": NUMBERS,
+        "--max-new-tokens": st.integers(-3, 4).map(str),
+        "--stop": TEXT,
+    },
+)
 
 
 @FUZZ
@@ -123,10 +176,28 @@ def test_generate_with_generated_flags(model_dir, flags, prompt):
 
 
 @FUZZ
-@given(config=st.one_of(JSONISH, st.fixed_dictionaries({"model_type": st.just("llama")}, optional={
-    key: st.one_of(st.integers(-2, 128), TEXT, JSONISH) for key in ("hidden_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers",
-                                                                     "intermediate_size", "vocab_size", "head_dim", "max_position_embeddings")})),
-       index=st.one_of(st.none(), JSONISH, st.fixed_dictionaries({"weight_map": st.dictionaries(TEXT, st.one_of(TEXT, JSONISH), max_size=3)})))
+@given(
+    config=st.one_of(
+        JSONISH,
+        st.fixed_dictionaries(
+            {"model_type": st.just("llama")},
+            optional={
+                key: st.one_of(st.integers(-2, 128), TEXT, JSONISH)
+                for key in (
+                    "hidden_size",
+                    "num_attention_heads",
+                    "num_key_value_heads",
+                    "num_hidden_layers",
+                    "intermediate_size",
+                    "vocab_size",
+                    "head_dim",
+                    "max_position_embeddings",
+                )
+            },
+        ),
+    ),
+    index=st.one_of(st.none(), JSONISH, st.fixed_dictionaries({"weight_map": st.dictionaries(TEXT, st.one_of(TEXT, JSONISH), max_size=3)})),
+)
 def test_model_directories_with_generated_files(model_dir, tmp_path_factory, config, index):
     """A model directory whose config.json (and weight index) are generated: `generate`
     and `export` refuse it in one line or load it."""

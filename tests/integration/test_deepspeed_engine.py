@@ -7,7 +7,6 @@ silently ignored setting fails the test.
 """
 
 import pytest
-
 from parity import DISTILL_LOGITS, FROM_CACHE, Launches, losses
 
 STEPS = ["--steps", "10"]
@@ -16,8 +15,13 @@ OFFLOAD_PARAM = "deepspeed.config.zero_optimization.offload_param.device=cpu"
 
 
 STAGES = {
-    "zero0": (0, []), "zero1": (1, []), "zero2": (2, []), "zero3": (3, []),
-    "zero1-offload": (1, [OFFLOAD_OPT]), "zero2-offload": (2, [OFFLOAD_OPT]), "zero3-offload-all": (3, [OFFLOAD_OPT, OFFLOAD_PARAM]),
+    "zero0": (0, []),
+    "zero1": (1, []),
+    "zero2": (2, []),
+    "zero3": (3, []),
+    "zero1-offload": (1, [OFFLOAD_OPT]),
+    "zero2-offload": (2, [OFFLOAD_OPT]),
+    "zero3-offload-all": (3, [OFFLOAD_OPT, OFFLOAD_PARAM]),
 }
 ZERO = "deepspeed.config.zero_optimization.stage"
 
@@ -47,15 +51,22 @@ CASES = {
     "deepspeed-from-native": (2, ENGINES["deepspeed"], {"export": "native-save", "export_format": "hf", "skip_steps": 3}),
     "native-from-deepspeed": (2, ENGINES["native"], {"export": "zero3-save", "skip_steps": 3}),
     # Logits distillation from native-save's step-3 weights: online teachers, and the cache's top-k.
-    **{f"{engine}-distill{kind}": (2, [*items, *DISTILL_LOGITS, *extra], {"teacher": "native-save"})
-       for engine, items in (("native", []), ("zero3", zero(3)), ("zero2", zero(2))) for kind, extra in (("", []), ("-cache", FROM_CACHE))
-       if (engine, kind) != ("zero2", "")},
+    **{
+        f"{engine}-distill{kind}": (2, [*items, *DISTILL_LOGITS, *extra], {"teacher": "native-save"})
+        for engine, items in (("native", []), ("zero3", zero(3)), ("zero2", zero(2)))
+        for kind, extra in (("", []), ("-cache", FROM_CACHE))
+        if (engine, kind) != ("zero2", "")
+    },
     # Online, with on-policy steps (the student's continuations scored by the teacher).
-    **{f"{engine}-distill-on-policy": (2, [*items, *DISTILL_LOGITS, ON_POLICY], {"teacher": "native-save"})
-       for engine, items in (("native", []), ("zero3", zero(3)))},
+    **{
+        f"{engine}-distill-on-policy": (2, [*items, *DISTILL_LOGITS, ON_POLICY], {"teacher": "native-save"})
+        for engine, items in (("native", []), ("zero3", zero(3)))
+    },
     # The same from the cache, learning only the tokens of an instruction dataset's loss mask.
-    **{f"{engine}-distill-cache-masked": (2, [*items, *DISTILL_LOGITS, *FROM_CACHE], {"teacher": "native-save", "masked": True})
-       for engine, items in (("native", []), ("zero2", zero(2)))},
+    **{
+        f"{engine}-distill-cache-masked": (2, [*items, *DISTILL_LOGITS, *FROM_CACHE], {"teacher": "native-save", "masked": True})
+        for engine, items in (("native", []), ("zero2", zero(2)))
+    },
 }
 
 
@@ -103,15 +114,25 @@ def _cpu_adam_build_cached() -> bool:
     from torch.utils.cpp_extension import get_default_build_root
 
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
-        get_default_build_root(), f"py{sys.version_info.major}{sys.version_info.minor}_{'cu' + torch.version.cuda.replace('.', '') if torch.version.cuda else 'cpu'}"
+        get_default_build_root(),
+        f"py{sys.version_info.major}{sys.version_info.minor}_{'cu' + torch.version.cuda.replace('.', '') if torch.version.cuda else 'cpu'}",
     )
     return any(Path(root, "cpu_adam").glob("cpu_adam*.so"))
 
 
 @pytest.mark.skipif(not _cpu_adam_build_cached(), reason="DeepSpeedCPUAdam is not built in the torch extensions cache; building it takes minutes")
 def test_compiled_cpu_adam_with_offload(native_dp2, tmp_path):
-    got, ran = losses(tmp_path, 2, "engine=deepspeed", "deepspeed.config.zero_optimization.stage=2", OFFLOAD_OPT,
-                      "deepspeed.config.optimizer.type=AdamW", "deepspeed.config.optimizer.params.torch_adam=false", extra=STEPS, describe=True)
+    got, ran = losses(
+        tmp_path,
+        2,
+        "engine=deepspeed",
+        "deepspeed.config.zero_optimization.stage=2",
+        OFFLOAD_OPT,
+        "deepspeed.config.optimizer.type=AdamW",
+        "deepspeed.config.optimizer.params.torch_adam=false",
+        extra=STEPS,
+        describe=True,
+    )
     assert ran["optimizer"] == "DeepSpeedCPUAdam"
     assert got == pytest.approx(native_dp2, rel=1e-4)
 
@@ -136,7 +157,9 @@ def test_exported_weights_move_between_engines(runs, source, target):
     assert continued[0] == pytest.approx(runs(saved)["losses"][3], rel=1e-5)
 
 
-@pytest.mark.parametrize("name", ["zero3-distill", "zero3-distill-cache", "zero2-distill-cache", "zero2-distill-cache-masked", "zero3-distill-on-policy"])
+@pytest.mark.parametrize(
+    "name", ["zero3-distill", "zero3-distill-cache", "zero2-distill-cache", "zero2-distill-cache-masked", "zero3-distill-on-policy"]
+)
 def test_distillation_matches_native(runs, name):
     """A JSD + cross-entropy distillation under ZeRO (the online teacher whole on each
     rank): the total, each term, and the held-out loss, KL and top-1 agreement of the

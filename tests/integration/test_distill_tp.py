@@ -70,8 +70,10 @@ def sharded(rank: int, port: int, results) -> None:
         for name in CASES:
             local = student[..., shard].clone().requires_grad_()
             group = dist.group.WORLD
-            loss = kd_loss_sum(local, targets(name, teacher, shard, group), mask, divergence(name), T, vocab(name), tp_group=group,
-                               chunk_tokens=4) / mask.sum()
+            loss = (
+                kd_loss_sum(local, targets(name, teacher, shard, group), mask, divergence(name), T, vocab(name), tp_group=group, chunk_tokens=4)
+                / mask.sum()
+            )
             loss.backward()
             results[(rank, name)] = (loss.item(), local.grad)
     finally:
@@ -101,5 +103,5 @@ def test_tensor_parallel_kd_equals_one_process(tp_results, name):
     for rank in range(WORLD):
         got, local_grad = tp_results[(rank, name)]
         assert got == pytest.approx(loss, rel=1e-5, abs=1e-7)
-        want = grad[..., rank * V // WORLD:(rank + 1) * V // WORLD]
+        want = grad[..., rank * V // WORLD : (rank + 1) * V // WORLD]
         assert (local_grad - want).abs().max().item() < 1e-5

@@ -8,19 +8,21 @@ add in another order); bf16 (FSDP2 mixed precision, fp32 reduction) within 2e-2.
 """
 
 import pytest
+from parity import DISTILL_LOGITS, FROM_CACHE, Launches
 from safetensors import safe_open
 from torch.distributed.checkpoint import FileSystemReader
 
 from lmforge.models.weights import open_model_dir, weight_names
-from parity import DISTILL_LOGITS, FROM_CACHE, Launches
 
 
 def dcp_keys(step_dir) -> set[str]:
     return set(FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata)
 
+
 PP2 = ["parallel.pp=2"]
 SCHEDULES = {
-    "gpipe": ["parallel.schedule=gpipe"], "1f1b": ["parallel.schedule=1f1b"],
+    "gpipe": ["parallel.schedule=gpipe"],
+    "1f1b": ["parallel.schedule=1f1b"],
     "interleaved-1f1b": ["parallel.schedule=interleaved-1f1b", "parallel.virtual_stages=2"],
     "zero-bubble": ["parallel.schedule=zero-bubble", "parallel.virtual_stages=2"],
 }
@@ -46,38 +48,61 @@ CASES = {
     # SP with and without AC; the other two combinations passed too, cut for suite time.
     "tp2-sp": (2, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.activation_checkpointing=none"], {}),
     "tp2-no-sp-ac": (2, ["parallel.tp=2", "parallel.sequence_parallel=false", "parallel.activation_checkpointing=full"], {}),
-    **{f"fsdp-tp2-{k}": (4, ["parallel.tp=2", f"parallel.activation_checkpointing={ac}", f"parallel.ac_every={every}"], {})
-       for k, (ac, every) in FSDP_TP_AC.items()},
+    **{
+        f"fsdp-tp2-{k}": (4, ["parallel.tp=2", f"parallel.activation_checkpointing={ac}", f"parallel.ac_every={every}"], {})
+        for k, (ac, every) in FSDP_TP_AC.items()
+    },
     # Whole compiled blocks under FSDP, and per-block attention/MLP under TP with SP,
     # pipelining and AC all at once (pp2, tp2 without SP and fsdp2 x tp2 passed on
     # their own too; they were cut to keep the suite's time).
     "compile-fsdp-dp2": (2, ["parallel.compile=true"], {}),
     "compile-3d-ac": (8, ["parallel.compile=true", *THREE_D, "parallel.activation_checkpointing=full"], {}),
     **{f"bf16-{name}": (2, ["train.precision=bf16", *layout], {}) for name, layout in (("dp2", []), ("tp2", ["parallel.tp=2"]), ("pp2", PP2))},
-    **{f"pp2-{s}-{ac}": (2, [*PP2, *items, f"parallel.activation_checkpointing={ac}"], {}) for s, items in SCHEDULES.items() for ac in ("none", "full")},
+    **{
+        f"pp2-{s}-{ac}": (2, [*PP2, *items, f"parallel.activation_checkpointing={ac}"], {})
+        for s, items in SCHEDULES.items()
+        for ac in ("none", "full")
+    },
     "3d-ac": (8, [*THREE_D, "parallel.activation_checkpointing=full"], {}),
     # Saved after 3 steps by pp 2 x dp 2 x tp 2 (pipeline stages of FSDP2 over DTensor TP shards).
     "3d-save": (8, THREE_D, {"save_at": 3}),
-    **{f"load-{name}": (n, layout, {"load": "3d-save"}) for name, n, layout in
-       (("dp4", 4, []), ("tp2", 2, ["parallel.tp=2"]), ("pp2", 2, PP2), ("one-rank", 1, []))},
+    **{
+        f"load-{name}": (n, layout, {"load": "3d-save"})
+        for name, n, layout in (("dp4", 4, []), ("tp2", 2, ["parallel.tp=2"]), ("pp2", 2, PP2), ("one-rank", 1, []))
+    },
     # Distillation: the teacher FSDP-sharded or TP-split as the student is; the tp2 student (with
     # its adapters) saved after 3 steps and continued by one process.
-    **{f"distill-{name}": (n, [*DISTILL, *layout], {"teacher": "3d-save", **options}) for name, n, layout, options in
-       (("one", 1, [], {}), ("dp2", 2, [], {}), ("tp2", 2, ["parallel.tp=2"], {"save_at": 3}))},
+    **{
+        f"distill-{name}": (n, [*DISTILL, *layout], {"teacher": "3d-save", **options})
+        for name, n, layout, options in (("one", 1, [], {}), ("dp2", 2, [], {}), ("tp2", 2, ["parallel.tp=2"], {"save_at": 3}))
+    },
     "distill-load-one": (1, DISTILL, {"load": "distill-tp2", "teacher": "3d-save"}),
-    **{f"distill-cache-{name}": (n, [*DISTILL_CACHE, *layout], {"teacher": "3d-save"}) for name, n, layout in
-       (("one", 1, []), ("pp2", 2, [*PP2, *SCHEDULES["interleaved-1f1b"]]), ("tp2", 2, ["parallel.tp=2"]))},
+    **{
+        f"distill-cache-{name}": (n, [*DISTILL_CACHE, *layout], {"teacher": "3d-save"})
+        for name, n, layout in (("one", 1, []), ("pp2", 2, [*PP2, *SCHEDULES["interleaved-1f1b"]]), ("tp2", 2, ["parallel.tp=2"]))
+    },
     # An instruction dataset's loss mask (parity_worker.loss_masks): cross-entropy over the
     # global batch's learnt tokens, and the KD term from stored top-k targets on them.
-    **{f"sft-{name}": (n, layout, {"masked": True}) for name, n, layout in
-       (("one", 1, []), ("dp2", 2, []), ("tp2", 2, ["parallel.tp=2"]), ("pp2", 2, [*PP2, *SCHEDULES["1f1b"]]))},
-    **{f"sft-kd-{name}": (n, [*DISTILL_CACHE, *layout], {"teacher": "3d-save", "masked": True}) for name, n, layout in
-       (("one", 1, []), ("tp2", 2, ["parallel.tp=2"]), ("pp2", 2, [*PP2, *SCHEDULES["interleaved-1f1b"]]))},
+    **{
+        f"sft-{name}": (n, layout, {"masked": True})
+        for name, n, layout in (("one", 1, []), ("dp2", 2, []), ("tp2", 2, ["parallel.tp=2"]), ("pp2", 2, [*PP2, *SCHEDULES["1f1b"]]))
+    },
+    **{
+        f"sft-kd-{name}": (n, [*DISTILL_CACHE, *layout], {"teacher": "3d-save", "masked": True})
+        for name, n, layout in (("one", 1, []), ("tp2", 2, ["parallel.tp=2"]), ("pp2", 2, [*PP2, *SCHEDULES["interleaved-1f1b"]]))
+    },
     # On-policy steps (3 and 6 of 6 at this seed): the student continues each row (after its first 11 tokens, or
     # its loss mask's prompt), the teacher FSDP-sharded or TP-split as the student is (tp2 without a mask
     # passed too, cut for suite time: the prompts' rule is the unit tests').
-    **{f"on-policy-{name}": (n, [*ON_POLICY, *layout], {"teacher": "3d-save", **options}) for name, n, layout, options in
-       (("one", 1, [], {}), ("dp2", 2, [], {}), ("masked-one", 1, [], {"masked": True}), ("masked-tp2", 2, ["parallel.tp=2"], {"masked": True}))},
+    **{
+        f"on-policy-{name}": (n, [*ON_POLICY, *layout], {"teacher": "3d-save", **options})
+        for name, n, layout, options in (
+            ("one", 1, [], {}),
+            ("dp2", 2, [], {}),
+            ("masked-one", 1, [], {"masked": True}),
+            ("masked-tp2", 2, ["parallel.tp=2"], {"masked": True}),
+        )
+    },
 }
 ONE_PROCESS = ("reference", "distill-one", "distill-cache-one", "sft-one", "sft-kd-one", "on-policy-one", "on-policy-masked-one")
 
@@ -164,8 +189,14 @@ def test_checkpoint_reshards_to_any_layout(reference, run, layout):
     assert got == pytest.approx(reference[3:], rel=1e-4)
 
 
-@pytest.mark.parametrize("case, terms, tolerance", [("distill-dp2", DISTILL_TERMS, 1e-5), ("distill-tp2", DISTILL_TERMS, 1e-4),
-                                                     *((f"distill-cache-{layout}", ["ce_loss", "kd_loss"], 1e-5) for layout in ("pp2", "tp2"))])
+@pytest.mark.parametrize(
+    "case, terms, tolerance",
+    [
+        ("distill-dp2", DISTILL_TERMS, 1e-5),
+        ("distill-tp2", DISTILL_TERMS, 1e-4),
+        *((f"distill-cache-{layout}", ["ce_loss", "kd_loss"], 1e-5) for layout in ("pp2", "tp2")),
+    ],
+)
 def test_distillation_matches_one_process(run, case, terms, tolerance):
     """A JSD + cross-entropy distillation, every term over the global batch: the same
     total and terms per step as one process, the total their weighted sum; the same

@@ -41,8 +41,16 @@ def fake_cache(directory, dataset, manifest):
         ids = pq.read_table(dataset / shard["file"], columns=["sample_id"]).column("sample_id").to_numpy()
         top = [(i * 7 + np.arange(seq_len * K)).astype(np.int32) for i in ids]
         logprobs = [np.full(seq_len * K, -(i % 50) / 8, dtype=np.float16) for i in ids]
-        pq.write_table(pa.table({"sample_id": ids, "topk_ids": pa.array(top, type=pa.list_(pa.int32())),
-                                 "topk_logprobs": pa.array(logprobs, type=pa.list_(pa.float16()))}), directory / shard["file"])
+        pq.write_table(
+            pa.table(
+                {
+                    "sample_id": ids,
+                    "topk_ids": pa.array(top, type=pa.list_(pa.int32())),
+                    "topk_logprobs": pa.array(logprobs, type=pa.list_(pa.float16())),
+                }
+            ),
+            directory / shard["file"],
+        )
     return str(directory), {"k": K}
 
 
@@ -106,7 +114,7 @@ def test_a_resume_near_the_end_reads_only_its_window(ray_session, tiny_dataset):
             feed.next()  # the reader has been asked for steps start..start+5 by now: 3 chunks of 2
         positions = range(start * 8, (start + 6) * 8)
         windows = {order.locate(p) for p in positions}
-        expected = {int(b) for epoch, w in windows for b in order.blocks(epoch)[w * order.window:(w + 1) * order.window]}
+        expected = {int(b) for epoch, w in windows for b in order.blocks(epoch)[w * order.window : (w + 1) * order.window]}
         reads[start] = ray.get(feed.reader.shards_read.remote())  # answered after those chunks: calls run in order
         assert reads[start] == len(expected), (start, reads[start], sorted(expected))
         feed.close()
@@ -128,10 +136,19 @@ def test_a_mixture_reads_each_source_in_its_own_order_in_the_weights_proportions
     def run(dp: int, start: int) -> list[list[int]]:
         """Each step's global batch of (encoded) ids, the ranks' slices side by side."""
         layout = BatchLayout(global_batch=8, micro_batch=2, dp=dp)
-        feeds = [BatchFeed([Dataset(str(d), m, o) for d, m, o in zip((tiny_dataset, second_dataset), manifests, orders)], Mixture([3, 1], seed=4),
-                           layout, rank, start, 4) for rank in range(dp)]
+        feeds = [
+            BatchFeed(
+                [Dataset(str(d), m, o) for d, m, o in zip((tiny_dataset, second_dataset), manifests, orders)],
+                Mixture([3, 1], seed=4),
+                layout,
+                rank,
+                start,
+                4,
+            )
+            for rank in range(dp)
+        ]
         batches = []
-        for step in range(start, steps):
+        for _ in range(start, steps):
             fed = [feed.next() for feed in feeds]
             ids = np.concatenate([f.ids for f in fed])
             tokens = np.concatenate([f.tokens.reshape(len(f.ids), -1) for f in fed])
@@ -149,7 +166,7 @@ def test_a_mixture_reads_each_source_in_its_own_order_in_the_weights_proportions
         mine = [i % ID_STRIDE for i in flat if i // ID_STRIDE == source]
         assert mine == order.ids(0, len(mine)).tolist()
     for chunk in range(2):
-        counts = np.bincount([i // ID_STRIDE for i in flat[chunk * CHUNK:(chunk + 1) * CHUNK]], minlength=2)
+        counts = np.bincount([i // ID_STRIDE for i in flat[chunk * CHUNK : (chunk + 1) * CHUNK]], minlength=2)
         assert counts.tolist() == chunk_counts([3, 1]).tolist() == [CHUNK * 3 // 4, CHUNK // 4]
 
 
@@ -177,7 +194,7 @@ def test_one_reader_serves_every_rank_reading_each_shard_once(ray_session, tiny_
     assert shared == ray.get(alone.reader.bytes_read.remote())
     # The windows trained on, and at most a shard beyond (Ray Data may hand a block of two files).
     windows = {order.locate(p) for p in range(steps * 8)}
-    needed = sum(manifest["shards"][int(b)]["bytes"] for epoch, w in windows for b in order.blocks(epoch)[w * 2:(w + 1) * 2])
+    needed = sum(manifest["shards"][int(b)]["bytes"] for epoch, w in windows for b in order.blocks(epoch)[w * 2 : (w + 1) * 2])
     assert needed <= shared <= needed + max(shard["bytes"] for shard in manifest["shards"])
     alone.close()
     ray.kill(reader)

@@ -8,7 +8,6 @@ import re
 
 import pytest
 import torch
-
 from parity import losses
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -28,16 +27,31 @@ def test_fsdp2_cpu_offload_matches_one_gpu(reference, tmp_path, zero):
 
 
 def test_deepspeed_fp16_with_loss_scaling_is_close_to_fp32(reference, tmp_path):
-    got = losses(tmp_path, 1, ON_GPU, "engine=deepspeed", "deepspeed.config.zero_optimization.stage=2",
-                 "train.precision=fp16", "deepspeed.config.fp16.initial_scale_power=8", extra=GPU)
+    got = losses(
+        tmp_path,
+        1,
+        ON_GPU,
+        "engine=deepspeed",
+        "deepspeed.config.zero_optimization.stage=2",
+        "train.precision=fp16",
+        "deepspeed.config.fp16.initial_scale_power=8",
+        extra=GPU,
+    )
     assert got == pytest.approx(reference, rel=2e-2)
     assert got != pytest.approx(reference, rel=1e-7), "fp16 produced fp32 numbers"
 
 
 def test_deepspeed_zero3_param_offload_matches_one_gpu(reference, tmp_path):
-    got = losses(tmp_path, 1, ON_GPU, "engine=deepspeed", "deepspeed.config.zero_optimization.stage=3",
-                 "deepspeed.config.zero_optimization.offload_param.device=cpu",
-                 "deepspeed.config.zero_optimization.offload_optimizer.device=cpu", extra=GPU)
+    got = losses(
+        tmp_path,
+        1,
+        ON_GPU,
+        "engine=deepspeed",
+        "deepspeed.config.zero_optimization.stage=3",
+        "deepspeed.config.zero_optimization.offload_param.device=cpu",
+        "deepspeed.config.zero_optimization.offload_optimizer.device=cpu",
+        extra=GPU,
+    )
     assert got == pytest.approx(reference, rel=1e-4)
 
 
@@ -46,9 +60,16 @@ def test_preflight_refuses_a_job_larger_than_this_gpu():
     from lmforge.planner.fit import check_fits
     from lmforge.spec import spec_from_dict
 
-    spec = spec_from_dict({"name": "big", "model": {"preset": "70b"}, "parallel": {"dp": 1, "zero": 0},
-                           "train": {"global_batch": 1, "micro_batch": 1, "seq_len": 4096, "precision": "bf16"},
-                           "resources": {"gpus_per_worker": 1}, "data": {"path": "unused"}})
+    spec = spec_from_dict(
+        {
+            "name": "big",
+            "model": {"preset": "70b"},
+            "parallel": {"dp": 1, "zero": 0},
+            "train": {"global_batch": 1, "micro_batch": 1, "seq_len": 4096, "precision": "bf16"},
+            "resources": {"gpus_per_worker": 1},
+            "data": {"path": "unused"},
+        }
+    )
     total, name = torch.cuda.get_device_properties(0).total_memory, torch.cuda.get_device_name(0)
     with pytest.raises(UserError, match=re.escape(f"{name} memory: rank 0 needs an estimated")):
         check_fits(spec, total, f"{name} memory")

@@ -9,11 +9,10 @@ import math
 import pytest
 from mlflow.tracking import MlflowClient
 
+from conftest import tiny_job
 from lmforge import sdk
 from lmforge.errors import TrainingFailed
 from lmforge.spec import spec_from_dict
-
-from conftest import tiny_job
 
 pytestmark = pytest.mark.ray
 
@@ -88,8 +87,13 @@ def test_out_of_memory_retries_with_half_the_micro_batch_then_a_spike_rolls_back
     """Micro-batch 4 (one per rank and step) "does not fit" at step 6; 2 does not
     either; 1 does. Later, under `on_spike: rollback`, step 11's loss spikes: the run
     restarts from step 8's checkpoint and skips that batch."""
-    summary, run_dir = train(tmp_path, tiny_dataset, train={"micro_batch": 4, "max_steps": 12}, guards={"on_spike": "rollback"},
-                             debug={"oom_at_step": 6, "oom_above_micro_batch": 1, "spike_at_steps": [11]})
+    summary, run_dir = train(
+        tmp_path,
+        tiny_dataset,
+        train={"micro_batch": 4, "max_steps": 12},
+        guards={"on_spike": "rollback"},
+        debug={"oom_at_step": 6, "oom_above_micro_batch": 1, "spike_at_steps": [11]},
+    )
     ooms = events(run_dir, "out_of_memory")
     assert [(e["micro_batch"], e["retry_micro_batch"]) for e in ooms] == [(4, 2), (2, 1)]
     report = (run_dir / "memory-oom-step6-rank0.txt").read_text()
@@ -106,7 +110,10 @@ def test_out_of_memory_retries_with_half_the_micro_batch_then_a_spike_rolls_back
 
 def test_out_of_memory_at_the_floor_fails_with_the_report(ray_session, tiny_dataset, tmp_path):
     # Already at the floor: no retry (the retries down to it are the test above).
-    with pytest.raises(TrainingFailed, match="no smaller micro-batch is left .guards.oom_min_micro_batch 2.; the memory report is memory-oom-step3-rank0.txt"):
-        train(tmp_path, tiny_dataset, train={"micro_batch": 2}, guards={"oom_min_micro_batch": 2},
-              debug={"oom_at_step": 3, "oom_above_micro_batch": 1})
+    with pytest.raises(
+        TrainingFailed, match="no smaller micro-batch is left .guards.oom_min_micro_batch 2.; the memory report is memory-oom-step3-rank0.txt"
+    ):
+        train(
+            tmp_path, tiny_dataset, train={"micro_batch": 2}, guards={"oom_min_micro_batch": 2}, debug={"oom_at_step": 3, "oom_above_micro_batch": 1}
+        )
     assert (tmp_path / "runs" / "tiny" / "memory-oom-step3-rank0.txt").exists()

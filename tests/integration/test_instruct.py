@@ -73,7 +73,7 @@ def test_every_prompt_is_answered_once_and_the_selection_counts_are_the_datas(in
         assert [(answers["prompt_index"][r], answers["teacher"][r]) for r in rows] == list(zip(split["prompt_index"], split["teacher"]))
         for r, tokens, mask, top in zip(rows, split["tokens"], split["loss_mask"], split["topk_ids"]):
             prompt, answer = answers["prompt_ids"][r], answers["answer_ids"][r]
-            assert tokens[:len(prompt) + len(answer)] == prompt + answer
+            assert tokens[: len(prompt) + len(answer)] == prompt + answer
             learnt = [i for i, m in enumerate(mask) if m]
             assert learnt == list(range(len(prompt) - 1, len(prompt) - 1 + len(answer)))
             assert np.array_equal(np.asarray(top).reshape(seq_len, k)[learnt], np.asarray(answers["topk_ids"][r]).reshape(-1, k))
@@ -117,8 +117,12 @@ def test_a_student_learns_its_teachers_answers(instruct_dataset, tiny_dataset, t
 
     assert held_out_nll(trained(summary), job) == pytest.approx(evals[12]["eval_loss"], rel=1e-4)
     before = held_out_nll(build_model(spec.model_arch, "cpu", seed=job["train"]["seed"]), job)
-    raw = sdk.train(spec_from_dict(tiny_job(tmp_path / "raw", tiny_dataset, train={"max_steps": 12, "seed": 2}, optim=INSTRUCT_OPTIM,
-                                            checkpoint={"interval": 12})), show_progress=False)
+    raw = sdk.train(
+        spec_from_dict(
+            tiny_job(tmp_path / "raw", tiny_dataset, train={"max_steps": 12, "seed": 2}, optim=INSTRUCT_OPTIM, checkpoint={"interval": 12})
+        ),
+        show_progress=False,
+    )
     # Measured: 6.25 before, 5.28 after the raw corpus, 5.05 after the answers.
     nll = {"before": before, "raw corpus": held_out_nll(trained(raw), job), "answers": evals[12]["eval_loss"]}
     assert nll["answers"] < nll["before"] and nll["answers"] < nll["raw corpus"], nll

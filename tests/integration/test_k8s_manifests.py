@@ -73,7 +73,8 @@ def cluster_specs(doc: dict) -> list[dict]:
 def ray_pod_templates(doc: dict) -> list[dict]:
     """The templates of a Ray cluster's pods: the head's and each worker group's."""
     return [spec["headGroupSpec"]["template"] for spec in cluster_specs(doc)] + [
-        group["template"] for spec in cluster_specs(doc) for group in spec.get("workerGroupSpecs", [])]
+        group["template"] for spec in cluster_specs(doc) for group in spec.get("workerGroupSpecs", [])
+    ]
 
 
 def pod_templates(doc: dict) -> list[dict]:
@@ -101,7 +102,9 @@ def test_manifest_is_valid(overlay, doc):
     if doc["apiVersion"] == "ray.io/v1":
         jsonschema.validate(doc, strict(vendored(doc["kind"])))
         for template in pod_templates(doc):
-            kubernetes_validate.validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": template}, KUBERNETES, strict=True)
+            kubernetes_validate.validate(
+                {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": template}, KUBERNETES, strict=True
+            )
     else:
         kubernetes_validate.validate(doc, KUBERNETES, strict=True)
 
@@ -133,15 +136,21 @@ def insecure(doc: dict) -> list[str]:
             problems.append(f"{container['name']} may gain privileges")
         if not {"cpu", "memory"} <= set(container.get("resources", {}).get("requests", {})):
             problems.append(f"{container['name']} requests no cpu or memory")
-        problems += [f"{variable['name']} in plain text" for variable in container.get("env", [])
-                     if SECRET_NAME.search(variable["name"]) and "value" in variable]
+        problems += [
+            f"{variable['name']} in plain text"
+            for variable in container.get("env", [])
+            if SECRET_NAME.search(variable["name"]) and "value" in variable
+        ]
         argv = " ".join(container.get("command", []) + container.get("args", []))
         problems += [f"{name} in a process's argv" for name in ARGV_SECRET.findall(argv) if SECRET_NAME.search(name)]
         problems += ["a password in a process's argv" for _ in re.findall(r"--requirepass\b", argv)]
     text = json.dumps(doc)
     problems += [f"credentials in {url}" for url in re.findall(r"[a-z]+://[^\s\"/]*@", text)]
-    problems += ["the GCS Redis password in plain text" for spec in cluster_specs(doc)
-                 if "value" in spec.get("gcsFaultToleranceOptions", {}).get("redisPassword", {})]
+    problems += [
+        "the GCS Redis password in plain text"
+        for spec in cluster_specs(doc)
+        if "value" in spec.get("gcsFaultToleranceOptions", {}).get("redisPassword", {})
+    ]
     for spec in cluster_specs(doc):
         head = spec["headGroupSpec"]["template"]["spec"]
         if head.get("automountServiceAccountToken") is not False:
@@ -168,26 +177,40 @@ def test_the_security_rules_catch_each_mistake():
         change(doc)
         return insecure(doc)
 
-    head = lambda doc: doc["spec"]["headGroupSpec"]["template"]["spec"]  # noqa: E731
-    mlflow = lambda doc: doc["spec"]["template"]["spec"]["containers"][0]  # noqa: E731
+    head = lambda doc: doc["spec"]["headGroupSpec"]["template"]["spec"]
+    mlflow = lambda doc: doc["spec"]["template"]["spec"]["containers"][0]
     cluster, server, redis = ("RayCluster", "lmforge"), ("Deployment", "lmforge-mlflow"), ("Deployment", "lmforge-redis")
     assert broken(cluster, lambda d: head(d)["securityContext"].update(runAsUser=0)) == ["ray-head may run as root"]
-    assert broken(cluster, lambda d: d["spec"]["autoscalerOptions"]["securityContext"].pop("allowPrivilegeEscalation")) == ["autoscaler may gain privileges"]
+    assert broken(cluster, lambda d: d["spec"]["autoscalerOptions"]["securityContext"].pop("allowPrivilegeEscalation")) == [
+        "autoscaler may gain privileges"
+    ]
     assert broken(cluster, lambda d: d["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["resources"].pop("requests")) == [
-        "ray-worker requests no cpu or memory"]
-    assert broken(server, lambda d: mlflow(d)["env"].append({"name": "AWS_SECRET_ACCESS_KEY", "value": "x"})) == ["AWS_SECRET_ACCESS_KEY in plain text"]
+        "ray-worker requests no cpu or memory"
+    ]
+    assert broken(server, lambda d: mlflow(d)["env"].append({"name": "AWS_SECRET_ACCESS_KEY", "value": "x"})) == [
+        "AWS_SECRET_ACCESS_KEY in plain text"
+    ]
     assert broken(server, lambda d: mlflow(d)["args"].__setitem__(1, "--backend-store-uri=postgresql://mlflow:hunter2@db/mlflow")) == [
-        "credentials in postgresql://mlflow:hunter2@"]
+        "credentials in postgresql://mlflow:hunter2@"
+    ]
     assert broken(server, lambda d: mlflow(d)["args"].__setitem__(1, "--backend-store-uri=postgresql://$(PGUSER):$(PGPASSWORD)@db/mlflow")) == [
-        "PGPASSWORD in a process's argv", "credentials in postgresql://$(PGUSER):$(PGPASSWORD)@"]
+        "PGPASSWORD in a process's argv",
+        "credentials in postgresql://$(PGUSER):$(PGPASSWORD)@",
+    ]
     assert broken(server, lambda d: mlflow(d)["args"].remove("--app-name=basic-auth")) == ["MLflow takes requests without authentication"]
     assert broken(redis, lambda d: d["spec"]["template"]["spec"]["containers"][0]["args"].extend(["--requirepass", "$(REDIS_PASSWORD)"])) == [
-        "REDIS_PASSWORD in a process's argv", "a password in a process's argv"]
-    assert broken(cluster, lambda d: head(d).pop("automountServiceAccountToken")) == ["job code on the head can read the autoscaler's Kubernetes token"]
+        "REDIS_PASSWORD in a process's argv",
+        "a password in a process's argv",
+    ]
+    assert broken(cluster, lambda d: head(d).pop("automountServiceAccountToken")) == [
+        "job code on the head can read the autoscaler's Kubernetes token"
+    ]
     assert broken(cluster, lambda d: head(d)["containers"][0]["volumeMounts"].append({"name": "autoscaler-token", "mountPath": "/t"})) == [
-        "the autoscaler's token is mounted where job code runs"]
+        "the autoscaler's token is mounted where job code runs"
+    ]
     assert broken(cluster, lambda d: d["spec"]["gcsFaultToleranceOptions"].update(redisPassword={"value": "hunter2"})) == [
-        "the GCS Redis password in plain text"]
+        "the GCS Redis password in plain text"
+    ]
     assert insecure({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s"}, "stringData": {"password": "x"}}) != []
 
 
@@ -244,10 +267,14 @@ def test_the_traffic_rules_catch_each_mistake():
 
     assert broken("lmforge-postgres", lambda p: p.update(policyTypes=["Ingress"])) == ["postgres: no ingress and egress policy"]
     assert broken("lmforge-ray", lambda p: p["egress"][2]["to"][0]["ipBlock"].pop("except")) == [
-        "ray: egress anywhere, the metadata endpoint or every port included"]
-    assert broken("lmforge-mlflow", lambda p: p["egress"][2].pop("ports")) == ["mlflow: egress anywhere, the metadata endpoint or every port included"]
+        "ray: egress anywhere, the metadata endpoint or every port included"
+    ]
+    assert broken("lmforge-mlflow", lambda p: p["egress"][2].pop("ports")) == [
+        "mlflow: egress anywhere, the metadata endpoint or every port included"
+    ]
     assert broken("lmforge-mlflow", lambda p: p["ingress"][0]["from"].__setitem__(0, {"podSelector": {}})) == [
-        "mlflow: reachable from pods other than Ray's"]
+        "mlflow: reachable from pods other than Ray's"
+    ]
 
 
 def test_gpu_overlay_shape_and_cpu_dev_without_gpus():
@@ -314,7 +341,9 @@ def test_validation_catches_mistakes():
     misspelt = copy.deepcopy(cluster["spec"]["workerGroupSpecs"][0]["template"])
     misspelt["spec"]["containers"][0]["resource"] = misspelt["spec"]["containers"][0].pop("resources")
     with pytest.raises(kubernetes_validate.ValidationError):
-        kubernetes_validate.validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": misspelt}, KUBERNETES, strict=True)
+        kubernetes_validate.validate(
+            {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": misspelt}, KUBERNETES, strict=True
+        )
     pvc = next(doc for doc in rendered("cpu-dev") if doc["kind"] == "PersistentVolumeClaim")
     bad_pvc = copy.deepcopy(pvc)
     bad_pvc["spec"]["accessMode"] = "ReadWriteMany"
@@ -324,10 +353,15 @@ def test_validation_catches_mistakes():
 
 def test_overlay_merge_rules():
     base = {"containers": [{"name": "a", "image": "x", "env": [{"name": "K", "value": "1"}]}, {"name": "b"}], "args": [1, 2], "drop": 1}
-    patch = {"containers": [{"name": "a", "env": [{"name": "L", "value": "2"}]}, {"name": "b", "$patch": "delete"}, {"name": "c"}],
-             "args": [3], "drop": None}
-    assert merge(base, patch) == {"containers": [{"name": "a", "image": "x", "env": [{"name": "K", "value": "1"}, {"name": "L", "value": "2"}]}, {"name": "c"}],
-                                  "args": [3]}
+    patch = {
+        "containers": [{"name": "a", "env": [{"name": "L", "value": "2"}]}, {"name": "b", "$patch": "delete"}, {"name": "c"}],
+        "args": [3],
+        "drop": None,
+    }
+    assert merge(base, patch) == {
+        "containers": [{"name": "a", "image": "x", "env": [{"name": "K", "value": "1"}, {"name": "L", "value": "2"}]}, {"name": "c"}],
+        "args": [3],
+    }
     assert base["args"] == [1, 2]  # the base is not modified
 
 

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
+from cli import assert_clean_error, run_cli
+from conftest import REPO
 from lmforge.memory.estimate import worst_rank
 from lmforge.spec import load_spec
-from conftest import REPO
-from cli import assert_clean_error, run_cli
 
 SEVEN_B = str(REPO / "jobs" / "pretrain-7b.yaml")
 
@@ -20,7 +20,9 @@ def test_plan_json_matches_the_estimator_and_judges_the_fit(tmp_path):
     report = json.loads(fits.stdout)
     assert report["world_size"] == 32 and report["cluster"]["fits"] is True
     assert report["worst_rank"] == worst_rank(load_spec(SEVEN_B)).as_dict()
-    tight = run_cli("plan", SEVEN_B, "--json", "--cluster", "nodes=4,gpus_per_node=8,gpu_mem=2GiB", "--set", "checkpoint.in_memory=true", cwd=tmp_path)
+    tight = run_cli(
+        "plan", SEVEN_B, "--json", "--cluster", "nodes=4,gpus_per_node=8,gpu_mem=2GiB", "--set", "checkpoint.in_memory=true", cwd=tmp_path
+    )
     tight_report = json.loads(tight.stdout)
     assert tight_report["cluster"]["fits"] is False and "in_memory_host_bytes_per_rank" not in report
     # In-memory checkpoints: the rank's weights and AdamW moments, on two nodes, for two snapshots.
@@ -29,8 +31,17 @@ def test_plan_json_matches_the_estimator_and_judges_the_fit(tmp_path):
 
 
 def test_plan_prints_a_table_and_draws_a_chart(tmp_path):
-    result = run_cli("plan", SEVEN_B, "--cluster", "nodes=4,gpus_per_node=8,gpu_mem=80GB", "--chart", "chart.png", "--set", "checkpoint.in_memory=true",
-                     cwd=tmp_path)
+    result = run_cli(
+        "plan",
+        SEVEN_B,
+        "--cluster",
+        "nodes=4,gpus_per_node=8,gpu_mem=80GB",
+        "--chart",
+        "chart.png",
+        "--set",
+        "checkpoint.in_memory=true",
+        cwd=tmp_path,
+    )
     assert result.returncode == 0 and "optimizer states" in result.stdout and "fits:" in result.stdout
     assert "in-memory checkpoints (checkpoint.in_memory):" in result.stdout and "of host memory per rank" in result.stdout
     assert_png(tmp_path / "chart.png")
@@ -64,12 +75,15 @@ def assert_png(path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
 
 
-@pytest.mark.parametrize("cluster,fragment", [
-    ("nodes=4,gpus=8", "--cluster: cannot read 'gpus=8'"),
-    ("nodes=4,gpus_per_node=8", "--cluster: gpu_mem missing"),
-    ("nodes=4,gpus_per_node=8,gpu_mem=0GB", "--cluster: gpu_mem must be above 0"),
-    ("nodes=4,gpus_per_node=8,gpu_mem=lots", "--cluster: gpu_mem 'lots' is not a size"),
-])
+@pytest.mark.parametrize(
+    "cluster,fragment",
+    [
+        ("nodes=4,gpus=8", "--cluster: cannot read 'gpus=8'"),
+        ("nodes=4,gpus_per_node=8", "--cluster: gpu_mem missing"),
+        ("nodes=4,gpus_per_node=8,gpu_mem=0GB", "--cluster: gpu_mem must be above 0"),
+        ("nodes=4,gpus_per_node=8,gpu_mem=lots", "--cluster: gpu_mem 'lots' is not a size"),
+    ],
+)
 def test_bad_cluster_strings(tmp_path, cluster, fragment):
     assert_clean_error(run_cli("plan", SEVEN_B, "--cluster", cluster, cwd=tmp_path), fragment)
 

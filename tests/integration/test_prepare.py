@@ -45,8 +45,18 @@ def test_formats_and_uris_agree(ray_session, tiny_dataset, documents, tmp_path):
     results = {}
     for name, source in {"text": f"file://{texts}", "jsonl": str(tmp_path / "docs.jsonl"), "parquet": str(tmp_path / "docs.parquet")}.items():
         out = tmp_path / f"out-{name}"
-        manifest = prepare_dataset(PrepareOptions(source=source, out=str(out), seq_len=16, tokenizer=tokenizer, text_column="content", shard_samples=64,
-                                                  eval_fraction=0.2, show_progress=False))
+        manifest = prepare_dataset(
+            PrepareOptions(
+                source=source,
+                out=str(out),
+                seq_len=16,
+                tokenizer=tokenizer,
+                text_column="content",
+                shard_samples=64,
+                eval_fraction=0.2,
+                show_progress=False,
+            )
+        )
         assert manifest["tokenizer"]["sha256"] == read_manifest(tiny_dataset)["tokenizer"]["sha256"]
         assert read_manifest(out)["num_samples"] == manifest["num_samples"] > 64
         assert manifest["eval"]["documents"] == 2 and manifest["eval"]["fraction"] == 0.2
@@ -66,8 +76,16 @@ def test_undecodable_files_are_skipped_and_counted(ray_session, tiny_dataset, do
     (src / "a.txt").write_text("\n".join(documents[:3]))
     (src / "b.txt").write_bytes(b"\xff\xfe\x00 not utf-8 \xc3\x28")
     (tmp_path / "held.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in documents[5:7]))
-    manifest = prepare_dataset(PrepareOptions(source=str(src), out=str(tmp_path / "out"), seq_len=16, tokenizer=str(tiny_dataset / "tokenizer.json"),
-                                              eval_source=str(tmp_path / "held.jsonl"), show_progress=False))
+    manifest = prepare_dataset(
+        PrepareOptions(
+            source=str(src),
+            out=str(tmp_path / "out"),
+            seq_len=16,
+            tokenizer=str(tiny_dataset / "tokenizer.json"),
+            eval_source=str(tmp_path / "held.jsonl"),
+            show_progress=False,
+        )
+    )
     assert manifest["skipped_documents"] == 1 and manifest["documents"] == 2
     # A corpus of its own as the held-out split, tokenized with the dataset's tokenizer.
     assert manifest["eval"]["source"] == str(tmp_path / "held.jsonl") and manifest["eval"]["documents"] == 2
@@ -96,17 +114,30 @@ def test_shards_are_byte_for_byte_those_of_packing_in_one_process(ray_session, t
     manifest = read_manifest(tiny_dataset)
     documents = [p.read_text() for p in sorted(tiny_corpus.iterdir())]
     reference = tiny_dataset / "tokenizer.json"
-    for split, chosen, directory in (("train", [d for i, d in enumerate(documents) if not held_out(i, 0.1)], tiny_dataset),
-                                     ("eval", [d for i, d in enumerate(documents) if held_out(i, 0.1)], tiny_dataset / "eval")):
+    for split, chosen, directory in (
+        ("train", [d for i, d in enumerate(documents) if not held_out(i, 0.1)], tiny_dataset),
+        ("eval", [d for i, d in enumerate(documents) if held_out(i, 0.1)], tiny_dataset / "eval"),
+    ):
         rows = np.asarray(packed(reference, chosen, 33), dtype=np.int32)
         entries = manifest["shards"] if split == "train" else manifest["eval"]["shards"]
         assert sum(entry["num_samples"] for entry in entries) == len(rows), split
         for index, entry in enumerate(entries):
             block = rows[index * 256 : (index + 1) * 256]
             path = tmp_path / f"{split}-{index}.parquet"
-            pq.write_table(pa.table({"sample_id": np.arange(index * 256, index * 256 + len(block), dtype=np.int64),
-                                     "tokens": pa.FixedSizeListArray.from_arrays(pa.array(block.reshape(-1)), 33)}), path)
-            assert entry["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest() == hashlib.sha256((directory / entry["file"]).read_bytes()).hexdigest()
+            pq.write_table(
+                pa.table(
+                    {
+                        "sample_id": np.arange(index * 256, index * 256 + len(block), dtype=np.int64),
+                        "tokens": pa.FixedSizeListArray.from_arrays(pa.array(block.reshape(-1)), 33),
+                    }
+                ),
+                path,
+            )
+            assert (
+                entry["sha256"]
+                == hashlib.sha256(path.read_bytes()).hexdigest()
+                == hashlib.sha256((directory / entry["file"]).read_bytes()).hexdigest()
+            )
 
 
 def test_on_several_nodes_the_work_spreads_and_the_dataset_is_the_same(multinode, tiny_dataset):
@@ -142,4 +173,3 @@ def test_a_failed_write_to_an_object_store_removes_only_its_own_files(s3_bucket)
         assert not s3.find(out)
     assert s3.exists("s3://lmforge-empty-bucket")
     assert all(s3.cat(path) == data for path, data in theirs.items())
-

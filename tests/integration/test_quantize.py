@@ -38,8 +38,15 @@ def expected_linear_bytes(cfg, method: str, group: int | None) -> int:
     """int8: a byte per weight, an fp32 scale and an int8 zero point per output row.
     int4: half a byte per weight and fp32 (scale, zero) per group of a row, rows
     padded to 16s and columns to whole groups of at least 128 (the CPU packing)."""
-    shapes = [(cfg.n_heads * cfg.head_dim, cfg.dim), (cfg.n_kv_heads * cfg.head_dim, cfg.dim), (cfg.n_kv_heads * cfg.head_dim, cfg.dim),
-              (cfg.dim, cfg.n_heads * cfg.head_dim), (cfg.ffn_hidden, cfg.dim), (cfg.ffn_hidden, cfg.dim), (cfg.dim, cfg.ffn_hidden)]
+    shapes = [
+        (cfg.n_heads * cfg.head_dim, cfg.dim),
+        (cfg.n_kv_heads * cfg.head_dim, cfg.dim),
+        (cfg.n_kv_heads * cfg.head_dim, cfg.dim),
+        (cfg.dim, cfg.n_heads * cfg.head_dim),
+        (cfg.ffn_hidden, cfg.dim),
+        (cfg.ffn_hidden, cfg.dim),
+        (cfg.dim, cfg.ffn_hidden),
+    ]
     if method == "int8":
         return cfg.n_layers * sum(n * k + 5 * n for n, k in shapes)
     padded = [(up(n, 16), up(k, max(group, 128))) for n, k in shapes]
@@ -49,8 +56,21 @@ def expected_linear_bytes(cfg, method: str, group: int | None) -> int:
 @pytest.mark.parametrize("method, group, nll_bound", [("int8", None, 0.01), ("int4", 32, 0.10)])
 def test_quantized_model_is_smaller_close_and_loads_without_unpickling(source, tiny_dataset, method, group, nll_bound, monkeypatch):
     out = source.parent / method
-    args = ["quantize", str(source), "--method", method, "--out", str(out), "--eval-data", str(tiny_dataset), "--eval-samples", "32",
-            "--tracking-uri", SESSION_MLFLOW, "--json"] + (["--group-size", str(group)] if group else [])
+    args = [
+        "quantize",
+        str(source),
+        "--method",
+        method,
+        "--out",
+        str(out),
+        "--eval-data",
+        str(tiny_dataset),
+        "--eval-samples",
+        "32",
+        "--tracking-uri",
+        SESSION_MLFLOW,
+        "--json",
+    ] + (["--group-size", str(group)] if group else [])
     result = run_cli(*args, cwd=source.parent)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)

@@ -30,15 +30,38 @@ def head(tmp_path_factory):
 
 def tiny(dataset: Path, out: Path, steps: int = 4) -> list[str]:
     """The quickstart, shrunk to seconds: a tiny model on the tiny dataset."""
-    return ["model.preset=tiny", "model.vocab_size=512", "train.seq_len=32", "train.global_batch=8", "train.micro_batch=2",
-            f"train.max_steps={steps}", "checkpoint.interval=2", "data.prefetch_steps=4", f"data.path={dataset}",
-            "data.eval_fraction=0.1", "eval.interval=2", f"output_dir={out}"]
+    return [
+        "model.preset=tiny",
+        "model.vocab_size=512",
+        "train.seq_len=32",
+        "train.global_batch=8",
+        "train.micro_batch=2",
+        f"train.max_steps={steps}",
+        "checkpoint.interval=2",
+        "data.prefetch_steps=4",
+        f"data.path={dataset}",
+        "data.eval_fraction=0.1",
+        "eval.interval=2",
+        f"output_dir={out}",
+    ]
 
 
 def test_quickstart_through_ray_job_submit(head, tiny_dataset, tmp_path):
     out = tmp_path / "out"
-    cmd = [str(BIN / "ray"), "job", "submit", "--address", head.address, "--working-dir", ".", "--",
-           "lmforge", "train", "jobs/quickstart.yaml", "--no-progress"]
+    cmd = [
+        str(BIN / "ray"),
+        "job",
+        "submit",
+        "--address",
+        head.address,
+        "--working-dir",
+        ".",
+        "--",
+        "lmforge",
+        "train",
+        "jobs/quickstart.yaml",
+        "--no-progress",
+    ]
     for item in tiny(tiny_dataset, out):
         cmd += ["--set", item]
     result = subprocess.run(cmd, cwd=REPO, env=head.env, capture_output=True, text=True, timeout=600)
@@ -76,9 +99,9 @@ def check_hf_export(step_dir: Path, tmp_path: Path) -> None:
     tokens = torch.tensor([ids])
     with torch.no_grad():
         assert (ours(tokens) - theirs(tokens).logits).abs().max().item() < 1e-5
-        expected = theirs.generate(tokens, attention_mask=torch.ones_like(tokens), max_new_tokens=8, do_sample=False)[0, len(ids):]
+        expected = theirs.generate(tokens, attention_mask=torch.ones_like(tokens), max_new_tokens=8, do_sample=False)[0, len(ids) :]
     generated = sdk.generate(step_dir, text, max_new_tokens=8, temperature=0)[0]["tokens"]
-    assert generated == expected.tolist()[:len(generated)]
+    assert generated == expected.tolist()[: len(generated)]
 
 
 @pytest.fixture(scope="module")
@@ -90,11 +113,17 @@ def notebook_job(head, tiny_dataset, tmp_path_factory):
     parameters = next(cell for cell in nb.cells if "parameters" in cell.metadata.get("tags", []))
     overrides = [item for item in tiny(tiny_dataset, out, steps=6) if not item.startswith(("output_dir=", "data.path="))]
     overrides.append("tracking.system_metrics_s=0.5")  # samples within the job's few seconds
-    parameters.source = "\n".join([
-        "from pathlib import Path",
-        f"ADDRESS = {head.address!r}", 'JOB = "../jobs/quickstart.yaml"', f"OVERRIDES = {overrides!r}",
-        f"OUTPUT_DIR = {str(out)!r}", f"DATA_PATH = {str(tiny_dataset)!r}", 'PROMPT = "def main("',
-    ])
+    parameters.source = "\n".join(
+        [
+            "from pathlib import Path",
+            f"ADDRESS = {head.address!r}",
+            'JOB = "../jobs/quickstart.yaml"',
+            f"OVERRIDES = {overrides!r}",
+            f"OUTPUT_DIR = {str(out)!r}",
+            f"DATA_PATH = {str(tiny_dataset)!r}",
+            'PROMPT = "def main("',
+        ]
+    )
     client = NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(REPO / "examples")}})
     client.execute(env=head.env)  # raises CellExecutionError, with the cell and its traceback, if any cell fails
     nbformat.write(nb, out / "executed.ipynb")  # for a look after a failure
@@ -181,8 +210,16 @@ def test_running_job_exports_metrics_and_stops(head, tiny_dataset, tmp_path):
     assert submitted.returncode == 0, submitted.stderr
     job_id = submitted.stdout.strip()
     try:
-        wanted = {"ray_lmforge_tokens_per_second", "ray_lmforge_step_seconds", "ray_lmforge_mfu", "ray_lmforge_data_wait_seconds",
-                  "ray_lmforge_memory_bytes", "ray_lmforge_step", "ray_lmforge_eval_loss", "ray_lmforge_checkpoint_stall_seconds"}
+        wanted = {
+            "ray_lmforge_tokens_per_second",
+            "ray_lmforge_step_seconds",
+            "ray_lmforge_mfu",
+            "ray_lmforge_data_wait_seconds",
+            "ray_lmforge_memory_bytes",
+            "ray_lmforge_step",
+            "ray_lmforge_eval_loss",
+            "ray_lmforge_checkpoint_stall_seconds",
+        }
         deadline, found = time.time() + 180, {}
         while time.time() < deadline and not (wanted <= set(found) and len(found["ray_lmforge_step"]) == 2):
             time.sleep(1)
@@ -206,8 +243,8 @@ def test_remote_job_refusals(head, tiny_dataset, tmp_path):
     and an address with nothing behind it are one line each (exit 2), and the SDK
     raises a type for each."""
     from lmforge import sdk
-    from lmforge.jobs.client import AuthenticationFailed, ClusterUnreachable, UnknownJob
     from lmforge.errors import UserError
+    from lmforge.jobs.connection import AuthenticationFailed, ClusterUnreachable, UnknownJob
     from ray_head import free_ports
 
     args = ["--address", head.address, "--token", head.token]

@@ -85,8 +85,20 @@ def serving(ray_session, reference_run, tiny_dataset, tmp_path_factory):
     teacher, earlier, student = tmp / "teacher", tmp / "earlier", tmp / "student"
     assert run_cli("export", str(step_dir(reference_run, REFERENCE_STEPS)), "--out", str(teacher), cwd=tmp).returncode == 0
     assert run_cli("export", str(step_dir(reference_run, REFERENCE_STEPS - 20)), "--out", str(earlier), cwd=tmp).returncode == 0
-    quantized = run_cli("quantize", str(earlier), "--method", "int8", "--out", str(student), "--eval-data", str(tiny_dataset),
-                        "--eval-samples", "4", "--no-tracking", cwd=tmp)
+    quantized = run_cli(
+        "quantize",
+        str(earlier),
+        "--method",
+        "int8",
+        "--out",
+        str(student),
+        "--eval-data",
+        str(tiny_dataset),
+        "--eval-samples",
+        "4",
+        "--no-tracking",
+        cwd=tmp,
+    )
     assert quantized.returncode == 0, quantized.stderr
 
     port = free_port()
@@ -95,8 +107,25 @@ def serving(ray_session, reference_run, tiny_dataset, tmp_path_factory):
     processes = []
     for name, model, env in (("teacher", teacher, {}), ("student", student, {"LMFORGE_API_KEY": KEY})):
         log = tmp / f"{name}.log"
-        command = [sys.executable, "-m", "lmforge", "serve", str(model), "--name", name, "--route-prefix", f"/{name}", "--port", str(port),
-                   "--address", address, "--cpus-per-replica", "0.5", "--max-running", "4"]
+        command = [
+            sys.executable,
+            "-m",
+            "lmforge",
+            "serve",
+            str(model),
+            "--name",
+            name,
+            "--route-prefix",
+            f"/{name}",
+            "--port",
+            str(port),
+            "--address",
+            address,
+            "--cpus-per-replica",
+            "0.5",
+            "--max-running",
+            "4",
+        ]
         processes.append((subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=os.environ | env), log))
     # No batching serves the teacher as a Hugging Face directory: the same answers from either format.
     assert run_cli("export", str(teacher), "--format", "hf", "--out", str(tmp / "teacher-hf"), cwd=tmp).returncode == 0
@@ -144,21 +173,28 @@ def test_openai_client_completions_chat_and_streaming(serving, reference):
 
     messages = [{"role": "user", "content": "Write a loop."}]
     chat = client.chat.completions.create(model="teacher", messages=messages, max_completion_tokens=10, temperature=0)
-    rendered = DEFAULT_CHAT_TEMPLATE.replace("{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}",
-                                             "<|user|>\nWrite a loop.\n").replace("{% if add_generation_prompt %}<|assistant|>\n{% endif %}", "<|assistant|>\n")
+    rendered = DEFAULT_CHAT_TEMPLATE.replace(
+        "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}", "<|user|>\nWrite a loop.\n"
+    ).replace("{% if add_generation_prompt %}<|assistant|>\n{% endif %}", "<|assistant|>\n")
     assert chat.choices[0].message.content == alone(reference, rendered, 10)
     assert chat.choices[0].message.role == "assistant"
 
-    chunks = list(client.chat.completions.create(model="teacher", messages=messages, max_tokens=10, temperature=0, stream=True,
-                                                 stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model="teacher", messages=messages, max_tokens=10, temperature=0, stream=True, stream_options={"include_usage": True}
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == chat.choices[0].finish_reason
     assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == chat.usage.total_tokens
 
     # The raw events: `data: {json}` lines, the last `data: [DONE]`.
-    with httpx.stream("POST", serving.url("teacher") + "/v1/completions", json={
-            "model": "teacher", "prompt": PROMPTS[1], "max_tokens": 5, "temperature": 0, "stream": True}) as response:
+    with httpx.stream(
+        "POST",
+        serving.url("teacher") + "/v1/completions",
+        json={"model": "teacher", "prompt": PROMPTS[1], "max_tokens": 5, "temperature": 0, "stream": True},
+    ) as response:
         assert response.headers["content-type"].startswith("text/event-stream")
         lines = [line for line in response.iter_lines() if line]
     assert all(line.startswith("data: ") for line in lines) and lines[-1] == "data: [DONE]"
@@ -177,7 +213,7 @@ def test_sampling_options_n_seed_and_stop(serving, reference):
     greedy = alone(reference, PROMPTS[3], 24)
     stop = greedy[3:5]
     cut = client.completions.create(model="teacher", prompt=PROMPTS[3], max_tokens=24, temperature=0, stop=[stop])
-    assert cut.choices[0].text == greedy[:greedy.find(stop)] and cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == greedy[: greedy.find(stop)] and cut.choices[0].finish_reason == "stop"
 
 
 def test_greedy_outputs_are_identical_with_continuous_request_and_no_batching(serving, reference):
@@ -198,7 +234,9 @@ def test_greedy_outputs_are_identical_with_continuous_request_and_no_batching(se
         assert [texts[(mode, prompt)] for mode in modes] == [expected] * 3, prompt
     after = serving.metrics("teacher")
     steps = after['lmforge:batch_size_count{model_name="teacher"}'] - before.get('lmforge:batch_size_count{model_name="teacher"}', 0)
-    single = after['lmforge:batch_size_bucket{le="1.0",model_name="teacher"}'] - before.get('lmforge:batch_size_bucket{le="1.0",model_name="teacher"}', 0)
+    single = after['lmforge:batch_size_bucket{le="1.0",model_name="teacher"}'] - before.get(
+        'lmforge:batch_size_bucket{le="1.0",model_name="teacher"}', 0
+    )
     assert single < steps, "continuous batching never decoded two sequences in one step"
     assert after['lmforge:num_requests_running{model_name="teacher"}'] == 0
 
@@ -273,9 +311,19 @@ def test_a_client_that_disconnects_mid_stream_frees_its_sequence(serving):
     running = 'lmforge:num_requests_running{model_name="teacher"}'
     before = serving.metrics("teacher").get(steps, 0)
     max_tokens = 250
-    with httpx.stream("POST", serving.url("teacher") + "/v1/completions", json={
-            "model": "teacher", "prompt": "def ", "max_tokens": max_tokens, "temperature": 0, "stream": True, "seed": 3,
-            "stop": ["never appears \x00"]}) as response:
+    with httpx.stream(
+        "POST",
+        serving.url("teacher") + "/v1/completions",
+        json={
+            "model": "teacher",
+            "prompt": "def ",
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "seed": 3,
+            "stop": ["never appears \x00"],
+        },
+    ) as response:
         lines = response.iter_lines()
         assert next(lines).startswith("data: ")
     deadline = time.time() + 20
@@ -315,9 +363,14 @@ class ScriptedJudge:
             shown = dict(ANSWER.findall(body["messages"][-1]["content"]))
             longer = "C" if len(shown["A"]) == len(shown["B"]) else "A" if len(shown["A"]) > len(shown["B"]) else "B"
             reply = {"longer": f"A has more detail [[B]]? No: [[{longer}]]", "always-a": "A", "garbage": "I cannot decide."}[body["model"]]
-            return {"id": "j", "object": "chat.completion", "created": 0, "model": body["model"],
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": reply}, "finish_reason": "stop"}],
-                    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+            return {
+                "id": "j",
+                "object": "chat.completion",
+                "created": 0,
+                "model": body["model"],
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": reply}, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+            }
 
         self.port = free_port()
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
@@ -335,10 +388,32 @@ def test_judge_compares_student_and_teacher_in_both_orders(serving, tmp_path):
     prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
     judge = ScriptedJudge()
     try:
+
         def run(model: str, out: str, a: str = serving.url("student") + "/v1"):
-            result = run_cli("eval", "judge", "--a", a, "--b", serving.url("teacher") + "/v1",
-                             "--judge", judge.url(model), "--prompts", str(prompts), "--out", str(tmp_path / out), "--max-tokens", "16",
-                             "--a-key", KEY, "--judge-key", "judge-key", "--tracking-uri", SESSION_MLFLOW, "--json", cwd=tmp_path)
+            result = run_cli(
+                "eval",
+                "judge",
+                "--a",
+                a,
+                "--b",
+                serving.url("teacher") + "/v1",
+                "--judge",
+                judge.url(model),
+                "--prompts",
+                str(prompts),
+                "--out",
+                str(tmp_path / out),
+                "--max-tokens",
+                "16",
+                "--a-key",
+                KEY,
+                "--judge-key",
+                "judge-key",
+                "--tracking-uri",
+                SESSION_MLFLOW,
+                "--json",
+                cwd=tmp_path,
+            )
             assert result.returncode == 0, result.stderr
             return json.loads(result.stdout)
 

@@ -9,20 +9,18 @@ import os
 from pathlib import Path
 
 import fsspec
-
 import pyarrow.parquet as pq
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
+from conftest import DISTILL_STEPS, reference_job, tiny_job, with_sections
+from conftest import REFERENCE_STEPS as STEPS
 from lmforge import sdk
 from lmforge.data.order import GlobalOrder
 from lmforge.data.prepare import read_manifest
 from lmforge.errors import UserError
 from lmforge.spec import spec_from_dict
-
-from conftest import REFERENCE_STEPS as STEPS
-from conftest import DISTILL_STEPS, reference_job, tiny_job, with_sections
 
 pytestmark = pytest.mark.ray
 
@@ -177,9 +175,12 @@ def test_a_failing_rank_tears_the_group_down_with_one_message(ray_session, tiny_
 def test_3d_run_through_the_controller_matches_data_parallel(uninterrupted, ray_session, tiny_dataset, tmp_path):
     reference = _losses(uninterrupted[0])
     job = reference_job(
-        tmp_path, tiny_dataset,
-        parallel={"dp": 2, "tp": 2, "pp": 2}, train={"max_steps": 3},
-        checkpoint={"interval": 3}, resources={"cpus_per_worker": 0.5},
+        tmp_path,
+        tiny_dataset,
+        parallel={"dp": 2, "tp": 2, "pp": 2},
+        train={"max_steps": 3},
+        checkpoint={"interval": 3},
+        resources={"cpus_per_worker": 0.5},
     )
     spec = spec_from_dict(job)
     summary = sdk.train(spec, show_progress=False)
@@ -187,7 +188,9 @@ def test_3d_run_through_the_controller_matches_data_parallel(uninterrupted, ray_
     # One reader for the job: the 8 ranks (and the reference's 2) read each shard of the
     # first window (all their steps lie in it) once between them.
     manifest = read_manifest(tiny_dataset)
-    first_window = GlobalOrder(manifest["num_samples"], spec.train.seed, block=manifest["shard_samples"], window=spec.data.shuffle_window).blocks(0)[:spec.data.shuffle_window]
+    first_window = GlobalOrder(manifest["num_samples"], spec.train.seed, block=manifest["shard_samples"], window=spec.data.shuffle_window).blocks(0)[
+        : spec.data.shuffle_window
+    ]
     assert summary["data_bytes_read"] == uninterrupted[1]["data_bytes_read"] == sum(manifest["shards"][int(b)]["bytes"] for b in first_window)
     assert {(r["pp"], r["dp"], r["tp"]) for r in summary["ranks"]} == {(p, d, t) for p in (0, 1) for d in (0, 1) for t in (0, 1)}
     losses = _losses(tmp_path / "runs" / "tiny")
@@ -209,7 +212,9 @@ def test_deepspeed_documentation_config_trains_resumes_and_matches_native(uninte
     the micro-batch: DeepSpeed's config moves with it."""
     reference = _losses(uninterrupted[0])
     config = Path(__file__).parents[2] / "jobs" / "zero3-offload.json"
-    job = reference_job(tmp_path, tiny_dataset, engine="deepspeed", deepspeed={"config": str(config)}, train={"max_steps": 8}, checkpoint={"interval": 4})
+    job = reference_job(
+        tmp_path, tiny_dataset, engine="deepspeed", deepspeed={"config": str(config)}, train={"max_steps": 8}, checkpoint={"interval": 4}
+    )
     del job["optim"]["lr"]  # the config sets it: the job must not say otherwise
     overrides = ["deepspeed.config.train_batch_size=8", "deepspeed.config.optimizer.params.lr=0.003"]
     first = sdk.train(spec_from_dict(job, [*overrides, "train.max_steps=4"]), show_progress=False)
@@ -256,7 +261,8 @@ def test_a_distillation_job_trains_through_the_controller(distill_run, tmp_path)
     commits = [hashlib.sha256((Path(t["path"]) / "commit.json").read_bytes()).hexdigest() for t in job["distill"]["teachers"]]
     assert run.data.params["distill.teachers_sha256"] == ",".join(commits)  # a checkpoint's weights: its commit record
     assert [m.value for m in sorted(client.get_metric_history(run.info.run_id, "kd_loss"), key=lambda m: m.step)] == pytest.approx(
-        [row["kd_loss"] for row in rows])
+        [row["kd_loss"] for row in rows]
+    )
     assert [m.step for m in client.get_metric_history(run.info.run_id, "eval_kl")] == [6, 12]
     # One parent run for the job: the training and the final evaluation nested under it.
     parent, children = _job_runs(client, summary)
@@ -272,8 +278,9 @@ def test_a_distillation_job_trains_through_the_controller(distill_run, tmp_path)
     assert job["distill"]["teachers"][0]["path"] in version.tags["lmforge.teacher"] and version.tags["lmforge.step"] == str(DISTILL_STEPS)
     assert {"model/model.safetensors", "model/config.json"} <= {a.path for a in client.list_artifacts(run.info.run_id, "model")}
     # The same student on cross-entropy alone (the teachers only measured): farther from them.
-    alone = sdk.train(spec_from_dict(with_sections(copy.deepcopy(job), {"name": "ce-only", "distill": {"kd_weight": 0.0, "ce_weight": 1.0}})),
-                      show_progress=False)
+    alone = sdk.train(
+        spec_from_dict(with_sections(copy.deepcopy(job), {"name": "ce-only", "distill": {"kd_weight": 0.0, "ce_weight": 1.0}})), show_progress=False
+    )
     assert summary["eval_kl"] < alone["eval_kl"]
 
 

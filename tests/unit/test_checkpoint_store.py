@@ -136,7 +136,6 @@ def test_a_fresh_start_discards_checkpoints_only_when_told(tmp_path):
     `discard_existing` says to delete them (then every step directory goes, and
     nothing else)."""
     from conftest import tiny_job
-
     from lmforge.cluster.driver import _start_over
     from lmforge.spec import spec_from_dict
     from lmforge.tracking.console import text_console

@@ -136,7 +136,7 @@ def test_a_memory_snapshot_is_a_dcp_checkpoint_restored_as_it_was_at_save_time(t
     files = target.files[1]
     assert json.loads(files["state.json"]) == {"step": 1, "engine": {"scheduler": {}}} and ".metadata" in files
     fetched = []
-    fetch = lambda name: fetched.append(name) or files[name]  # noqa: E731
+    fetch = lambda name: fetched.append(name) or files[name]
     restored = OneTensor()
     load_snapshot(fetch, restored, snapshot_state(fetch))
     assert torch.equal(restored.weight, torch.ones(1000)) and engine.weight[0] == 2
@@ -163,8 +163,11 @@ def test_a_restore_point_tells_a_read_error_from_corruption(tmp_path, group, mon
     store = CheckpointStore(str(tmp_path))
     shard = sorted((tmp_path / "step_00000002").glob("*.distcp"))[0]
     real_open = store.fs.open
-    monkeypatch.setattr(store.fs, "open", lambda path, *a, **k: (_ for _ in ()).throw(OSError(5, "Input/output error"))
-                        if path.endswith(".distcp") else real_open(path, *a, **k))
+    monkeypatch.setattr(
+        store.fs,
+        "open",
+        lambda path, *a, **k: (_ for _ in ()).throw(OSError(5, "Input/output error")) if path.endswith(".distcp") else real_open(path, *a, **k),
+    )
     reported = []
     with pytest.raises(CheckpointUnreadable, match="could not read checkpoint .*step_00000002.*Input/output error"):
         restore_point(store, group, reported.append)

@@ -15,22 +15,30 @@ from lmforge.spec import spec_from_dict
 SECRET = "s3cr3t-pa55"
 
 
-@pytest.mark.parametrize("uri, shown", [
-    (f"http://alice:{SECRET}@mlflow:5000", "http://alice:***@mlflow:5000"),
-    (f"http://{SECRET}@mlflow:5000/path", "http://***@mlflow:5000/path"),
-    (f"postgresql://mlflow:5432/db?user=alice&password={SECRET}", "postgresql://mlflow:5432/db?user=alice&password=***"),
-    (f"https://store/x?sig={SECRET}&token={SECRET}&region=eu", "https://store/x?sig=***&token=***&region=eu"),
-    ("sqlite:///runs/mlflow.db", "sqlite:///runs/mlflow.db"),
-    ("runs/[/x]/mlflow.db", "runs/[/x]/mlflow.db"),
-])
+@pytest.mark.parametrize(
+    "uri, shown",
+    [
+        (f"http://alice:{SECRET}@mlflow:5000", "http://alice:***@mlflow:5000"),
+        (f"http://{SECRET}@mlflow:5000/path", "http://***@mlflow:5000/path"),
+        (f"postgresql://mlflow:5432/db?user=alice&password={SECRET}", "postgresql://mlflow:5432/db?user=alice&password=***"),
+        (f"https://store/x?sig={SECRET}&token={SECRET}&region=eu", "https://store/x?sig=***&token=***&region=eu"),
+        ("sqlite:///runs/mlflow.db", "sqlite:///runs/mlflow.db"),
+        ("runs/[/x]/mlflow.db", "runs/[/x]/mlflow.db"),
+    ],
+)
 def test_a_uri_is_shown_without_its_secrets(uri, shown):
     assert redact_uri(uri) == shown
     assert SECRET not in without_credentials(uri) and "***" not in without_credentials(uri)
 
 
 def test_a_job_tree_is_redacted_by_field_name_and_by_uri():
-    tree = {"tracking": {"uri": f"http://a:{SECRET}@h"}, "deepspeed": {"config": {"comet": {"api_key": SECRET, "enabled": True}}},
-            "data": {"tokenizer": "tok.json", "max_tokens": 5}, "auth_token": SECRET, "sources": [{"path": f"s3://b/x?password={SECRET}"}]}
+    tree = {
+        "tracking": {"uri": f"http://a:{SECRET}@h"},
+        "deepspeed": {"config": {"comet": {"api_key": SECRET, "enabled": True}}},
+        "data": {"tokenizer": "tok.json", "max_tokens": 5},
+        "auth_token": SECRET,
+        "sources": [{"path": f"s3://b/x?password={SECRET}"}],
+    }
     shown = redact(tree)
     assert SECRET not in repr(shown)
     assert shown["deepspeed"]["config"]["comet"] == {"api_key": REDACTED, "enabled": True}
@@ -45,8 +53,13 @@ def test_mlflow_records_of_a_job_hold_no_secret(tmp_path):
     from lmforge.tracking.mlflow_run import MlflowRun
 
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    job = tiny_job(tmp_path, tmp_path / "data", engine="deepspeed", tracking={"uri": store, "experiment": "secrets"},
-                   deepspeed={"config": {"comet": {"enabled": False, "api_key": SECRET}}})
+    job = tiny_job(
+        tmp_path,
+        tmp_path / "data",
+        engine="deepspeed",
+        tracking={"uri": store, "experiment": "secrets"},
+        deepspeed={"config": {"comet": {"enabled": False, "api_key": SECRET}}},
+    )
     run = MlflowRun(spec_from_dict(job))
     run.finish("FINISHED")
     client = MlflowClient(store)

@@ -5,13 +5,15 @@ import json
 
 import pytest
 
+from conftest import REPO
 from lmforge.errors import UserError
 from lmforge.spec import load_spec, spec_from_dict
 
-from conftest import REPO
-
-DOC_CONFIG = {"train_batch_size": 4096, "optimizer": {"type": "AdamW", "params": {"lr": 6e-5}},
-              "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
+DOC_CONFIG = {
+    "train_batch_size": 4096,
+    "optimizer": {"type": "AdamW", "params": {"lr": 6e-5}},
+    "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+}
 
 
 def ds_job(config=None, **sections):
@@ -64,13 +66,24 @@ def test_precision_from_the_config_and_auto_values():
     "config, sections, message",
     [
         ({"train_batch_size": 4096}, {"train": {"global_batch": 8}}, "deepspeed.config.train_batch_size: 4096 contradicts train.global_batch 8"),
-        ({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3}, {},
-         "deepspeed.config.train_batch_size: 16 != train_micro_batch_size_per_gpu 2 x gradient_accumulation_steps 3 x dp 2"),
+        (
+            {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3},
+            {},
+            "deepspeed.config.train_batch_size: 16 != train_micro_batch_size_per_gpu 2 x gradient_accumulation_steps 3 x dp 2",
+        ),
         ({"bf16": {"enabled": True}}, {"train": {"precision": "fp32"}}, "its fp16/bf16 sections mean bf16, train.precision is fp32"),
         ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, {}, "fp16 and bf16 are both enabled"),
-        ({"optimizer": {"type": "AdamW", "params": {"lr": 6e-5}}}, {"optim": {"lr": 1e-3}}, "deepspeed.config.optimizer.params.lr: 6e-05 contradicts optim.lr 0.001"),
+        (
+            {"optimizer": {"type": "AdamW", "params": {"lr": 6e-5}}},
+            {"optim": {"lr": 1e-3}},
+            "deepspeed.config.optimizer.params.lr: 6e-05 contradicts optim.lr 0.001",
+        ),
         ({"gradient_clipping": 0.5}, {"optim": {"grad_clip": 2.0}}, "deepspeed.config.gradient_clipping: 0.5 contradicts optim.grad_clip 2.0"),
-        ({"zero_optimisation": {"stage": 3}}, {}, "deepspeed.config.zero_optimisation: not a DeepSpeed setting (DeepSpeed would ignore it silently); did you mean zero_optimization?"),
+        (
+            {"zero_optimisation": {"stage": 3}},
+            {},
+            "deepspeed.config.zero_optimisation: not a DeepSpeed setting (DeepSpeed would ignore it silently); did you mean zero_optimization?",
+        ),
         ({"zero_optimization": {"stage": 4}}, {}, "deepspeed.config.zero_optimization.stage: unknown stage 4"),
         ({"zero_optimization": {"stage": 3, "offload_param": {"device": "gpu"}}}, {}, "offload_param.device: 'gpu' is not one of cpu, nvme, none"),
         ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}, {}, "offload_param.nvme_path: offloading to nvme needs a path"),
@@ -104,7 +117,6 @@ def test_config_file_errors_name_the_file(tmp_path):
     job["deepspeed"]["config"] = "missing.json"
     with pytest.raises(UserError, match=r"deepspeed.config: .*missing.json: unreadable"):
         spec_from_dict(job, base_dir=tmp_path)
-
 
 
 def test_every_known_key_is_one_deepspeed_reads():

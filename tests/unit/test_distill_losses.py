@@ -52,7 +52,7 @@ def test_each_divergence_equals_its_definition(div):
     mask = torch.ones(2, 7)
     mask[1, 4:] = 0  # ignored positions
     got = kd_loss_sum(student, teacher, mask, div, T, V) / mask.sum()
-    expected = T ** 2 * (reference(div, teacher, student) * mask).sum() / mask.sum()
+    expected = T**2 * (reference(div, teacher, student) * mask).sum() / mask.sum()
     assert got.item() == pytest.approx(expected.item(), rel=1e-5, abs=1e-7)
 
 
@@ -61,7 +61,7 @@ def test_several_teachers_are_mixed_in_probability_space(name):
     student, first, second = logits(2, 6, seed=20), logits(2, 6, seed=21), logits(2, 6, seed=22)
     mixed = 0.25 * (first.double() / T).softmax(-1) + 0.75 * (second.double() / T).softmax(-1)
     got = kd_loss_sum(student, Mixture([first, second], [0.25, 0.75]), None, Divergence(name), T, V)
-    expected = T ** 2 * reference(Divergence(name), None, student, p=mixed).sum()
+    expected = T**2 * reference(Divergence(name), None, student, p=mixed).sum()
     assert got.item() == pytest.approx(expected.item(), rel=1e-5)
 
 
@@ -70,8 +70,8 @@ def test_kl_equals_torchs_kl_div():
     log_p, log_q = (teacher / T).log_softmax(-1), (student / T).log_softmax(-1)
     forward = F.kl_div(log_q, log_p, log_target=True, reduction="sum")
     reverse = F.kl_div(log_p, log_q, log_target=True, reduction="sum")
-    assert kd_loss_sum(student, teacher, None, Divergence("forward_kl"), T, V).item() == pytest.approx(T ** 2 * forward.item(), rel=1e-5)
-    assert kd_loss_sum(student, teacher, None, Divergence("reverse_kl"), T, V).item() == pytest.approx(T ** 2 * reverse.item(), rel=1e-5)
+    assert kd_loss_sum(student, teacher, None, Divergence("forward_kl"), T, V).item() == pytest.approx(T**2 * forward.item(), rel=1e-5)
+    assert kd_loss_sum(student, teacher, None, Divergence("reverse_kl"), T, V).item() == pytest.approx(T**2 * reverse.item(), rel=1e-5)
 
 
 @pytest.mark.parametrize("name", DIVERGENCES)
@@ -87,7 +87,9 @@ def test_padded_vocabularies_are_sliced_to_the_tokenizers():
     padded_student = torch.cat([student, torch.full((2, 6, 8), 5.0)], dim=-1)  # phantom rows with real mass
     padded_teacher = torch.cat([teacher, torch.full((2, 6, 3), 9.0)], dim=-1)
     div = Divergence("jsd", beta=0.3)
-    assert kd_loss_sum(padded_student, padded_teacher, None, div, T, V).item() == pytest.approx(kd_loss_sum(student, teacher, None, div, T, V).item(), rel=1e-6)
+    assert kd_loss_sum(padded_student, padded_teacher, None, div, T, V).item() == pytest.approx(
+        kd_loss_sum(student, teacher, None, div, T, V).item(), rel=1e-6
+    )
 
 
 @pytest.mark.parametrize("name", DIVERGENCES)
@@ -134,7 +136,7 @@ def top_k_reference(student, targets):
     q = (student / T).softmax(-1)
     p_top, q_top = targets.logprobs.double().exp(), q.gather(-1, targets.ids)
     p_tail, q_tail = 1 - p_top.sum(-1), 1 - q_top.sum(-1)
-    loss = T ** 2 * ((p_top * (p_top / q_top).log()).sum(-1) + p_tail * (p_tail / q_tail).log()).sum()
+    loss = T**2 * ((p_top * (p_top / q_top).log()).sum(-1) + p_tail * (p_tail / q_tail).log()).sum()
     loss.backward()
     return loss.item(), student.grad.float()
 
@@ -200,7 +202,7 @@ def test_hidden_losses_and_identity_adapters():
     expected = sum((((s - t) ** 2).mean(-1) * mask).sum() for s, t in zip(student, teacher))
     assert mse.item() == pytest.approx(expected.item(), rel=1e-6)
     cosine = hidden_loss_sum(adapted, teacher, mask, "cosine")
-    cos = lambda a, b: (a * b).sum(-1) / (a.norm(dim=-1) * b.norm(dim=-1))  # noqa: E731
+    cos = lambda a, b: (a * b).sum(-1) / (a.norm(dim=-1) * b.norm(dim=-1))
     expected = sum(((1 - cos(s, t)) * mask).sum() for s, t in zip(student, teacher))
     assert cosine.item() == pytest.approx(expected.item(), rel=1e-5)
     wider = HiddenAdapters({0: 2}, 8, 12, seed=3)  # another width: a learned projection, not the identity

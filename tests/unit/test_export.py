@@ -7,9 +7,9 @@ import pytest
 
 from cli import run_cli
 from hf_models import word_level_tokenizer
+from lmforge.checkpoint.deepspeed_files import CHECKPOINT_TAG
 from lmforge.checkpoint.export import export_model
 from lmforge.checkpoint.store import CheckpointStore
-from lmforge.checkpoint.deepspeed_files import CHECKPOINT_TAG
 from lmforge.errors import UserError
 from lmforge.models.config import PRESETS
 from multinode import free_port
@@ -24,7 +24,10 @@ def test_a_tampered_deepspeed_file_is_refused_before_unpickling(tmp_path, caplog
     store.write_state(3, {"step": 3, "format": "deepspeed", "model": PRESETS["tiny"].as_dict()})
     store.commit(3, store.digest(3, store.files(3)))
     pickle.write_bytes(b"X" + pickle.read_bytes()[1:])
-    with caplog.at_level("WARNING"), pytest.raises(UserError, match="mp_rank_00_model_states.pt: does not match its checksum in commit.json; refusing to read the checkpoint"):
+    with (
+        caplog.at_level("WARNING"),
+        pytest.raises(UserError, match="mp_rank_00_model_states.pt: does not match its checksum in commit.json; refusing to read the checkpoint"),
+    ):
         export_model(step_dir, tmp_path / "out")
     assert not (tmp_path / "out").exists()
     assert json.loads((step_dir / "state.json").read_text())["step"] == 3
@@ -48,8 +51,9 @@ def test_a_flipped_byte_in_a_native_checkpoint_is_refused_before_export(tmp_path
     mlflow = {"tracking_uri": f"http://127.0.0.1:{free_port()}", "run_id": "0" * 32}
     store.write_state(5, {"step": 5, "format": "dcp", "model": cfg.as_dict(), "engine": {}, "job": "tiny", "mlflow": mlflow})
     store.commit(5, store.digest(5, store.files(5)))
-    exported = run_cli("export", str(step_dir), "--out", str(tmp_path / "good"), "--tokenizer", str(word_level_tokenizer(tmp_path / "t.json", 10)),
-                       cwd=tmp_path)
+    exported = run_cli(
+        "export", str(step_dir), "--out", str(tmp_path / "good"), "--tokenizer", str(word_level_tokenizer(tmp_path / "t.json", 10)), cwd=tmp_path
+    )
     assert exported.returncode == 0 and "registered" not in exported.stderr, exported.stderr  # as committed: exported
     shard = sorted(step_dir.glob("*.distcp"))[0]
     data = bytearray(shard.read_bytes())

@@ -32,8 +32,8 @@ def left_padded(prompts, pad=0):
     ids = torch.full((len(prompts), longest), pad)
     mask = torch.zeros_like(ids)
     for row, prompt in enumerate(prompts):
-        ids[row, longest - len(prompt):] = torch.tensor(prompt)
-        mask[row, longest - len(prompt):] = 1
+        ids[row, longest - len(prompt) :] = torch.tensor(prompt)
+        mask[row, longest - len(prompt) :] = 1
     return ids, mask
 
 
@@ -43,7 +43,7 @@ def test_greedy_tokens_equal_transformers_generate(models):
     expected = reference.generate(input_ids=ids, attention_mask=mask, max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0)
     got = generate_ids(ours, PROMPTS, GREEDY)
     for row, result in enumerate(got):
-        assert result.tokens == expected[row, ids.shape[1]:].tolist(), row
+        assert result.tokens == expected[row, ids.shape[1] :].tolist(), row
         assert result.finish_reason == "length"
     assert [r.tokens for r in generate_ids(ours, PROMPTS, GREEDY, use_cache=False)] == [r.tokens for r in got]
 
@@ -64,13 +64,13 @@ def test_cache_decode_logits_equal_a_full_recompute(models):
         cache.advance()
         for t in range(follow.shape[1] - 1):
             cache.begin(1)
-            steps.append(model(follow[:, t:t + 1], cache)[:, -1])
+            steps.append(model(follow[:, t : t + 1], cache)[:, -1])
             cache.advance()
         for row, prompt in enumerate(PROMPTS):
-            whole = model(torch.cat([torch.tensor(prompt), follow[row, :-1]])[None])[0, len(prompt) - 1:]
+            whole = model(torch.cat([torch.tensor(prompt), follow[row, :-1]])[None])[0, len(prompt) - 1 :]
             worst = max(worst, (torch.stack([s[row] for s in steps]) - whole).abs().max().item())
         result = generate_ids(model, PROMPTS[:1], GREEDY)[0]
-        whole = model(torch.tensor(PROMPTS[0] + result.tokens)[None])[0, len(PROMPTS[0]) - 1:-1].log_softmax(-1)
+        whole = model(torch.tensor(PROMPTS[0] + result.tokens)[None])[0, len(PROMPTS[0]) - 1 : -1].log_softmax(-1)
     assert worst < 1e-5
     assert result.logprobs == pytest.approx(whole.gather(-1, torch.tensor(result.tokens)[:, None]).squeeze(-1).tolist(), abs=1e-5)
 
@@ -118,17 +118,23 @@ def test_stop_strings_and_end_of_text_end_a_sequence(generator):
     stop = generator.tokenizer.decode(free.tokens[5:7])
     assert stop and stop in free.text
     cut = generator.generate(["class A:"], SamplingParams(max_new_tokens=24, temperature=0, stop=[stop], stop_at_eos=False))[0]
-    assert cut.finish_reason == "stop" and cut.text == free.text[:free.text.index(stop)]
-    assert cut.tokens == free.tokens[:len(cut.tokens)] and len(cut.tokens) <= 7
+    assert cut.finish_reason == "stop" and cut.text == free.text[: free.text.index(stop)]
+    assert cut.tokens == free.tokens[: len(cut.tokens)] and len(cut.tokens) <= 7
     # The 4th greedy token as the end-of-text token: the sequence ends there, with it.
-    ended = generate_ids(generator.model, [generator.tokenizer.encode("class A:").ids], SamplingParams(max_new_tokens=24, temperature=0),
-                         eos_ids=frozenset({free.tokens[3]}))[0]
-    assert ended.finish_reason == "stop" and ended.tokens == free.tokens[:free.tokens.index(free.tokens[3]) + 1]
+    ended = generate_ids(
+        generator.model,
+        [generator.tokenizer.encode("class A:").ids],
+        SamplingParams(max_new_tokens=24, temperature=0),
+        eos_ids=frozenset({free.tokens[3]}),
+    )[0]
+    assert ended.finish_reason == "stop" and ended.tokens == free.tokens[: free.tokens.index(free.tokens[3]) + 1]
 
 
 def test_generate_on_the_command_line_and_its_refusals(generator, text_model, tmp_path):
     model = str(text_model)
-    result = run_cli("generate", model, "--prompt", "def f(", "--prompt", "x = ", "--temperature", "0", "--max-new-tokens", "5", "--json", cwd=tmp_path)
+    result = run_cli(
+        "generate", model, "--prompt", "def f(", "--prompt", "x = ", "--temperature", "0", "--max-new-tokens", "5", "--json", cwd=tmp_path
+    )
     assert result.returncode == 0, result.stderr
     lines = [json.loads(line) for line in result.stdout.splitlines()]
     assert [line["prompt"] for line in lines] == ["def f(", "x = "] and all(len(line["tokens"]) <= 5 for line in lines)
@@ -143,13 +149,21 @@ def test_generate_on_the_command_line_and_its_refusals(generator, text_model, tm
         (["--repetition-penalty", "nan"], "--repetition-penalty: must be from 0.01 to 100 (1 is none), got nan"),
         (["--repetition-penalty", "1e-39"], "--repetition-penalty: must be from 0.01 to 100"),
         (["--seed", str(2**64)], "--seed: must be from 0 to 2**63-1, got 18446744073709551616"),
-        (["--max-new-tokens", "127"], f"--prompt: {len(generator.tokenizer.encode('def f(').ids)} prompt tokens and max_new_tokens 127 "
-                                       "exceed the model's context of 128 tokens"),
+        (
+            ["--max-new-tokens", "127"],
+            f"--prompt: {len(generator.tokenizer.encode('def f(').ids)} prompt tokens and max_new_tokens 127 "
+            "exceed the model's context of 128 tokens",
+        ),
     ]
     big = tmp_path / "big-tokenizer.json"
     word_level_tokenizer(big, generator.model.cfg.vocab_size + 10)
-    refusals.append((["--tokenizer", str(big)], f"--tokenizer: the tokenizer has {generator.model.cfg.vocab_size + 12} tokens, more than the "
-                                                 f"model's vocabulary of {generator.model.cfg.vocab_size}"))
+    refusals.append(
+        (
+            ["--tokenizer", str(big)],
+            f"--tokenizer: the tokenizer has {generator.model.cfg.vocab_size + 12} tokens, more than the "
+            f"model's vocabulary of {generator.model.cfg.vocab_size}",
+        )
+    )
     for args, message in refusals:
         assert_clean_error(run_cli("generate", model, "--prompt", "def f(", *args, cwd=tmp_path), message)
     assert_clean_error(run_cli("generate", str(tmp_path / "nowhere"), "--prompt", "x", cwd=tmp_path), "MODEL:", "does not exist")

@@ -56,8 +56,7 @@ def test_a_spike_rolls_back_when_the_job_asks():
 
 
 def job(**train):
-    return spec_from_dict({"name": "g", "parallel": {"dp": 2}, "data": {"path": "unused"},
-                           "train": {"global_batch": 24, "micro_batch": 6} | train})
+    return spec_from_dict({"name": "g", "parallel": {"dp": 2}, "data": {"path": "unused"}, "train": {"global_batch": 24, "micro_batch": 6} | train})
 
 
 def test_smaller_micro_batch_keeps_the_global_batch_whole():
@@ -71,14 +70,25 @@ def test_smaller_micro_batch_keeps_the_global_batch_whole():
     assert with_smaller_micro_batch(odd).train.micro_batch == 5 and with_smaller_micro_batch(odd).grad_accum == 4
 
 
-@pytest.mark.parametrize("config", [
-    {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4},  # micro-batch pinned by the config
-    {"train_batch_size": 16, "gradient_accumulation_steps": 2},  # accumulation pinned, micro-batch derived
-    {},  # both filled in from the job
-])
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4},  # micro-batch pinned by the config
+        {"train_batch_size": 16, "gradient_accumulation_steps": 2},  # accumulation pinned, micro-batch derived
+        {},  # both filled in from the job
+    ],
+)
 def test_the_retry_moves_a_deepspeed_configs_micro_batch_and_accumulation_along(config):
-    spec = spec_from_dict({"name": "g", "engine": "deepspeed", "parallel": {"dp": 2}, "data": {"path": "unused"},
-                           "train": {"global_batch": 16} | ({} if config else {"micro_batch": 4}), "deepspeed": {"config": config}})
+    spec = spec_from_dict(
+        {
+            "name": "g",
+            "engine": "deepspeed",
+            "parallel": {"dp": 2},
+            "data": {"path": "unused"},
+            "train": {"global_batch": 16} | ({} if config else {"micro_batch": 4}),
+            "deepspeed": {"config": config},
+        }
+    )
     assert spec.train.micro_batch == 4
     smaller = with_smaller_micro_batch(spec)
     assert smaller is not None and smaller.train.micro_batch == 2 and smaller.grad_accum == 4

@@ -62,8 +62,12 @@ def test_export_import_export_through_the_cli(hf_llama, tmp_path, hf_tokenizer):
     from lmforge.data.tokenizer import load_tokenizer
 
     model, path = hf_llama
-    steps = [(path, tmp_path / "lmforge", "lmforge"), (tmp_path / "lmforge", tmp_path / "hf", "hf"),
-             (tmp_path / "hf", tmp_path / "lmforge2", "lmforge"), (tmp_path / "lmforge2", tmp_path / "hf2", "hf")]
+    steps = [
+        (path, tmp_path / "lmforge", "lmforge"),
+        (tmp_path / "lmforge", tmp_path / "hf", "hf"),
+        (tmp_path / "hf", tmp_path / "lmforge2", "lmforge"),
+        (tmp_path / "lmforge2", tmp_path / "hf2", "hf"),
+    ]
     for source, out, fmt in steps:
         result = run_cli("export", str(source), "--out", str(out), "--format", fmt, cwd=tmp_path)
         assert result.returncode == 0, result.stderr
@@ -125,10 +129,12 @@ def _sharded_with_a_missing_shard(path):
 
 def _index_naming(shard: str):
     """A sharded directory whose index names `shard` (outside the directory, say) for one tensor."""
+
     def change(path):
         outside = path.parent / "elsewhere.safetensors"
         (path / "model.safetensors").rename(outside)
         (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"model.embed_tokens.weight": shard}}))
+
     return change
 
 
@@ -137,13 +143,22 @@ def _config_text(text: str):
 
 
 BAD_DIRECTORIES = {
-    "an index naming a shard by absolute path": ({"change": _index_naming("/etc/passwd")}, "names the shard '/etc/passwd', which is not a file of its own directory"),
-    "an index naming a shard above its directory": ({"change": _index_naming("../elsewhere.safetensors")},
-                                                     "names the shard '../elsewhere.safetensors', which is not a file of its own directory"),
-    "an index that is a list": ({"change": lambda p: (p / "model.safetensors.index.json").write_text("[1, 2]")},
-                                "model.safetensors.index.json: holds a JSON list, where an object belongs"),
-    "a weight map that is a list": ({"change": lambda p: (p / "model.safetensors.index.json").write_text('{"weight_map": []}')},
-                                    "`weight_map` is a JSON list, where an object belongs"),
+    "an index naming a shard by absolute path": (
+        {"change": _index_naming("/etc/passwd")},
+        "names the shard '/etc/passwd', which is not a file of its own directory",
+    ),
+    "an index naming a shard above its directory": (
+        {"change": _index_naming("../elsewhere.safetensors")},
+        "names the shard '../elsewhere.safetensors', which is not a file of its own directory",
+    ),
+    "an index that is a list": (
+        {"change": lambda p: (p / "model.safetensors.index.json").write_text("[1, 2]")},
+        "model.safetensors.index.json: holds a JSON list, where an object belongs",
+    ),
+    "a weight map that is a list": (
+        {"change": lambda p: (p / "model.safetensors.index.json").write_text('{"weight_map": []}')},
+        "`weight_map` is a JSON list, where an object belongs",
+    ),
     "a config that is a list": ({"change": _config_text("[]")}, "config.json: holds a JSON list, where an object belongs"),
     "zero attention heads": ({"num_attention_heads": 0}, "num_attention_heads is 0, not a positive whole number"),
     "heads given as text": ({"num_attention_heads": "4"}, "num_attention_heads is '4', not a positive whole number"),

@@ -44,15 +44,18 @@ def test_a_chat_template_gets_no_python_objects(tmp_path):
         read_prompts(InstructSpec(prompts=path), "{{ messages.__class__.__mro__[1].__subclasses__() }}")
 
 
-@pytest.mark.parametrize("rows, fragment", [
-    (None, "does not exist"),
-    ([], "holds no prompts"),
-    ([{"text": "x"}], "has neither a 'prompt' nor a 'messages' column"),
-    (["not json"], "line 1 is not JSON"),
-    ([{"messages": [{"role": "user"}]}], "list of {role, content} pairs"),
-    ([{"messages": "hi"}], "list of {role, content} pairs"),
-    ([{"prompt": ""}], "not a non-empty string"),
-])
+@pytest.mark.parametrize(
+    "rows, fragment",
+    [
+        (None, "does not exist"),
+        ([], "holds no prompts"),
+        ([{"text": "x"}], "has neither a 'prompt' nor a 'messages' column"),
+        (["not json"], "line 1 is not JSON"),
+        ([{"messages": [{"role": "user"}]}], "list of {role, content} pairs"),
+        ([{"messages": "hi"}], "list of {role, content} pairs"),
+        ([{"prompt": ""}], "not a non-empty string"),
+    ],
+)
 def test_bad_prompts_files_are_refused_naming_the_field(tmp_path, rows, fragment):
     path = str(tmp_path / "p.jsonl") if rows is None else write_jsonl(tmp_path / "p.jsonl", rows)
     with pytest.raises(UserError, match="distill.instruct") as err:
@@ -64,9 +67,18 @@ def answers(*rows) -> pa.Table:
     """(prompt index, teacher, sample, prompt ids, answer ids, logprobs, finish) per answer."""
     columns = {name: [] for name in ANSWER_SCHEMA.names}
     for prompt_index, teacher, sample, prompt, reply, logprobs, finish in rows:
-        values = dict(prompt_index=prompt_index, teacher=teacher, sample=sample, held_out=False, prompt_ids=prompt, answer_ids=reply,
-                      logprobs=logprobs, finish_reason=finish, topk_ids=[t * 10 + j for t in reply for j in range(2)],
-                      topk_logprobs=np.full(2 * len(reply), -0.5, dtype=np.float16))
+        values = dict(
+            prompt_index=prompt_index,
+            teacher=teacher,
+            sample=sample,
+            held_out=False,
+            prompt_ids=prompt,
+            answer_ids=reply,
+            logprobs=logprobs,
+            finish_reason=finish,
+            topk_ids=[t * 10 + j for t in reply for j in range(2)],
+            topk_logprobs=np.full(2 * len(reply), -0.5, dtype=np.float16),
+        )
         for name, value in values.items():
             columns[name].append(value)
     return pa.table(columns, schema=ANSWER_SCHEMA)

@@ -25,7 +25,7 @@ def loss_mask() -> torch.Tensor:
     """Position j learns token j + 1: from the prompt's last token to the answer's last."""
     mask = torch.zeros(4, SEQ, dtype=torch.bool)
     for row, (prompt, answer) in enumerate(zip(PROMPTS, ANSWERS)):
-        mask[row, prompt - 1:prompt + answer - 1] = True
+        mask[row, prompt - 1 : prompt + answer - 1] = True
     return mask
 
 
@@ -33,19 +33,27 @@ def padding() -> torch.Tensor:
     """The tokens after each answer: only masked positions read them or predict them."""
     where = torch.zeros(4, SEQ + 1, dtype=torch.bool)
     for row, (prompt, answer) in enumerate(zip(PROMPTS, ANSWERS)):
-        where[row, prompt + answer:] = True
+        where[row, prompt + answer :] = True
     return where
 
 
 def step(overrides: list[str], tokens: torch.Tensor, targets) -> tuple[object, dict]:
-    spec = spec_from_dict({"name": "t", "data": {"path": "d"}, "model": {"preset": "tiny", "vocab_size": VOCAB, "n_layers": 2},
-                           "optim": {"lr": 1e-2, "warmup_steps": 1}, "train": {"global_batch": 4, "micro_batch": 2, "seq_len": SEQ}},
-                          overrides)
+    spec = spec_from_dict(
+        {
+            "name": "t",
+            "data": {"path": "d"},
+            "model": {"preset": "tiny", "vocab_size": VOCAB, "n_layers": 2},
+            "optim": {"lr": 1e-2, "warmup_steps": 1},
+            "train": {"global_batch": 4, "micro_batch": 2, "seq_len": SEQ},
+        },
+        overrides,
+    )
     engine = NativeEngine(spec, build_mesh("cpu", MeshShape.for_spec(spec.parallel)), torch.device("cpu"), job_loss(spec, VOCAB))
     shape = (2, 2)
     cached = None if targets is None else tuple(t.view(*shape, SEQ, K) for t in targets)
-    stats = engine.train_step(tokens.view(*shape, SEQ + 1), loss_mask=loss_mask().view(*shape, SEQ),
-                              loss_inputs=DistillInputs(cached=cached) if spec.distill else None)
+    stats = engine.train_step(
+        tokens.view(*shape, SEQ + 1), loss_mask=loss_mask().view(*shape, SEQ), loss_inputs=DistillInputs(cached=cached) if spec.distill else None
+    )
     return stats, {k: v.clone() for k, v in engine.parts[0].state_dict().items()}
 
 
@@ -64,7 +72,10 @@ def test_positions_outside_the_mask_change_nothing(one_rank, job):
     other_targets = None
     if targets is not None:  # the stored soft targets of the masked positions, scrambled too
         unlearnt = ~loss_mask()
-        other_targets = (torch.where(unlearnt[..., None], targets[0].flip(-1), targets[0]), torch.where(unlearnt[..., None], targets[1] - 1.0, targets[1]))
+        other_targets = (
+            torch.where(unlearnt[..., None], targets[0].flip(-1), targets[0]),
+            torch.where(unlearnt[..., None], targets[1] - 1.0, targets[1]),
+        )
     changed, changed_weights = step(JOBS[job], other, other_targets)
     assert changed.loss == pytest.approx(base.loss, rel=1e-6) and changed.grad_norm == pytest.approx(base.grad_norm, rel=1e-6)
     assert changed.terms == pytest.approx(base.terms, rel=1e-6)

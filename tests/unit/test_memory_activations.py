@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from lmforge.memory.activations import Shape, kv_cache_bytes, stage_bytes
-from lmforge.models.config import ModelConfig
 from lmforge.models.build import build_model
+from lmforge.models.config import ModelConfig
 from lmforge.parallel.checkpointing import apply_activation_checkpointing
 
 SHAPES = [

@@ -8,10 +8,15 @@ from lmforge.spec import spec_from_dict
 
 
 def job(**parallel):
-    return spec_from_dict({
-        "name": "m", "model": {"preset": "1b", "tie_embeddings": False}, "parallel": parallel,
-        "train": {"global_batch": 64, "micro_batch": 1, "seq_len": 2048, "precision": "bf16"}, "data": {"path": "unused"},
-    })
+    return spec_from_dict(
+        {
+            "name": "m",
+            "model": {"preset": "1b", "tie_embeddings": False},
+            "parallel": parallel,
+            "train": {"global_batch": 64, "micro_batch": 1, "seq_len": 2048, "precision": "bf16"},
+            "data": {"path": "unused"},
+        }
+    )
 
 
 def test_in_flight_micro_batches_per_schedule():
@@ -38,16 +43,24 @@ def test_sharding_and_checkpointing_move_the_right_terms():
     assert tp.activations < base.activations / 4 and tp.temporary < base.temporary
 
 
-@pytest.mark.parametrize("parallel", [
-    {"pp": 2, "dp": 2, "tp": 2, "zero": 3},
-    {"pp": 1, "dp": 3, "tp": 1, "zero": 2},  # uneven FSDP chunks
-    {"pp": 4, "dp": 1, "tp": 2, "zero": 0, "schedule": "interleaved-1f1b", "virtual_stages": 2},
-])
+@pytest.mark.parametrize(
+    "parallel",
+    [
+        {"pp": 2, "dp": 2, "tp": 2, "zero": 3},
+        {"pp": 1, "dp": 3, "tp": 1, "zero": 2},  # uneven FSDP chunks
+        {"pp": 4, "dp": 1, "tp": 2, "zero": 0, "schedule": "interleaved-1f1b", "virtual_stages": 2},
+    ],
+)
 def test_worst_rank_checks_one_rank_per_stage_yet_finds_the_maximum(parallel):
-    spec = spec_from_dict({
-        "name": "m", "model": {"preset": "small", "n_layers": 8}, "parallel": parallel,
-        "train": {"global_batch": 24, "micro_batch": 1, "seq_len": 64}, "data": {"path": "unused"},
-    })
+    spec = spec_from_dict(
+        {
+            "name": "m",
+            "model": {"preset": "small", "n_layers": 8},
+            "parallel": parallel,
+            "train": {"global_batch": 24, "micro_batch": 1, "seq_len": 64},
+            "data": {"path": "unused"},
+        }
+    )
     every = max((estimate(spec, rank) for rank in range(spec.world_size)), key=lambda b: b.device_total)
     assert worst_rank(spec).device_total == every.device_total
 
@@ -63,8 +76,13 @@ def test_a_distillation_counts_its_teacher_and_adapters(tmp_path):
 
     teacher_cfg = PRESETS["small"]
     write_model_dir(tmp_path / "teacher", "lmforge", teacher_cfg, build_model(teacher_cfg).state_dict())
-    tree = {"name": "d", "model": {"preset": "tiny", "vocab_size": 8192}, "parallel": {"dp": 2},
-            "train": {"global_batch": 8, "micro_batch": 2, "seq_len": 128}, "data": {"path": "unused"}}
+    tree = {
+        "name": "d",
+        "model": {"preset": "tiny", "vocab_size": 8192},
+        "parallel": {"dp": 2},
+        "train": {"global_batch": 8, "micro_batch": 2, "seq_len": 128},
+        "data": {"path": "unused"},
+    }
     plain = estimate(spec_from_dict(tree), 0)
     distill = {"teacher": str(tmp_path / "teacher"), "hidden": {"layers": {0: 1, 1: 3}}}
     with_teacher = estimate(spec_from_dict(tree | {"distill": distill}), 0)

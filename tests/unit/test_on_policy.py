@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lmforge.distill.on_policy import OnPolicy, Rollout
 from lmforge.distill.loss import DistillInputs
+from lmforge.distill.on_policy import OnPolicy, Rollout
 from lmforge.engines.native import NativeEngine
 from lmforge.inference.generate import generate_ids
 from lmforge.inference.sampling import SamplingParams
@@ -42,7 +42,7 @@ def masks(rows: int = 6) -> torch.Tensor:
     last row learns nothing, so it has no room to continue."""
     mask = torch.zeros(rows, SEQ, dtype=torch.bool)
     for row, prompt in enumerate([2, 9, 4, 13, 7]):
-        mask[row, prompt - 1:] = True
+        mask[row, prompt - 1 :] = True
     return mask.view(2, rows // 2, SEQ)
 
 
@@ -62,18 +62,19 @@ def test_continuations_are_the_inference_modules_generation(temperature, masked,
     loss_mask = masks() if masked else None
     seeds = np.arange(100, 106)
     # End-of-text: the first row's first greedy token, so that at least one row stops early.
-    first_prompt = tokens[0, 0, :2] if masked else tokens[0, 0, :SEQ + 1 - NEW]
+    first_prompt = tokens[0, 0, :2] if masked else tokens[0, 0, : SEQ + 1 - NEW]
     eos = int(model(first_prompt[None])[0, -1, :VOCAB].argmax()) if temperature == 0 else 7
     out, mask = Rollout(seeds, NEW, temperature, eos).continue_prompts(model, tokens, loss_mask, VOCAB)
     stopped = 0
     for row in range(6):
         given, got, learnt = tokens.view(6, -1)[row], out.view(6, -1)[row], mask.view(6, -1)[row]
-        prompt_len = int(masks().view(6, -1)[row].long().argmax()) + 1 if masked and masks().view(6, -1)[row].any() else (
-            SEQ + 1 if masked else SEQ + 1 - NEW)
+        prompt_len = (
+            int(masks().view(6, -1)[row].long().argmax()) + 1 if masked and masks().view(6, -1)[row].any() else (SEQ + 1 if masked else SEQ + 1 - NEW)
+        )
         want = reference_continuation(model, given[:prompt_len].tolist(), int(seeds[row]), temperature, eos)
         assert torch.equal(got[:prompt_len], given[:prompt_len])
-        assert got[prompt_len:prompt_len + len(want)].tolist() == want, row
-        assert (got[prompt_len + len(want):] == eos).all()  # padding after the continuation
+        assert got[prompt_len : prompt_len + len(want)].tolist() == want, row
+        assert (got[prompt_len + len(want) :] == eos).all()  # padding after the continuation
         # The positions learnt are exactly those whose next token the student wrote.
         assert got[1:][learnt].tolist() == want
         stopped += bool(want) and want[-1] == eos and len(want) < min(NEW, SEQ + 1 - prompt_len)
@@ -101,10 +102,21 @@ def test_an_on_policy_step_learns_reverse_kl_on_the_students_own_tokens(one_rank
     teacher_model = build_model(student().cfg, seed=11)
     write_model_dir(tmp_path / "teacher", "lmforge", teacher_model.cfg, teacher_model.state_dict())
     temperature, eos = 2.0, 7
-    spec = spec_from_dict({"name": "t", "data": {"path": "d"}, "model": MODEL, "optim": {"lr": 1e-2, "warmup_steps": 1},
-                           "train": {"global_batch": 6, "micro_batch": 3, "seq_len": SEQ, "seed": 3},
-                           "distill": {"teacher": str(tmp_path / "teacher"), "temperature": temperature, "ce_weight": 0.5,
-                                       "on_policy": {"fraction": 1.0, "max_new_tokens": NEW, "temperature": 0}}})
+    spec = spec_from_dict(
+        {
+            "name": "t",
+            "data": {"path": "d"},
+            "model": MODEL,
+            "optim": {"lr": 1e-2, "warmup_steps": 1},
+            "train": {"global_batch": 6, "micro_batch": 3, "seq_len": SEQ, "seed": 3},
+            "distill": {
+                "teacher": str(tmp_path / "teacher"),
+                "temperature": temperature,
+                "ce_weight": 0.5,
+                "on_policy": {"fraction": 1.0, "max_new_tokens": NEW, "temperature": 0},
+            },
+        }
+    )
     engine = NativeEngine(spec, build_mesh("cpu", MeshShape.for_spec(spec.parallel)), torch.device("cpu"), job_loss(spec, VOCAB, eos))
     copy = build_model(spec.model_arch, weights={k: v.clone() for k, v in engine.parts[0].state_dict().items()}).eval()
     tokens, loss_mask = batches(), masks()
@@ -123,6 +135,6 @@ def test_an_on_policy_step_learns_reverse_kl_on_the_students_own_tokens(one_rank
         total += (log_q.exp() * (log_q - log_p))[generated].sum().item()
         count += generated.stop - generated.start
     assert set(stats.terms) == {"kd_loss"}  # no cross-entropy on the student's own tokens
-    assert stats.terms["kd_loss"] == pytest.approx(temperature ** 2 * total / count, rel=1e-5)
+    assert stats.terms["kd_loss"] == pytest.approx(temperature**2 * total / count, rel=1e-5)
     assert stats.loss == pytest.approx(stats.terms["kd_loss"], rel=1e-6)
     assert stats.grad_norm > 0

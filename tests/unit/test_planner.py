@@ -4,20 +4,25 @@ way their formulas say, and a search that only returns valid layouts that fit.""
 import pytest
 
 from lmforge.errors import UserError
+from lmforge.memory.estimate import worst_rank
 from lmforge.planner.cluster import Cluster, assumed_cluster, parse_cluster
 from lmforge.planner.search import search
 from lmforge.planner.throughput import step_time
-from lmforge.memory.estimate import worst_rank
 from lmforge.spec import spec_from_dict
 
 CLUSTER = Cluster(nodes=2, gpus_per_node=4, gpu_mem=80 * 10**9)
 
 
 def job(parallel=None, **train):
-    return spec_from_dict({
-        "name": "p", "model": {"preset": "1b", "tie_embeddings": False}, "parallel": parallel or {},
-        "train": {"global_batch": 32, "micro_batch": 1, "seq_len": 2048, "precision": "bf16"} | train, "data": {"path": "unused"},
-    })
+    return spec_from_dict(
+        {
+            "name": "p",
+            "model": {"preset": "1b", "tie_embeddings": False},
+            "parallel": parallel or {},
+            "train": {"global_batch": 32, "micro_batch": 1, "seq_len": 2048, "precision": "bf16"} | train,
+            "data": {"path": "unused"},
+        }
+    )
 
 
 def test_cluster_string_with_hardware_figures():
@@ -70,7 +75,10 @@ def test_search_returns_only_valid_layouts_that_fit_fastest_first():
         assert c.memory.device_total <= CLUSTER.usable and c.memory == worst_rank(c.spec)
         assert c.spec.train.global_batch == 32 and c.spec.train.seq_len == 2048
     assert len({(c.spec.parallel.tp, c.spec.parallel.pp) for c in found}) > 3  # a real range was weighed
-    layouts = [(c.spec.parallel.tp, c.spec.parallel.pp, c.spec.parallel.zero, c.spec.parallel.activation_checkpointing, c.spec.parallel.ac_every) for c in found]
+    layouts = [
+        (c.spec.parallel.tp, c.spec.parallel.pp, c.spec.parallel.zero, c.spec.parallel.activation_checkpointing, c.spec.parallel.ac_every)
+        for c in found
+    ]
     assert len(layouts) == len(set(layouts))  # each layout once, with its best micro-batch
     small = search(spec, Cluster(2, 4, 10 * 10**9))
     assert 0 < len(small) < len(found) and all(c.memory.device_total <= Cluster(2, 4, 10 * 10**9).usable for c in small)
@@ -78,8 +86,9 @@ def test_search_returns_only_valid_layouts_that_fit_fastest_first():
 
 
 def test_search_refuses_deepspeed_jobs():
-    spec = spec_from_dict({"name": "d", "engine": "deepspeed", "deepspeed": {"config": {"zero_optimization": {"stage": 2}}},
-                           "data": {"path": "unused"}})
+    spec = spec_from_dict(
+        {"name": "d", "engine": "deepspeed", "deepspeed": {"config": {"zero_optimization": {"stage": 2}}}, "data": {"path": "unused"}}
+    )
     with pytest.raises(UserError, match="--search: plans layouts for engine: native"):
         search(spec, CLUSTER)
 
@@ -87,6 +96,10 @@ def test_search_refuses_deepspeed_jobs():
 def test_a_layouts_overrides_give_the_job_that_layout():
     spec = job({"dp": 8})
     found = search(spec, CLUSTER)
-    for c in (found[0], next(c for c in found if c.spec.parallel.pp > 1), next(c for c in found if c.spec.parallel.activation_checkpointing == "selective")):
+    for c in (
+        found[0],
+        next(c for c in found if c.spec.parallel.pp > 1),
+        next(c for c in found if c.spec.parallel.activation_checkpointing == "selective"),
+    ):
         applied = spec_from_dict(spec.model_dump(mode="json", exclude_unset=True), c.overrides())
         assert applied.parallel == c.spec.parallel and applied.train == c.spec.train

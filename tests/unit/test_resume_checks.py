@@ -15,22 +15,31 @@ BASE = {"name": "t", "data": {"path": "d"}, "train": {"seed": 3}}
 
 
 def manifest(num_samples=512, shard_samples=256, tokenizer="aa", shards=("s0", "s1")):
-    return {"num_samples": num_samples, "shard_samples": shard_samples, "tokenizer": {"sha256": tokenizer},
-            "shards": [{"sha256": sha} for sha in shards]}
+    return {
+        "num_samples": num_samples,
+        "shard_samples": shard_samples,
+        "tokenizer": {"sha256": tokenizer},
+        "shards": [{"sha256": sha} for sha in shards],
+    }
 
 
 def checkpoint_of(overrides=(), **dataset) -> CommittedCheckpoint:
-    return CommittedCheckpoint(step=10, path="ckpt/step_10", state={"order": order_inputs(spec_from_dict(BASE, list(overrides)), manifest(**dataset))})
+    return CommittedCheckpoint(
+        step=10, path="ckpt/step_10", state={"order": order_inputs(spec_from_dict(BASE, list(overrides)), manifest(**dataset))}
+    )
 
 
-@pytest.mark.parametrize("saved_overrides, saved_dataset, message", [
-    (["train.seed=4"], {}, "train.seed: 3 differs from the 4 the checkpoint was trained with"),
-    (["data.shuffle_window=8"], {}, "data.shuffle_window: 16 differs from the 8"),
-    ([], {"shard_samples": 128}, "data.shard_samples: 256 differs from the 128"),
-    ([], {"tokenizer": "bb"}, "data.path: the dataset's tokenizer_sha256 aa differs from the bb"),
-    ([], {"num_samples": 500}, "data.path: the dataset's num_samples 512 differs from the 500"),
-    ([], {"shards": ("s0", "other")}, "data.path: the dataset's shards_sha256"),
-])
+@pytest.mark.parametrize(
+    "saved_overrides, saved_dataset, message",
+    [
+        (["train.seed=4"], {}, "train.seed: 3 differs from the 4 the checkpoint was trained with"),
+        (["data.shuffle_window=8"], {}, "data.shuffle_window: 16 differs from the 8"),
+        ([], {"shard_samples": 128}, "data.shard_samples: 256 differs from the 128"),
+        ([], {"tokenizer": "bb"}, "data.path: the dataset's tokenizer_sha256 aa differs from the bb"),
+        ([], {"num_samples": 500}, "data.path: the dataset's num_samples 512 differs from the 500"),
+        ([], {"shards": ("s0", "other")}, "data.path: the dataset's shards_sha256"),
+    ],
+)
 def test_a_changed_order_input_is_refused_naming_its_field(saved_overrides, saved_dataset, message):
     ckpt = checkpoint_of(saved_overrides, **saved_dataset)
     with pytest.raises(UserError, match="checkpoint.allow_data_change") as err:
@@ -59,7 +68,9 @@ def test_a_resume_restores_the_lines_its_checkpoint_carries_and_the_run_dir_lack
     for step in (1, 2):
         run_dir.append_step({"event": "step", "step": step, "loss": float(step), "sample_ids": [step]})
     run_dir.append_event({"event": "failure", "step": 2, "error": "x"})
-    records = [{"event": "step", "step": s, "loss": float(s), "sample_ids": [s]} for s in (1, 2, 3, 4)] + [{"event": "eval", "step": 4, "eval_loss": 1.0}]
+    records = [{"event": "step", "step": s, "loss": float(s), "sample_ids": [s]} for s in (1, 2, 3, 4)] + [
+        {"event": "eval", "step": 4, "eval_loss": 1.0}
+    ]
     run_dir.rewind(4)
     assert run_dir.restore_records(records) == 3
     assert run_dir.restore_records(records) == 0

@@ -75,8 +75,11 @@ def test_end_of_text_and_stop_end_a_sequence_early(model):
     engine = ContinuousBatcher(model, frozenset({alone[4]}), model.cfg.vocab_size, max_running=2)
     eos, stopped = Listener(), Listener()
     engine.submit(Sequence(PROMPTS[0], greedy, eos))
-    engine.submit(Sequence(PROMPTS[0], SamplingParams(max_new_tokens=30, temperature=0, stop_at_eos=False), stopped,
-                           stopped=lambda tokens: tokens[-1] == alone[2]))
+    engine.submit(
+        Sequence(
+            PROMPTS[0], SamplingParams(max_new_tokens=30, temperature=0, stop_at_eos=False), stopped, stopped=lambda tokens: tokens[-1] == alone[2]
+        )
+    )
     assert eos.done.wait(30) and stopped.done.wait(30)
     assert (eos.tokens, eos.finish) == (alone[:5], "stop")
     assert (stopped.tokens, stopped.finish) == (alone[:3], "stop")

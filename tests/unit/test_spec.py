@@ -3,11 +3,10 @@
 import pytest
 import yaml
 
+from conftest import REPO
 from lmforge.distill.pipeline import load_pipeline
 from lmforge.errors import UserError
 from lmforge.spec import flatten, load_spec, spec_from_dict
-
-from conftest import REPO
 
 BASE = {"name": "t", "data": {"path": "d"}}
 
@@ -54,7 +53,17 @@ def test_overrides_are_parsed_as_yaml_values():
         (["parallel.schedule=zero-bubble", "parallel.virtual_stages=2"], "parallel.schedule: zero-bubble needs pp > 1"),
         (["parallel.pp=2", "train.micro_batch=16"], "train.micro_batch: 1 micro-batches per step are fewer than the 2 pipeline stages"),
         (["parallel.pp=2", "parallel.virtual_stages=2"], "parallel.virtual_stages: 1f1b runs one stage per rank"),
-        (["parallel.pp=2", "model.n_layers=4", "parallel.schedule=interleaved-1f1b", "parallel.virtual_stages=2", "train.micro_batch=16", "train.global_batch=48"], "train.micro_batch: 3 micro-batches per step must be a multiple of pp 2"),
+        (
+            [
+                "parallel.pp=2",
+                "model.n_layers=4",
+                "parallel.schedule=interleaved-1f1b",
+                "parallel.virtual_stages=2",
+                "train.micro_batch=16",
+                "train.global_batch=48",
+            ],
+            "train.micro_batch: 3 micro-batches per step must be a multiple of pp 2",
+        ),
         (["parallel.activation_checkpointing=some"], "parallel.activation_checkpointing"),
         (["parallel.dp=auto"], "parallel.dp: auto needs resources.workers"),
         (["parallel.dp=auto", "parallel.tp=2", "resources.workers=3"], "parallel.dp: auto cannot split 3 workers"),
@@ -64,11 +73,19 @@ def test_overrides_are_parsed_as_yaml_values():
         (["parallel.cpu_offload=true"], "parallel.cpu_offload: offloads from GPU memory"),
         (["parallel.dp=2", "elastic.min_dp=3", "elastic.max_dp=2"], "elastic.min_dp: 3 is larger than elastic.max_dp 2"),
         (["parallel.dp=4", "elastic.min_dp=1", "elastic.max_dp=2"], "parallel.dp: 4 is outside elastic.min_dp..max_dp = 1..2"),
-        (["parallel.dp=2", "elastic.min_dp=1", "elastic.max_dp=3"], "elastic.max_dp: at dp 3 train.global_batch 16 is not divisible by micro_batch x dp = 4 x 3"),
+        (
+            ["parallel.dp=2", "elastic.min_dp=1", "elastic.max_dp=3"],
+            "elastic.max_dp: at dp 3 train.global_batch 16 is not divisible by micro_batch x dp = 4 x 3",
+        ),
         (["parallel.dp=2", "elastic.min_dp=2"], "elastic.max_dp: Field required"),
-        (["parallel.dp=2", "elastic.min_dp=1", "elastic.max_dp=2", "fault_tolerance.max_failures=0"],
-         "fault_tolerance.max_failures: 0 with elastic fails the job at the first lost node"),
-        (["parallel.tp=2", "fault_tolerance.max_failures=1", "fault_tolerance.spares=1"], "fault_tolerance.spares: 1 is not a multiple of parallel.tp 2"),
+        (
+            ["parallel.dp=2", "elastic.min_dp=1", "elastic.max_dp=2", "fault_tolerance.max_failures=0"],
+            "fault_tolerance.max_failures: 0 with elastic fails the job at the first lost node",
+        ),
+        (
+            ["parallel.tp=2", "fault_tolerance.max_failures=1", "fault_tolerance.spares=1"],
+            "fault_tolerance.spares: 1 is not a multiple of parallel.tp 2",
+        ),
         (["fault_tolerance.spares=1"], "fault_tolerance.spares: spares only serve a restart"),
         (["checkpoint.keep_every=0"], "checkpoint.keep_every: Input should be greater than 0"),
         (["checkpoint.max_failed_writes=0"], "checkpoint.max_failed_writes: Input should be greater than 0"),
@@ -85,25 +102,57 @@ def test_overrides_are_parsed_as_yaml_values():
         (["distill.teacher=t", "distill.beta=1.5"], "distill.beta: Input should be less than or equal to 1"),
         (["distill.teacher=t", "distill.skew=1"], "distill.skew: Input should be less than 1"),
         (["distill.teacher=t", "distill.kd_weight=0"], "distill: the weights of every loss term are 0"),
-        (["distill.teacher=t", "distill.kd_weight=0", "distill.hidden={layers: {0: 0}}", "distill.hidden_weight=0"], "distill: the weights of every loss term are 0"),
-        (["distill.teacher=t", "distill.hidden={layers: {7: 0}}"], "distill.hidden.layers: student block 7 does not exist; the student has 2 blocks (0-1)"),
+        (
+            ["distill.teacher=t", "distill.kd_weight=0", "distill.hidden={layers: {0: 0}}", "distill.hidden_weight=0"],
+            "distill: the weights of every loss term are 0",
+        ),
+        (
+            ["distill.teacher=t", "distill.hidden={layers: {7: 0}}"],
+            "distill.hidden.layers: student block 7 does not exist; the student has 2 blocks (0-1)",
+        ),
         (["distill.teacher=t", "distill.hidden={layers: {0: -1}}"], "distill.hidden.layers: block indices count from 0, not 0: -1"),
         (["distill.teacher=t", "distill.hidden={layers: {}}"], "distill.hidden.layers: Dictionary should have at least 1 item"),
         (["distill.teacher=t", "distill.hidden={layers: {0: 1}, loss: l1}"], "distill.hidden.loss: Input should be 'mse' or 'cosine'"),
         (["distill.teachers=[{path: a}, {path: b}]", "distill.hidden={layers: {0: 1}}"], "distill.hidden: matches one teacher's layers"),
         (["distill.teacher=t", "distill.hidden={layers: {0: 1}}", "parallel.pp=2"], "distill.cache: with parallel.pp > 1"),
-        (["distill.teacher=t", "distill.cache=c"], "distill.cache: the cache keeps the teacher's k most likely tokens per position; set distill.top_k"),
-        (["distill.teacher=t", "distill.cache=c", "distill.top_k=8", "distill.hidden={layers: {0: 1}}"], "distill.hidden: the teacher cache holds next-token targets"),
+        (
+            ["distill.teacher=t", "distill.cache=c"],
+            "distill.cache: the cache keeps the teacher's k most likely tokens per position; set distill.top_k",
+        ),
+        (
+            ["distill.teacher=t", "distill.cache=c", "distill.top_k=8", "distill.hidden={layers: {0: 1}}"],
+            "distill.hidden: the teacher cache holds next-token targets",
+        ),
         (["distill.teacher=t", "distill.top_k=5000"], "distill.top_k: 5000 is larger than the vocabulary (1024)"),
-        (["distill.teacher=t", "parallel.pp=2"], "distill.cache: with parallel.pp > 1 the teacher's targets come from an offline cache (build it with `lmforge distill cache JOB`"),
+        (
+            ["distill.teacher=t", "parallel.pp=2"],
+            "distill.cache: with parallel.pp > 1 the teacher's targets come from an offline cache (build it with `lmforge distill cache JOB`",
+        ),
         (["engine=deepspeed", "deepspeed.config={}", "checkpoint.in_memory=true"], "checkpoint.in_memory: snapshots are DCP files"),
-        (["distill.teacher=t", "engine=deepspeed", "deepspeed.config={}", "distill.hidden={layers: {0: 1}}"],
-         "distill.hidden: the deepspeed engine distills logits only; use engine: native"),
-        (["distill.teacher=t", "distill.on_policy={}", "parallel.pp=2"], "distill.on_policy: the student writes its continuations with the whole model"),
-        (["distill.teacher=t", "distill.on_policy={}", "distill.cache=c", "distill.top_k=8"], "distill.on_policy: the teachers score the student's own"),
-        (["distill.teacher=t", "distill.on_policy={}", "distill.hidden={layers: {0: 1}}"], "distill.on_policy: learns the teachers' token distributions"),
-        (["distill.teacher=t", "distill.on_policy={}", "distill.kd_weight=0", "distill.ce_weight=1"], "distill.on_policy: its steps learn the divergence"),
-        (["distill.teacher=t", "distill.on_policy={max_new_tokens: 256}"], "distill.on_policy.max_new_tokens: 256 leaves no prompt in a row of train.seq_len 128"),
+        (
+            ["distill.teacher=t", "engine=deepspeed", "deepspeed.config={}", "distill.hidden={layers: {0: 1}}"],
+            "distill.hidden: the deepspeed engine distills logits only; use engine: native",
+        ),
+        (
+            ["distill.teacher=t", "distill.on_policy={}", "parallel.pp=2"],
+            "distill.on_policy: the student writes its continuations with the whole model",
+        ),
+        (
+            ["distill.teacher=t", "distill.on_policy={}", "distill.cache=c", "distill.top_k=8"],
+            "distill.on_policy: the teachers score the student's own",
+        ),
+        (
+            ["distill.teacher=t", "distill.on_policy={}", "distill.hidden={layers: {0: 1}}"],
+            "distill.on_policy: learns the teachers' token distributions",
+        ),
+        (
+            ["distill.teacher=t", "distill.on_policy={}", "distill.kd_weight=0", "distill.ce_weight=1"],
+            "distill.on_policy: its steps learn the divergence",
+        ),
+        (
+            ["distill.teacher=t", "distill.on_policy={max_new_tokens: 256}"],
+            "distill.on_policy.max_new_tokens: 256 leaves no prompt in a row of train.seq_len 128",
+        ),
         (["distill.teacher=t", "distill.on_policy={fraction: 0}"], "distill.on_policy.fraction: Input should be greater than 0"),
     ],
 )

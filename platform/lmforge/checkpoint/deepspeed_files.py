@@ -33,8 +33,13 @@ def to_universal(step_dir: str) -> str:
         return out
     staging = tempfile.mkdtemp(prefix=f".{UNIVERSAL_TAG}.", dir=step_dir)
     args = argparse.Namespace(
-        input_folder=os.path.join(step_dir, CHECKPOINT_TAG), output_folder=staging, num_extract_workers=1,
-        num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True,
+        input_folder=os.path.join(step_dir, CHECKPOINT_TAG),
+        output_folder=staging,
+        num_extract_workers=1,
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=True,
     )
     with contextlib.redirect_stdout(io.StringIO()):  # it prints every parameter
         ds_to_universal.main(args)

@@ -85,11 +85,23 @@ def _check_tokenizer(source: ModelSource, name: str) -> None:
 def _checkpoint_source(step_dir: Path) -> ModelSource:
     state = committed_state(step_dir)
     if state.get("format") == "deepspeed":
-        log.warning("warning: %s is a DeepSpeed checkpoint, whose files Python unpickles (they can run code): open only checkpoints "
-                    "your own jobs wrote, and share models as exports (safetensors and JSON)", step_dir)
-    source = ModelSource(step_dir, "checkpoint", config_from_dict(state["model"], str(step_dir / "state.json")), lambda: read_checkpoint(step_dir)[1],
-                         record={"checkpoint": str(step_dir.absolute()), "step": state["step"], "format": state.get("format", "dcp"),
-                                 **{key: state[key] for key in ("job", "mlflow") if state.get(key)}})
+        log.warning(
+            "warning: %s is a DeepSpeed checkpoint, whose files Python unpickles (they can run code): open only checkpoints "
+            "your own jobs wrote, and share models as exports (safetensors and JSON)",
+            step_dir,
+        )
+    source = ModelSource(
+        step_dir,
+        "checkpoint",
+        config_from_dict(state["model"], str(step_dir / "state.json")),
+        lambda: read_checkpoint(step_dir)[1],
+        record={
+            "checkpoint": str(step_dir.absolute()),
+            "step": state["step"],
+            "format": state.get("format", "dcp"),
+            **{key: state[key] for key in ("job", "mlflow") if state.get(key)},
+        },
+    )
     dataset = state.get("data_path") or "."
     manifest = storage.join(dataset, "manifest.json")
     if storage.exists(manifest, "data_path"):  # the tokenizer of the dataset it was trained on (a directory or a URI)
@@ -102,8 +114,9 @@ def _checkpoint_source(step_dir: Path) -> ModelSource:
     return source
 
 
-def export_model(source_path: str | os.PathLike, out: str | os.PathLike, fmt: str = "lmforge", dtype: str = "fp32",
-                 tokenizer: Optional[str] = None) -> dict:
+def export_model(
+    source_path: str | os.PathLike, out: str | os.PathLike, fmt: str = "lmforge", dtype: str = "fp32", tokenizer: Optional[str] = None
+) -> dict:
     """Returns what was written: {'out', 'format', 'from', 'parameters', 'tokenizer', 'source'}."""
     if fmt not in FORMATS:
         raise UserError(f"--format: {fmt!r} is not one of {', '.join(FORMATS)}")
@@ -113,13 +126,21 @@ def export_model(source_path: str | os.PathLike, out: str | os.PathLike, fmt: st
         raise UserError(f"--out: {out} already exists")
     source = open_source(source_path, tokenizer, name="CHECKPOINT")
     if fmt == "hf" and source.tokenizer_json is None:
-        raise UserError(f"{source_path}: no tokenizer found (the dataset it was trained on is gone?); "
-                        "--format hf needs one: pass --tokenizer tokenizer.json")
+        raise UserError(
+            f"{source_path}: no tokenizer found (the dataset it was trained on is gone?); --format hf needs one: pass --tokenizer tokenizer.json"
+        )
     tensors = source.read_tensors()
     files, eos_id = {}, None
     if source.tokenizer_json is not None:
         files = tokenizer_files(source.tokenizer_json, source.eos_token, source.cfg.max_seq_len)
         eos_id = source.tokenizer().token_to_id(source.eos_token)
     write_model_dir(out, fmt, source.cfg, tensors, dtype=DTYPES[dtype], eos_id=eos_id, source=source.record, files=files)
-    return {"out": str(out), "format": fmt, "from": source.kind, "step": source.record.get("step"),
-            "parameters": sum(t.numel() for t in tensors.values()), "tokenizer": bool(files), "source": source.record}
+    return {
+        "out": str(out),
+        "format": fmt,
+        "from": source.kind,
+        "step": source.record.get("step"),
+        "parameters": sum(t.numel() for t in tensors.values()),
+        "tokenizer": bool(files),
+        "source": source.record,
+    }

@@ -27,9 +27,9 @@ from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemWr
 
 from lmforge.checkpoint.safe_metadata import SafeFileSystemReader
 from lmforge.checkpoint.sharded import rng_name, rng_state, set_rng_state
+from lmforge.checkpoint.stateful import Checkpointable
 from lmforge.checkpoint.store import STATE
 from lmforge.checkpoint.writer import BackgroundSaver
-from lmforge.checkpoint.stateful import Checkpointable
 
 
 class SnapshotTarget(Protocol):

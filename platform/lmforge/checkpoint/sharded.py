@@ -21,8 +21,8 @@ from safetensors.torch import save as save_safetensors
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
 from lmforge.checkpoint.safe_metadata import SafeFileSystemReader, SafeFsspecReader
-from lmforge.checkpoint.store import CheckpointStore, CheckpointUnreadable, CommittedCheckpoint, join_path
 from lmforge.checkpoint.stateful import Checkpointable
+from lmforge.checkpoint.store import CheckpointStore, CheckpointUnreadable, CommittedCheckpoint, join_path
 
 log = logging.getLogger(__name__)
 

@@ -212,7 +212,7 @@ class CheckpointStore:
             return
         source = source.rstrip("/")
         for file in self.fs.find(source):
-            self.fs.copy(file, target + file[len(source):])
+            self.fs.copy(file, target + file[len(source) :])
         self.fs.rm(source, recursive=True)
 
     def _aside_name(self, name: str) -> str:

@@ -23,8 +23,8 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from lmforge.checkpoint.sharded import dcp_writer, rng_state, write_rng
-from lmforge.checkpoint.store import CheckpointStore
 from lmforge.checkpoint.stateful import Checkpointable
+from lmforge.checkpoint.store import CheckpointStore
 from lmforge.errors import CheckpointWritesFailing
 from lmforge.spec import CheckpointSpec
 
@@ -46,7 +46,9 @@ class BackgroundSaver:
         # backward; on CPU ranks a background copy would hold the GIL against the
         # training thread (measured: slower than copying right away).
         cuda = torch.cuda.is_available()
-        self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=cuda, use_non_blocking_copy=cuda))
+        self._stager = DefaultStager(
+            StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=cuda, use_non_blocking_copy=cuda)
+        )
 
     def _async_save(self, tensors: dict, storage_writer) -> Future:
         """Staged synchronously on CPU ranks, in the background on GPUs; returns the write."""
@@ -136,8 +138,16 @@ class CheckpointWriter(BackgroundSaver):
         failed = {rank: err for rank, err in enumerate(errors) if err}
         if failed:
             rank, first = next(iter(failed.items()))
-            self._event({"event": "checkpoint_failed", "step": step, "error": f"rank {rank}: {first}", "ranks": sorted(failed),
-                         "failed_in_a_row": self.failed_in_a_row + 1, "max_failed_writes": self.options.max_failed_writes})
+            self._event(
+                {
+                    "event": "checkpoint_failed",
+                    "step": step,
+                    "error": f"rank {rank}: {first}",
+                    "ranks": sorted(failed),
+                    "failed_in_a_row": self.failed_in_a_row + 1,
+                    "max_failed_writes": self.options.max_failed_writes,
+                }
+            )
             return False
         names = self.store.files(step)
         share = self.store.digest(step, names[self.rank :: self.world])
@@ -147,8 +157,16 @@ class CheckpointWriter(BackgroundSaver):
             self.store.commit(step, {name: meta for part in shares for name, meta in part.items()})
             pruned = self.store.prune(self.options.keep, self.options.keep_every)
             seconds = time.perf_counter() - began
-            self._event({"event": "checkpoint", "step": step, "path": self.store.step_path(step), "seconds": seconds,
-                         "stall_seconds": stall if self.options.async_save else seconds, "pruned": pruned})
+            self._event(
+                {
+                    "event": "checkpoint",
+                    "step": step,
+                    "path": self.store.step_path(step),
+                    "seconds": seconds,
+                    "stall_seconds": stall if self.options.async_save else seconds,
+                    "pruned": pruned,
+                }
+            )
         return True
 
     def _event(self, event: dict) -> None:

@@ -19,8 +19,8 @@ import ray
 from ray.autoscaler.sdk import request_resources
 
 from lmforge.cluster.placement import NodeWatch, Slots
-from lmforge.cluster.runtime import DATA_CPUS, fits
 from lmforge.errors import UserError
+from lmforge.ray_runtime import DATA_CPUS, fits
 from lmforge.spec import JobSpec
 
 RESIZE_PROBE_S = 5.0  # how long an elastic start tries each larger layout before a smaller one

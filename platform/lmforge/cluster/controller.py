@@ -34,7 +34,6 @@ from lmforge.parallel.shape import MeshShape
 from lmforge.spec import JobSpec
 from lmforge.tracking.prometheus import JobMetrics
 
-
 READER_ANSWER_S = 5.0  # a kept reader must answer its new layout within this, or a new one starts
 LEAVE_S = 1.0  # a rank must be done with a failed attempt, and leave its groups, within this to be kept
 
@@ -94,16 +93,30 @@ class Controller:
                 return
             before = len(self._events)
             if event.get("event") == "step" and self._failed_at is not None:
-                self._events.append({
-                    "event": "recovered", "step": event["step"], "dp": self._dp,
-                    "seconds": round(time.time() - self._failed_at, 2), "steps_redone": self._redone,
-                    "nodes_lost": self._nodes_lost(self._failed_layout), "time": time.time(),
-                })
+                self._events.append(
+                    {
+                        "event": "recovered",
+                        "step": event["step"],
+                        "dp": self._dp,
+                        "seconds": round(time.time() - self._failed_at, 2),
+                        "steps_redone": self._redone,
+                        "nodes_lost": self._nodes_lost(self._failed_layout),
+                        "time": time.time(),
+                    }
+                )
                 self._failed_at = None
             if event.get("event") == "step" and self._resize_from is not None:
                 from_dp, since = self._resize_from
-                self._events.append({"event": "resized", "step": event["step"], "from_dp": from_dp, "dp": self._dp,
-                                     "seconds": round(time.time() - since, 2), "time": time.time()})
+                self._events.append(
+                    {
+                        "event": "resized",
+                        "step": event["step"],
+                        "from_dp": from_dp,
+                        "dp": self._dp,
+                        "seconds": round(time.time() - since, 2),
+                        "time": time.time(),
+                    }
+                )
                 self._resize_from = None
             if event.get("event") == "start" and self._failed_at is not None:
                 self._redone = max(0, self._last_step - event["step"])
@@ -123,7 +136,9 @@ class Controller:
         spec = JobSpec.model_validate(self.spec_dict)
         budget = spec.fault_tolerance
         failures = self._failures
-        capacity = self._capacity = Capacity(spec, self._pg_name("slot/"), lambda event: self.report({"step": self._last_step} | event), self.placement_timeout_s)
+        capacity = self._capacity = Capacity(
+            spec, self._pg_name("slot/"), lambda event: self.report({"step": self._last_step} | event), self.placement_timeout_s
+        )
         try:
             current = capacity.initial(spares_optional=bool(failures))
             while True:
@@ -141,12 +156,19 @@ class Controller:
                     noticed = time.time()
                     self._new_attempt(failed=True)
                     capacity.find_lost(self._rank_nodes, since=self._raised_at or noticed)
-                    self.report({
-                        "event": "failure", "attempt": failures, "max_failures": budget.max_failures,
-                        "step": self._last_step, "cause": f"{type(cause).__name__}: {first_line(cause)}",
-                        "rank": self._failed_rank, "nodes_lost": self._nodes_lost(self._layout),
-                        "noticed": noticed, "raised": self._raised_at,
-                    })
+                    self.report(
+                        {
+                            "event": "failure",
+                            "attempt": failures,
+                            "max_failures": budget.max_failures,
+                            "step": self._last_step,
+                            "cause": f"{type(cause).__name__}: {first_line(cause)}",
+                            "rank": self._failed_rank,
+                            "nodes_lost": self._nodes_lost(self._layout),
+                            "noticed": noticed,
+                            "raised": self._raised_at,
+                        }
+                    )
                     time.sleep(min(60.0, budget.backoff_s * 2 ** (failures - 1)))
                     current = capacity.fit(current)
                     continue
@@ -173,8 +195,17 @@ class Controller:
         skip = sorted(set(spec.guards.skip_batches) | set(cause.steps))
         if self._keepers:
             self._keepers.forget()  # snapshots of the steps that went wrong are not a place to return to
-        self.report({"event": "rollback", "step": self._last_step, "steps": cause.steps, "skip_batches": skip, "cause": str(cause),
-                     "rollback": self._rollbacks, "max_rollbacks": spec.guards.max_rollbacks})
+        self.report(
+            {
+                "event": "rollback",
+                "step": self._last_step,
+                "steps": cause.steps,
+                "skip_batches": skip,
+                "cause": str(cause),
+                "rollback": self._rollbacks,
+                "max_rollbacks": spec.guards.max_rollbacks,
+            }
+        )
         return spec.with_changes("guards", skip_batches=skip)
 
     def _shrink_micro_batch(self, spec: JobSpec, cause: OutOfMemory) -> JobSpec:
@@ -182,12 +213,22 @@ class Controller:
         the same global batch), or fail with the memory report once at the floor."""
         smaller = with_smaller_micro_batch(spec)
         report_name = f"memory-oom-step{cause.step}-rank{cause.rank}.txt"
-        self.report({"event": "out_of_memory", "step": cause.step, "rank": cause.rank, "micro_batch": cause.micro_batch,
-                     "retry_micro_batch": smaller.train.micro_batch if smaller else None,
-                     "report": cause.report, "report_name": report_name})
+        self.report(
+            {
+                "event": "out_of_memory",
+                "step": cause.step,
+                "rank": cause.rank,
+                "micro_batch": cause.micro_batch,
+                "retry_micro_batch": smaller.train.micro_batch if smaller else None,
+                "report": cause.report,
+                "report_name": report_name,
+            }
+        )
         if smaller is None:
-            raise TrainingFailed(f"{cause}, and no smaller micro-batch is left (guards.oom_min_micro_batch "
-                                 f"{spec.guards.oom_min_micro_batch}); the memory report is {report_name} in the run directory")
+            raise TrainingFailed(
+                f"{cause}, and no smaller micro-batch is left (guards.oom_min_micro_batch "
+                f"{spec.guards.oom_min_micro_batch}); the memory report is {report_name} in the run directory"
+            )
         return smaller
 
     def _new_attempt(self, failed: bool) -> None:
@@ -220,7 +261,8 @@ class Controller:
             snapshots = self._snapshots()
             refs = self._train_refs = [
                 w.train.remote(spec_dict, self.manifest, controller_handle, self._attempt, rank in first_on_node.values(), reader, snapshots[rank])
-                for rank, w in enumerate(self._workers)]
+                for rank, w in enumerate(self._workers)
+            ]
             self._start_standby(spec)
             results = self._wait_all(refs, spec)
             try:
@@ -333,7 +375,9 @@ class Controller:
                 idle.remove(kept)
                 worker, reused = kept[0], reused + 1
             else:
-                worker = Worker.options(num_cpus=cpus, num_gpus=gpus, scheduling_strategy=self._capacity.slots.strategy(rank // tp)).remote(rank, world)
+                worker = Worker.options(num_cpus=cpus, num_gpus=gpus, scheduling_strategy=self._capacity.slots.strategy(rank // tp)).remote(
+                    rank, world
+                )
             self._workers.append(worker)
             self._worker_slots.append(slot)
         for worker, _ in idle:  # their slots are gone, or the layout is smaller
@@ -349,8 +393,10 @@ class Controller:
             slot = self._capacity.slots.group(index)
             if slot.id not in started:
                 strategy = self._capacity.slots.strategy(index)
-                self._standby += [(Worker.options(num_cpus=res.cpus_per_worker, num_gpus=res.gpus_per_worker, scheduling_strategy=strategy).remote(-1, 0), slot)
-                                  for _ in range(tp)]
+                self._standby += [
+                    (Worker.options(num_cpus=res.cpus_per_worker, num_gpus=res.gpus_per_worker, scheduling_strategy=strategy).remote(-1, 0), slot)
+                    for _ in range(tp)
+                ]
 
     def _rendezvous(self, shape: MeshShape) -> list[dict]:
         addresses = ray.get([w.address.remote() for w in self._workers])

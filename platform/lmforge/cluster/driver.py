@@ -18,13 +18,13 @@ from rich.console import Console
 from lmforge.checkpoint.store import CheckpointStore
 from lmforge.cluster import placement
 from lmforge.cluster.controller import Controller
-from lmforge.cluster.runtime import check_capacity, connect, embedded_resources
 from lmforge.credentials import redact_uri
 from lmforge.data.prepare import PrepareOptions, prepare_dataset, read_manifest
 from lmforge.errors import TrainingFailed, UserError, first_line
 from lmforge.lease import JobLease
 from lmforge.memory.snapshots import check_host_memory
 from lmforge.plan import Plan, check_dataset, check_fresh_start, check_resume_order
+from lmforge.ray_runtime import check_capacity, connect, embedded_resources
 from lmforge.spec import JobSpec
 from lmforge.tracking import events
 from lmforge.tracking.console import plain, text_console
@@ -33,8 +33,9 @@ from lmforge.tracking.progress import ProgressView
 from lmforge.tracking.run_dir import STEP_FIELDS, RunDir
 
 
-def drive(plan: Plan, address: Optional[str] = None, show_progress: bool = True, console: Optional[Console] = None,
-          stream_events: bool = False) -> dict:
+def drive(
+    plan: Plan, address: Optional[str] = None, show_progress: bool = True, console: Optional[Console] = None, stream_events: bool = False
+) -> dict:
     """Run a preflighted job to `train.max_steps`; returns the summary. `stream_events`:
     also print each step, recorded event and the summary on stdout as an event line,
     for a client following the job through its logs (`lmforge.jobs`)."""
@@ -70,8 +71,13 @@ def _start_over(spec: JobSpec, console: Console) -> None:
     check_fresh_start(spec, store)
     removed = store.remove_steps() if spec.checkpoint.discard_existing else []
     if removed:
-        console.print(plain(f"checkpoint.discard_existing: deleted {len(removed)} checkpoint directories (steps {removed[0]}..{removed[-1]}) "
-                            f"from {spec.checkpoint_dir}; starting at step 0"), highlight=False)
+        console.print(
+            plain(
+                f"checkpoint.discard_existing: deleted {len(removed)} checkpoint directories (steps {removed[0]}..{removed[-1]}) "
+                f"from {spec.checkpoint_dir}; starting at step 0"
+            ),
+            highlight=False,
+        )
 
 
 def _print_event(row: dict) -> None:
@@ -86,8 +92,14 @@ def _check_capacity(spec: JobSpec, total: Optional[dict] = None) -> None:
         check_capacity(spec.world_size + spares, res.cpus_per_worker, res.gpus_per_worker, total=total)
         return
     smallest = spec.parallel.pp * spec.parallel.tp * spec.elastic.min_dp
-    check_capacity(smallest + spares, res.cpus_per_worker, res.gpus_per_worker, field="elastic.min_dp", total=total,
-                   hint=f"even dp {spec.elastic.min_dp}{' with ' + str(spares) + ' spares' if spares else ''} does not fit; lower elastic.min_dp or join a larger cluster")
+    check_capacity(
+        smallest + spares,
+        res.cpus_per_worker,
+        res.gpus_per_worker,
+        field="elastic.min_dp",
+        total=total,
+        hint=f"even dp {spec.elastic.min_dp}{' with ' + str(spares) + ' spares' if spares else ''} does not fit; lower elastic.min_dp or join a larger cluster",
+    )
 
 
 def _ensure_dataset(plan: Plan, console: Console, show_progress: bool) -> dict:
@@ -125,7 +137,7 @@ def _run(plan: Plan, manifest: dict, console: Console, show_progress: bool, leas
     if plan.resume_from:
         view.print(f"resuming {spec.name} from step {plan.start_step} ({plan.resume_from.path})")
     seen = Seen(spec, latest_checkpoint=plan.resume_from.path if plan.resume_from else None)
-    handle = lambda event: seen.add(event, _handle(event, view, run_dir, tracker, publish))  # noqa: E731
+    handle = lambda event: seen.add(event, _handle(event, view, run_dir, tracker, publish))
     if plan.order_changes:
         handle({"event": "data_changed", "step": plan.start_step, "path": plan.resume_from.path, "changes": plan.order_changes})
     budget = spec.fault_tolerance
@@ -141,11 +153,22 @@ def _run(plan: Plan, manifest: dict, console: Console, show_progress: bool, leas
                     # The controller itself died: its ranks went with it (Ray's owner
                     # fate-sharing); a new one resumes from the latest checkpoint.
                     if seen.failures >= budget.max_failures:
-                        raise TrainingFailed(f"the controller died ({first_line(err)}); fault_tolerance.max_failures {budget.max_failures} is used up") from None
+                        raise TrainingFailed(
+                            f"the controller died ({first_line(err)}); fault_tolerance.max_failures {budget.max_failures} is used up"
+                        ) from None
                     step = seen.last.get("step", plan.start_step)
                     after_failure = seen.after_failure(step)
-                    handle({"event": "failure", "attempt": seen.failures + 1, "max_failures": budget.max_failures, "step": step,
-                            "cause": f"the controller died ({type(err).__name__})", "rank": None, "nodes_lost": []})
+                    handle(
+                        {
+                            "event": "failure",
+                            "attempt": seen.failures + 1,
+                            "max_failures": budget.max_failures,
+                            "step": step,
+                            "cause": f"the controller died ({type(err).__name__})",
+                            "rank": None,
+                            "nodes_lost": [],
+                        }
+                    )
                     time.sleep(min(60.0, budget.backoff_s * 2 ** (seen.failures - 1)))
                 finally:
                     ray.kill(controller)
@@ -199,9 +222,11 @@ def _student_answers(spec: JobSpec, checkpoint: Optional[str], run_dir: RunDir, 
     answered = after_training(spec, checkpoint, run_dir.path)
     if answered:
         m = answered["metrics"]
-        view.print(f"held-out prompts: the student's NLL of its teachers' answers {m['answers_nll']:.4f}; it answered "
-                   f"{m['held_out_prompts']} of them greedily, {m['student_answer_tokens']:.1f} tokens on average, "
-                   f"{m['student_finish_stop']:.0%} ended by itself ({run_dir.path / 'student_answers.jsonl'})")
+        view.print(
+            f"held-out prompts: the student's NLL of its teachers' answers {m['answers_nll']:.4f}; it answered "
+            f"{m['held_out_prompts']} of them greedily, {m['student_answer_tokens']:.1f} tokens on average, "
+            f"{m['student_finish_stop']:.0%} ended by itself ({run_dir.path / 'student_answers.jsonl'})"
+        )
     return answered
 
 
@@ -265,7 +290,6 @@ def _start_controller(spec: JobSpec, manifest: dict, after_failure: Optional[dic
     return Controller.options(scheduling_strategy=here).remote(
         spec.model_dump(mode="json", exclude_unset=True), manifest, after_failure=after_failure
     )
-
 
 
 def _drain(controller) -> list[dict]:

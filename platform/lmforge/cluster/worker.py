@@ -15,7 +15,7 @@ from datetime import timedelta
 
 import ray
 
-from lmforge.cluster.runtime import WORKER_ENV, tune_process
+from lmforge.ray_runtime import WORKER_ENV, tune_process
 
 
 @ray.remote(num_cpus=0)
@@ -46,8 +46,7 @@ class Worker:
         if backend == "nccl":
             torch.cuda.set_device(0)  # Ray exposes exactly the actor's GPU as device 0
         # What torchrun would set; DeepSpeed reads these (LOCAL_RANK: the device index).
-        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK="0",
-                          MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK="0", MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
         dist.init_process_group(
             backend,
             init_method=f"tcp://{master_addr}:{master_port}",
@@ -56,8 +55,9 @@ class Worker:
             timeout=timedelta(minutes=5),
         )
 
-    def train(self, spec_dict: dict, manifest: dict, controller, attempt: int = 0, watch_node: bool = False, reader=None,
-              snapshots: tuple | None = None) -> dict:
+    def train(
+        self, spec_dict: dict, manifest: dict, controller, attempt: int = 0, watch_node: bool = False, reader=None, snapshots: tuple | None = None
+    ) -> dict:
         """`watch_node`: this rank also samples its node's system metrics into the run;
         `reader`: the job's shared data reader; `snapshots`: (this rank's keepers, the
         snapshot to restore or None) with `checkpoint.in_memory`."""
@@ -72,8 +72,12 @@ class Worker:
         try:
             # Tagged with the attempt: a report still in flight from a failed attempt is dropped.
             trainer = Trainer(
-                spec, manifest, report=lambda event: controller.report.remote(event, attempt),
-                should_stop=lambda: ray.get(controller.grow_pending.remote()), metrics=RankMetrics(spec.name, self.rank), reader=reader,
+                spec,
+                manifest,
+                report=lambda event: controller.report.remote(event, attempt),
+                should_stop=lambda: ray.get(controller.grow_pending.remote()),
+                metrics=RankMetrics(spec.name, self.rank),
+                reader=reader,
                 snapshot_target=SnapshotShipper(snapshots[0], controller, attempt) if snapshots else None,
                 snapshot_source=snapshots[1] if snapshots else None,
             )

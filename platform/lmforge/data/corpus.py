@@ -38,7 +38,7 @@ def list_files(source: str) -> list[str]:
     try:
         fs, path = pafs.FileSystem.from_uri(source) if "://" in source else (pafs.LocalFileSystem(), str(Path(source).resolve()))
         info = fs.get_file_info(path)
-    except Exception as err:  # pyarrow raises several types for bad URIs
+    except Exception as err:  # noqa: BLE001 - pyarrow raises several types for bad URIs
         raise UserError(f"data.source: cannot open {source} ({err})") from None
     prefix = source.split("://")[0] + "://" if "://" in source else ""
     if info.type == pafs.FileType.NotFound:
@@ -80,10 +80,7 @@ def source_kind(files: list[str]) -> str:
     for kind, known in (("text", TEXT_SUFFIXES), ("json", JSON_SUFFIXES), ("parquet", PARQUET_SUFFIXES)):
         if suffixes <= known:
             return kind
-    raise UserError(
-        f"data.source: mixed or unsupported file types {sorted(suffixes)}; "
-        "use text files (.txt/.md/.py), JSON lines (.jsonl) or Parquet"
-    )
+    raise UserError(f"data.source: mixed or unsupported file types {sorted(suffixes)}; use text files (.txt/.md/.py), JSON lines (.jsonl) or Parquet")
 
 
 def read_documents(files: list[str], text_column: str, num_cpus: float = 0.25) -> ray.data.Dataset:
@@ -102,7 +99,11 @@ def read_documents(files: list[str], text_column: str, num_cpus: float = 0.25) -
 
     def _texts(batch: pa.Table) -> pa.Table:
         values = batch.column(text_column).to_pylist()
-        return pa.table({"text": pa.array([t if isinstance(t, str) else "" for t in values], type=pa.large_string()),
-                         "bad": pa.array([not isinstance(t, str) for t in values])})
+        return pa.table(
+            {
+                "text": pa.array([t if isinstance(t, str) else "" for t in values], type=pa.large_string()),
+                "bad": pa.array([not isinstance(t, str) for t in values]),
+            }
+        )
 
     return ds.map_batches(_texts, batch_format="pyarrow", num_cpus=num_cpus)

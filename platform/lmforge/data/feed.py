@@ -39,8 +39,10 @@ def verified_shards(batch: pa.Table, digests: dict[str, str], columns: list[str]
     for path, data in zip(batch.column("path").to_pylist(), batch.column("bytes").to_pylist()):
         expected = digests.get(path.rsplit("/", 1)[-1])
         if expected and hashlib.sha256(data).hexdigest() != expected:
-            raise UserError(f"data.path: shard {path} does not match its sha256 in manifest.json: it was replaced or damaged "
-                            "since it was prepared; prepare the dataset again")
+            raise UserError(
+                f"data.path: shard {path} does not match its sha256 in manifest.json: it was replaced or damaged "
+                "since it was prepared; prepare the dataset again"
+            )
         tables.append(pq.read_table(pa.BufferReader(data), columns=columns))
     return pa.concat_tables(tables)
 
@@ -55,7 +57,7 @@ def _user_error_in(err: BaseException) -> Optional[UserError]:
             return UserError(str(err))
         for line in str(err).splitlines():
             if line.startswith(USER_ERROR_LINE):
-                return UserError(line[len(USER_ERROR_LINE):])
+                return UserError(line[len(USER_ERROR_LINE) :])
         err = getattr(err, "cause", None) or err.__cause__ or err.__context__
     return None
 
@@ -65,9 +67,11 @@ USER_ERROR_LINE = f"{UserError.__module__}.{UserError.__qualname__}: "
 
 def decoder(columns: dict[str, tuple]):
     """(column names, a function from a batch to one tuple of values per sample)."""
+
     def decode(batch) -> list[tuple]:
         values = [batch.column(name).combine_chunks().flatten().to_numpy().reshape(-1, *shape) for name, shape in columns.items()]
         return list(zip(*values))
+
     return list(columns), decode
 
 
@@ -91,10 +95,23 @@ class EpochStream:
         here = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
         # One block per shard: a block of several would carry the next window's shards along.
         # Read as bytes, hashed and decoded in the same task (fused): one read of each file.
-        ds = ray.data.read_binary_files([paths[b] for b in blocks], include_paths=True, num_cpus=0, concurrency=2, override_num_blocks=len(blocks),
-                                        ray_remote_args={"scheduling_strategy": here})
-        ds = ds.map_batches(verified_shards, fn_kwargs={"digests": digests, "columns": ["sample_id", *columns]}, batch_size=None,
-                            batch_format="pyarrow", num_cpus=0, compute=ray.data.TaskPoolStrategy(size=2), scheduling_strategy=here)
+        ds = ray.data.read_binary_files(
+            [paths[b] for b in blocks],
+            include_paths=True,
+            num_cpus=0,
+            concurrency=2,
+            override_num_blocks=len(blocks),
+            ray_remote_args={"scheduling_strategy": here},
+        )
+        ds = ds.map_batches(
+            verified_shards,
+            fn_kwargs={"digests": digests, "columns": ["sample_id", *columns]},
+            batch_size=None,
+            batch_format="pyarrow",
+            num_cpus=0,
+            compute=ray.data.TaskPoolStrategy(size=2),
+            scheduling_strategy=here,
+        )
         self._batches: Iterator = iter(ds.iter_batches(batch_format="pyarrow", batch_size=None, prefetch_batches=2))
         self.samples: dict[int, object] = {}
         self.shards_read: set[int] = set()  # a resume must not scan from the start: see test_feed
@@ -106,8 +123,8 @@ class EpochStream:
         while missing:
             try:
                 batch = next(self._batches, None)
-            except Exception as err:  # Ray Data wraps a read task's error: a refused shard is told as itself
-                raise _user_error_in(err) or err
+            except Exception as err:  # noqa: BLE001 - Ray Data wraps a read task's error: a refused shard is told as itself
+                raise (_user_error_in(err) or err) from None
             if batch is None:
                 raise RuntimeError(f"shards ended before samples {sorted(missing)[:5]} of epoch {self.epoch} arrived")
             ids = batch.column("sample_id").to_numpy()
@@ -170,6 +187,7 @@ class Dataset:
 
 def datasets_of(spec, manifest: dict) -> tuple[list[Dataset], Optional[Mixture]]:
     """The datasets a job reads (`data.path`, or each of a mixture's) and the mixture."""
+
     def order(m: dict) -> GlobalOrder:
         return GlobalOrder(m["num_samples"], spec.train.seed, block=m["shard_samples"], window=spec.data.shuffle_window)
 
@@ -186,8 +204,15 @@ class FeedReader:
     and PP peers of one DP rank), then dropped. One reader for the whole job reads
     every sample once, whatever the layout."""
 
-    def __init__(self, datasets: list[Dataset], mixture: Optional[Mixture], layout: BatchLayout, serves: list[int], sharers: int = 1,
-                 cache: Optional[tuple[str, dict]] = None):
+    def __init__(
+        self,
+        datasets: list[Dataset],
+        mixture: Optional[Mixture],
+        layout: BatchLayout,
+        serves: list[int],
+        sharers: int = 1,
+        cache: Optional[tuple[str, dict]] = None,
+    ):
         """`cache`: (its directory, its manifest) of top-k targets in shards named as the
         dataset's, read beside them; the dataset's own directory when its samples carry them."""
         self.datasets, self.mixture = datasets, mixture
@@ -270,8 +295,15 @@ class FeedReader:
         return [(np.concatenate(ids[r]), {name: np.stack([row[i] for row in rows[r]]) for i, name in enumerate(self.columns)}) for r in self.serves]
 
 
-def start_reader(datasets: list[Dataset], mixture: Optional[Mixture], layout: BatchLayout, serves: list[int], sharers: int,
-                 cache: Optional[tuple[str, dict]], node: str):
+def start_reader(
+    datasets: list[Dataset],
+    mixture: Optional[Mixture],
+    layout: BatchLayout,
+    serves: list[int],
+    sharers: int,
+    cache: Optional[tuple[str, dict]],
+    node: str,
+):
     """A `FeedReader` on `node`, strictly: a soft affinity lets Ray move it to a node it
     still counts as free, such as one that vanished moments ago and is not yet declared
     dead (seen after a node loss: the restarted rank failed again)."""
@@ -295,8 +327,18 @@ class BatchFeed:
     """The trainer's side: yields each step's `FedStep` in turn, from the job's shared
     reader (`reader`), or else from a reader of its own."""
 
-    def __init__(self, datasets: list[Dataset], mixture: Optional[Mixture], layout: BatchLayout, dp_rank: int, start_step: int,
-                 prefetch_steps: int, cache: Optional[tuple[str, dict]] = None, reader=None, end_step: Optional[int] = None):
+    def __init__(
+        self,
+        datasets: list[Dataset],
+        mixture: Optional[Mixture],
+        layout: BatchLayout,
+        dp_rank: int,
+        start_step: int,
+        prefetch_steps: int,
+        cache: Optional[tuple[str, dict]] = None,
+        reader=None,
+        end_step: Optional[int] = None,
+    ):
         """`end_step`: the last step trained; nothing past it is read ahead."""
         self.own_reader = reader is None
         if reader is None:

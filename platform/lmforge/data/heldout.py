@@ -30,21 +30,29 @@ def check_held_out(spec, manifest: dict, path: str) -> None:
     held = manifest.get("eval")
     asked = spec.eval.source if spec.eval else None
     if spec.data.eval_fraction and (held or {}).get("fraction") != spec.data.eval_fraction:
-        raise UserError(f"data.eval_fraction: {spec.data.eval_fraction}, but {path} was prepared with {_made_with(held)}; "
-                        "prepare it again (remove it, or choose another data.path)")
+        raise UserError(
+            f"data.eval_fraction: {spec.data.eval_fraction}, but {path} was prepared with {_made_with(held)}; "
+            "prepare it again (remove it, or choose another data.path)"
+        )
     if asked and (held or {}).get("source") != asked:
-        raise UserError(f"eval.source: {asked}, but {path} was prepared with {_made_with(held)}; prepare it again (remove it, or choose another data.path)")
+        raise UserError(
+            f"eval.source: {asked}, but {path} was prepared with {_made_with(held)}; prepare it again (remove it, or choose another data.path)"
+        )
     if spec.eval is None:
         return
     if held is None:
         raise UserError(f"eval: {path} holds no held-out split; prepare it with data.eval_fraction or eval.source")
     size = spec.train.global_batch
     if held["num_samples"] < size:
-        raise UserError(f"eval: the held-out split of {path} holds {held['num_samples']} samples, fewer than one global batch "
-                        f"(train.global_batch {size}); hold out more (data.eval_fraction, eval.source)")
+        raise UserError(
+            f"eval: the held-out split of {path} holds {held['num_samples']} samples, fewer than one global batch "
+            f"(train.global_batch {size}); hold out more (data.eval_fraction, eval.source)"
+        )
     if spec.eval.batches and spec.eval.batches * size > held["num_samples"]:
-        raise UserError(f"eval.batches: {spec.eval.batches} batches of {size} samples need {spec.eval.batches * size} held-out samples; "
-                        f"{path} holds {held['num_samples']} (at most {held['num_samples'] // size} batches)")
+        raise UserError(
+            f"eval.batches: {spec.eval.batches} batches of {size} samples need {spec.eval.batches * size} held-out samples; "
+            f"{path} holds {held['num_samples']} (at most {held['num_samples'] // size} batches)"
+        )
 
 
 def _made_with(held: dict | None) -> str:
@@ -59,8 +67,7 @@ class HeldOutBatches:
     one. With a teacher cache (its held-out directory and k), each sample's top-k
     targets too."""
 
-    def __init__(self, data_path: str, manifest: dict, layout: BatchLayout, dp_rank: int, batches: int,
-                 cache: Optional[tuple[str, int]] = None):
+    def __init__(self, data_path: str, manifest: dict, layout: BatchLayout, dp_rank: int, batches: int, cache: Optional[tuple[str, int]] = None):
         held = manifest["eval"]
         self.directory = storage.join(data_path, held["dir"])
         self.shards = held["shards"]
@@ -79,7 +86,9 @@ class HeldOutBatches:
         # The batches are the split's first samples: read those shards, keep this rank's rows.
         files = [shard["file"] for shard in self.shards[: -(-self.batches * self.layout.global_batch // self.shard_samples)]]
         own = self.cache is not None and storage.join(self.cache[0]) == self.directory  # an instruction dataset's own top-k
-        columns = {name: _rows(self.directory, files, name, shape) for name, shape in sample_columns(self.manifest, self.cache[1] if own else None).items()}
+        columns = {
+            name: _rows(self.directory, files, name, shape) for name, shape in sample_columns(self.manifest, self.cache[1] if own else None).items()
+        }
         if self.cache is not None and not own:
             directory, k = self.cache
             columns |= {name: _rows(directory, files, name, shape) for name, shape in target_columns(self.seq_len, k).items()}

@@ -63,8 +63,13 @@ def write_shard(path: str, first_sample_id: int, columns: dict[str, np.ndarray])
     pq.write_table(pa.table({"sample_id": ids, **{name: _column(values) for name, values in columns.items()}}), buffer)
     data = buffer.getvalue().to_pybytes()
     storage.write_bytes(path, data)
-    return {"file": path.rsplit("/", 1)[-1], "first_sample_id": int(first_sample_id), "num_samples": rows, "bytes": len(data),
-            "sha256": hashlib.sha256(data).hexdigest()}
+    return {
+        "file": path.rsplit("/", 1)[-1],
+        "first_sample_id": int(first_sample_id),
+        "num_samples": rows,
+        "bytes": len(data),
+        "sha256": hashlib.sha256(data).hexdigest(),
+    }
 
 
 def _column(values: np.ndarray) -> pa.Array:

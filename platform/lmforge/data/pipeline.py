@@ -50,12 +50,16 @@ def _tokenize_batch(batch: pa.Table, tokenizer_json: str) -> pa.Table:
     offsets = np.zeros(len(documents) + 1, dtype=np.int32)
     np.cumsum([len(d) for d in documents], out=offsets[1:])
     values = np.concatenate(documents) if documents else np.zeros(0, dtype=np.int32)
-    return pa.table({"ids": pa.ListArray.from_arrays(pa.array(offsets), pa.array(values)), "bad": batch.column("bad"),
-                     "chars": pc.utf8_length(batch.column("text")).cast(pa.int64())})
+    return pa.table(
+        {
+            "ids": pa.ListArray.from_arrays(pa.array(offsets), pa.array(values)),
+            "bad": batch.column("bad"),
+            "chars": pc.utf8_length(batch.column("text")).cast(pa.int64()),
+        }
+    )
 
 
-def _stream_blocks(ds: ray.data.Dataset, splits: list, fraction: float, all_held_out: bool, eos: int, phase: str,
-                   totals: dict) -> Iterator[dict]:
+def _stream_blocks(ds: ray.data.Dataset, splits: list, fraction: float, all_held_out: bool, eos: int, phase: str, totals: dict) -> Iterator[dict]:
     """Each tokenized block's stream pieces, computed by a Ray task per block (spread
     over the nodes) as the blocks come, added to the splits in document order. Yields
     progress as blocks finish; adds the documents skipped and the nodes that did the
@@ -75,8 +79,12 @@ def _stream_blocks(ds: ray.data.Dataset, splits: list, fraction: float, all_held
             totals["skipped"] += counts["skipped"]
             totals["nodes"].add(counts["node"])
             chars += counts["chars"]
-            yield {"phase": phase, "documents": sum(counts["documents"]) + counts["skipped"],
-                   "tokens": sum(split.tokens for split in splits if split), "mb_per_s": chars / 1e6 / max(time.time() - began, 1e-9)}
+            yield {
+                "phase": phase,
+                "documents": sum(counts["documents"]) + counts["skipped"],
+                "tokens": sum(split.tokens for split in splits if split),
+                "mb_per_s": chars / 1e6 / max(time.time() - began, 1e-9),
+            }
 
     for bundle in ds.iter_internal_ref_bundles():
         for entry in bundle.blocks:
@@ -115,7 +123,7 @@ def run_pipeline(opts, files: list[str], eval_files: list[str]) -> Iterator[dict
     docs = read_documents(files, opts.text_column, num_cpus=1)
     tokenizer = _get_tokenizer(docs, opts)
     eos = eos_id(tokenizer, end_of_text_token(opts.tokenizer))
-    tokenize = lambda ds: ds.map_batches(  # noqa: E731
+    tokenize = lambda ds: ds.map_batches(
         _tokenize_batch, fn_kwargs={"tokenizer_json": tokenizer.to_str()}, batch_size=32, batch_format="pyarrow", num_cpus=1
     )
     with staged(opts.out) as staging:
@@ -126,11 +134,14 @@ def run_pipeline(opts, files: list[str], eval_files: list[str]) -> Iterator[dict
         with settled(train, held):  # no write lands after a failure has removed the staging directory
             yield from _stream_blocks(tokenize(docs), [train, held], opts.eval_fraction, False, eos, "tokenizing", totals)
             if eval_files:
-                yield from _stream_blocks(tokenize(read_documents(eval_files, opts.text_column, num_cpus=1)), [None, held], 0.0, True, eos,
-                                          "held-out split", totals)
+                yield from _stream_blocks(
+                    tokenize(read_documents(eval_files, opts.text_column, num_cpus=1)), [None, held], 0.0, True, eos, "held-out split", totals
+                )
             if train.num_samples == 0:
-                raise UserError(f"{opts.name('source')}: {opts.source} yields {train.tokens} tokens, fewer than one sample of "
-                                f"seq_len+1 = {opts.seq_len + 1}; the corpus is empty or too small")
+                raise UserError(
+                    f"{opts.name('source')}: {opts.source} yields {train.tokens} tokens, fewer than one sample of "
+                    f"seq_len+1 = {opts.seq_len + 1}; the corpus is empty or too small"
+                )
             shards, writers = zip(*[written for group in ray.get(train.write()) for written in group])
             storage.write_bytes(storage.join(staging, "tokenizer.json"), tokenizer.to_str(pretty=True).encode())
             manifest = _manifest(opts, files, train, tokenizer, eos, list(shards), totals["skipped"]) | {
@@ -165,10 +176,15 @@ def _manifest(opts, files: list[str], train: SplitStream, tokenizer: Tokenizer, 
 def _held_out_entry(held: SplitStream, opts) -> dict:
     """The manifest's `eval`: where the held-out split is and what it was made of."""
     if held.num_samples == 0:
-        made_of = (f"{opts.name('eval_source')}: {opts.eval_source} yields" if opts.eval_source else
-                   f"{opts.name('eval_fraction')}: {opts.eval_fraction} holds out {held.documents} documents of")
-        raise UserError(f"{made_of} {held.tokens} tokens, fewer than one held-out sample of seq_len+1 = {opts.seq_len + 1}; "
-                        + ("give a larger corpus" if opts.eval_source else "raise it, or give eval.source"))
+        made_of = (
+            f"{opts.name('eval_source')}: {opts.eval_source} yields"
+            if opts.eval_source
+            else f"{opts.name('eval_fraction')}: {opts.eval_fraction} holds out {held.documents} documents of"
+        )
+        raise UserError(
+            f"{made_of} {held.tokens} tokens, fewer than one held-out sample of seq_len+1 = {opts.seq_len + 1}; "
+            + ("give a larger corpus" if opts.eval_source else "raise it, or give eval.source")
+        )
     return {
         "dir": EVAL_DIR,
         "source": opts.eval_source or opts.source,

@@ -20,14 +20,26 @@ from lmforge.data.tokenizer import end_of_text_token, eos_id, load_tokenizer
 from lmforge.errors import UserError
 
 JOB_FIELDS = {
-    "source": "data.source", "seq_len": "train.seq_len", "tokenizer": "data.tokenizer", "text_column": "data.text_column",
-    "eval_fraction": "data.eval_fraction", "eval_source": "eval.source", "out": "data.path",
-    "shard_samples": "data.shard_samples", "vocab_size": "data.vocab_size",
+    "source": "data.source",
+    "seq_len": "train.seq_len",
+    "tokenizer": "data.tokenizer",
+    "text_column": "data.text_column",
+    "eval_fraction": "data.eval_fraction",
+    "eval_source": "eval.source",
+    "out": "data.path",
+    "shard_samples": "data.shard_samples",
+    "vocab_size": "data.vocab_size",
 }
 FLAGS = {
-    "source": "--source", "seq_len": "--seq-len", "tokenizer": "--tokenizer", "text_column": "--text-column",
-    "eval_fraction": "--eval-fraction", "eval_source": "--eval-source", "out": "--out",
-    "shard_samples": "--shard-samples", "vocab_size": "--vocab-size",
+    "source": "--source",
+    "seq_len": "--seq-len",
+    "tokenizer": "--tokenizer",
+    "text_column": "--text-column",
+    "eval_fraction": "--eval-fraction",
+    "eval_source": "--eval-source",
+    "out": "--out",
+    "shard_samples": "--shard-samples",
+    "vocab_size": "--vocab-size",
 }
 MIN_VOCAB = 257
 RECORDS_CHECKED = 16  # files whose first record must hold the text column
@@ -47,7 +59,9 @@ def check_before_ray(opts) -> tuple[list[str], list[str]]:
     if opts.shard_samples <= 0:
         raise UserError(f"{name('shard_samples')}: must be > 0, got {opts.shard_samples}")
     if not opts.tokenizer and opts.vocab_size < MIN_VOCAB:
-        raise UserError(f"{name('vocab_size')}: the BPE trained here needs at least {MIN_VOCAB} tokens (256 bytes and end-of-document), got {opts.vocab_size}")
+        raise UserError(
+            f"{name('vocab_size')}: the BPE trained here needs at least {MIN_VOCAB} tokens (256 bytes and end-of-document), got {opts.vocab_size}"
+        )
     storage.check_bucket(opts.out, name("out"))
     if storage.exists(storage.join(opts.out, "manifest.json"), name("out")):
         raise UserError(f"{name('out')}: {opts.out} already holds a prepared dataset; remove it or choose another")
@@ -60,7 +74,9 @@ def check_before_ray(opts) -> tuple[list[str], list[str]]:
             eos_id(tokenizer, end_of_text_token(opts.tokenizer))
         vocab = tokenizer.get_vocab_size()
         if opts.model_vocab_size is not None and vocab > opts.model_vocab_size:
-            raise UserError(f"{name('tokenizer')}: {opts.tokenizer} has a vocabulary of {vocab}, larger than model.vocab_size {opts.model_vocab_size}")
+            raise UserError(
+                f"{name('tokenizer')}: {opts.tokenizer} has a vocabulary of {vocab}, larger than model.vocab_size {opts.model_vocab_size}"
+            )
     return files, eval_files
 
 
@@ -81,7 +97,7 @@ def _named(field: str, name: str):
         yield
     except UserError as err:
         message = str(err)
-        raise UserError(name + message[len(field):] if message.startswith(field + ":") else message) from None
+        raise UserError(name + message[len(field) :] if message.startswith(field + ":") else message) from None
 
 
 def _check_text_column(files: list[str], kind: str, column: str, name: str, source_name: str) -> None:
@@ -90,7 +106,7 @@ def _check_text_column(files: list[str], kind: str, column: str, name: str, sour
         if kind == "parquet":
             try:
                 names = pq.read_schema(inner, filesystem=fs).names
-            except Exception as err:  # pyarrow raises several types for a file that is not Parquet
+            except Exception as err:  # noqa: BLE001 - pyarrow raises several types for a file that is not Parquet
                 raise UserError(f"{source_name}: {path} is not a readable Parquet file ({err})") from None
         else:
             with fs.open_input_stream(inner) as stream:
@@ -117,5 +133,7 @@ def _check_large_enough(files: list[str], kind: str, seq_len: int, name: str) ->
     size = sum(Path(path).stat().st_size for path in files)
     most_tokens = size + (len(files) if kind == "text" else size)
     if most_tokens < seq_len + 1:
-        raise UserError(f"{name}: {files[0] if len(files) == 1 else 'the corpus'} holds {size} bytes, fewer than one "
-                        f"sample of seq_len+1 = {seq_len + 1} tokens could be made of; the corpus is empty or too small")
+        raise UserError(
+            f"{name}: {files[0] if len(files) == 1 else 'the corpus'} holds {size} bytes, fewer than one "
+            f"sample of seq_len+1 = {seq_len + 1} tokens could be made of; the corpus is empty or too small"
+        )

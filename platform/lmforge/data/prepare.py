@@ -43,12 +43,20 @@ class PrepareOptions:
     def for_job(cls, spec, **given) -> "PrepareOptions":
         """The job's data section (and `given` values, e.g. from flags)."""
         if spec.data.sources is not None:
-            raise UserError("data.sources: a mixture blends datasets prepared already; prepare each with "
-                            "`lmforge data prepare --source CORPUS --out PATH --seq-len N`")
+            raise UserError(
+                "data.sources: a mixture blends datasets prepared already; prepare each with "
+                "`lmforge data prepare --source CORPUS --out PATH --seq-len N`"
+            )
         values = {
-            "source": spec.data.source, "out": spec.data.path, "seq_len": spec.train.seq_len, "tokenizer": spec.data.tokenizer or _model_tokenizer(spec),
-            "vocab_size": spec.data.vocab_size, "text_column": spec.data.text_column, "shard_samples": spec.data.shard_samples,
-            "eval_fraction": spec.data.eval_fraction, "eval_source": spec.eval.source if spec.eval else None,
+            "source": spec.data.source,
+            "out": spec.data.path,
+            "seq_len": spec.train.seq_len,
+            "tokenizer": spec.data.tokenizer or _model_tokenizer(spec),
+            "vocab_size": spec.data.vocab_size,
+            "text_column": spec.data.text_column,
+            "shard_samples": spec.data.shard_samples,
+            "eval_fraction": spec.data.eval_fraction,
+            "eval_source": spec.eval.source if spec.eval else None,
             "model_vocab_size": spec.model_arch.vocab_size,
         }
         return cls(**values | {key: value for key, value in given.items() if value is not None})
@@ -90,7 +98,7 @@ def prepare_dataset(opts: PrepareOptions) -> dict:
                         tasks[update["phase"]] = progress.add_task(update["phase"], total=None, tokens=0, mb_per_s=0.0)
                     progress.update(tasks[update["phase"]], advance=update["documents"], tokens=update["tokens"], mb_per_s=update["mb_per_s"])
     except ray.exceptions.RayTaskError as err:
-        raise err.cause if isinstance(err.cause, UserError) else err
+        raise (err.cause if isinstance(err.cause, UserError) else err) from None
     except KeyboardInterrupt:
         ray.cancel(run)  # the pipeline removes what it wrote
         raise
@@ -101,8 +109,13 @@ def prepare_dataset(opts: PrepareOptions) -> dict:
 def _progress(enabled: bool):
     if not enabled:
         return nullcontext()  # enters as None: no bar
-    return Progress(text_column("{task.description}", bold=True), text_column("{task.completed:,.0f} documents"), text_column("{task.fields[tokens]:,} tokens"),
-                    text_column("{task.fields[mb_per_s]:.1f} MB/s of text"), TimeElapsedColumn())
+    return Progress(
+        text_column("{task.description}", bold=True),
+        text_column("{task.completed:,.0f} documents"),
+        text_column("{task.fields[tokens]:,} tokens"),
+        text_column("{task.fields[mb_per_s]:.1f} MB/s of text"),
+        TimeElapsedColumn(),
+    )
 
 
 def has_manifest(path: str | Path, field: str = "data.path") -> bool:
@@ -130,8 +143,10 @@ def _check_shards(directory: str, manifest_path: str, shards: list[dict], size: 
         if shard["file"] not in present:
             raise UserError(f"{manifest_path}: shard {storage.join(directory, shard['file'])} is missing")
         if shard.get("bytes") is not None and present[shard["file"]] != shard["bytes"]:
-            raise UserError(f"{manifest_path}: shard {storage.join(directory, shard['file'])} has {present[shard['file']]} bytes, the manifest "
-                            f"says {shard['bytes']}: it was replaced or damaged since it was prepared; prepare the dataset again")
+            raise UserError(
+                f"{manifest_path}: shard {storage.join(directory, shard['file'])} has {present[shard['file']]} bytes, the manifest "
+                f"says {shard['bytes']}: it was replaced or damaged since it was prepared; prepare the dataset again"
+            )
         # The feed shuffles whole shards, so every shard but the last is full.
         if shard["first_sample_id"] != index * size or (shard["num_samples"] != size and index < len(shards) - 1):
             raise UserError(f"{manifest_path}: shard {shard['file']} does not hold samples {index * size}..{(index + 1) * size - 1}")

@@ -99,8 +99,9 @@ def file_sizes(directory: str, field: str) -> dict[str, int]:
         fs, inner = _filesystem(directory)
         if not fs.exists(inner):
             return {}
-        return {entry["name"].rstrip("/").rsplit("/", 1)[-1]: entry.get("size") for entry in fs.ls(inner, detail=True)
-                if entry.get("type") != "directory"}
+        return {
+            entry["name"].rstrip("/").rsplit("/", 1)[-1]: entry.get("size") for entry in fs.ls(inner, detail=True) if entry.get("type") != "directory"
+        }
 
 
 def read_parquet(paths: list[str], columns: list[str]):

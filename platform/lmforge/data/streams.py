@@ -60,14 +60,20 @@ def block_streams(block: pa.Table, first_doc: int, fraction: float, all_held_out
     held = np.ones(len(bad), dtype=bool) if all_held_out else held_out_mask(first_doc, len(bad), fraction)
     documents = [~bad & ~held, ~bad & held]
     streams = [join_documents(values, lengths, chosen & (lengths > 0), eos) for chosen in documents]
-    counts = {"documents": [int(d.sum()) for d in documents], "skipped": int(bad.sum()), "tokens": [len(s) for s in streams],
-              "chars": int(pc.sum(block.column("chars")).as_py() or 0), "node": ray.get_runtime_context().get_node_id()}
+    counts = {
+        "documents": [int(d.sum()) for d in documents],
+        "skipped": int(bad.sum()),
+        "tokens": [len(s) for s in streams],
+        "chars": int(pc.sum(block.column("chars")).as_py() or 0),
+        "node": ray.get_runtime_context().get_node_id(),
+    }
     return counts, streams[TRAIN], streams[HELD_OUT]
 
 
 @ray.remote(num_cpus=0.5, scheduling_strategy="SPREAD")
-def write_shards_from_pieces(directory: str, first_sample: int, num_samples: int, shard_samples: int, width: int, starts: list[int],
-                             *pieces: np.ndarray) -> list[tuple[dict, str]]:
+def write_shards_from_pieces(
+    directory: str, first_sample: int, num_samples: int, shard_samples: int, width: int, starts: list[int], *pieces: np.ndarray
+) -> list[tuple[dict, str]]:
     """Consecutive shards holding samples first_sample.. (`num_samples` of `width` tokens,
     `shard_samples` a shard), cut from the stream pieces that overlap them (`starts`:
     where each begins in its split's stream): each shard's manifest entry, and the node."""
@@ -120,8 +126,11 @@ class SplitStream:
                 break
             lo, hi = self.issued * self.width, (self.issued + count) * self.width
             overlapping = slice(bisect.bisect_right(self.starts, lo) - 1, bisect.bisect_left(self.starts, hi))
-            self.tasks.append(write_shards_from_pieces.remote(self.directory, self.issued, count, self.shard_samples, self.width,
-                                                              self.starts[overlapping], *self.pieces[overlapping]))
+            self.tasks.append(
+                write_shards_from_pieces.remote(
+                    self.directory, self.issued, count, self.shard_samples, self.width, self.starts[overlapping], *self.pieces[overlapping]
+                )
+            )
             self.issued += count
         # A piece is done with when the next one starts before the first unwritten token.
         done = bisect.bisect_right(self.starts, self.issued * self.width) - 1

@@ -41,7 +41,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         raise UserError(f"data.tokenizer: {path} does not exist")
     try:
         return Tokenizer.from_file(str(path))
-    except Exception as err:  # tokenizers raises a bare Exception on bad JSON
+    except Exception as err:  # noqa: BLE001 - tokenizers raises a bare Exception on bad JSON
         raise UserError(f"data.tokenizer: {path} is not a tokenizer.json ({err})") from None
 
 

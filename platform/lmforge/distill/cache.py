@@ -58,8 +58,13 @@ def made_from(spec, dataset: dict) -> dict:
     otherwise is not this job's."""
     d = spec.distill
     return {
-        "dataset": {"path": str(spec.data.path), "num_samples": dataset["num_samples"], "seq_len": dataset["seq_len"],
-                    "shard_samples": dataset["shard_samples"], "eval_samples": (dataset.get("eval") or {}).get("num_samples", 0)},
+        "dataset": {
+            "path": str(spec.data.path),
+            "num_samples": dataset["num_samples"],
+            "seq_len": dataset["seq_len"],
+            "shard_samples": dataset["shard_samples"],
+            "eval_samples": (dataset.get("eval") or {}).get("num_samples", 0),
+        },
         "tokenizer_sha256": dataset["tokenizer"]["sha256"],
         "teachers": [{"path": str(s.path), "weight": s.weight, "sha256": weights_sha256(s.path)} for s in d.sources],
         "k": d.top_k,
@@ -74,8 +79,8 @@ class TeacherTopK:
     def __init__(self, paths: list[str], weights: list[float], k: int, temperature: float, vocab: int, threads: int):
         import torch
 
-        from lmforge.cluster.runtime import tune_process
         from lmforge.distill.teacher import load_whole
+        from lmforge.ray_runtime import tune_process
 
         tune_process(threads)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -95,8 +100,11 @@ class TeacherTopK:
             teacher = logits[0] if len(logits) == 1 else Mixture(logits, self.weights)
             values, ids = teacher_log_probs(teacher, self.temperature, self.vocab).topk(self.k, dim=-1)
         rows = len(tokens)
-        return {"sample_id": batch["sample_id"], "topk_ids": ids.to(torch.int32).reshape(rows, -1).cpu().numpy(),
-                "topk_logprobs": values.to(torch.float16).reshape(rows, -1).cpu().numpy()}
+        return {
+            "sample_id": batch["sample_id"],
+            "topk_ids": ids.to(torch.int32).reshape(rows, -1).cpu().numpy(),
+            "topk_logprobs": values.to(torch.float16).reshape(rows, -1).cpu().numpy(),
+        }
 
 
 def actor_pool(cluster: dict, actors: Optional[int] = None) -> dict:
@@ -134,11 +142,13 @@ def write_shard(path: Path, rows: dict, shard: dict) -> None:
     expected = np.arange(shard["first_sample_id"], shard["first_sample_id"] + shard["num_samples"])
     if not np.array_equal(rows["sample_id"], expected):
         raise RuntimeError(f"{shard['file']}: scored rows arrived out of order")  # Ray Data keeps the order asked for
-    table = pa.table({
-        "sample_id": pa.array(rows["sample_id"].astype(np.int64)),
-        "topk_ids": pa.array(list(rows["topk_ids"]), type=pa.list_(pa.int32())),
-        "topk_logprobs": pa.array(list(rows["topk_logprobs"]), type=pa.list_(pa.float16())),
-    })
+    table = pa.table(
+        {
+            "sample_id": pa.array(rows["sample_id"].astype(np.int64)),
+            "topk_ids": pa.array(list(rows["topk_ids"]), type=pa.list_(pa.int32())),
+            "topk_logprobs": pa.array(list(rows["topk_logprobs"]), type=pa.list_(pa.float16())),
+        }
+    )
     pq.write_table(table, path, compression="zstd", compression_level=9)
 
 
@@ -171,9 +181,19 @@ def build_cache(spec, show_progress: bool = True) -> dict:
     began = time.time()
     vocab = min(dataset["tokenizer"]["vocab_size"], *(_teacher_vocab(s.path) for s in d.sources))
     pool = actor_pool(ray.cluster_resources())
-    actor = {"compute": ray.data.ActorPoolStrategy(size=pool["concurrency"]), "num_gpus": pool.get("num_gpus", 0), "num_cpus": pool.get("num_cpus", 0)}
-    scorer = {"paths": [str(s.path) for s in d.sources], "weights": [s.weight for s in d.sources], "k": d.top_k,
-              "temperature": d.temperature, "vocab": vocab, "threads": pool["threads"]}
+    actor = {
+        "compute": ray.data.ActorPoolStrategy(size=pool["concurrency"]),
+        "num_gpus": pool.get("num_gpus", 0),
+        "num_cpus": pool.get("num_cpus", 0),
+    }
+    scorer = {
+        "paths": [str(s.path) for s in d.sources],
+        "weights": [s.weight for s in d.sources],
+        "k": d.top_k,
+        "temperature": d.temperature,
+        "vocab": vocab,
+        "threads": pool["threads"],
+    }
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True  # shards are written in sample order
     ctx.enable_progress_bars = False
@@ -183,8 +203,7 @@ def build_cache(spec, show_progress: bool = True) -> dict:
             for name, directory, shards, target in splits:
                 task = progress.add_task(f"teacher top-{d.top_k}, {name}", total=len(shards)) if progress else None
                 ds = ray.data.read_parquet([str(directory / s["file"]) for s in shards], columns=["sample_id", "tokens"])
-                scored = ds.map_batches(TeacherTopK, fn_constructor_kwargs=scorer, batch_size=spec.train.micro_batch,
-                                        batch_format="numpy", **actor)
+                scored = ds.map_batches(TeacherTopK, fn_constructor_kwargs=scorer, batch_size=spec.train.micro_batch, batch_format="numpy", **actor)
                 _write_split(scored, shards, target, progress, task)
         manifest = _manifest(identity, dataset, staging, vocab, time.time() - began)
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=2))
@@ -200,9 +219,16 @@ def _teacher_vocab(path: str) -> int:
 def _manifest(identity: dict, dataset: dict, staging: Path, vocab: int, seconds: float) -> dict:
     size = sum((staging / s["file"]).stat().st_size for s in dataset["shards"])
     tokens = dataset["num_samples"] * dataset["seq_len"]
-    manifest = {"format": FORMAT, **identity, "vocab": vocab, "shards": [s["file"] for s in dataset["shards"]],
-                "bytes": size, "bytes_per_token": round(size / tokens, 2), "dense_bf16_bytes_per_token": 2 * vocab,
-                "seconds": round(seconds, 2)}
+    manifest = {
+        "format": FORMAT,
+        **identity,
+        "vocab": vocab,
+        "shards": [s["file"] for s in dataset["shards"]],
+        "bytes": size,
+        "bytes_per_token": round(size / tokens, 2),
+        "dense_bf16_bytes_per_token": 2 * vocab,
+        "seconds": round(seconds, 2),
+    }
     if "eval" in dataset:
         manifest["eval"] = {"dir": EVAL_DIR, "shards": [s["file"] for s in dataset["eval"]["shards"]]}
     return manifest
@@ -212,7 +238,6 @@ def _progress(enabled: bool):
     if not enabled:
         return nullcontext()  # enters as None: no bar
     return Progress(text_column("{task.description}", bold=True), BarColumn(), MofNCompleteColumn(), text_column("shards"), TimeElapsedColumn())
-
 
 
 def tracking_params(spec) -> dict[str, str]:

@@ -72,8 +72,10 @@ class InstructSpec(BaseModel):
     prompts_per_shard: int = Field(32, gt=0, description="prompts per unit of work: each unit's answers are written once, and kept across a rerun")
     actors: Optional[int] = Field(None, gt=0, description="teacher actors answering at once; default: a GPU each, else up to two single-CPU ones")
     eval_answers: int = Field(
-        32, ge=0, description="held-out prompts the trained student answers (greedy) after training, for the table of prompt, "
-        "teacher answer and student answer (0: none)"
+        32,
+        ge=0,
+        description="held-out prompts the trained student answers (greedy) after training, for the table of prompt, "
+        "teacher answer and student answer (0: none)",
     )
     generate: GenerateSpec = Field(default_factory=GenerateSpec)
     select: SelectSpec = Field(default_factory=SelectSpec)
@@ -82,8 +84,12 @@ class InstructSpec(BaseModel):
 class OnPolicySpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    fraction: float = Field(0.5, gt=0, le=1, description="share of the steps on which the student continues the batch's prompts and "
-                            "learns the teachers' distributions on its own tokens")
+    fraction: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="share of the steps on which the student continues the batch's prompts and learns the teachers' distributions on its own tokens",
+    )
     max_new_tokens: int = Field(32, gt=0, description="tokens the student writes per prompt (fewer when the row ends first)")
     temperature: float = Field(1.0, ge=0, description="the student's sampling temperature (0: greedy)")
     loss: Loss = Field("reverse_kl", description="the divergence on the student's tokens (reverse KL: mode-seeking, as in GKD)")
@@ -112,8 +118,9 @@ class DistillSpec(BaseModel):
     )
 
     on_policy: Optional[OnPolicySpec] = Field(
-        None, description="on-policy distillation (GKD): on a share of the steps the student writes continuations and learns the "
-        "online teachers' distributions on them"
+        None,
+        description="on-policy distillation (GKD): on a share of the steps the student writes continuations and learns the "
+        "online teachers' distributions on them",
     )
 
     @model_validator(mode="after")
@@ -121,8 +128,9 @@ class DistillSpec(BaseModel):
         if (self.teacher is None) == (self.teachers is None):
             raise ValueError("distill: name one teacher (distill.teacher: PATH) or several (distill.teachers: [{path, weight}]), not both")
         if self.ce_weight == 0 and self.kd_weight == 0 and (self.hidden is None or self.hidden_weight == 0):
-            raise ValueError("distill: the weights of every loss term are 0 (ce_weight, kd_weight, and hidden_weight with hidden); "
-                             "the student would learn nothing")
+            raise ValueError(
+                "distill: the weights of every loss term are 0 (ce_weight, kd_weight, and hidden_weight with hidden); the student would learn nothing"
+            )
         if self.cache is not None and self.hidden is not None:
             raise ValueError("distill.hidden: the teacher cache holds next-token targets, not hidden states; match layers with an online teacher")
         if self.cache is not None and self.top_k is None:
@@ -138,8 +146,10 @@ class DistillSpec(BaseModel):
     def _on_policy_consistent(self) -> None:
         """The teachers score tokens the student has just written: they run online."""
         if self.cache is not None:
-            raise ValueError("distill.on_policy: the teachers score the student's own continuations online; an offline cache cannot "
-                             "hold them (remove distill.cache)")
+            raise ValueError(
+                "distill.on_policy: the teachers score the student's own continuations online; an offline cache cannot "
+                "hold them (remove distill.cache)"
+            )
         if self.hidden is not None:
             raise ValueError("distill.on_policy: learns the teachers' token distributions; match layers (distill.hidden) in a job without it")
         if self.kd_weight == 0:
@@ -153,8 +163,10 @@ class DistillSpec(BaseModel):
         if self.hidden is not None:
             raise ValueError("distill.hidden: an instruction distillation learns from stored answers, not from a teacher's layers")
         if self.kd_weight and self.top_k is None and self.on_policy is None:
-            raise ValueError("distill.kd_weight: learning the teachers' distributions on their answers needs them stored; "
-                             "set distill.top_k (e.g. 16), or kd_weight: 0 for answers alone")
+            raise ValueError(
+                "distill.kd_weight: learning the teachers' distributions on their answers needs them stored; "
+                "set distill.top_k (e.g. 16), or kd_weight: 0 for answers alone"
+            )
 
     @property
     def online(self) -> bool:

@@ -55,6 +55,7 @@ class BlockOutputs:
     def _recorder(self, layer: int):
         def record(_module, _inputs, output):
             self.outputs[layer] = output
+
         return record
 
     def take(self, layers) -> list[torch.Tensor]:
@@ -78,8 +79,7 @@ def hidden_terms(student: torch.Tensor, teacher: torch.Tensor, loss: str) -> tor
     raise ValueError(f"unknown hidden loss {loss!r}; choose one of {', '.join(HIDDEN_LOSSES)}")
 
 
-def hidden_loss_sum(adapted: list[torch.Tensor], teacher_hidden: list[torch.Tensor], mask: Optional[torch.Tensor],
-                    loss: str) -> torch.Tensor:
+def hidden_loss_sum(adapted: list[torch.Tensor], teacher_hidden: list[torch.Tensor], mask: Optional[torch.Tensor], loss: str) -> torch.Tensor:
     """Sum over mapped layer pairs and unmasked tokens of the distance between each
     adapted student output and its teacher output; the caller divides by N."""
     total = torch.zeros((), device=adapted[0].device)

@@ -17,7 +17,7 @@ from lmforge.distill.hidden import ADAPTERS, BlockOutputs, HiddenAdapters
 from lmforge.distill.objective import HELD_OUT_SUMS, DistillObjective, compared_vocab
 from lmforge.distill.on_policy import OnPolicy, Rollout
 from lmforge.distill.pipelined import StagedObjective
-from lmforge.distill.teacher import Cached, build_teacher, micro_batch, teacher_targets
+from lmforge.distill.teacher import Cached, build_teacher, micro_batch, teacher_shapes, teacher_targets
 from lmforge.engines.loss import Loss, Placement
 
 
@@ -57,8 +57,12 @@ class DistillLoss(Loss):
         if self.settings.online:
             self.teachers = [build_teacher(source.path, placement.device, placement.parallelize) for source in self.settings.sources]
         train = self.spec.train
-        self.objective = DistillObjective(self.spec, self.spec.grad_accum * train.micro_batch * train.seq_len,
-                                          compared_vocab(self.spec, self.vocab, self.teachers), placement.tp_group)
+        self.objective = DistillObjective(
+            self.spec,
+            self.spec.grad_accum * train.micro_batch * train.seq_len,
+            compared_vocab(self.spec, self.vocab, self.teachers),
+            placement.tp_group,
+        )
         if placement.pipelined:  # from the cache: the last stage computes it, as the schedule's loss
             self.staged = StagedObjective(self.objective, placement.grad_accum)
 
@@ -70,7 +74,8 @@ class DistillLoss(Loss):
         hidden = self.settings.hidden
         if hidden is None:
             return {}
-        adapters = HiddenAdapters(hidden.layers, self.spec.model_arch.dim, self.teachers[0].cfg.dim, seed=self.spec.train.seed)
+        teacher_width = teacher_shapes(self.spec)[0].dim  # the spec allows hidden states with one teacher
+        adapters = HiddenAdapters(hidden.layers, self.spec.model_arch.dim, teacher_width, seed=self.spec.train.seed)
         return {ADAPTERS: adapters.to(self.device)}
 
     def bind(self, student: nn.Module) -> None:
@@ -96,6 +101,8 @@ class DistillLoss(Loss):
 
     def rewrite(self, model, micro_batches, loss_mask, inputs: DistillInputs):
         """The student's continuations replace the data's; the online teachers score them."""
+        if inputs.rollout is None:
+            return micro_batches, loss_mask
         return inputs.rollout.continue_prompts(model, micro_batches, loss_mask, self.objective.vocab, self.objective.tp_group)
 
     def __call__(self, model, inputs, labels, index, learnt, accum, loss_inputs: Optional[DistillInputs] = None):
@@ -111,17 +118,23 @@ class DistillLoss(Loss):
         # Each term is divided by the tokens this rank trains on per step (see DistillObjective).
         return self.objective(logits, labels, teacher, hidden, learnt, on_policy)
 
+    @property
+    def _stage(self) -> StagedObjective:
+        if self.staged is None:
+            raise RuntimeError("a pipeline stage's loss asked of an engine without pipeline parallelism")
+        return self.staged
+
     def stage_begin(self, inputs, device, learnt, held_out=False) -> None:
-        self.staged.begin(None if inputs is None else inputs.cached, device, held_out=held_out, learnt=learnt)
+        self._stage.begin(None if inputs is None else inputs.cached, device, held_out=held_out, learnt=learnt)
 
     def stage_target(self, labels):
-        return self.staged.target(labels)
+        return self._stage.target(labels)
 
     def stage_loss(self, logits, target):
-        return self.staged(logits, target)
+        return self._stage(logits, target)
 
     def stage_totals(self, size, device):
-        return self.staged.totals(size, device)
+        return self._stage.totals(size, device)
 
     def held_out_sums(self, model, inputs, labels, index, loss_inputs: Optional[DistillInputs] = None) -> torch.Tensor:
         cached = None if loss_inputs is None else micro_batch(loss_inputs.cached, index)

@@ -195,8 +195,7 @@ def teacher_log_probs(teacher, temperature: float, vocab: int, tp_group=None) ->
     return torch.logsumexp(weighted, dim=0)
 
 
-def token_divergence(student_logits: torch.Tensor, teacher, div: Divergence, temperature: float, vocab: int,
-                     tp_group=None) -> torch.Tensor:
+def token_divergence(student_logits: torch.Tensor, teacher, div: Divergence, temperature: float, vocab: int, tp_group=None) -> torch.Tensor:
     """D(teacher, student) per token (shape: the logits' without the last dim).
     `teacher`: dense logits of the student's shape, a `Mixture` of them, or `TopK`; `vocab`: the
     tokenizer's real size (rows beyond it, a model's padding, are dropped first)."""
@@ -308,7 +307,9 @@ class _WithItsGradient(torch.autograd.Function):
         return student_grad.mul_((row_scale * grad)[:, None]), None, None, None, None, None, None
 
 
-def _fused_forward_kl(student: torch.Tensor, teacher, weights: torch.Tensor, temperature: float, vocab: int, tp_group, compiled: bool) -> torch.Tensor:
+def _fused_forward_kl(
+    student: torch.Tensor, teacher, weights: torch.Tensor, temperature: float, vocab: int, tp_group, compiled: bool
+) -> torch.Tensor:
     student = within_vocab(student, vocab, tp_group)
     if isinstance(teacher, TopK):  # k + 1 categories, the same on every TP rank: the loss is too
         # Eager even with parallel.compile: inductor's kernel of it measured slower on a CPU (bench/distill.py).
@@ -333,8 +334,17 @@ def _chunks(rows, size: int):
     return [rows.rows(slice(start, start + size)) for start in range(0, count, size)]
 
 
-def kd_loss_sum(student_logits: torch.Tensor, teacher, mask: Optional[torch.Tensor], div: Divergence, temperature: float,
-                vocab: int, tp_group=None, chunk_tokens: Optional[int] = None, compiled: bool = False) -> torch.Tensor:
+def kd_loss_sum(
+    student_logits: torch.Tensor,
+    teacher,
+    mask: Optional[torch.Tensor],
+    div: Divergence,
+    temperature: float,
+    vocab: int,
+    tp_group=None,
+    chunk_tokens: Optional[int] = None,
+    compiled: bool = False,
+) -> torch.Tensor:
     """T^2 * sum over unmasked tokens of D(teacher, student): the caller divides by N.
 
     With `chunk_tokens`, tokens go through in chunks whose fp32 log-probabilities are
@@ -360,4 +370,4 @@ def kd_loss_sum(student_logits: torch.Tensor, teacher, mask: Optional[torch.Tens
     total = torch.zeros((), device=flat_student.device)
     for args in zip(_chunks(flat_student, size), _chunks(flat_teacher, size), _chunks(weights, size)):
         total = total + (checkpoint(compute, *args, use_reentrant=False) if recompute else compute(*args))
-    return temperature ** 2 * total
+    return temperature**2 * total

@@ -61,9 +61,15 @@ class DistillObjective:
         s = self.settings
         return [name for name, on in zip(TERMS, (s.ce_weight, s.kd_weight, s.hidden is not None)) if on]
 
-    def __call__(self, logits: torch.Tensor, targets: torch.Tensor, teacher: list[torch.Tensor] | TopK,
-                 hidden: Optional[tuple[list[torch.Tensor], list[torch.Tensor]]] = None,
-                 learnt: Optional[torch.Tensor] = None, on_policy: bool = False) -> tuple[torch.Tensor, dict]:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        targets: torch.Tensor,
+        teacher: list[torch.Tensor] | TopK,
+        hidden: Optional[tuple[list[torch.Tensor], list[torch.Tensor]]] = None,
+        learnt: Optional[torch.Tensor] = None,
+        on_policy: bool = False,
+    ) -> tuple[torch.Tensor, dict]:
         """(the weighted loss, {term: its value}) of one micro-batch. `teacher`: one logits
         tensor per online teacher, or the cache's top-k targets; `hidden`: the adapted
         student outputs and the teacher's, pair by pair; `learnt`: a masked step's N / dp
@@ -74,15 +80,33 @@ class DistillObjective:
         per_rank = self.tokens_per_rank if learnt is None else learnt
         mask = None if learnt is None else learnt_mask(targets)
         if on_policy:
-            kd = kd_loss_sum(_local(logits), self._targets(teacher), mask, self.on_policy_divergence, s.temperature, self.vocab, self.tp_group,
-                             s.chunk_tokens, compiled=self.compiled)
+            kd = kd_loss_sum(
+                _local(logits),
+                self._targets(teacher),
+                mask,
+                self.on_policy_divergence,
+                s.temperature,
+                self.vocab,
+                self.tp_group,
+                s.chunk_tokens,
+                compiled=self.compiled,
+            )
             return s.kd_weight * kd / per_rank, {"kd_loss": kd / per_rank}
         terms = {}
         if s.ce_weight:
             terms["ce_loss"] = _cross_entropy_sum(logits, targets) / per_rank
         if s.kd_weight:
-            kd = kd_loss_sum(_local(logits), self._targets(teacher), mask, self.divergence, s.temperature, self.vocab, self.tp_group, s.chunk_tokens,
-                             compiled=self.compiled)
+            kd = kd_loss_sum(
+                _local(logits),
+                self._targets(teacher),
+                mask,
+                self.divergence,
+                s.temperature,
+                self.vocab,
+                self.tp_group,
+                s.chunk_tokens,
+                compiled=self.compiled,
+            )
             terms["kd_loss"] = kd / per_rank
         if hidden is not None:
             total = hidden_loss_sum(*hidden, mask, s.hidden.loss)
@@ -121,8 +145,12 @@ class DistillObjective:
             return torch.stack([ce.detach(), torch.zeros_like(ce), torch.zeros_like(ce), mask.sum().float()])
         student = _local(logits)
         if isinstance(teacher, TopK):
-            kl = kd_loss_sum(student, teacher, mask, Divergence("forward_kl"), self.settings.temperature, self.vocab, self.tp_group,
-                             self.settings.chunk_tokens) / self.settings.temperature ** 2
+            kl = (
+                kd_loss_sum(
+                    student, teacher, mask, Divergence("forward_kl"), self.settings.temperature, self.vocab, self.tp_group, self.settings.chunk_tokens
+                )
+                / self.settings.temperature**2
+            )
             teacher_top1 = teacher.ids[..., 0]  # stored most likely first
         else:
             teacher = self._teacher(teacher)

@@ -35,8 +35,9 @@ class Rollout:
     eos: int
 
     @torch.no_grad()
-    def continue_prompts(self, model, micro_batches: torch.Tensor, loss_mask: Optional[torch.Tensor], vocab: int,
-                         tp_group=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def continue_prompts(
+        self, model, micro_batches: torch.Tensor, loss_mask: Optional[torch.Tensor], vocab: int, tp_group=None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(each row's prompt followed by the student's tokens and end-of-text padding,
         the loss mask of the positions whose next token the student wrote). A row's
         prompt is its tokens up to the loss mask's first learnt position (an instruction
@@ -56,8 +57,11 @@ class Rollout:
         rows, masks = [], []
         for batch, lengths, batch_seeds in zip(micro_batches, prompt_lengths.tolist(), seeds):
             rooms = [min(self.max_new_tokens, seq_len + 1 - length) for length in lengths]
-            written = (self._generate(model, batch, lengths, rooms, batch_seeds, vocab) if cached else
-                       self._recompute(model, batch, lengths, rooms, batch_seeds, vocab, tp_group))
+            written = (
+                self._generate(model, batch, lengths, rooms, batch_seeds, vocab)
+                if cached
+                else self._recompute(model, batch, lengths, rooms, batch_seeds, vocab, tp_group)
+            )
             row, mask = self._laid_out(batch, lengths, written)
             rows.append(row)
             masks.append(mask)
@@ -70,12 +74,19 @@ class Rollout:
         """Each row's new tokens (at most its room), from the inference module."""
         rows = [row for row, room in enumerate(rooms) if room > 0]
         # A rank with no row to continue still runs the forwards its peers run.
-        prompts = [tokens[row, :lengths[row]].tolist() for row in rows] or [[self.eos]]
-        results = generate_ids(model, prompts, self._params(), frozenset({self.eos}), vocab,
-                               row_seeds=[int(seeds[row]) for row in rows] or [0], go_on=lambda running: _anyone(running, tokens.device))
+        prompts = [tokens[row, : lengths[row]].tolist() for row in rows] or [[self.eos]]
+        results = generate_ids(
+            model,
+            prompts,
+            self._params(),
+            frozenset({self.eos}),
+            vocab,
+            row_seeds=[int(seeds[row]) for row in rows] or [0],
+            go_on=lambda running: _anyone(running, tokens.device),
+        )
         written = [[] for _ in lengths]
         for row, result in zip(rows, results):
-            written[row] = result.tokens[:rooms[row]]
+            written[row] = result.tokens[: rooms[row]]
         return written
 
     def _recompute(self, model, tokens: torch.Tensor, lengths: list[int], rooms: list[int], seeds, vocab: int, tp_group) -> list[list[int]]:
@@ -91,7 +102,7 @@ class Rollout:
             at = torch.tensor([length + len(new) - 1 for length, new in zip(lengths, written)], device=tokens.device)
             logits = _gathered(model(tokens[:, :-1]), at.clamp(max=tokens.shape[-1] - 2), tp_group)[:, :vocab].float()
             for row in (r for r, on in enumerate(running) if on):
-                token = int(next_tokens(logits[row:row + 1], params, None, generators[row])[0])
+                token = int(next_tokens(logits[row : row + 1], params, None, generators[row])[0])
                 tokens[row, lengths[row] + len(written[row])] = token
                 written[row].append(token)
                 running[row] = token != self.eos and len(written[row]) < rooms[row]

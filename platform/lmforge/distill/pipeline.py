@@ -21,7 +21,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Callable, Literal, Optional
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -42,8 +42,9 @@ class StageSpec(BaseModel):
 
     name: str = Field(..., pattern=NAME)
     kind: Literal["train", "instruct", "evaluate"] = Field(
-        ..., description="train: train the job (building its teacher cache first if it names one); instruct: its teachers' "
-        "answers (unless its dataset exists), then train on them; evaluate: the previous student on the job's held-out prompts"
+        ...,
+        description="train: train the job (building its teacher cache first if it names one); instruct: its teachers' "
+        "answers (unless its dataset exists), then train on them; evaluate: the previous student on the job's held-out prompts",
     )
     job: str = Field(..., description="a job file, relative to the pipeline file")
     set: list[str] = Field(default_factory=list, description="overrides of the job's fields, KEY=VALUE")
@@ -89,8 +90,9 @@ def load_pipeline(path: str | os.PathLike) -> tuple[PipelineSpec, list[Stage]]:
     student: Optional[Stage] = None  # the latest stage that makes one
     for index, entry in enumerate(pipeline.stages):
         job = _stage_job(path, pipeline, index, entry)
-        stage = Stage(index, entry, job, "", out / "students" / entry.name if entry.kind in MAKES_STUDENT else None,
-                      student.student if student else None)
+        stage = Stage(
+            index, entry, job, "", out / "students" / entry.name if entry.kind in MAKES_STUDENT else None, student.student if student else None
+        )
         _check_stage(path, stage, student)
         if stage.previous_student and entry.kind in MAKES_STUDENT:
             stage.job = stage.job.model_copy(update={"model": stage.job.model.model_copy(update={"init_from": str(stage.previous_student)})})
@@ -118,8 +120,11 @@ def _read(path: Path) -> PipelineSpec:
 def _stage_job(path: Path, pipeline: PipelineSpec, index: int, entry: StageSpec) -> JobSpec:
     """The stage's job, named and placed by the pipeline, its tracking the pipeline's."""
     tracking = pipeline.tracking.model_dump()
-    given = [f"name={pipeline.name}-{entry.name}", f"output_dir={pipeline.output_dir}",
-             *(f"tracking.{key}={json.dumps(value)}" for key, value in tracking.items())]
+    given = [
+        f"name={pipeline.name}-{entry.name}",
+        f"output_dir={pipeline.output_dir}",
+        *(f"tracking.{key}={json.dumps(value)}" for key, value in tracking.items()),
+    ]
     try:
         return load_spec(path.parent / entry.job, [*entry.set, *given]).with_absolute_paths()
     except UserError as err:
@@ -148,8 +153,10 @@ def _check_stage(path: Path, stage: Stage, previous: Optional[Stage]) -> None:
     if previous is not None:
         differ = [f.name for f in dataclasses.fields(job.model_arch) if getattr(job.model_arch, f.name) != getattr(previous.job.model_arch, f.name)]
         if differ:
-            refuse(f"its student is not the previous stage's ({previous.entry.name}): model differs in "
-                   + ", ".join(f"{name} ({getattr(job.model_arch, name)} vs {getattr(previous.job.model_arch, name)})" for name in differ))
+            refuse(
+                f"its student is not the previous stage's ({previous.entry.name}): model differs in "
+                + ", ".join(f"{name} ({getattr(job.model_arch, name)} vs {getattr(previous.job.model_arch, name)})" for name in differ)
+            )
 
 
 class PipelineState:
@@ -161,8 +168,10 @@ class PipelineState:
         for stage in stages:
             done = self.data["stages"].get(stage.entry.name)
             if done and done["identity"] != stage.identity:
-                raise UserError(f"{source}: {stage.label} changed since it finished ({self.path}); a stage is run once per pipeline: "
-                                f"give the pipeline another name, or remove {directory} to run it all again")
+                raise UserError(
+                    f"{source}: {stage.label} changed since it finished ({self.path}); a stage is run once per pipeline: "
+                    f"give the pipeline another name, or remove {directory} to run it all again"
+                )
 
     def done(self, stage: Stage) -> Optional[dict]:
         return self.data["stages"].get(stage.entry.name)
@@ -178,13 +187,23 @@ class PipelineState:
         os.replace(partial, self.path)
 
 
-def run_pipeline(path: str | os.PathLike, address: Optional[str] = None, show_progress: bool = True,
-                 console: Optional[Console] = None) -> dict:
+@dataclass(frozen=True)
+class StageCalls:
+    """The SDK calls a stage makes: the pipeline sits under the SDK, which hands them in."""
+
+    train: Callable[..., dict]
+    build_cache: Callable[..., object]
+    generate_answers: Callable[..., object]
+
+
+def run_pipeline(
+    path: str | os.PathLike, calls: StageCalls, address: Optional[str] = None, show_progress: bool = True, console: Optional[Console] = None
+) -> dict:
     """Run the pipeline's stages that have not finished; returns each stage's result and
     the pipeline's MLflow run."""
     import ray
 
-    from lmforge.cluster.runtime import connect
+    from lmforge.ray_runtime import connect
     from lmforge.tracking.pipeline_run import PipelineRun
 
     console = console or text_console()
@@ -201,12 +220,22 @@ def run_pipeline(path: str | os.PathLike, address: Optional[str] = None, show_pr
         for stage in stages:
             done = state.done(stage)
             if done:
-                console.print(plain(f"stage {stage.index + 1}/{len(stages)} {stage.entry.name}: finished before" +
-                                    (f"; its student: {done['student']}" if done.get("student") else "")), highlight=False, soft_wrap=True)
+                console.print(
+                    plain(
+                        f"stage {stage.index + 1}/{len(stages)} {stage.entry.name}: finished before"
+                        + (f"; its student: {done['student']}" if done.get("student") else "")
+                    ),
+                    highlight=False,
+                    soft_wrap=True,
+                )
                 continue
-            console.print(plain(f"stage {stage.index + 1}/{len(stages)} {stage.entry.name} ({stage.entry.kind}): {stage.entry.job}"), highlight=False, soft_wrap=True)
+            console.print(
+                plain(f"stage {stage.index + 1}/{len(stages)} {stage.entry.name} ({stage.entry.kind}): {stage.entry.job}"),
+                highlight=False,
+                soft_wrap=True,
+            )
             job = stage.job.with_changes("tracking", parent_run_id=tracker.run_id) if tracker else stage.job
-            result = RUNNERS[stage.entry.kind](stage, job, show_progress, console, tracker)
+            result = RUNNERS[stage.entry.kind](stage, job, calls, show_progress, console, tracker)
             state.finish(stage, result)
             if tracker:
                 tracker.log_stage(stage, result)
@@ -216,27 +245,30 @@ def run_pipeline(path: str | os.PathLike, address: Optional[str] = None, show_pr
             tracker.finish(status)
         if started:
             ray.shutdown()
-    return {"pipeline": pipeline.name, "directory": str(directory), "stages": {s.entry.name: state.done(s) for s in stages},
-            "mlflow_run_id": tracker.run_id if tracker else None, "mlflow_tracking_uri": redact_uri(stages[0].job.tracking_uri) if tracker else None}
+    return {
+        "pipeline": pipeline.name,
+        "directory": str(directory),
+        "stages": {s.entry.name: state.done(s) for s in stages},
+        "mlflow_run_id": tracker.run_id if tracker else None,
+        "mlflow_tracking_uri": redact_uri(stages[0].job.tracking_uri) if tracker else None,
+    }
 
 
-def _train(stage: Stage, job: JobSpec, show_progress: bool, console: Console, tracker) -> dict:
-    from lmforge import sdk
+def _train(stage: Stage, job: JobSpec, calls: StageCalls, show_progress: bool, console: Console, tracker) -> dict:
     from lmforge.data.prepare import MANIFEST
 
     if job.distill and job.distill.cache and not (Path(job.distill.cache) / MANIFEST).is_file():
-        sdk.build_cache(job, show_progress=show_progress)
-    summary = sdk.train(job, show_progress=show_progress, console=console)
+        calls.build_cache(job, show_progress=show_progress)
+    summary = calls.train(job, show_progress=show_progress, console=console)
     return _with_student(stage, summary)
 
 
-def _instruct(stage: Stage, job: JobSpec, show_progress: bool, console: Console, tracker) -> dict:
-    from lmforge import sdk
+def _instruct(stage: Stage, job: JobSpec, calls: StageCalls, show_progress: bool, console: Console, tracker) -> dict:
     from lmforge.data.prepare import MANIFEST
 
     if not (Path(job.data.path) / MANIFEST).is_file():
-        sdk.generate_answers(job, show_progress=show_progress)
-    summary = sdk.train(job, show_progress=show_progress, console=console)
+        calls.generate_answers(job, show_progress=show_progress)
+    summary = calls.train(job, show_progress=show_progress, console=console)
     return _with_student(stage, summary)
 
 
@@ -248,12 +280,24 @@ def _with_student(stage: Stage, summary: dict) -> dict:
         shutil.rmtree(stage.student)
     stage.student.parent.mkdir(parents=True, exist_ok=True)
     export_model(summary["latest_checkpoint"], str(stage.student))
-    keys = ("start_step", "final_step", "final_loss", "eval_loss", "eval_ppl", "eval_kl", "eval_top1", "run_dir", "latest_checkpoint", "mlflow_run_id",
-            "mlflow_parent_run_id", "student_answers")
+    keys = (
+        "start_step",
+        "final_step",
+        "final_loss",
+        "eval_loss",
+        "eval_ppl",
+        "eval_kl",
+        "eval_top1",
+        "run_dir",
+        "latest_checkpoint",
+        "mlflow_run_id",
+        "mlflow_parent_run_id",
+        "student_answers",
+    )
     return {"student": str(stage.student), "summary": {k: summary[k] for k in keys if summary.get(k) is not None}}
 
 
-def _evaluate(stage: Stage, job: JobSpec, show_progress: bool, console: Console, tracker) -> dict:
+def _evaluate(stage: Stage, job: JobSpec, calls: StageCalls, show_progress: bool, console: Console, tracker) -> dict:
     from lmforge.distill.instruct.evaluate import ANSWERS_FILE, evaluate_student
 
     answered = evaluate_student(job, str(stage.previous_student), job.distill.instruct.eval_answers or 32)
@@ -262,9 +306,15 @@ def _evaluate(stage: Stage, job: JobSpec, show_progress: bool, console: Console,
     with open(out / ANSWERS_FILE, "w") as table:
         table.writelines(json.dumps(row) + "\n" for row in answered["table"])
     m = answered["metrics"]
-    console.print(plain(f"  {stage.previous_student}: NLL of the teachers' held-out answers {m['answers_nll']:.4f} "
-                  f"({m['answer_tokens']} tokens); answered {m['held_out_prompts']} held-out prompts, {m['student_answer_tokens']:.1f} "
-                  f"tokens on average, {m['student_finish_stop']:.0%} ended by itself -> {out / ANSWERS_FILE}"), highlight=False, soft_wrap=True)
+    console.print(
+        plain(
+            f"  {stage.previous_student}: NLL of the teachers' held-out answers {m['answers_nll']:.4f} "
+            f"({m['answer_tokens']} tokens); answered {m['held_out_prompts']} held-out prompts, {m['student_answer_tokens']:.1f} "
+            f"tokens on average, {m['student_finish_stop']:.0%} ended by itself -> {out / ANSWERS_FILE}"
+        ),
+        highlight=False,
+        soft_wrap=True,
+    )
     if tracker:
         tracker.log_evaluation(stage, answered)
     return {"model": str(stage.previous_student), "metrics": m, "answers": str(out / ANSWERS_FILE)}

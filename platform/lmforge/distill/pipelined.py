@@ -34,8 +34,9 @@ class StagedObjective:
         rows = torch.arange(tokens.shape[0], device=tokens.device, dtype=tokens.dtype)
         return torch.cat([rows[:, None], tokens], dim=1)
 
-    def begin(self, cached: tuple[torch.Tensor, torch.Tensor], device: torch.device, held_out: bool = False,
-              learnt: Optional[torch.Tensor] = None) -> None:
+    def begin(
+        self, cached: Optional[tuple[torch.Tensor, torch.Tensor]], device: torch.device, held_out: bool = False, learnt: Optional[torch.Tensor] = None
+    ) -> None:
         """A step's (or a held-out batch's) cached targets, [accum, micro, seq, k] each;
         `learnt`: a masked step's N / dp."""
         self.cached = None if cached is None else TopK(*(t.flatten(0, 1).to(device, non_blocking=True) for t in cached))

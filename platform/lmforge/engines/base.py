@@ -34,8 +34,13 @@ class Engine(ABC):
     checkpoint_format = "dcp"
 
     @abstractmethod
-    def train_step(self, micro_batches: torch.Tensor, before_update: Callable[[], None] = lambda: None,
-                   loss_mask: Optional[torch.Tensor] = None, loss_inputs: LossInputs = None) -> StepStats:
+    def train_step(
+        self,
+        micro_batches: torch.Tensor,
+        before_update: Callable[[], None] = lambda: None,
+        loss_mask: Optional[torch.Tensor] = None,
+        loss_inputs: LossInputs = None,
+    ) -> StepStats:
         """One optimizer step over this rank's micro-batches [accum, micro, seq_len+1].
         `before_update` runs after the backward passes, before any weight or optimizer
         state changes (a checkpoint's background copy must have finished by then).

@@ -24,6 +24,7 @@ from lmforge.models import build_model
 from lmforge.parallel.checkpointing import apply_activation_checkpointing
 from lmforge.parallel.mesh import ParallelDims
 
+
 def _credentials_to_environment(config: dict) -> dict:
     """DeepSpeed keeps its config in every checkpoint: a key in it (comet's) goes to the
     rank's environment, where its library reads it, and not into the files."""
@@ -59,8 +60,13 @@ class DeepSpeedEngine(Engine):
         opt = self.spec.optim
         return torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(opt.warmup_steps, self.spec.decay_steps, opt.min_lr_ratio))
 
-    def train_step(self, micro_batches: torch.Tensor, before_update: Callable[[], None] = lambda: None,
-                   loss_mask: Optional[torch.Tensor] = None, loss_inputs: LossInputs = None) -> StepStats:
+    def train_step(
+        self,
+        micro_batches: torch.Tensor,
+        before_update: Callable[[], None] = lambda: None,
+        loss_mask: Optional[torch.Tensor] = None,
+        loss_inputs: LossInputs = None,
+    ) -> StepStats:
         micro_batches = micro_batches.to(self.device, non_blocking=True)
         before_update()  # DeepSpeed steps inside its backward loop; its checkpoints are synchronous anyway
         self.engine.train()

@@ -41,9 +41,13 @@ class Loss:
     may read what the forward recorded (intermediate layers) or score the same inputs
     with other models."""
 
-    term_names: list[str] = []  # the named terms each micro-batch reports (summed over the step)
     measures_held_out = False  # True: `evaluate` is this loss's held-out measures, else the held-out cross-entropy
     held_out_size = 0
+
+    @property
+    def term_names(self) -> list[str]:
+        """The named terms each micro-batch reports (summed over the step)."""
+        return []
 
     def build(self, placement: Placement) -> None:
         """Before the student is parallelized (a teacher sizes the student's adapters)."""
@@ -71,12 +75,21 @@ class Loss:
         """Whether `rewrite` replaces the step's tokens (the engine then gathers the weights for generation)."""
         return False
 
-    def rewrite(self, model: nn.Module, micro_batches: torch.Tensor, loss_mask: Optional[torch.Tensor],
-                inputs: LossInputs) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def rewrite(
+        self, model: nn.Module, micro_batches: torch.Tensor, loss_mask: Optional[torch.Tensor], inputs: LossInputs
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         return micro_batches, loss_mask
 
-    def __call__(self, model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, index: int, learnt: Optional[torch.Tensor],
-                 accum: int, loss_inputs: LossInputs) -> tuple[torch.Tensor, dict]:
+    def __call__(
+        self,
+        model: nn.Module,
+        inputs: torch.Tensor,
+        labels: torch.Tensor,
+        index: int,
+        learnt: Optional[torch.Tensor],
+        accum: int,
+        loss_inputs: LossInputs,
+    ) -> tuple[torch.Tensor, dict]:
         """(micro-batch `index`'s share of the step's loss on this rank, its terms).
         `learnt`: a masked step's N / dp (each micro-batch's sum over it), else None
         (every micro-batch holds as many tokens: its mean over `accum`)."""

@@ -60,8 +60,16 @@ class NativeEngine(Engine):
         self.pipelined = dims.shape.pp > 1
         self.sharded = needs_wrapping(dims.shape, spec.train.precision)
         self.beside: dict[str, nn.Module] = {}
-        loss.build(Placement(device, self._parallelize, dims.tp_mesh.get_group() if self.tensor_parallel else None,
-                             spec.parallel.sequence_parallel, self.pipelined, spec.grad_accum))
+        loss.build(
+            Placement(
+                device,
+                self._parallelize,
+                dims.tp_mesh.get_group() if self.tensor_parallel else None,
+                spec.parallel.sequence_parallel,
+                self.pipelined,
+                spec.grad_accum,
+            )
+        )
         with torch.device("meta"):
             whole = Transformer(spec.model_arch)
         weights = spec.model.init_from
@@ -133,8 +141,13 @@ class NativeEngine(Engine):
         # the cross-entropy without gathering them.
         return loss_parallel() if self.tensor_parallel else nullcontext()
 
-    def train_step(self, micro_batches: torch.Tensor, before_update: Callable[[], None] = lambda: None,
-                   loss_mask: Optional[torch.Tensor] = None, loss_inputs: LossInputs = None) -> StepStats:
+    def train_step(
+        self,
+        micro_batches: torch.Tensor,
+        before_update: Callable[[], None] = lambda: None,
+        loss_mask: Optional[torch.Tensor] = None,
+        loss_inputs: LossInputs = None,
+    ) -> StepStats:
         micro_batches = micro_batches.to(self.device, non_blocking=True)
         for part in self.parts:
             part.train()
@@ -185,7 +198,9 @@ class NativeEngine(Engine):
                 term_sums[name] = term_sums.get(name, 0) + value.detach()
         return loss_sum, term_sums
 
-    def _pipeline_step(self, micro_batches: torch.Tensor, labels: torch.Tensor, learnt, loss_inputs: LossInputs) -> tuple[tuple[torch.Tensor, dict], float]:
+    def _pipeline_step(
+        self, micro_batches: torch.Tensor, labels: torch.Tensor, learnt, loss_inputs: LossInputs
+    ) -> tuple[tuple[torch.Tensor, dict], float]:
         """One schedule over this rank's micro-batches. Returns the mean loss and its
         terms (they live on the last stage; summed over the pipeline group so every rank
         reports them), and the bubble: the share of the schedule's time a rank spent
@@ -212,7 +227,7 @@ class NativeEngine(Engine):
         return self.loss.stage_target(labels.flatten(0, 1))
 
     def _last_stage_mean(self, losses: list[torch.Tensor]) -> torch.Tensor:
-        return torch.stack([_local(l.detach()) for l in losses]).mean() if self.has_last else torch.zeros((), device=self.device)
+        return torch.stack([_local(loss.detach()) for loss in losses]).mean() if self.has_last else torch.zeros((), device=self.device)
 
     @torch.no_grad()
     def eval_loss(self, micro_batches: torch.Tensor, loss_mask: Optional[torch.Tensor] = None) -> float:

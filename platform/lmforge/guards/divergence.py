@@ -31,8 +31,15 @@ class DivergenceGuard:
         """Events for this step; raises Diverged at the limit."""
         if not stats.finite:
             self.in_a_row.append(step)
-            event = {"event": "nonfinite", "step": step, "loss": _json_number(stats.loss), "grad_norm": _json_number(stats.grad_norm),
-                     "in_a_row": len(self.in_a_row), "limit": self.limit, "update_skipped": stats.update_skipped}
+            event = {
+                "event": "nonfinite",
+                "step": step,
+                "loss": _json_number(stats.loss),
+                "grad_norm": _json_number(stats.grad_norm),
+                "in_a_row": len(self.in_a_row),
+                "limit": self.limit,
+                "update_skipped": stats.update_skipped,
+            }
             if len(self.in_a_row) >= self.limit:
                 raise Diverged(list(self.in_a_row))
             return [event]

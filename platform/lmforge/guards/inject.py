@@ -9,7 +9,6 @@ import torch
 from lmforge.engines.base import Engine
 from lmforge.spec import JobSpec
 
-
 SPIKE_FACTOR = 30.0  # logits this much larger: a loss far above any recent one
 
 

@@ -35,10 +35,16 @@ class LeakCheck:
         for kind, count in counts.items():
             grown = count - before.get(kind, 0)
             if grown >= steps and kind not in self.reported:
-                events.append({
-                    "event": "leak", "step": step, "kind": describe(kind), "tensors": count, "per_step": round(grown / steps, 2),
-                    "bytes_per_step": round((sizes[kind] - before_bytes.get(kind, 0)) / steps),
-                })
+                events.append(
+                    {
+                        "event": "leak",
+                        "step": step,
+                        "kind": describe(kind),
+                        "tensors": count,
+                        "per_step": round(grown / steps, 2),
+                        "bytes_per_step": round((sizes[kind] - before_bytes.get(kind, 0)) / steps),
+                    }
+                )
                 self.reported.add(kind)
         return sorted(events, key=lambda e: -e["bytes_per_step"])[:5]
 

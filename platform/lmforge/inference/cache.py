@@ -33,7 +33,7 @@ class KVCache:
         if end > self.capacity:
             raise ValueError(f"the cache holds {self.capacity} positions; {end} asked")
         slots = torch.arange(end, device=self.pad.device)
-        queries = slots[self.length:]
+        queries = slots[self.length :]
         self.positions = (queries[None, :] - self.pad[:, None]).clamp(min=0)
         causal = slots[None, :] <= queries[:, None]
         real = slots[None, :] >= self.pad[:, None]

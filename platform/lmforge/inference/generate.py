@@ -47,14 +47,22 @@ def _sample(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor, ge
     each row from its own, so that a row's tokens do not depend on its batch."""
     if row_generators is None or params.greedy:
         return next_tokens(logits, params, seen, generator)
-    return torch.cat([next_tokens(logits[row:row + 1], params, seen[row:row + 1], g) for row, g in enumerate(row_generators)])
+    return torch.cat([next_tokens(logits[row : row + 1], params, seen[row : row + 1], g) for row, g in enumerate(row_generators)])
 
 
 @torch.no_grad()
-def generate_ids(model: Transformer, prompts: list[list[int]], params: SamplingParams, eos_ids: frozenset[int] = frozenset(),
-                 vocab: Optional[int] = None, use_cache: bool = True,
-                 stopped: Optional[Callable[[int, list[int]], bool]] = None, row_seeds: Optional[list[int]] = None,
-                 soft_targets: Optional[tuple[int, float]] = None, go_on: Optional[Callable[[bool], bool]] = None) -> list[Generation]:
+def generate_ids(
+    model: Transformer,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    eos_ids: frozenset[int] = frozenset(),
+    vocab: Optional[int] = None,
+    use_cache: bool = True,
+    stopped: Optional[Callable[[int, list[int]], bool]] = None,
+    row_seeds: Optional[list[int]] = None,
+    soft_targets: Optional[tuple[int, float]] = None,
+    go_on: Optional[Callable[[bool], bool]] = None,
+) -> list[Generation]:
     """`vocab`: the tokenizer's real size (a model's padded rows never sampled);
     `use_cache=False` recomputes the whole sequence each step (the baseline the cache
     is measured against); `stopped(row, new_tokens)` ends a row early (stop strings);
@@ -72,7 +80,7 @@ def generate_ids(model: Transformer, prompts: list[list[int]], params: SamplingP
     tokens = torch.zeros(batch, total, dtype=torch.long, device=device)
     seen = torch.zeros(batch, vocab, dtype=torch.bool, device=device)
     for row, prompt in enumerate(prompts):
-        tokens[row, longest - len(prompt):longest] = torch.tensor(prompt)
+        tokens[row, longest - len(prompt) : longest] = torch.tensor(prompt)
         seen[row, prompt] = True
     generator = torch.Generator(device).manual_seed(params.seed) if params.seed is not None else None
     row_generators = None if row_seeds is None else [torch.Generator(device).manual_seed(seed) for seed in row_seeds]
@@ -109,11 +117,11 @@ def generate_ids(model: Transformer, prompts: list[list[int]], params: SamplingP
         if use_cache:
             logits = _forward(model, chosen[:, None], cache)
         else:
-            logits = _forward(model, tokens[:, :position + 1], new_cache(position + 1))
+            logits = _forward(model, tokens[:, : position + 1], new_cache(position + 1))
     if tops:
         ids, values = (torch.stack(part, dim=1).cpu() for part in zip(*tops))  # [batch, steps, k]
         for row, result in enumerate(out):
-            result.top_ids, result.top_logprobs = ids[row, :len(result.tokens)], values[row, :len(result.tokens)]
+            result.top_ids, result.top_logprobs = ids[row, : len(result.tokens)], values[row, : len(result.tokens)]
     return out
 
 
@@ -146,8 +154,9 @@ class Generator:
         if not ids:
             raise UserError(f"{name}: an empty prompt; give at least one token of text")
         if len(ids) + params.max_new_tokens > context:
-            raise UserError(f"{name}: {len(ids)} prompt tokens and max_new_tokens {params.max_new_tokens} exceed the model's context "
-                            f"of {context} tokens")
+            raise UserError(
+                f"{name}: {len(ids)} prompt tokens and max_new_tokens {params.max_new_tokens} exceed the model's context of {context} tokens"
+            )
         return ids
 
     def generate(self, prompts: list[str], params: SamplingParams, names: Optional[dict] = None) -> list[Generation]:
@@ -163,11 +172,12 @@ class Generator:
         def stopped(row: int, tokens: list[int]) -> bool:
             # Only the last tokens can complete a stop string that was not there before (a
             # character is at most 4 byte-level tokens).
-            tail = self.tokenizer.decode(tokens[-(4 * max(map(len, stop)) + 4):])
+            tail = self.tokenizer.decode(tokens[-(4 * max(map(len, stop)) + 4) :])
             return any(s in tail for s in stop)
+
         return stopped
 
     def _text(self, tokens: list[int], stop: list[str]) -> str:
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         cuts = [text.find(s) for s in stop if s in text]
-        return text[:min(cuts)] if cuts else text
+        return text[: min(cuts)] if cuts else text

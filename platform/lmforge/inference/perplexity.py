@@ -43,10 +43,10 @@ def mean_nll(model, tokens: torch.Tensor, mask: torch.Tensor | None, vocab: int,
     device = next(model.parameters()).device
     total, count = 0.0, 0
     for first in range(0, len(tokens), batch):
-        rows = tokens[first:first + batch].to(device)
+        rows = tokens[first : first + batch].to(device)
         logits = model(rows[:, :-1])[..., :vocab].float()
         losses = F.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten(), reduction="none")
-        keep = mask[first:first + batch].to(device).flatten() if mask is not None else torch.ones_like(losses, dtype=torch.bool)
+        keep = mask[first : first + batch].to(device).flatten() if mask is not None else torch.ones_like(losses, dtype=torch.bool)
         total += float(losses[keep].sum())
         count += int(keep.sum())
     if count == 0:

@@ -33,6 +33,7 @@ class SamplingParams:
 
     def check(self, names: Optional[dict] = None) -> None:
         """UserError naming the option (`names`: option -> what the user typed, e.g. a flag)."""
+
         def name(key):
             return (names or {}).get(key, key)
 

@@ -65,6 +65,6 @@ class SlotLayer(LayerCache):
             values[rows, :, positions[:, 0]] = v[:, :, 0]
         else:
             first = int(positions[0, 0])
-            keys[rows[0], :, first:first + k.shape[2]] = k[0]
-            values[rows[0], :, first:first + k.shape[2]] = v[0]
-        return keys[rows, :, :cache._end], values[rows, :, :cache._end]
+            keys[rows[0], :, first : first + k.shape[2]] = k[0]
+            values[rows[0], :, first : first + k.shape[2]] = v[0]
+        return keys[rows, :, : cache._end], values[rows, :, : cache._end]

@@ -12,7 +12,7 @@ import time
 from typing import Iterator, Optional
 
 from lmforge.errors import TrainingFailed
-from lmforge.jobs.client import TERMINAL, translated
+from lmforge.jobs.connection import TERMINAL, translated
 from lmforge.tracking.events import EVENT_PREFIX
 
 
@@ -84,7 +84,7 @@ class JobHandle:
         """The driver's event stream so far: steps (no `event` key), events, summary."""
         import json
 
-        return [json.loads(line[len(EVENT_PREFIX):]) for line in _plain_lines(self.logs(events=True)) if line.startswith(EVENT_PREFIX)]
+        return [json.loads(line[len(EVENT_PREFIX) :]) for line in _plain_lines(self.logs(events=True)) if line.startswith(EVENT_PREFIX)]
 
     def metrics(self):
         """The run's step and event rows as a pandas DataFrame, one row each, in order;
@@ -128,7 +128,7 @@ class JobHandle:
             try:
                 with translated(self.address, self.id):
                     asyncio.run(pump())
-            except BaseException as err:  # handed to the reading side
+            except BaseException as err:  # noqa: BLE001 - handed to the reading side
                 chunks.put(err)
             chunks.put(done)
 

@@ -8,8 +8,14 @@ from pathlib import Path
 
 from lmforge.memory.estimate import Breakdown
 
-PARTS = (("params", "parameters"), ("grads", "gradients"), ("optimizer", "optimizer states"), ("teacher", "teacher weights"),
-         ("activations", "activations"), ("temporary", "temporary buffers"))
+PARTS = (
+    ("params", "parameters"),
+    ("grads", "gradients"),
+    ("optimizer", "optimizer states"),
+    ("teacher", "teacher weights"),
+    ("activations", "activations"),
+    ("temporary", "temporary buffers"),
+)
 
 
 def bar_chart(path: str | Path, title: str, bars: list[tuple[str, Breakdown]], limits: dict[str, int] | None = None) -> Path:

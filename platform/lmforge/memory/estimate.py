@@ -24,8 +24,8 @@ from lmforge.distill.teacher import teacher_shapes
 from lmforge.memory import activations as act
 from lmforge.memory.states import FP32, StateBytes, deepspeed_states, native_states
 from lmforge.parallel.fsdp import needs_wrapping
-from lmforge.parallel.shape import MeshShape
 from lmforge.parallel.pipeline import split_layers, stage_indices
+from lmforge.parallel.shape import MeshShape
 from lmforge.spec import JobSpec
 
 
@@ -55,7 +55,9 @@ def estimate(spec: JobSpec, rank: int) -> Breakdown:
     teachers = teacher_shapes(spec)
     states = _states(spec, rank, teachers)
     stages = _stages(spec, coords["pp"])
-    shape = act.Shape(spec.train.micro_batch, spec.train.seq_len, p.tp, p.sequence_parallel and p.tp > 1, 2 if spec.train.precision != "fp32" else FP32)
+    shape = act.Shape(
+        spec.train.micro_batch, spec.train.seq_len, p.tp, p.sequence_parallel and p.tp > 1, 2 if spec.train.precision != "fp32" else FP32
+    )
     cfg = spec.model_arch
     per_stage = [act.stage_bytes(cfg, shape, layers, first, last, p.activation_checkpointing, p.ac_every) for layers, first, last in stages]
     chunks = in_flight(p.schedule, p.pp, p.virtual_stages, spec.grad_accum, coords["pp"])
@@ -105,9 +107,15 @@ def _stages(spec: JobSpec, pp_rank: int) -> list[tuple[int, bool, bool]]:
 def _states(spec: JobSpec, rank: int, teachers: tuple) -> StateBytes:
     if spec.engine == "deepspeed":
         zero = (spec.deepspeed.config or {}).get("zero_optimization", {})
-        device = lambda key: (zero.get(key) or {}).get("device", "none") in ("cpu", "nvme")  # noqa: E731
-        states = deepspeed_states(spec.model_arch, spec.parallel.dp, spec.train.precision, int(zero.get("stage", 0)) or 1,
-                                  device("offload_optimizer"), device("offload_param"))
+        device = lambda key: (zero.get(key) or {}).get("device", "none") in ("cpu", "nvme")
+        states = deepspeed_states(
+            spec.model_arch,
+            spec.parallel.dp,
+            spec.train.precision,
+            int(zero.get("stage", 0)) or 1,
+            device("offload_optimizer"),
+            device("offload_param"),
+        )
         # Online teachers are whole fp32 copies on every rank under DeepSpeed.
         return replace(states, teacher=sum(FP32 * t.num_params() for t in teachers))
     return native_states(spec, rank, teachers)

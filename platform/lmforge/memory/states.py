@@ -28,8 +28,8 @@ import torch
 from lmforge.distill.hidden import ADAPTERS
 from lmforge.models.config import ModelConfig
 from lmforge.parallel.fsdp import needs_wrapping
-from lmforge.parallel.shape import MeshShape
 from lmforge.parallel.pipeline import in_stage, split_layers, stage_indices
+from lmforge.parallel.shape import MeshShape
 from lmforge.parallel.tensor import shard_dim
 from lmforge.spec import JobSpec
 
@@ -77,8 +77,9 @@ def model_parameters(cfg: ModelConfig) -> tuple[tuple[str, int, tuple[int, ...]]
     with torch.device("meta"):
         whole = Transformer(cfg)
     identity: dict[int, int] = {}
-    return tuple((name, identity.setdefault(id(param), len(identity)), tuple(param.shape))
-                 for name, param in whole.named_parameters(remove_duplicate=False))
+    return tuple(
+        (name, identity.setdefault(id(param), len(identity)), tuple(param.shape)) for name, param in whole.named_parameters(remove_duplicate=False)
+    )
 
 
 @lru_cache(maxsize=512)
@@ -128,19 +129,28 @@ def native_states(spec: JobSpec, rank: int, teachers: tuple[ModelConfig, ...] = 
     if p.tp > 1 and not needs_wrapping(shape, spec.train.precision):
         # Measured (torch 2.13): without FSDP to reduce-scatter it, the vocabulary-split
         # embedding's gradient comes back whole (Replicate) on every TP rank.
-        grad_numel += sum(math.prod(dims) - local_numel(name, dims, p.tp, coords["tp"], 1, 0) for name, dims in params if name == "tok_embeddings.weight")
+        grad_numel += sum(
+            math.prod(dims) - local_numel(name, dims, p.tp, coords["tp"], 1, 0) for name, dims in params if name == "tok_embeddings.weight"
+        )
     weights, grads = numel * FP32, grad_numel * FP32
     optimizer = 2 * numel * FP32 + len(params) * FP32  # exp_avg, exp_avg_sq, and a step scalar each
     unit = _largest_block_numel(params, p.tp, coords["tp"])
-    frozen = sum(_rank_numel(stage_parameters(t, spec.train.seq_len, 1, 1, p.schedule, 0), p.tp, coords["tp"], shape.dp_shard, shard_rank)
-                 for t in teachers) * FP32
+    frozen = (
+        sum(
+            _rank_numel(stage_parameters(t, spec.train.seq_len, 1, 1, p.schedule, 0), p.tp, coords["tp"], shape.dp_shard, shard_rank)
+            for t in teachers
+        )
+        * FP32
+    )
     state = StateBytes(weights, grads, optimizer, largest_unit=unit * (2 if spec.train.precision == "bf16" else FP32), teacher=frozen)
     if p.cpu_offload:
         return StateBytes(0, 0, 0, host=state.total, largest_unit=state.largest_unit)
     return state
 
 
-def deepspeed_states(cfg: ModelConfig, dp: int, precision: str, stage: int, offload_optimizer: bool = False, offload_params: bool = False) -> StateBytes:
+def deepspeed_states(
+    cfg: ModelConfig, dp: int, precision: str, stage: int, offload_optimizer: bool = False, offload_params: bool = False
+) -> StateBytes:
     """Bytes per rank under DeepSpeed ZeRO `stage` (1, 2 or 3) over `dp` ranks."""
     n, psi = dp, cfg.num_params()
     half = 2 if precision in ("bf16", "fp16") else FP32

@@ -7,9 +7,6 @@ for planning and are never materialized on a CPU.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
-
-from lmforge.jsonfile import read_object
 
 
 @dataclass(frozen=True)
@@ -65,27 +62,21 @@ class ModelConfig:
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=1024, ffn_hidden=172, max_seq_len=256),
     "small": ModelConfig(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=8192, ffn_hidden=344, max_seq_len=512),
-    "1b": ModelConfig(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_hidden=8192, max_seq_len=8192, rope_theta=500000.0, tie_embeddings=True),
+    "1b": ModelConfig(
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=128256,
+        ffn_hidden=8192,
+        max_seq_len=8192,
+        rope_theta=500000.0,
+        tie_embeddings=True,
+    ),
     "7b": ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, vocab_size=32000, ffn_hidden=11008, max_seq_len=4096),
     "13b": ModelConfig(dim=5120, n_layers=40, n_heads=40, n_kv_heads=40, vocab_size=32000, ffn_hidden=13824, max_seq_len=4096),
     "70b": ModelConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=32000, ffn_hidden=28672, max_seq_len=4096),
 }
-
-
-def read_model_config(path: str | Path) -> tuple[str, ModelConfig]:
-    """("lmforge" or "hf", the shape) of a model directory, from its config.json alone;
-    ValueError naming the file."""
-    from lmforge.models.hf_config import CONFIG, config_from_hf, is_hf_dir
-
-    file = Path(path) / CONFIG
-    if not file.is_file():
-        raise ValueError(f"{path}: not a model directory (no {CONFIG})")
-    config = read_object(file)
-    if is_hf_dir(path):
-        return "hf", config_from_hf(config, str(file))
-    if "model" not in config:
-        raise ValueError(f"{file}: neither lmforge's nor Hugging Face's model config (no `model` section, no `model_type`)")
-    return "lmforge", config_from_dict(config["model"], str(file))
 
 
 def config_from_dict(values, where: str) -> ModelConfig:

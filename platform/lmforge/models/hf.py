@@ -94,8 +94,10 @@ class HFFiles:
         if not (self.path / WEIGHTS).is_file():
             pickled = [p for p in PICKLES if (self.path / p).exists()]
             if pickled:
-                raise ValueError(f"{self.path / pickled[0]}: a pickle, which lmforge never loads; convert it to safetensors "
-                                 "(transformers: model.save_pretrained(dir, safe_serialization=True))")
+                raise ValueError(
+                    f"{self.path / pickled[0]}: a pickle, which lmforge never loads; convert it to safetensors "
+                    "(transformers: model.save_pretrained(dir, safe_serialization=True))"
+                )
             raise ValueError(f"{self.path}: holds neither {WEIGHTS} nor {INDEX}")
         with open_safetensors(self.path / WEIGHTS) as f:
             return {key: WEIGHTS for key in f.keys()}
@@ -106,7 +108,7 @@ def open_safetensors(file: Path):
     """`safe_open`, with a file that is not safetensors reported as ValueError naming it."""
     try:
         handle = safe_open(str(file), framework="pt")
-    except Exception as err:  # safetensors raises its own error types for a bad header
+    except Exception as err:  # noqa: BLE001 - safetensors raises its own error types for a bad header
         raise ValueError(f"{file}: not a safetensors file ({err})") from None
     with handle as f:
         yield f

@@ -55,6 +55,7 @@ def config_to_hf(cfg: ModelConfig, eos_id: int | None, dtype: str) -> dict:
 def config_from_hf(config: dict, where: str) -> ModelConfig:
     """The lmforge shape of a Hugging Face config; ValueError naming the field lmforge
     cannot represent exactly."""
+
     def refuse(field: str, why: str):
         raise ValueError(f"{where}: {field} {why}; lmforge represents Llama models exactly or not at all")
 
@@ -71,8 +72,16 @@ def config_from_hf(config: dict, where: str) -> ModelConfig:
     missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size") if k not in config]
     if missing:
         refuse(missing[0], "is missing")
-    for field in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "num_key_value_heads", "head_dim",
-                  "max_position_embeddings"):
+    for field in (
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "vocab_size",
+        "num_key_value_heads",
+        "head_dim",
+        "max_position_embeddings",
+    ):
         value = config.get(field)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             refuse(field, f"is {value!r}, not a positive whole number")
@@ -80,15 +89,18 @@ def config_from_hf(config: dict, where: str) -> ModelConfig:
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     if head_dim * heads != config["hidden_size"]:
         refuse("head_dim", f"is {head_dim}, not hidden_size / num_attention_heads = {config['hidden_size'] / heads:g}")
-    return config_from_dict(dict(
-        dim=config["hidden_size"],
-        n_layers=config["num_hidden_layers"],
-        n_heads=heads,
-        n_kv_heads=config.get("num_key_value_heads") or heads,
-        vocab_size=config["vocab_size"],
-        ffn_hidden=config["intermediate_size"],
-        max_seq_len=config.get("max_position_embeddings", 2048),
-        norm_eps=config.get("rms_norm_eps", 1e-6),
-        rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
-        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-    ), where)
+    return config_from_dict(
+        dict(
+            dim=config["hidden_size"],
+            n_layers=config["num_hidden_layers"],
+            n_heads=heads,
+            n_kv_heads=config.get("num_key_value_heads") or heads,
+            vocab_size=config["vocab_size"],
+            ffn_hidden=config["intermediate_size"],
+            max_seq_len=config.get("max_position_embeddings", 2048),
+            norm_eps=config.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
+            tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        ),
+        where,
+    )

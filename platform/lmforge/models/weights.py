@@ -22,9 +22,10 @@ from safetensors.torch import save_file
 from torch import nn
 
 from lmforge.models import hf
-from lmforge.models.config import ModelConfig, read_model_config
+from lmforge.models.config import ModelConfig
 from lmforge.models.hf_config import config_to_hf
 from lmforge.models.llama import Transformer
+from lmforge.models.model_dir import read_model_config
 
 CONFIG, WEIGHTS, TOKENIZER = "config.json", "model.safetensors", "tokenizer.json"
 # Prefixes that wrappers (activation checkpointing, torch.compile) add to names.
@@ -101,8 +102,7 @@ def open_model_dir(path: str | os.PathLike) -> ModelDir:
     ValueError naming the file that is missing or wrong."""
     path = Path(path)
     if (path / "quantization.json").is_file():
-        raise ValueError(f"{path}: a quantized model directory holds no full-precision weights; "
-                         "it loads in lmforge generate and lmforge serve")
+        raise ValueError(f"{path}: a quantized model directory holds no full-precision weights; it loads in lmforge generate and lmforge serve")
     fmt, cfg = read_model_config(path)
     if fmt == "hf":
         if not (path / TOKENIZER).is_file():
@@ -113,9 +113,17 @@ def open_model_dir(path: str | os.PathLike) -> ModelDir:
     return ModelDir(path, "lmforge", cfg).check()
 
 
-def write_model_dir(out: str | os.PathLike, fmt: str, cfg: ModelConfig, tensors: dict[str, torch.Tensor], *,
-                    dtype: torch.dtype = torch.float32, eos_id: Optional[int] = None, source: Optional[dict] = None,
-                    files: Optional[dict[str, str]] = None) -> None:
+def write_model_dir(
+    out: str | os.PathLike,
+    fmt: str,
+    cfg: ModelConfig,
+    tensors: dict[str, torch.Tensor],
+    *,
+    dtype: torch.dtype = torch.float32,
+    eos_id: Optional[int] = None,
+    source: Optional[dict] = None,
+    files: Optional[dict[str, str]] = None,
+) -> None:
     """Write atomically (a staging directory renamed into place, so `out` is whole or
     absent). `tensors` are in lmforge's names; `files` are written beside them."""
     out = Path(out)

@@ -7,7 +7,6 @@ and recomputes only the cheap element-wise ops (norms, RoPE, SiLU) between them.
 
 from __future__ import annotations
 
-
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper

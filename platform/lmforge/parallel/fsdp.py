@@ -16,8 +16,9 @@ from lmforge.parallel.mesh import ParallelDims
 from lmforge.parallel.shape import MeshShape
 
 
-def apply_fsdp(model: nn.Module, dims: ParallelDims, zero: int, precision: str, cpu_offload: bool = False,
-               units: tuple[nn.Module, ...] = ()) -> nn.Module:
+def apply_fsdp(
+    model: nn.Module, dims: ParallelDims, zero: int, precision: str, cpu_offload: bool = False, units: tuple[nn.Module, ...] = ()
+) -> nn.Module:
     """`units`: submodules beside the blocks that are FSDP units of their own (called
     outside the model's forward, as distillation's adapters are)."""
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "bf16" else MixedPrecisionPolicy()

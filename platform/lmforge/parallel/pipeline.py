@@ -176,4 +176,3 @@ def build_schedule(stages: list[PipelineStage], name: str, microbatches: int, lo
     if name in ("gpipe", "1f1b"):
         return cls(stages[0], n_microbatches=microbatches, loss_fn=loss_fn)
     return cls(stages, n_microbatches=microbatches, loss_fn=loss_fn)
-

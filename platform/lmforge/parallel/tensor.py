@@ -19,7 +19,6 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-
 # The Megatron split of a block, declared once: the engine applies it and the memory
 # estimator reads which dim of each weight it cuts (colwise: dim 0, rowwise: dim 1).
 COLWISE = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")

@@ -45,7 +45,7 @@ class Cluster:
 
 
 def parse_cluster(text: str) -> Cluster:
-    """"nodes=4,gpus_per_node=8,gpu_mem=80GB" -> Cluster; UserError naming --cluster."""
+    """ "nodes=4,gpus_per_node=8,gpu_mem=80GB" -> Cluster; UserError naming --cluster."""
     fields = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         key, sep, value = (s.strip() for s in item.partition("="))

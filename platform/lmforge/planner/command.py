@@ -9,8 +9,8 @@ from pathlib import Path
 from lmforge.errors import UserError
 from lmforge.memory.chart import bar_chart
 from lmforge.memory.estimate import stage_peaks, worst_rank
-from lmforge.planner.cluster import Cluster, assumed_cluster, parse_cluster
 from lmforge.memory.snapshots import COPIES, snapshot_bytes
+from lmforge.planner.cluster import Cluster, assumed_cluster, parse_cluster
 from lmforge.planner.report import fits, gib, render, search_reasons, search_table
 from lmforge.planner.search import Candidate, search
 from lmforge.planner.throughput import step_time
@@ -42,9 +42,11 @@ def plan(args) -> int:
     console = text_console(stderr=False)
     render(spec.name, breakdown, spec.world_size, cluster, console)
     if spec.checkpoint.in_memory:
-        console.print(f"in-memory checkpoints (checkpoint.in_memory): {gib(snapshot_bytes(breakdown))} per snapshot of this rank, "
-                      f"kept {COPIES} times (its node and a replica, the last snapshot and the one being taken): "
-                      f"{gib(COPIES * snapshot_bytes(breakdown))} of host memory per rank")
+        console.print(
+            f"in-memory checkpoints (checkpoint.in_memory): {gib(snapshot_bytes(breakdown))} per snapshot of this rank, "
+            f"kept {COPIES} times (its node and a replica, the last snapshot and the one being taken): "
+            f"{gib(COPIES * snapshot_bytes(breakdown))} of host memory per rank"
+        )
     if chart:
         console.print(f"chart: {chart}")
     return 0
@@ -57,23 +59,41 @@ def _search(spec: JobSpec, cluster: Cluster, args, assumed: bool) -> int:
     console.print(f"weighing the layouts of {spec.name} on {cluster.gpus} GPUs ...")
     candidates = search(spec, cluster)
     if not candidates:
-        raise UserError(f"--cluster: no layout of {spec.name} fits {cluster.describe()} "
-                        f"({cluster.usable / 2**30:.1f} GiB usable per device); add devices or shrink train.seq_len or the model")
+        raise UserError(
+            f"--cluster: no layout of {spec.name} fits {cluster.describe()} "
+            f"({cluster.usable / 2**30:.1f} GiB usable per device); add devices or shrink train.seq_len or the model"
+        )
     own = _own_layout(spec, cluster, candidates)
     chart = None if args.no_chart else _chart_path(args, spec, "memory-search.png")
     if chart:
-        bars = [(f"#{i} {c.short}", c.memory) for i, c in enumerate(candidates[:args.top], 1)]
-        bar_chart(chart, f"{spec.name}: largest rank of the best layouts on {cluster.describe()}", bars,
-                  {"device memory": cluster.gpu_mem, "usable": cluster.usable})
+        bars = [(f"#{i} {c.short}", c.memory) for i, c in enumerate(candidates[: args.top], 1)]
+        bar_chart(
+            chart,
+            f"{spec.name}: largest rank of the best layouts on {cluster.describe()}",
+            bars,
+            {"device memory": cluster.gpu_mem, "usable": cluster.usable},
+        )
     if args.json:
-        print(json.dumps({"job": spec.name, "cluster": _cluster_dict(cluster), "layouts_that_fit": len(candidates),
-                          "best": [c.as_dict() for c in candidates[:args.top]], "job_layout": own, "chart": str(chart) if chart else None}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "job": spec.name,
+                    "cluster": _cluster_dict(cluster),
+                    "layouts_that_fit": len(candidates),
+                    "best": [c.as_dict() for c in candidates[: args.top]],
+                    "job_layout": own,
+                    "chart": str(chart) if chart else None,
+                },
+                indent=2,
+            )
+        )
         return 0
     console.print(search_table(candidates, cluster, args.top))
     for line in search_reasons(candidates, cluster, args.top):
         console.print(line)
-    console.print(f"best: {candidates[0].layout}; to train with it: " + " ".join(f"--set {item}" for item in candidates[0].overrides()),
-                  soft_wrap=True)  # one line, to copy whole
+    console.print(
+        f"best: {candidates[0].layout}; to train with it: " + " ".join(f"--set {item}" for item in candidates[0].overrides()), soft_wrap=True
+    )  # one line, to copy whole
     console.print(_own_line(own))
     if chart:
         console.print(f"chart: {chart}")
@@ -86,8 +106,11 @@ def _own_layout(spec: JobSpec, cluster: Cluster, candidates: list[Candidate]) ->
     out = {"fits": fits(peak, cluster), "peak_bytes": peak.device_total, "uses_gpus": spec.world_size}
     if spec.world_size == cluster.gpus and spec.engine == "native":
         seconds = step_time(spec, cluster).total
-        out |= {"step_seconds": seconds, "rank": 1 + sum(c.time.total < seconds for c in candidates),
-                "slower_than_best": seconds / candidates[0].time.total - 1}
+        out |= {
+            "step_seconds": seconds,
+            "rank": 1 + sum(c.time.total < seconds for c in candidates),
+            "slower_than_best": seconds / candidates[0].time.total - 1,
+        }
     return out
 
 

@@ -25,8 +25,14 @@ def check_fits(spec: JobSpec, device_bytes: int, source: str) -> None:
 
 
 def describe(peak: Breakdown) -> str:
-    parts = [("parameters", peak.params), ("gradients", peak.grads), ("optimizer", peak.optimizer),
-             *([("teacher", peak.teacher)] if peak.teacher else []), ("activations", peak.activations), ("temporary", peak.temporary)]
+    parts = [
+        ("parameters", peak.params),
+        ("gradients", peak.grads),
+        ("optimizer", peak.optimizer),
+        *([("teacher", peak.teacher)] if peak.teacher else []),
+        ("activations", peak.activations),
+        ("temporary", peak.temporary),
+    ]
     return ", ".join(f"{name} {_gib(n)}" for name, n in parts)
 
 

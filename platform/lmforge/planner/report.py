@@ -10,8 +10,13 @@ from lmforge.memory.estimate import Breakdown
 from lmforge.planner.cluster import Cluster
 from lmforge.planner.search import Candidate
 
-ROWS = [("parameters", "params"), ("gradients", "grads"), ("optimizer states", "optimizer"),
-        ("activations (in flight)", "activations"), ("temporary (logits, gathered params)", "temporary")]
+ROWS = [
+    ("parameters", "params"),
+    ("gradients", "grads"),
+    ("optimizer states", "optimizer"),
+    ("activations (in flight)", "activations"),
+    ("temporary (logits, gathered params)", "temporary"),
+]
 
 
 def gib(n: int) -> str:
@@ -38,8 +43,10 @@ def breakdown_table(title: str, breakdown: Breakdown) -> Table:
 
 def verdict(breakdown: Breakdown, cluster: Cluster, world: int) -> str:
     word = "fits" if fits(breakdown, cluster) else "does NOT fit"
-    return (f"{word}: {gib(breakdown.device_total)} of the {gib(cluster.usable)} usable per device "
-            f"({cluster.gpu_mem / 1e9:g} GB less a reserve; {cluster.gpus} devices, the job uses {world})")
+    return (
+        f"{word}: {gib(breakdown.device_total)} of the {gib(cluster.usable)} usable per device "
+        f"({cluster.gpu_mem / 1e9:g} GB less a reserve; {cluster.gpus} devices, the job uses {world})"
+    )
 
 
 def render(job: str, breakdown: Breakdown, world: int, cluster: Cluster | None, console: Console) -> None:
@@ -57,8 +64,9 @@ def search_table(candidates: list[Candidate], cluster: Cluster, top: int) -> Tab
         table.add_column(column, justify="left" if column == "layout" else "right", no_wrap=True)
     for rank, c in enumerate(candidates[:top], 1):
         slower = "" if rank == 1 else f" (+{c.time.total / best - 1:.0%})"
-        table.add_row(str(rank), c.short, gib(c.memory.device_total), f"{c.time.total:.2f} s{slower}",
-                      f"{c.tokens_per_s_per_gpu:,.0f}", f"{c.mfu:.0%}")
+        table.add_row(
+            str(rank), c.short, gib(c.memory.device_total), f"{c.time.total:.2f} s{slower}", f"{c.tokens_per_s_per_gpu:,.0f}", f"{c.mfu:.0%}"
+        )
     return table
 
 

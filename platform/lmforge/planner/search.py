@@ -75,11 +75,21 @@ class Candidate:
     def as_dict(self) -> dict:
         p = self.spec.parallel
         return {
-            "tp": p.tp, "pp": p.pp, "dp": p.dp, "zero": p.zero, "schedule": p.schedule,
-            "activation_checkpointing": p.activation_checkpointing, "ac_every": p.ac_every,
-            "micro_batch": self.spec.train.micro_batch, "peak_bytes": self.memory.device_total,
-            "step_seconds": self.time.total, "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu, "mfu": self.mfu,
-            "overheads": self.time.overheads(), "dp_comm_hidden_seconds": self.time.dp_hidden, "overrides": self.overrides(),
+            "tp": p.tp,
+            "pp": p.pp,
+            "dp": p.dp,
+            "zero": p.zero,
+            "schedule": p.schedule,
+            "activation_checkpointing": p.activation_checkpointing,
+            "ac_every": p.ac_every,
+            "micro_batch": self.spec.train.micro_batch,
+            "peak_bytes": self.memory.device_total,
+            "step_seconds": self.time.total,
+            "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
+            "mfu": self.mfu,
+            "overheads": self.time.overheads(),
+            "dp_comm_hidden_seconds": self.time.dp_hidden,
+            "overrides": self.overrides(),
         }
 
 
@@ -95,8 +105,7 @@ def search(spec: JobSpec, cluster: Cluster) -> list[Candidate]:
         if memory.device_total > cluster.usable:
             continue
         time = step_time(candidate, cluster)
-        found = Candidate(candidate, memory, time, tokens_per_second_per_gpu(candidate, time),
-                          model_flops_utilization(candidate, time, cluster))
+        found = Candidate(candidate, memory, time, tokens_per_second_per_gpu(candidate, time), model_flops_utilization(candidate, time, cluster))
         key = found.layout_key
         if key not in best or _order(found) < _order(best[key]):
             best[key] = found
@@ -124,8 +133,17 @@ def _layouts(spec: JobSpec, cluster: Cluster) -> Iterator[JobSpec]:
 
 
 def _parallel(spec: JobSpec, tp: int, pp: int, dp: int, zero: int, mode: str, every) -> dict:
-    parallel = {"tp": tp, "pp": pp, "dp": dp, "zero": zero, "dp_replicate": 1, "cpu_offload": False,
-                "sequence_parallel": tp > 1, "activation_checkpointing": mode, "compile": spec.parallel.compile}
+    parallel = {
+        "tp": tp,
+        "pp": pp,
+        "dp": dp,
+        "zero": zero,
+        "dp_replicate": 1,
+        "cpu_offload": False,
+        "sequence_parallel": tp > 1,
+        "activation_checkpointing": mode,
+        "compile": spec.parallel.compile,
+    }
     if every is not None:
         parallel["ac_every"] = every
     schedule = spec.parallel.schedule if pp > 1 else "1f1b"

@@ -36,8 +36,7 @@ def application(options: ServerOptions, replicas: Union[int, str], cpus: float, 
         # beyond it Serve would queue without bound at its proxy: a bounded queue, then 503.
         "max_ongoing_requests": options.max_running + options.max_waiting,
         "max_queued_requests": max(1, options.max_waiting),
-        "ray_actor_options": {"num_cpus": cpus, "num_gpus": gpus,
-                              "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(options.threads)}}},
+        "ray_actor_options": {"num_cpus": cpus, "num_gpus": gpus, "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(options.threads)}}},
         "health_check_period_s": 5,
     }
     if replicas == "auto":
@@ -61,15 +60,24 @@ def check_model(path: str, tokenizer: Optional[str]) -> None:
         raise UserError(f"MODEL: {path} has no tokenizer to turn prompts into tokens; pass --tokenizer tokenizer.json")
 
 
-def serve_model(options: ServerOptions, host: str, port: int, replicas: Union[int, str], cpus: float,
-                address: Optional[str], route_prefix: str, app_name: str, say=print) -> None:
+def serve_model(
+    options: ServerOptions,
+    host: str,
+    port: int,
+    replicas: Union[int, str],
+    cpus: float,
+    address: Optional[str],
+    route_prefix: str,
+    app_name: str,
+    say=print,
+) -> None:
     """Deploy, say where, and keep serving until SIGINT or SIGTERM."""
     import dataclasses
     import logging
 
     import ray
 
-    from lmforge.cluster.runtime import connect
+    from lmforge.ray_runtime import connect
 
     logging.getLogger("ray.serve").setLevel(logging.WARNING)  # the command says where it serves
     started_ray = connect(address)
@@ -89,8 +97,10 @@ def serve_model(options: ServerOptions, host: str, port: int, replicas: Union[in
             last = [line for line in str(err).splitlines() if line.strip()][-1:] or ["(no message)"]
             raise UserError(f"MODEL: {options.model}: the server's replica failed to start: {last[0].strip()}") from None
         base = f"http://{host}:{port}{route_prefix.rstrip('/')}"
-        say(f"serving {options.name} ({options.batching} batching, up to {options.max_running} sequences per replica, "
-            f"{options.device}) at {base}/v1{' (API key required)' if options.api_key_sha256 else ''}; Ctrl-C stops")
+        say(
+            f"serving {options.name} ({options.batching} batching, up to {options.max_running} sequences per replica, "
+            f"{options.device}) at {base}/v1{' (API key required)' if options.api_key_sha256 else ''}; Ctrl-C stops"
+        )
         _wait_for_signal()
     finally:
         try:
@@ -113,7 +123,7 @@ def check_port(host: str, port: int, address: Optional[str]) -> None:
     """A cluster this command starts will bind the port for Serve: it must be free."""
     import socket
 
-    from lmforge.cluster.runtime import embedded_resources
+    from lmforge.ray_runtime import embedded_resources
 
     if embedded_resources(address) is None:
         return  # joining a cluster, whose Serve may listen there already

@@ -107,11 +107,11 @@ class Choice:
         since = max(0, len(self.sent) - self.longest_stop)
         cuts = [at for at in (text.find(s, since) for s in self.stops) if at >= 0]
         if cuts:
-            text = text[:min(cuts)]
+            text = text[: min(cuts)]
         elif self.finish_reason is None:
             text = text.rstrip("\ufffd")
-            text = text[:len(text) - max((_held(text, s) for s in self.stops), default=0)]
-        delta = text[len(self.sent):] if text.startswith(self.sent) else ""
+            text = text[: len(text) - max((_held(text, s) for s in self.stops), default=0)]
+        delta = text[len(self.sent) :] if text.startswith(self.sent) else ""
         self.sent = self.sent + delta
         if not self.with_logprobs:
             return delta, None
@@ -137,8 +137,9 @@ class Backend:
         self.generator = load_generator(options.model, options.device or "cpu", tokenizer=options.tokenizer)
         self.tokenizer, self.context = self.generator.tokenizer, self.generator.model.cfg.max_seq_len
         self.metrics = ServerMetrics(options.name, lambda: self.engine.counts)
-        self.engine = make_engine(options.batching, self.generator.model, self.generator.eos_ids, self.tokenizer.get_vocab_size(),
-                                  options.max_running, self.metrics.batch)
+        self.engine = make_engine(
+            options.batching, self.generator.model, self.generator.eos_ids, self.tokenizer.get_vocab_size(), options.max_running, self.metrics.batch
+        )
         self.cache = ResponseCache(options.cache_size, options.cache_bytes)
         self.render_chat = chat_renderer(chat_template_of(options.model, options.chat_template), "chat_template")
         self._post = None  # made on the event loop that serves requests (see _mailbox)
@@ -168,8 +169,12 @@ class Backend:
             texts, field = request.prompts, "prompt"
         longest_text = max(map(len, texts), default=0)
         if longest_text > self.context * CHARS_PER_TOKEN:
-            raise APIError(400, f"{field}: {longest_text} characters, more than the model's context of {self.context} tokens can hold",
-                           field, "context_length_exceeded")
+            raise APIError(
+                400,
+                f"{field}: {longest_text} characters, more than the model's context of {self.context} tokens can hold",
+                field,
+                "context_length_exceeded",
+            )
         prompts = [self.tokenizer.encode(text).ids for text in texts]
         longest = max(map(len, prompts), default=0)
         if not prompts or min(map(len, prompts)) == 0:
@@ -180,11 +185,23 @@ class Backend:
         max_tokens = (request.max_completion_tokens or request.max_tokens) if kind == "chat" else request.max_tokens
         max_tokens = max_tokens or self.context - longest
         if longest + max_tokens > self.context:
-            raise APIError(400, f"{limit_field}: {max_tokens} new tokens after a prompt of {longest} exceed the model's context of "
-                           f"{self.context} tokens (at most {self.context - longest})", limit_field, "context_length_exceeded")
-        params = SamplingParams(max_new_tokens=max_tokens, temperature=request.temperature, top_k=max(request.top_k, 0),
-                                top_p=request.top_p, repetition_penalty=request.repetition_penalty, seed=request.seed, stop=request.stop,
-                                stop_at_eos=not request.ignore_eos)
+            raise APIError(
+                400,
+                f"{limit_field}: {max_tokens} new tokens after a prompt of {longest} exceed the model's context of "
+                f"{self.context} tokens (at most {self.context - longest})",
+                limit_field,
+                "context_length_exceeded",
+            )
+        params = SamplingParams(
+            max_new_tokens=max_tokens,
+            temperature=request.temperature,
+            top_k=max(request.top_k, 0),
+            top_p=request.top_p,
+            repetition_penalty=request.repetition_penalty,
+            seed=request.seed,
+            stop=request.stop,
+            stop_at_eos=not request.ignore_eos,
+        )
         return prompts, params
 
     async def answer(self, kind: str, request: CompletionRequest | ChatRequest) -> dict | AsyncIterator[str]:
@@ -203,8 +220,12 @@ class Backend:
         in_hand = sum(self.engine.counts)
         choices_count = len(prompts) * request.n
         if in_hand + choices_count > self.options.max_running + self.options.max_waiting:
-            raise APIError(503, f"the server has {in_hand} sequences running or waiting (limit {self.options.max_running} running, "
-                                f"{self.options.max_waiting} waiting); retry later", kind="server_overloaded")
+            raise APIError(
+                503,
+                f"the server has {in_hand} sequences running or waiting (limit {self.options.max_running} running, "
+                f"{self.options.max_waiting} waiting); retry later",
+                kind="server_overloaded",
+            )
         with_logprobs = (request.logprobs is not None) if kind == "completion" else request.logprobs
         top = request.top_logprobs or 0
         choices = [Choice(i, self, params.stop, with_logprobs) for i in range(choices_count)]
@@ -223,11 +244,21 @@ class Backend:
         queue, post = asyncio.Queue(), self._mailbox()
         seqs = []
         stopped = self.generator.stop_checker(params.stop) if params.stop else None
-        for i, choice in enumerate(choices):
+        for i in range(len(choices)):
+
             def emit(token, index=i):
                 post(queue, (index, token))
-            seqs.append(Sequence(prompts[i // n], params, emit, seed=base_seed + i, top_logprobs=top,
-                                 stopped=(lambda tokens: stopped(0, tokens)) if stopped else None))
+
+            seqs.append(
+                Sequence(
+                    prompts[i // n],
+                    params,
+                    emit,
+                    seed=base_seed + i,
+                    top_logprobs=top,
+                    stopped=(lambda tokens: stopped(0, tokens)) if stopped else None,
+                )
+            )
         for seq in seqs:
             self.engine.submit(seq)
         return seqs, queue
@@ -252,6 +283,7 @@ class Backend:
                     first = len(pending) == 1
                 if first:
                     loop.call_soon_threadsafe(deliver)
+
             self._post = post
         return self._post
 
@@ -288,8 +320,11 @@ class Backend:
                 yield sse(shape.chunk(choice.index, None, None, None, first=True, with_usage=include_usage))
         try:
             async for batch in self._tokens(*started, choices, arrived):
-                events = [sse(shape.chunk(choice.index, delta, logprobs, choice.finish_reason, with_usage=include_usage))
-                          for choice, delta, logprobs in _merged(shape.kind, batch) if delta or logprobs or choice.finish_reason]
+                events = [
+                    sse(shape.chunk(choice.index, delta, logprobs, choice.finish_reason, with_usage=include_usage))
+                    for choice, delta, logprobs in _merged(shape.kind, batch)
+                    if delta or logprobs or choice.finish_reason
+                ]
                 if events:
                     yield "".join(events)
         except APIError as err:
@@ -330,5 +365,4 @@ def _merged(kind: str, batch: list[tuple]) -> list[tuple]:
         entry[1] += delta
         if logprobs:
             entry[2] = {key: (entry[2] or {}).get(key, []) + value for key, value in logprobs.items()}
-    return [(choice, text, logprobs_object(kind, lp["pieces"], lp["logprobs"], lp["tops"]) if lp else None)
-            for choice, text, lp in merged.values()]
+    return [(choice, text, logprobs_object(kind, lp["pieces"], lp["logprobs"], lp["tops"]) if lp else None) for choice, text, lp in merged.values()]

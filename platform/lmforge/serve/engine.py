@@ -72,19 +72,21 @@ class _Sampler:
         """Sample each row of `logits` (rows, vocab) for its sequence and tell its
         listener; which sequences ended (a sequence whose sampling failed ends alone).
         Greedy rows take one argmax together."""
-        logits = logits[:, :self.vocab].float()
+        logits = logits[:, : self.vocab].float()
         logprobs = logits.log_softmax(dim=-1)
         chosen = logits.argmax(dim=-1).tolist()
         failed: dict[int, Exception] = {}
         for row, seq in enumerate(seqs):
             if not seq.params.greedy or seq.seen is not None:
                 try:
-                    chosen[row] = int(next_tokens(logits[row:row + 1], seq.params, seq.seen, seq.generator)[0])
+                    chosen[row] = int(next_tokens(logits[row : row + 1], seq.params, seq.seen, seq.generator)[0])
                 except Exception as err:  # noqa: BLE001 - this sequence's settings, not the step's
                     failed[row], chosen[row] = err, 0
         chosen_logprobs = logprobs.gather(1, torch.tensor(chosen, device=logits.device)[:, None]).squeeze(1).tolist()
-        return [fail(seq, failed[row]) if row in failed else self._tell_or_fail(seq, token, logprob, logprobs[row])
-                for row, (seq, token, logprob) in enumerate(zip(seqs, chosen, chosen_logprobs))]
+        return [
+            fail(seq, failed[row]) if row in failed else self._tell_or_fail(seq, token, logprob, logprobs[row])
+            for row, (seq, token, logprob) in enumerate(zip(seqs, chosen, chosen_logprobs))
+        ]
 
     def _tell_or_fail(self, seq: Sequence, token: int, logprob: float, row_logprobs: torch.Tensor) -> bool:
         try:  # its stop check decodes its own tokens
@@ -244,7 +246,7 @@ class RequestBatcher:
         return [None] * len(seqs)
 
     def _generate(self, seqs: list[Sequence]) -> None:
-        key = lambda seq: (repr(seq.params), seq.top_logprobs)  # noqa: E731 - a grouping key
+        key = lambda seq: (repr(seq.params), seq.top_logprobs)
         with self._lock, torch.inference_mode():
             for _, group in itertools.groupby(sorted(seqs, key=key), key=key):
                 group = list(group)
@@ -252,9 +254,16 @@ class RequestBatcher:
                 stops = [seq.stopped for seq in group]
                 top = group[0].top_logprobs
                 try:
-                    results = generate_ids(self.model, [seq.prompt for seq in group], group[0].params, self.eos_ids, self.vocab,
-                                           stopped=(lambda row, tokens: stops[row] is not None and stops[row](tokens)),
-                                           row_seeds=[seq.seed for seq in group], soft_targets=(top, 1.0) if top else None)
+                    results = generate_ids(
+                        self.model,
+                        [seq.prompt for seq in group],
+                        group[0].params,
+                        self.eos_ids,
+                        self.vocab,
+                        stopped=(lambda row, tokens: stops[row] is not None and stops[row](tokens)),
+                        row_seeds=[seq.seed for seq in group],
+                        soft_targets=(top, 1.0) if top else None,
+                    )
                 except Exception as err:  # noqa: BLE001 - reported to the group's listeners
                     for seq in group:
                         seq.emit(Token(-1, 0.0, [], f"error: {type(err).__name__}: {err}"))

@@ -60,8 +60,10 @@ class Endpoint:
         if local_allowed and not re.match(r"^https?://", value) and Path(value).exists():
             return LocalModel(flag, value)
         if not re.match(r"^https?://[^/\s]+", url):
-            raise UserError(f"{flag}: {value!r} is not an OpenAI-compatible base URL (http://host:port/v1, optionally #model)"
-                            + (" or a model directory" if local_allowed else ""))
+            raise UserError(
+                f"{flag}: {value!r} is not an OpenAI-compatible base URL (http://host:port/v1, optionally #model)"
+                + (" or a model directory" if local_allowed else "")
+            )
         return cls(flag, url.rstrip("/"), model or None)
 
 
@@ -134,7 +136,7 @@ def read_prompts(path: str) -> list[dict]:
                 raise UserError(f"{path}:{number}: messages without a user message")
             prompts.append({"messages": row["messages"], "question": question})
         else:
-            raise UserError(f"{path}:{number}: expected {{\"prompt\": text}} or {{\"messages\": [...]}}")
+            raise UserError(f'{path}:{number}: expected {{"prompt": text}} or {{"messages": [...]}}')
     if not prompts:
         raise UserError(f"--prompts: {path} holds no prompts")
     return prompts
@@ -149,8 +151,11 @@ class Judging:
         self.opts = opts
         self.endpoints = {name: Endpoint.parse(f"--{name}", getattr(opts, name), name != "judge") for name in ("a", "b", "judge")}
         # Each endpoint gets its own key: the judge is someone else's service, never sent A's or B's.
-        self.clients = {name: AsyncOpenAI(base_url=e.base_url, api_key=opts.keys.get(name) or "none", max_retries=2, timeout=600)
-                        for name, e in self.endpoints.items() if isinstance(e, Endpoint)}
+        self.clients = {
+            name: AsyncOpenAI(base_url=e.base_url, api_key=opts.keys.get(name) or "none", max_retries=2, timeout=600)
+            for name, e in self.endpoints.items()
+            if isinstance(e, Endpoint)
+        }
         self.limit = asyncio.Semaphore(opts.concurrency)
 
     async def resolve_models(self) -> None:
@@ -159,7 +164,9 @@ class Judging:
                 try:
                     listed = await self.clients[name].models.list()
                 except Exception as err:  # noqa: BLE001 - any client error is the user's endpoint
-                    raise UserError(f"{endpoint.flag}: {redact_uri(endpoint.base_url)} did not list its models ({type(err).__name__}: {err})") from None
+                    raise UserError(
+                        f"{endpoint.flag}: {redact_uri(endpoint.base_url)} did not list its models ({type(err).__name__}: {err})"
+                    ) from None
                 if not listed.data:
                     raise UserError(f"{endpoint.flag}: {redact_uri(endpoint.base_url)} lists no models")
                 endpoint.model = listed.data[0].id
@@ -171,33 +178,46 @@ class Judging:
                 if isinstance(self.endpoints[name], LocalModel):
                     return await self.endpoints[name].answer(messages, max_tokens), None
                 reply = await self.clients[name].chat.completions.create(
-                    model=self.endpoints[name].model, messages=messages, max_tokens=max_tokens, temperature=0)
+                    model=self.endpoints[name].model, messages=messages, max_tokens=max_tokens, temperature=0
+                )
                 return reply.choices[0].message.content or "", None
             except Exception as err:  # noqa: BLE001 - recorded against the prompt
                 return None, f"{type(err).__name__}: {err}"
 
     async def judge_one(self, index: int, prompt: dict) -> dict:
         (answer_a, error_a), (answer_b, error_b) = await asyncio.gather(
-            self.chat("a", prompt["messages"], self.opts.max_tokens), self.chat("b", prompt["messages"], self.opts.max_tokens))
+            self.chat("a", prompt["messages"], self.opts.max_tokens), self.chat("b", prompt["messages"], self.opts.max_tokens)
+        )
         row = {"index": index, "question": prompt["question"], "answer_a": answer_a, "answer_b": answer_b}
         if error_a or error_b:
             return row | {"outcome": "error", "error": error_a or error_b}
         orders = {"a_first": (answer_a, answer_b), "b_first": (answer_b, answer_a)}
-        replies = await asyncio.gather(*(self.chat("judge", [
-            {"role": "system", "content": JUDGE_SYSTEM},
-            {"role": "user", "content": JUDGE_USER.format(question=prompt["question"], answer_a=first, answer_b=second)},
-        ], self.opts.judge_max_tokens) for first, second in orders.values()))
+        replies = await asyncio.gather(
+            *(
+                self.chat(
+                    "judge",
+                    [
+                        {"role": "system", "content": JUDGE_SYSTEM},
+                        {"role": "user", "content": JUDGE_USER.format(question=prompt["question"], answer_a=first, answer_b=second)},
+                    ],
+                    self.opts.judge_max_tokens,
+                )
+                for first, second in orders.values()
+            )
+        )
         verdicts = {order: parse_verdict(text) for order, (text, _) in zip(orders, replies)}
-        return row | {"judge_replies": {order: text for order, (text, _) in zip(orders, replies)},
-                      "judge_errors": {order: error for order, (_, error) in zip(orders, replies) if error},
-                      "verdicts": verdicts, "outcome": outcome(verdicts["a_first"], verdicts["b_first"])}
+        return row | {
+            "judge_replies": {order: text for order, (text, _) in zip(orders, replies)},
+            "judge_errors": {order: error for order, (_, error) in zip(orders, replies) if error},
+            "verdicts": verdicts,
+            "outcome": outcome(verdicts["a_first"], verdicts["b_first"]),
+        }
 
 
 def aggregate(rows: list[dict]) -> dict:
     counts = {name: sum(row["outcome"] == name for row in rows) for name in OUTCOMES}
     unparsable = sum(v is None for row in rows for v in row.get("verdicts", {}).values())
-    return {"prompts": len(rows), "counts": counts, "rates": {name: n / len(rows) for name, n in counts.items()},
-            "unparsable": unparsable}
+    return {"prompts": len(rows), "counts": counts, "rates": {name: n / len(rows) for name, n in counts.items()}, "unparsable": unparsable}
 
 
 def run_judge(opts: JudgeOptions, say=print) -> dict:
@@ -208,8 +228,14 @@ def run_judge(opts: JudgeOptions, say=print) -> dict:
     if opts.concurrency < 1:
         raise UserError(f"--concurrency: must be at least 1, got {opts.concurrency}")
     rows, endpoints = asyncio.run(_judge_all(opts, prompts, say))
-    report = {"a": endpoints["a"], "b": endpoints["b"], "judge": endpoints["judge"], "prompts_file": opts.prompts, **aggregate(rows),
-              "per_prompt": rows}
+    report = {
+        "a": endpoints["a"],
+        "b": endpoints["b"],
+        "judge": endpoints["judge"],
+        "prompts_file": opts.prompts,
+        **aggregate(rows),
+        "per_prompt": rows,
+    }
     staging = out.with_name(f".{out.name}.partial")
     staging.mkdir(parents=True, exist_ok=True)
     (staging / "report.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -238,7 +264,17 @@ def _log(opts: JudgeOptions, report: dict) -> str:
 
     uri = tracking_uri(opts.tracking_uri)
     report["mlflow_tracking_uri"] = redact_uri(uri)
-    metrics = {f"{name}_rate": rate for name, rate in report["rates"].items()} | {"prompts": report["prompts"], "unparsable_verdicts": report["unparsable"]}
+    metrics = {f"{name}_rate": rate for name, rate in report["rates"].items()} | {
+        "prompts": report["prompts"],
+        "unparsable_verdicts": report["unparsable"],
+    }
     params = {"a": report["a"], "b": report["b"], "judge": report["judge"], "prompts_file": opts.prompts, "max_tokens": opts.max_tokens}
-    return log_command_run(uri, "lmforge-judge", f"judge-{Path(opts.out).name}", "judge", params, metrics,
-                           [Path(opts.out) / "report.json", Path(opts.out) / "judgments.jsonl"])
+    return log_command_run(
+        uri,
+        "lmforge-judge",
+        f"judge-{Path(opts.out).name}",
+        "judge",
+        params,
+        metrics,
+        [Path(opts.out) / "report.json", Path(opts.out) / "judgments.jsonl"],
+    )

@@ -23,8 +23,7 @@ MAX_TOKENS = 1 << 20
 class APIError(Exception):
     """Answered as `{"error": {message, type, param, code}}` with this status."""
 
-    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
-                 kind: str = "invalid_request_error"):
+    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None, kind: str = "invalid_request_error"):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
 
@@ -148,15 +147,28 @@ class Shape:
         """`choices`: {index, text, logprobs, finish_reason}."""
         if self.kind == "completion":
             return self._object("text_completion", choices, {"usage": use})
-        return self._object("chat.completion", [
-            {"index": c["index"], "message": {"role": "assistant", "content": c["text"]}, "logprobs": c["logprobs"],
-             "finish_reason": c["finish_reason"]} for c in choices], {"usage": use})
+        return self._object(
+            "chat.completion",
+            [
+                {
+                    "index": c["index"],
+                    "message": {"role": "assistant", "content": c["text"]},
+                    "logprobs": c["logprobs"],
+                    "finish_reason": c["finish_reason"],
+                }
+                for c in choices
+            ],
+            {"usage": use},
+        )
 
-    def chunk(self, index: int, text: Optional[str], logprobs: Optional[dict], finish_reason: Optional[str],
-              first: bool = False, with_usage: bool = False) -> dict:
+    def chunk(
+        self, index: int, text: Optional[str], logprobs: Optional[dict], finish_reason: Optional[str], first: bool = False, with_usage: bool = False
+    ) -> dict:
         extra = {"usage": None} if with_usage else None
         if self.kind == "completion":
-            return self._object("text_completion", [{"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}], extra)
+            return self._object(
+                "text_completion", [{"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}], extra
+            )
         delta = ({"role": "assistant", "content": ""} if first else {}) | ({"content": text} if text else {})
         return self._object("chat.completion.chunk", [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}], extra)
 
@@ -172,10 +184,17 @@ def logprobs_object(kind: str, pieces: list[str], logprobs: list[float], tops: l
             offsets.append(at)
             at += len(piece)
         return {"tokens": pieces, "token_logprobs": logprobs, "top_logprobs": [dict(top) for top in tops], "text_offset": offsets}
-    return {"content": [
-        {"token": piece, "logprob": logprob, "bytes": list(piece.encode()),
-         "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in top]}
-        for piece, logprob, top in zip(pieces, logprobs, tops)]}
+    return {
+        "content": [
+            {
+                "token": piece,
+                "logprob": logprob,
+                "bytes": list(piece.encode()),
+                "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in top],
+            }
+            for piece, logprob, top in zip(pieces, logprobs, tops)
+        ]
+    }
 
 
 def sse(payload: dict | str) -> str:

@@ -66,7 +66,7 @@ class PaddedLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = torch.nn.functional.pad(x, (0, self.linear.in_features - self.in_features))
-        return self.linear(x)[..., :self.out_features]
+        return self.linear(x)[..., : self.out_features]
 
 
 def _pad_linears(module: torch.nn.Module, rows: int, columns: int) -> None:
@@ -80,7 +80,7 @@ def _pad_linears(module: torch.nn.Module, rows: int, columns: int) -> None:
         padded = torch.nn.Linear(in_, out, bias=False, device=child.weight.device, dtype=child.weight.dtype)
         with torch.no_grad():
             padded.weight.zero_()
-            padded.weight[:child.out_features, :child.in_features] = child.weight
+            padded.weight[: child.out_features, : child.in_features] = child.weight
         setattr(module, name, PaddedLinear(padded, child.in_features, child.out_features))
 
 
@@ -115,12 +115,16 @@ def load_quantized(path: Path, device: str):
     try:
         record = read_object(path / QUANTIZATION)
         cfg = config_from_dict(member(read_object(path / "config.json"), "model", dict, str(path / "config.json")), str(path / "config.json"))
-        method, group_size = member(record, "method", str, str(path / QUANTIZATION)), member(record, "group_size", (int, type(None)), str(path / QUANTIZATION))
+        method, group_size = (
+            member(record, "method", str, str(path / QUANTIZATION)),
+            member(record, "group_size", (int, type(None)), str(path / QUANTIZATION)),
+        )
     except ValueError as err:
         raise UserError(str(err)) from None
     if record.get("device_type", "cpu") != torch.device(device).type and method == "int4":
-        raise UserError(f"{path / QUANTIZATION}: int4 weights packed for {record['device_type']} do not load on {device}; "
-                        f"quantize on the device that will serve")
+        raise UserError(
+            f"{path / QUANTIZATION}: int4 weights packed for {record['device_type']} do not load on {device}; quantize on the device that will serve"
+        )
     model = build_model(cfg, device)
     quantize_blocks(model, method, group_size)
     saved = load_file(str(path / WEIGHTS), device=str(device))
@@ -170,8 +174,13 @@ def write_quantized(out: Path, source, model, method: str, group_size: int) -> d
     from lmforge.data.tokenizer import tokenizer_files
 
     tensors = stored_tensors(model)
-    record = {"method": method, "group_size": group_size if method == "int4" else None, "library": _library(method),
-              "device_type": next(model.parameters()).device.type, "quantized": "transformer blocks' Linear weights"}
+    record = {
+        "method": method,
+        "group_size": group_size if method == "int4" else None,
+        "library": _library(method),
+        "device_type": next(model.parameters()).device.type,
+        "quantized": "transformer blocks' Linear weights",
+    }
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
@@ -201,5 +210,11 @@ def byte_counts(model, quantized_tensors: dict[str, torch.Tensor], linear_names:
     linear = whole - sum(t.nbytes for name, t in quantized_tensors.items() if name in kept)
     linear_bf16 = 2 * sum(numels[name] for name in linear_names)
     whole_bf16 = 2 * sum(n for name, n in numels.items() if not (name == "output.weight" and model.cfg.tie_embeddings))
-    return {"linear_bytes": linear, "linear_bytes_bf16": linear_bf16, "linear_ratio_vs_bf16": linear / linear_bf16,
-            "model_bytes": whole, "model_bytes_bf16": whole_bf16, "model_ratio_vs_bf16": whole / whole_bf16}
+    return {
+        "linear_bytes": linear,
+        "linear_bytes_bf16": linear_bf16,
+        "linear_ratio_vs_bf16": linear / linear_bf16,
+        "model_bytes": whole,
+        "model_bytes_bf16": whole_bf16,
+        "model_ratio_vs_bf16": whole / whole_bf16,
+    }

@@ -11,8 +11,16 @@ from typing import Optional
 
 from lmforge.credentials import redact_uri
 from lmforge.errors import UserError
-from lmforge.serve.quantize import GROUP_SIZES, METHODS, byte_counts, is_quantized, linear_weight_names, quantize_blocks, \
-    stored_tensors, write_quantized
+from lmforge.serve.quantize import (
+    GROUP_SIZES,
+    METHODS,
+    byte_counts,
+    is_quantized,
+    linear_weight_names,
+    quantize_blocks,
+    stored_tensors,
+    write_quantized,
+)
 
 REPORT = "quantization_report.json"
 
@@ -65,7 +73,9 @@ def quantize_model(opts: QuantizeOptions, say=print) -> dict:
     source = open_source(opts.model, opts.tokenizer)
     dataset = opts.eval_data or _trained_on(source)
     if dataset is None:
-        raise UserError(f"MODEL: {opts.model} does not say what it was trained on; pass --eval-data DATASET (a prepared dataset with a held-out split)")
+        raise UserError(
+            f"MODEL: {opts.model} does not say what it was trained on; pass --eval-data DATASET (a prepared dataset with a held-out split)"
+        )
     tokens, mask = held_out_samples(dataset, opts.eval_samples, "--eval-data" if opts.eval_data else f"{opts.model}'s dataset")
     if tokens.shape[1] > source.cfg.max_seq_len + 1:
         raise UserError(f"--eval-data: samples of {tokens.shape[1] - 1} tokens exceed the model's context of {source.cfg.max_seq_len}")
@@ -80,9 +90,17 @@ def quantize_model(opts: QuantizeOptions, say=print) -> dict:
     record = write_quantized(Path(opts.out), source, model, opts.method, opts.group_size)
     sizes = byte_counts(model, stored_tensors(model), linears, numels)
     result = {
-        "out": opts.out, "source": opts.model, **record, "eval_data": str(dataset), "eval_samples": len(tokens),
-        "source_nll": source_nll, "quantized_nll": quantized_nll, "source_perplexity": perplexity(source_nll),
-        "quantized_perplexity": perplexity(quantized_nll), "perplexity_ratio": perplexity(quantized_nll) / perplexity(source_nll), **sizes,
+        "out": opts.out,
+        "source": opts.model,
+        **record,
+        "eval_data": str(dataset),
+        "eval_samples": len(tokens),
+        "source_nll": source_nll,
+        "quantized_nll": quantized_nll,
+        "source_perplexity": perplexity(source_nll),
+        "quantized_perplexity": perplexity(quantized_nll),
+        "perplexity_ratio": perplexity(quantized_nll) / perplexity(source_nll),
+        **sizes,
     }
     (Path(opts.out) / REPORT).write_text(json.dumps(result, indent=2) + "\n")
     if opts.tracking:
@@ -95,8 +113,21 @@ def _log(opts: QuantizeOptions, result: dict) -> str:
 
     uri = tracking_uri(opts.tracking_uri)
     params = {key: result[key] for key in ("source", "method", "group_size", "library", "device_type", "eval_data", "eval_samples", "out")}
-    metrics = {key: result[key] for key in ("source_perplexity", "quantized_perplexity", "perplexity_ratio", "linear_bytes",
-                                            "linear_bytes_bf16", "linear_ratio_vs_bf16", "model_bytes", "model_bytes_bf16", "model_ratio_vs_bf16")}
+    metrics = {
+        key: result[key]
+        for key in (
+            "source_perplexity",
+            "quantized_perplexity",
+            "perplexity_ratio",
+            "linear_bytes",
+            "linear_bytes_bf16",
+            "linear_ratio_vs_bf16",
+            "model_bytes",
+            "model_bytes_bf16",
+            "model_ratio_vs_bf16",
+        )
+    }
     result["mlflow_tracking_uri"] = redact_uri(uri)
-    return log_command_run(uri, "lmforge-quantize", f"quantize-{opts.method}-{Path(opts.out).name}", "quantize", params, metrics,
-                           [Path(opts.out) / REPORT])
+    return log_command_run(
+        uri, "lmforge-quantize", f"quantize-{opts.method}-{Path(opts.out).name}", "quantize", params, metrics, [Path(opts.out) / REPORT]
+    )

@@ -30,8 +30,11 @@ def log_command_run(uri: str, experiment: str, name: str, role: str, params: dic
     client = MlflowClient(tracking_uri=uri)
     run = client.create_run(experiment_id(client, experiment, uri), run_name=name, tags={ROLE_TAG: role})
     stamp = int(time.time() * 1000)
-    client.log_batch(run.info.run_id, metrics=[Metric(k, float(v), stamp, 0) for k, v in metrics.items()],
-                     params=[Param(k, str(v)[:6000]) for k, v in params.items()])
+    client.log_batch(
+        run.info.run_id,
+        metrics=[Metric(k, float(v), stamp, 0) for k, v in metrics.items()],
+        params=[Param(k, str(v)[:6000]) for k, v in params.items()],
+    )
     for path in artifacts:
         client.log_artifact(run.info.run_id, str(path))
     client.set_terminated(run.info.run_id)

@@ -50,10 +50,16 @@ MESSAGES: dict[str, Callable[[dict], str]] = {
         + f" ({e['batches']} batches, {e['seconds']:.1f}s)"
     ),
     "batch_skipped": lambda e: f"step {e['step']}: batch skipped (guards.skip_batches)",
-    "loss_spike": lambda e: f"step {e['step']}: loss spike {e['loss']:.4f}, {e['zscore']} standard deviations above the recent mean {e['window_mean']:.4f}",
+    "loss_spike": lambda e: (
+        f"step {e['step']}: loss spike {e['loss']:.4f}, {e['zscore']} standard deviations above the recent mean {e['window_mean']:.4f}"
+    ),
     "out_of_memory": lambda e: (
         f"out of memory at step {e['step']} on rank {e['rank']} with micro-batch {e['micro_batch']}; report: {e['report_path']}; "
-        + (f"retrying from the latest checkpoint with micro-batch {e['retry_micro_batch']}" if e["retry_micro_batch"] else "no smaller micro-batch is left")
+        + (
+            f"retrying from the latest checkpoint with micro-batch {e['retry_micro_batch']}"
+            if e["retry_micro_batch"]
+            else "no smaller micro-batch is left"
+        )
     ),
     "leak": lambda e: (
         f"step {e['step']}: {e['tensors']} live tensors of {e['kind']}, +{e['per_step']} per step "
@@ -63,8 +69,26 @@ MESSAGES: dict[str, Callable[[dict], str]] = {
 
 # Kept in metrics.jsonl: history (commits are in the checkpoint directory itself), and
 # measurements (eval) that a restart drops after its restore point, as it does steps.
-RECORDED = {"layout", "reader", "data_changed", "eval", "spares", "checkpoint_failed", "checkpoint_corrupt", "restored", "grow_pending", "resized", "failure", "recovered",
-            "nonfinite", "rollback", "batch_skipped", "loss_spike", "out_of_memory", "leak"}
+RECORDED = {
+    "layout",
+    "reader",
+    "data_changed",
+    "eval",
+    "spares",
+    "checkpoint_failed",
+    "checkpoint_corrupt",
+    "restored",
+    "grow_pending",
+    "resized",
+    "failure",
+    "recovered",
+    "nonfinite",
+    "rollback",
+    "batch_skipped",
+    "loss_spike",
+    "out_of_memory",
+    "leak",
+}
 
 METRICS: dict[str, Callable[[dict], dict[str, float]]] = {
     "checkpoint": lambda e: {"checkpoint_seconds": e["seconds"], "checkpoint_stall_seconds": e["stall_seconds"]},

@@ -26,7 +26,21 @@ from lmforge.tracking import events
 JOB_TAG = "lmforge.job"
 ROLE_TAG = "lmforge.role"  # "train", "cache", "generate" and "evaluation"; "job" for a distillation's parent; "pipeline"
 PARENT_TAG = "mlflow.parentRunId"  # MLflow's own: its UI nests a run under that one
-METRIC_KEYS = ("loss", "ce_loss", "kd_loss", "hidden_loss", "on_policy", "lr", "grad_norm", "tokens_per_s", "mfu", "bubble", "bubble_theory", "step_time", "data_wait")
+METRIC_KEYS = (
+    "loss",
+    "ce_loss",
+    "kd_loss",
+    "hidden_loss",
+    "on_policy",
+    "lr",
+    "grad_norm",
+    "tokens_per_s",
+    "mfu",
+    "bubble",
+    "bubble_theory",
+    "step_time",
+    "data_wait",
+)
 
 for _noisy in ("alembic", "mlflow"):
     logging.getLogger(_noisy).setLevel(logging.WARNING)
@@ -138,18 +152,25 @@ class MlflowRun:
         if self.resumed:
             return
         # A mixture: each source is an input of its own, its weight as a tag.
-        parts = [(s["path"], s["manifest"], s["weight"]) for s in manifest["sources"]] if is_mixture(manifest) else [(self.spec.data.path, manifest, None)]
+        parts = (
+            [(s["path"], s["manifest"], s["weight"]) for s in manifest["sources"]]
+            if is_mixture(manifest)
+            else [(self.spec.data.path, manifest, None)]
+        )
         inputs, digests = [], []
         for path, part, weight in parts:
-            digest = hashlib.sha256("\n".join([part["tokenizer"]["sha256"], str(part["num_samples"])]
-                                              + [shard["sha256"] for shard in part["shards"]]).encode()).hexdigest()[:16]
+            digest = hashlib.sha256(
+                "\n".join([part["tokenizer"]["sha256"], str(part["num_samples"])] + [shard["sha256"] for shard in part["shards"]]).encode()
+            ).hexdigest()[:16]
             dataset = MetaDataset(_dataset_source(path), name=os.path.basename(path.rstrip("/")), digest=digest)
             tags = [InputTag("mlflow.data.context", "train")] + ([InputTag("lmforge.mixture.weight", str(weight))] if weight is not None else [])
             inputs.append(DatasetInput(dataset._to_mlflow_entity(), tags=tags))
             digests.append(digest)
         self.client.log_inputs(self.run_id, datasets=inputs)
-        self._log_params(self.run_id, {"data.num_samples": manifest["num_samples"], "data.num_tokens": manifest.get("num_tokens"),
-                                       "data.digest": ",".join(digests)})
+        self._log_params(
+            self.run_id,
+            {"data.num_samples": manifest["num_samples"], "data.num_tokens": manifest.get("num_tokens"), "data.digest": ",".join(digests)},
+        )
 
     def log_step(self, event: dict) -> None:
         from mlflow.entities import Metric
@@ -230,7 +251,7 @@ def _dataset_source(path: str):
         with warnings.catch_warnings():  # a local folder matches two of MLflow's sources, the same class twice
             warnings.simplefilter("ignore")
             return resolve_dataset_source(path if "://" in path else os.path.abspath(path))
-    except Exception:  # a scheme MLflow has no source for: keep the URI all the same
+    except Exception:  # noqa: BLE001 - a scheme MLflow has no source for: keep the URI all the same
         return HTTPDatasetSource(path)
 
 

@@ -33,15 +33,21 @@ class PipelineRun:
         from mlflow.entities import Metric
 
         numbers = result.get("summary", {}) | result.get("metrics", {})
-        metrics = [Metric(f"{stage.entry.name}.{key}", float(numbers[key]), 0, stage.index) for key in (*STAGE_METRICS, "answers_nll")
-                   if numbers.get(key) is not None]
+        metrics = [
+            Metric(f"{stage.entry.name}.{key}", float(numbers[key]), 0, stage.index)
+            for key in (*STAGE_METRICS, "answers_nll")
+            if numbers.get(key) is not None
+        ]
         self.client.log_batch(self.run_id, metrics=metrics)
         self.client.set_tag(self.run_id, f"lmforge.stage.{stage.entry.name}", json.dumps({k: v for k, v in result.items() if k != "summary"})[:5000])
 
     def log_evaluation(self, stage, answered: dict) -> str:
         """An evaluate stage's run: the student's held-out metrics and its answers' table."""
-        run = self.client.create_run(self.exp_id, run_name=f"{stage.job.name} evaluation",
-                                     tags={JOB_TAG: self.key, ROLE_TAG: "evaluation", PARENT_TAG: self.run_id, "lmforge.stage": stage.entry.name})
+        run = self.client.create_run(
+            self.exp_id,
+            run_name=f"{stage.job.name} evaluation",
+            tags={JOB_TAG: self.key, ROLE_TAG: "evaluation", PARENT_TAG: self.run_id, "lmforge.stage": stage.entry.name},
+        )
         log_answers(self.client, run.info.run_id, answered, stage.index)
         self.client.set_terminated(run.info.run_id, status="FINISHED")
         return run.info.run_id

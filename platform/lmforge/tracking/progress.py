@@ -81,9 +81,11 @@ class ProgressView:
             window = self._recent[-20:]
             eta = (self.total - event["step"]) * sum(window) / len(window)
             bubble = f"  bubble {event['bubble']:.0%} (theory {event['bubble_theory']:.0%})" if "bubble" in event else ""
-            self.console.print(plain(
-                f"step {event['step']}/{self.total}  loss {loss}  {self._eval + '  ' if self._eval else ''}lr {event['lr']:.2e}  "
-                f"{tps} tok/s  data wait {event['data_wait'] * 1000:.1f} ms{bubble}  ETA {_clock(eta)}"),
+            self.console.print(
+                plain(
+                    f"step {event['step']}/{self.total}  loss {loss}  {self._eval + '  ' if self._eval else ''}lr {event['lr']:.2e}  "
+                    f"{tps} tok/s  data wait {event['data_wait'] * 1000:.1f} ms{bubble}  ETA {_clock(eta)}"
+                ),
                 highlight=False,
                 soft_wrap=True,
             )

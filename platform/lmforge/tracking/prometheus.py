@@ -42,9 +42,14 @@ class RankMetrics:
         self.series = {name: _make(name, kind, text, ("job", "rank")) for name, (kind, text) in RANK_METRICS.items()}
 
     def step(self, row: dict, memory_bytes: Optional[int] = None) -> None:
-        values = {"lmforge_tokens_per_second": row["tokens_per_s"], "lmforge_step_seconds": row["step_time"], "lmforge_mfu": row["mfu"],
-                  "lmforge_data_wait_seconds": row["data_wait"], "lmforge_step": row["step"],
-                  "lmforge_memory_bytes": memory_bytes if memory_bytes is not None else resident_bytes()}
+        values = {
+            "lmforge_tokens_per_second": row["tokens_per_s"],
+            "lmforge_step_seconds": row["step_time"],
+            "lmforge_mfu": row["mfu"],
+            "lmforge_data_wait_seconds": row["data_wait"],
+            "lmforge_step": row["step"],
+            "lmforge_memory_bytes": memory_bytes if memory_bytes is not None else resident_bytes(),
+        }
         for name, value in values.items():
             self.series[name].set(value, tags=self.tags)
 

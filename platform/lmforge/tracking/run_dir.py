@@ -9,7 +9,26 @@ import json
 import os
 from pathlib import Path
 
-STEP_FIELDS = ("step", "loss", "ce_loss", "kd_loss", "hidden_loss", "on_policy", "lr", "grad_norm", "tokens_per_s", "mfu", "bubble", "bubble_theory", "step_time", "data_wait", "tokens", "samples_consumed", "mixture", "time")
+STEP_FIELDS = (
+    "step",
+    "loss",
+    "ce_loss",
+    "kd_loss",
+    "hidden_loss",
+    "on_policy",
+    "lr",
+    "grad_norm",
+    "tokens_per_s",
+    "mfu",
+    "bubble",
+    "bubble_theory",
+    "step_time",
+    "data_wait",
+    "tokens",
+    "samples_consumed",
+    "mixture",
+    "time",
+)
 
 
 REDONE_EVENTS = {"eval"}  # measured again when their step is

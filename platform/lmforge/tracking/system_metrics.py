@@ -18,8 +18,13 @@ def start_monitor(spec: JobSpec, on_this_node: bool):
         return None
     from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
-    monitor = SystemMetricsMonitor(tracking.run_id, sampling_interval=tracking.system_metrics_s, resume_logging=True,
-                                   node_id=socket.gethostname(), tracking_uri=spec.tracking_uri)
+    monitor = SystemMetricsMonitor(
+        tracking.run_id,
+        sampling_interval=tracking.system_metrics_s,
+        resume_logging=True,
+        node_id=socket.gethostname(),
+        tracking_uri=spec.tracking_uri,
+    )
     monitor.start()
     return monitor
 

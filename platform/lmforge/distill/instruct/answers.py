@@ -18,8 +18,18 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-ANSWER_COLUMNS = ("prompt_index", "teacher", "sample", "held_out", "prompt_ids", "answer_ids", "logprobs", "finish_reason",
-                  "topk_ids", "topk_logprobs")
+ANSWER_COLUMNS = (
+    "prompt_index",
+    "teacher",
+    "sample",
+    "held_out",
+    "prompt_ids",
+    "answer_ids",
+    "logprobs",
+    "finish_reason",
+    "topk_ids",
+    "topk_logprobs",
+)
 
 
 def unit_file(directory: Path, unit: int) -> Path:
@@ -36,12 +46,13 @@ class TeacherAnswers:
     units (a batch of `{"unit", "prompts"}` rows, `prompts` a JSON list of [index,
     held_out, token ids]) and returns how many answers and tokens each unit got."""
 
-    def __init__(self, paths: list[str], settings: dict, eos_id: int, vocab: int, soft_targets: Optional[tuple[int, float]],
-                 out_dir: str, threads: int):
+    def __init__(
+        self, paths: list[str], settings: dict, eos_id: int, vocab: int, soft_targets: Optional[tuple[int, float]], out_dir: str, threads: int
+    ):
         import torch
 
-        from lmforge.cluster.runtime import tune_process
         from lmforge.distill.teacher import load_whole
+        from lmforge.ray_runtime import tune_process
 
         tune_process(threads)
         self.teachers = load_whole(paths, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
@@ -67,28 +78,47 @@ class TeacherAnswers:
         rows: dict[str, list] = {name: [] for name in ANSWER_COLUMNS}
         for teacher_index, teacher in enumerate(self.teachers):
             for start in range(0, len(wanted), s["batch_size"]):
-                chunk = wanted[start:start + s["batch_size"]]
+                chunk = wanted[start : start + s["batch_size"]]
                 seeds = [row_seed(s["seed"], index, sample, teacher_index) for index, _, _, sample in chunk]
-                results = generate_ids(teacher, [ids for _, _, ids, _ in chunk], params, self.eos_ids, self.vocab, row_seeds=seeds,
-                                       soft_targets=self.soft_targets)
+                results = generate_ids(
+                    teacher, [ids for _, _, ids, _ in chunk], params, self.eos_ids, self.vocab, row_seeds=seeds, soft_targets=self.soft_targets
+                )
                 for (index, held, ids, sample), result in zip(chunk, results):
                     _append(rows, index, teacher_index, sample, held, ids, result)
         return rows
 
 
 def _append(rows: dict, index: int, teacher: int, sample: int, held: bool, prompt_ids: list[int], result) -> None:
-    values = (index, teacher, sample, held, prompt_ids, result.tokens, result.logprobs, result.finish_reason,
-              [] if result.top_ids is None else result.top_ids.flatten().tolist(),
-              [] if result.top_logprobs is None else result.top_logprobs.flatten().tolist())
+    values = (
+        index,
+        teacher,
+        sample,
+        held,
+        prompt_ids,
+        result.tokens,
+        result.logprobs,
+        result.finish_reason,
+        [] if result.top_ids is None else result.top_ids.flatten().tolist(),
+        [] if result.top_logprobs is None else result.top_logprobs.flatten().tolist(),
+    )
     for name, value in zip(ANSWER_COLUMNS, values):
         rows[name].append(value)
 
 
-ANSWER_SCHEMA = pa.schema([
-    ("prompt_index", pa.int64()), ("teacher", pa.int16()), ("sample", pa.int16()), ("held_out", pa.bool_()),
-    ("prompt_ids", pa.list_(pa.int32())), ("answer_ids", pa.list_(pa.int32())), ("logprobs", pa.list_(pa.float32())),
-    ("finish_reason", pa.string()), ("topk_ids", pa.list_(pa.int32())), ("topk_logprobs", pa.list_(pa.float16())),
-])
+ANSWER_SCHEMA = pa.schema(
+    [
+        ("prompt_index", pa.int64()),
+        ("teacher", pa.int16()),
+        ("sample", pa.int16()),
+        ("held_out", pa.bool_()),
+        ("prompt_ids", pa.list_(pa.int32())),
+        ("answer_ids", pa.list_(pa.int32())),
+        ("logprobs", pa.list_(pa.float32())),
+        ("finish_reason", pa.string()),
+        ("topk_ids", pa.list_(pa.int32())),
+        ("topk_logprobs", pa.list_(pa.float16())),
+    ]
+)
 
 
 def _write_atomically(path: Path, rows: dict) -> None:

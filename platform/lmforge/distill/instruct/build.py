@@ -15,8 +15,8 @@ import hashlib
 import json
 import shutil
 import time
-from dataclasses import dataclass
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -27,13 +27,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedCo
 from lmforge.checkpoint.export import open_source
 from lmforge.data.packing import ShardWriter
 from lmforge.data.prepare import EVAL_DIR, MANIFEST
-from lmforge.data.tokenizer import eos_id, load_tokenizer, end_of_text_token, tokenizer_sha256
+from lmforge.data.staging import staged
+from lmforge.data.tokenizer import end_of_text_token, eos_id, load_tokenizer, tokenizer_sha256
 from lmforge.distill.cache import actor_pool, weights_sha256
 from lmforge.distill.instruct.answers import TeacherAnswers, read_answers, unit_file
 from lmforge.distill.instruct.prompts import chat_template, read_prompts
 from lmforge.distill.instruct.samples import write_samples
 from lmforge.distill.instruct.selection import RULES, select
-from lmforge.data.staging import staged
 from lmforge.errors import UserError
 from lmforge.tracking.console import text_column
 
@@ -84,22 +84,25 @@ def plan_generation(spec) -> Plan:
     encoded = tokenizer.encode_batch([p.text for p in prompts])
     fitting = [(p.index, p.held_out, e.ids) for p, e in zip(prompts, encoded) if 0 < len(e.ids) <= room]
     if not fitting:
-        raise UserError(f"distill.instruct.prompts: none of the {len(prompts)} prompts fits: a prompt and "
-                        f"distill.instruct.generate.max_new_tokens {instruct.generate.max_new_tokens} must fit in train.seq_len + 1 "
-                        f"= {spec.train.seq_len + 1} tokens and the teachers' context; the shortest prompt has "
-                        f"{min(len(e.ids) for e in encoded)} tokens")
+        raise UserError(
+            f"distill.instruct.prompts: none of the {len(prompts)} prompts fits: a prompt and "
+            f"distill.instruct.generate.max_new_tokens {instruct.generate.max_new_tokens} must fit in train.seq_len + 1 "
+            f"= {spec.train.seq_len + 1} tokens and the teachers' context; the shortest prompt has "
+            f"{min(len(e.ids) for e in encoded)} tokens"
+        )
     size = instruct.prompts_per_shard
-    units = [fitting[i:i + size] for i in range(0, len(fitting), size)]
+    units = [fitting[i : i + size] for i in range(0, len(fitting), size)]
     identity = {
         "prompts": {"uri": instruct.prompts, "sha256": hashlib.sha256(json.dumps([p.text for p in prompts]).encode()).hexdigest()},
         "teachers": [{"path": str(s.path), "weight": s.weight, "sha256": weights_sha256(s.path)} for s in d.sources],
         "tokenizer_sha256": tokenizer_sha256(tokenizer),
         "generate": instruct.generate.model_dump(),
-        "eval_fraction": instruct.eval_fraction, "prompts_per_shard": size, "seq_len": spec.train.seq_len,
+        "eval_fraction": instruct.eval_fraction,
+        "prompts_per_shard": size,
+        "seq_len": spec.train.seq_len,
         "soft_targets": {"k": d.top_k, "temperature": d.temperature} if d.top_k else None,
     }
-    return Plan(units, len(prompts), sum(p.held_out for p in prompts), len(prompts) - len(fitting), tokenizer,
-                eos_id(tokenizer, eos_token), identity)
+    return Plan(units, len(prompts), sum(p.held_out for p in prompts), len(prompts) - len(fitting), tokenizer, eos_id(tokenizer, eos_token), identity)
 
 
 def _tokenizer(spec, teacher, name: str):
@@ -145,15 +148,27 @@ def answered_units(spec, plan: Plan, work: Path, pending: list[int]) -> Iterator
     `work` by the actor; yields (the units just written, their new tokens) as they come."""
     d = spec.distill
     pool = actor_pool(ray.cluster_resources(), d.instruct.actors)
-    writer = {"paths": [str(s.path) for s in d.sources], "settings": d.instruct.generate.model_dump(), "eos_id": plan.eos,
-              "vocab": plan.tokenizer.get_vocab_size(), "soft_targets": (d.top_k, d.temperature) if d.top_k else None,
-              "out_dir": str(work), "threads": pool["threads"]}
+    writer = {
+        "paths": [str(s.path) for s in d.sources],
+        "settings": d.instruct.generate.model_dump(),
+        "eos_id": plan.eos,
+        "vocab": plan.tokenizer.get_vocab_size(),
+        "soft_targets": (d.top_k, d.temperature) if d.top_k else None,
+        "out_dir": str(work),
+        "threads": pool["threads"],
+    }
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False
     items = [{"unit": u, "prompts": json.dumps([[i, held, ids] for i, held, ids in plan.units[u]])} for u in pending]
     answered = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
-        TeacherAnswers, fn_constructor_kwargs=writer, batch_size=1, batch_format="numpy",
-        compute=ray.data.ActorPoolStrategy(size=pool["concurrency"]), num_cpus=pool.get("num_cpus", 0), num_gpus=pool.get("num_gpus", 0))
+        TeacherAnswers,
+        fn_constructor_kwargs=writer,
+        batch_size=1,
+        batch_format="numpy",
+        compute=ray.data.ActorPoolStrategy(size=pool["concurrency"]),
+        num_cpus=pool.get("num_cpus", 0),
+        num_gpus=pool.get("num_gpus", 0),
+    )
     for batch in answered.iter_batches(batch_size=None, batch_format="numpy"):
         yield [int(u) for u in batch["unit"]], int(batch["tokens"].sum())
 
@@ -173,9 +188,9 @@ def _answer_units(spec, plan: Plan, work: Path, pending: list[int], show_progres
 def _progress(enabled: bool):
     if not enabled:
         return nullcontext()  # enters as None: no bar
-    return Progress(text_column("{task.description}", bold=True), BarColumn(), MofNCompleteColumn(), text_column("{task.fields[rate]}"),
-                    TimeElapsedColumn())
-
+    return Progress(
+        text_column("{task.description}", bold=True), BarColumn(), MofNCompleteColumn(), text_column("{task.fields[rate]}"), TimeElapsedColumn()
+    )
 
 
 def _write_dataset(spec, plan: Plan, work: Path, seconds: float) -> dict:
@@ -188,7 +203,10 @@ def _write_dataset(spec, plan: Plan, work: Path, seconds: float) -> dict:
     out = Path(spec.data.path)
     with staged(out) as staging:
         splits = {}
-        for name, directory, rows in (("train", staging, [r for r in kept if not held[r]]), ("eval", staging / EVAL_DIR, [r for r in kept if held[r]])):
+        for name, directory, rows in (
+            ("train", staging, [r for r in kept if not held[r]]),
+            ("eval", staging / EVAL_DIR, [r for r in kept if held[r]]),
+        ):
             if not rows:
                 continue
             directory.mkdir(exist_ok=True)
@@ -197,8 +215,11 @@ def _write_dataset(spec, plan: Plan, work: Path, seconds: float) -> dict:
             writer.close()
             splits[name] = (writer, learnt)
         if "train" not in splits:
-            raise UserError(f"distill.instruct.select: no answer to train on is left ({answers.num_rows} answers, "
-                            + ", ".join(f"{n} {rule}" for rule, n in dropped.items() if n) + "); loosen the rules or give more prompts")
+            raise UserError(
+                f"distill.instruct.select: no answer to train on is left ({answers.num_rows} answers, "
+                + ", ".join(f"{n} {rule}" for rule, n in dropped.items() if n)
+                + "); loosen the rules or give more prompts"
+            )
         manifest = _manifest(spec, plan, answers, dropped, splits, seconds)
         plan.tokenizer.save(str(staging / "tokenizer.json"))
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=2))
@@ -219,20 +240,37 @@ def _manifest(spec, plan: Plan, answers: pa.Table, dropped: dict, splits: dict, 
         "corpus_tokens": learnt,
         "documents": plan.prompts,
         "skipped_documents": plan.too_long,
-        "tokenizer": {"file": "tokenizer.json", "sha256": tokenizer_sha256(plan.tokenizer), "vocab_size": plan.tokenizer.get_vocab_size(),
-                      "eos_id": plan.eos},
+        "tokenizer": {
+            "file": "tokenizer.json",
+            "sha256": tokenizer_sha256(plan.tokenizer),
+            "vocab_size": plan.tokenizer.get_vocab_size(),
+            "eos_id": plan.eos,
+        },
         "shards": writer.shards,
         "instruct": {
             **plan.identity,
             "select": instruct.select.model_dump(),
-            "counts": {"prompts": plan.prompts, "held_out_prompts": plan.held_out, "prompt_too_long": plan.too_long,
-                       "answers": answers.num_rows, "dropped": {rule: dropped[rule] for rule in RULES},
-                       "kept": sum(s[0].next_id for s in splits.values()), "answer_tokens": learnt},
+            "counts": {
+                "prompts": plan.prompts,
+                "held_out_prompts": plan.held_out,
+                "prompt_too_long": plan.too_long,
+                "answers": answers.num_rows,
+                "dropped": {rule: dropped[rule] for rule in RULES},
+                "kept": sum(s[0].next_id for s in splits.values()),
+                "answer_tokens": learnt,
+            },
         },
         "seconds": round(seconds, 2),
     }
     if "eval" in splits:
         held, held_learnt = splits["eval"]
-        manifest["eval"] = {"dir": EVAL_DIR, "source": instruct.prompts, "fraction": instruct.eval_fraction, "documents": plan.held_out,
-                            "num_samples": held.next_id, "corpus_tokens": held_learnt, "shards": held.shards}
+        manifest["eval"] = {
+            "dir": EVAL_DIR,
+            "source": instruct.prompts,
+            "fraction": instruct.eval_fraction,
+            "documents": plan.held_out,
+            "num_samples": held.next_id,
+            "corpus_tokens": held_learnt,
+            "shards": held.shards,
+        }
     return manifest

@@ -49,7 +49,7 @@ def prompts_and_answers(samples: dict, limit: int) -> list[dict]:
     for index in sorted(best)[:limit]:
         tokens, mask = samples["tokens"][best[index]], np.asarray(samples["loss_mask"][best[index]], dtype=bool)
         first, count = int(np.argmax(mask)), int(mask.sum())
-        chosen.append({"prompt_index": index, "prompt_ids": tokens[:first + 1], "answer_ids": tokens[first + 1:first + 1 + count]})
+        chosen.append({"prompt_index": index, "prompt_ids": tokens[: first + 1], "answer_ids": tokens[first + 1 : first + 1 + count]})
     return chosen
 
 
@@ -63,32 +63,46 @@ def evaluate_student(spec, model_path: str, limit: int) -> dict:
     settings = spec.distill.instruct.generate
     gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
     task = _score_and_answer.options(num_cpus=1, num_gpus=gpus)
-    return ray.get(task.remote(model_path, str(dataset / "tokenizer.json"), samples["tokens"], samples["loss_mask"], wanted,
-                               settings.max_new_tokens))
+    return ray.get(task.remote(model_path, str(dataset / "tokenizer.json"), samples["tokens"], samples["loss_mask"], wanted, settings.max_new_tokens))
 
 
 @ray.remote
 def _score_and_answer(model_path: str, tokenizer: str, tokens: list, loss_mask: list, wanted: list[dict], max_new_tokens: int) -> dict:
     import torch
 
-    from lmforge.cluster.runtime import tune_process
     from lmforge.inference.generate import Generator, generate_ids
     from lmforge.inference.sampling import SamplingParams
+    from lmforge.ray_runtime import tune_process
 
     tune_process(1)
     student = Generator.load(model_path, "cuda" if torch.cuda.is_available() else "cpu", tokenizer=tokenizer)
     nll, counted = _answer_nll(student.model, tokens, loss_mask)
     room = student.model.cfg.max_seq_len
-    results = generate_ids(student.model, [w["prompt_ids"] for w in wanted],
-                           SamplingParams(max_new_tokens=min(max_new_tokens, room - max(len(w["prompt_ids"]) for w in wanted)), temperature=0),
-                           student.eos_ids, student.tokenizer.get_vocab_size())
-    decode = lambda ids: student.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-    table = [{"prompt_index": w["prompt_index"], "prompt": decode(w["prompt_ids"]), "teacher_answer": decode(w["answer_ids"]),
-              "student_answer": decode(r.tokens), "student_tokens": len(r.tokens), "finish_reason": r.finish_reason}
-             for w, r in zip(wanted, results)]
+    results = generate_ids(
+        student.model,
+        [w["prompt_ids"] for w in wanted],
+        SamplingParams(max_new_tokens=min(max_new_tokens, room - max(len(w["prompt_ids"]) for w in wanted)), temperature=0),
+        student.eos_ids,
+        student.tokenizer.get_vocab_size(),
+    )
+    decode = lambda ids: student.tokenizer.decode(ids, skip_special_tokens=True)
+    table = [
+        {
+            "prompt_index": w["prompt_index"],
+            "prompt": decode(w["prompt_ids"]),
+            "teacher_answer": decode(w["answer_ids"]),
+            "student_answer": decode(r.tokens),
+            "student_tokens": len(r.tokens),
+            "finish_reason": r.finish_reason,
+        }
+        for w, r in zip(wanted, results)
+    ]
     lengths = [row["student_tokens"] for row in table]
     metrics = {
-        "answers_nll": nll, "answers_ppl": float(np.exp(nll)), "answer_tokens": counted, "held_out_prompts": len(table),
+        "answers_nll": nll,
+        "answers_ppl": float(np.exp(nll)),
+        "answer_tokens": counted,
+        "held_out_prompts": len(table),
         "student_answer_tokens": float(np.mean(lengths)) if lengths else 0.0,
         "teacher_answer_tokens": float(np.mean([len(w["answer_ids"]) for w in wanted])) if wanted else 0.0,
         **{f"student_finish_{reason}": sum(row["finish_reason"] == reason for row in table) / max(len(table), 1) for reason in ("stop", "length")},
@@ -106,8 +120,8 @@ def _answer_nll(model, tokens: list, loss_mask: list) -> tuple[float, int]:
     total, counted = 0.0, 0
     with torch.no_grad():
         for start in range(0, len(tokens), NLL_BATCH):
-            batch = torch.tensor(tokens[start:start + NLL_BATCH], dtype=torch.long, device=device)
-            mask = torch.tensor(loss_mask[start:start + NLL_BATCH], dtype=torch.bool, device=device)
+            batch = torch.tensor(tokens[start : start + NLL_BATCH], dtype=torch.long, device=device)
+            mask = torch.tensor(loss_mask[start : start + NLL_BATCH], dtype=torch.bool, device=device)
             logits = model(batch[:, :-1]).float()
             losses = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="none")
             total += losses[mask.flatten()].sum().item()

@@ -63,7 +63,7 @@ def _rows(uri: str) -> list[dict]:
             return [_json_line(line, number, uri) for number, line in enumerate(f, 1) if line.strip()]
     except UserError:
         raise
-    except Exception as err:  # fsspec and pyarrow raise many kinds for unreadable files
+    except Exception as err:  # noqa: BLE001 - fsspec and pyarrow raise many kinds for unreadable files
         raise UserError(f"distill.instruct.prompts: cannot read {uri} ({err})") from None
 
 
@@ -85,18 +85,21 @@ def _text(row: dict, index: int, instruct, render) -> str:
             raise UserError(f"distill.instruct.prompt_column: {where}: {instruct.prompt_column!r} is not a non-empty string")
         return text
     if instruct.messages_column not in row:
-        raise UserError(f"distill.instruct.prompts: {where} has neither a {instruct.prompt_column!r} nor a {instruct.messages_column!r} "
-                        f"column (it has {sorted(row)}); set distill.instruct.prompt_column or messages_column")
+        raise UserError(
+            f"distill.instruct.prompts: {where} has neither a {instruct.prompt_column!r} nor a {instruct.messages_column!r} "
+            f"column (it has {sorted(row)}); set distill.instruct.prompt_column or messages_column"
+        )
     messages = row[instruct.messages_column]
     if not isinstance(messages, list) or not messages or not all(_is_message(m) for m in messages):
-        raise UserError(f"distill.instruct.messages_column: {where}: {instruct.messages_column!r} must be a non-empty list of "
-                        f"{{role, content}} pairs with role one of {', '.join(ROLES)}")
+        raise UserError(
+            f"distill.instruct.messages_column: {where}: {instruct.messages_column!r} must be a non-empty list of "
+            f"{{role, content}} pairs with role one of {', '.join(ROLES)}"
+        )
     return render()(messages)
 
 
 def _is_message(message) -> bool:
-    return (isinstance(message, dict) and set(message) == {"role", "content"} and message["role"] in ROLES
-            and isinstance(message["content"], str))
+    return isinstance(message, dict) and set(message) == {"role", "content"} and message["role"] in ROLES and isinstance(message["content"], str)
 
 
 def chat_renderer(template: Optional[str], name: str = "distill.instruct.chat_template"):
@@ -116,6 +119,7 @@ def chat_renderer(template: Optional[str], name: str = "distill.instruct.chat_te
             return compiled.render(messages=messages, add_generation_prompt=True, bos_token="", eos_token="")
         except TemplateError as err:
             raise UserError(f"{name}: rendering a chat failed ({err})") from None
+
     return render
 
 

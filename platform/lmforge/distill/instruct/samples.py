@@ -35,21 +35,29 @@ def write_samples(writer: ShardWriter, answers: pa.Table, rows: list[int], seq_l
     width = seq_len + 1
     tokens = np.full((len(rows), width), pad_id, dtype=np.int32)
     mask = np.zeros((len(rows), seq_len), dtype=np.uint8)
-    targets = {"topk_ids": np.zeros((len(rows), seq_len, k), dtype=np.int32),
-               "topk_logprobs": np.zeros((len(rows), seq_len, k), dtype=np.float16)} if k else {}
+    targets = (
+        {"topk_ids": np.zeros((len(rows), seq_len, k), dtype=np.int32), "topk_logprobs": np.zeros((len(rows), seq_len, k), dtype=np.float16)}
+        if k
+        else {}
+    )
     learnt = 0
     for out, row in enumerate(rows):
-        prompt = prompts[prompt_at[row]:prompt_at[row + 1]]
+        prompt = prompts[prompt_at[row] : prompt_at[row + 1]]
         begin, end = reply_at[row], reply_at[row + 1]
         first, count = len(prompt) - 1, int(end - begin)
-        tokens[out, :len(prompt)] = prompt
-        tokens[out, len(prompt):len(prompt) + count] = replies[begin:end]
-        mask[out, first:first + count] = 1
+        tokens[out, : len(prompt)] = prompt
+        tokens[out, len(prompt) : len(prompt) + count] = replies[begin:end]
+        mask[out, first : first + count] = 1
         if k:
-            targets["topk_ids"][out, first:first + count] = top_ids[begin * k:end * k].reshape(count, k)
-            targets["topk_logprobs"][out, first:first + count] = top_logprobs[begin * k:end * k].reshape(count, k)
+            targets["topk_ids"][out, first : first + count] = top_ids[begin * k : end * k].reshape(count, k)
+            targets["topk_logprobs"][out, first : first + count] = top_logprobs[begin * k : end * k].reshape(count, k)
         learnt += count
     origin = {name: answers.column(name).to_numpy()[rows] for name in ORIGIN}
-    writer.add(tokens, loss_mask=mask, **{name: values.reshape(len(rows), -1) for name, values in targets.items()}, **origin,
-               mean_logprob=mean_logprobs(answers)[rows].astype(np.float32))
+    writer.add(
+        tokens,
+        loss_mask=mask,
+        **{name: values.reshape(len(rows), -1) for name, values in targets.items()},
+        **origin,
+        mean_logprob=mean_logprobs(answers)[rows].astype(np.float32),
+    )
     return learnt

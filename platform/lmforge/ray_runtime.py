@@ -77,8 +77,9 @@ def connect(address: str | None = None) -> bool:
     return True
 
 
-def check_capacity(workers: int, cpus_per_worker: float, gpus_per_worker: float, field: str = "resources", hint: str = "",
-                   total: dict | None = None) -> None:
+def check_capacity(
+    workers: int, cpus_per_worker: float, gpus_per_worker: float, field: str = "resources", hint: str = "", total: dict | None = None
+) -> None:
     """Refuse a world size the cluster (`total`, by default the one Ray is connected
     to) cannot hold, with CPUs left for reading data, instead of waiting forever."""
     total = ray.cluster_resources() if total is None else total
