@@ -32,6 +32,7 @@ from lmforge.data.corpus import stdlib_files
 from lmforge.data.order import BatchLayout, GlobalOrder
 from lmforge.data.prepare import PrepareOptions, prepare_dataset
 from lmforge.engines.base import warmup_cosine
+from lmforge.events import Event, Step
 from lmforge.models import build_model
 from lmforge.spec import spec_from_dict
 from lmforge.trainer import Trainer
@@ -52,12 +53,12 @@ def job(workdir: str, data: str, steps: int) -> dict:
 
 
 def run_lmforge(spec, manifest, warmup: int) -> tuple[float, list[float]]:
-    events: list[dict] = []
+    events: list[Event] = []
     Trainer(spec, manifest, report=events.append).run()
-    steps = [e for e in events if e["event"] == "step"]
+    steps = [e for e in events if isinstance(e, Step)]
     timed = steps[warmup:]
     tokens = spec.train.global_batch * spec.train.seq_len * len(timed)
-    return tokens / sum(e["step_time"] for e in timed), [e["loss"] for e in steps]
+    return tokens / sum(e.step_time for e in timed), [e.loss for e in steps]
 
 
 def load_batches(spec, manifest) -> list[torch.Tensor]:

@@ -29,6 +29,7 @@ from lmforge.distill.cache import teacher_cache
 from lmforge.distill.loss import DistillLoss
 from lmforge.engines import CrossEntropy, Loss, create_engine
 from lmforge.errors import OutOfMemory
+from lmforge.events import BatchSkipped, Eval, Event, Restored, Start, Step
 from lmforge.guards.divergence import DivergenceGuard
 from lmforge.guards.inject import FaultInjector
 from lmforge.guards.leaks import LeakCheck
@@ -39,7 +40,7 @@ from lmforge.planner.fit import check_fits
 from lmforge.spec import JobSpec
 from lmforge.tracking.flops import mfu, peak_flops
 
-Reporter = Callable[[dict], None]
+Reporter = Callable[[Event], None]
 
 
 class Trainer:
@@ -113,16 +114,15 @@ class Trainer:
         self.flops_per_step = spec.model_arch.flops_per_token(spec.train.seq_len) * spec.train.global_batch * spec.train.seq_len
         if from_memory:
             load_snapshot(snapshot_source.fetch, self.engine, memory_state)
-            self._event({"event": "restored", "step": self.start_step, "path": "memory", "from_memory": True})
+            self._event(Restored(step=self.start_step, path="memory", from_memory=True))
         elif resume_from is not None:
             load_checkpoint(self.store, resume_from, self.engine)
-            self._event({"event": "restored", "step": resume_from.step, "path": resume_from.path, "from_memory": False})
+            self._event(Restored(step=resume_from.step, path=resume_from.path, from_memory=False))
         self.skip_batches = set(spec.guards.skip_batches)
         self.divergence = DivergenceGuard(spec.guards)
         self.leaks = LeakCheck() if spec.guards.leak_check else None
         self.faults = FaultInjector(spec, self.engine, self.rank)
-        # Steps after this one are (re)trained now: whoever records them drops later ones.
-        self._event({"event": "start", "step": self.start_step})
+        self._event(Start(step=self.start_step))
 
     def _newer_in_memory(self, source, group: dist.ProcessGroup) -> bool:
         """Rank 0 decides for all: is the snapshot at least as new as storage's latest
@@ -132,11 +132,11 @@ class Trainer:
         dist.broadcast_object_list(decision, src=0, group=group)
         return bool(decision[0])
 
-    def _event(self, event: dict) -> None:
+    def _event(self, event: Event) -> None:
         if self.rank == 0:
             self.report(event)
-            if event["event"] in ("step", "eval"):
-                self.unsaved_records.append(event)
+            if isinstance(event, (Step, Eval)):
+                self.unsaved_records.append(event.as_dict())
 
     def _trainer_state(self, step: int) -> dict:
         return {
@@ -167,7 +167,7 @@ class Trainer:
                 assert fed.step == step
                 step += 1
                 if step in self.skip_batches:
-                    self._event({"event": "batch_skipped", "step": step})
+                    self._event(BatchSkipped(step=step))
                 else:
                     last = self._train_step(step, fed, began) or last
                 if self.held_out and (step % self.spec.eval_interval == 0 or step == train.max_steps):
@@ -186,9 +186,9 @@ class Trainer:
             self.writer.close()  # the last checkpoint is committed before the run counts as done
         finally:
             self.feed.close()
-        return {"step": step, "loss": last["loss"] if last else None, "start_step": self.start_step, "stopped": stopped}
+        return {"step": step, "loss": last.loss if last else None, "start_step": self.start_step, "stopped": stopped}
 
-    def _train_step(self, step: int, fed: FedStep, began: float) -> dict | None:
+    def _train_step(self, step: int, fed: FedStep, began: float) -> Step | None:
         """One optimizer step; its metrics (None when the step was not finite)."""
         train = self.spec.train
         try:
@@ -209,27 +209,28 @@ class Trainer:
             self._event(event)
         if not stats.finite:
             return None
-        row = {
-            "event": "step",
-            "step": step,
-            "loss": stats.loss,
-            "lr": stats.lr,
-            "grad_norm": stats.grad_norm,
-            "step_time": elapsed,
-            "data_wait": fed.waited,
-            "tokens_per_s": tokens_per_step / elapsed,
-            "mfu": mfu(self.flops_per_step, elapsed, self.peak_flops, dist.get_world_size()),
-            "tokens": step * tokens_per_step,
-            "samples_consumed": step * train.global_batch,
-        }
+        optional: dict = {}
         if self.mixture is not None:  # the realised mixture: samples of each source in this step
-            row["mixture"] = self.mixture.taken((step - 1) * train.global_batch, train.global_batch).tolist()
+            optional["mixture"] = self.mixture.taken((step - 1) * train.global_batch, train.global_batch).tolist()
         if self.spec.data.record_sample_ids:
-            row["sample_ids"] = self._global_ids(fed.ids)
+            optional["sample_ids"] = self._global_ids(fed.ids)
         if stats.bubble is not None:
-            row.update(bubble=stats.bubble, bubble_theory=stats.bubble_theory)
-        row.update(stats.terms)
-        row.update(self.loss.row_fields(loss_inputs))
+            optional.update(bubble=stats.bubble, bubble_theory=stats.bubble_theory)
+        row = Step(
+            step=step,
+            loss=stats.loss,
+            lr=stats.lr,
+            grad_norm=stats.grad_norm,
+            step_time=elapsed,
+            data_wait=fed.waited,
+            tokens_per_s=tokens_per_step / elapsed,
+            mfu=mfu(self.flops_per_step, elapsed, self.peak_flops, dist.get_world_size()),
+            tokens=step * tokens_per_step,
+            samples_consumed=step * train.global_batch,
+            **optional,
+            **stats.terms,  # the loss's named terms, and what it adds of its own
+            **self.loss.row_fields(loss_inputs),
+        )
         if self.metrics:
             self.metrics.step(row, torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else None)
         self._event(row)
@@ -251,14 +252,13 @@ class Trainer:
         ]
         metrics = {name: float(np.mean([b[name] for b in batches])) for name in batches[0]}
         self._event(
-            {
-                "event": "eval",
-                "step": step,
+            Eval(
+                step=step,
                 **metrics,
-                "eval_ppl": math.exp(min(metrics["eval_loss"], 700.0)),
-                "batches": len(batches),
-                "seconds": round(time.perf_counter() - began, 3),
-            }
+                eval_ppl=math.exp(min(metrics["eval_loss"], 700.0)),
+                batches=len(batches),
+                seconds=round(time.perf_counter() - began, 3),
+            )
         )
 
     def _stop_requested(self) -> bool:

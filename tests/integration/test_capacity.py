@@ -12,6 +12,7 @@ import ray
 from lmforge.cluster.capacity import Capacity
 from lmforge.cluster.placement import NodeWatch, Slots
 from lmforge.errors import UserError
+from lmforge.events import Spares
 from lmforge.spec import JobSpec, spec_from_dict
 
 pytestmark = pytest.mark.ray
@@ -93,13 +94,13 @@ def test_an_elastic_restart_takes_the_largest_dp_the_kept_slots_hold(ray_session
 
 def test_spares_take_a_lost_slots_place_and_the_surplus_is_released(ray_session):
     with started(job(fault_tolerance={"max_failures": 1, "spares": 1})) as (capacity, events, current):
-        assert len(capacity.slots) == 3 and events == [{"event": "spares", "ready": 1, "wanted": 1}]
+        assert len(capacity.slots) == 3 and events == [Spares(ready=1, wanted=1)]
         capacity.slots.keep(2)  # a rank's slot lost: the spare's slot completes the layout
         assert capacity.fit(current).parallel.dp == 2 and len(capacity.slots) == 2
-        assert events[-1] == {"event": "spares", "ready": 0, "wanted": 1}
+        assert events[-1] == Spares(ready=0, wanted=1)
         assert settles_at(ray.cluster_resources()["CPU"] - 2)
         capacity.probe(current)  # room is free again: the spare comes back
-        assert len(capacity.slots) == 3 and events[-1]["ready"] == 1
+        assert len(capacity.slots) == 3 and events[-1].ready == 1
 
 
 def test_spares_that_do_not_fit_are_refused_naming_the_field(ray_session):

@@ -55,7 +55,7 @@ def test_a_save_commits_the_state_as_it_was_at_save_time(tmp_path, group):
     engine.train_step(None, before_update=writer.staged)  # changes the weight while the write may still run
     writer.close()
     (event,) = events
-    assert event["event"] == "checkpoint" and event["step"] == 1 and event["stall_seconds"] <= event["seconds"]
+    assert event.event == "checkpoint" and event.step == 1 and event.stall_seconds <= event.seconds
     store = CheckpointStore(str(tmp_path))
     assert store.committed() == [1] and store.mismatches(1, sorted(store.manifest(1))) == []
     assert json.loads((tmp_path / "step_00000001" / "state.json").read_text())["format"] == "dcp"
@@ -74,8 +74,8 @@ def test_failed_writes_are_reported_until_too_many_in_a_row(tmp_path, group):
     writer.save(4, engine, {"step": 4})  # waits for 2 (failed: 1 in a row), then writes 4
     writer.save(3, engine, {"step": 3})  # waits for 4 (committed: the count resets)
     writer.wait()  # 3 failed: 1 in a row, still tolerated
-    assert [(e["event"], e["step"]) for e in events] == [("checkpoint", 1), ("checkpoint_failed", 2), ("checkpoint", 4), ("checkpoint_failed", 3)]
-    assert "step_00000002" in events[1]["error"] and events[1]["failed_in_a_row"] == 1
+    assert [(e.event, e.step) for e in events] == [("checkpoint", 1), ("checkpoint_failed", 2), ("checkpoint", 4), ("checkpoint_failed", 3)]
+    assert "step_00000002" in events[1].error and events[1].failed_in_a_row == 1
     (tmp_path / "step_00000005").write_text("in the way")
     writer.save(5, engine, {"step": 5})
     with pytest.raises(CheckpointWritesFailing, match="2 checkpoints in a row could not be written"):
@@ -106,7 +106,7 @@ def test_an_fsspec_uri_saves_verifies_and_restores(group):
         f.write(b"not what was committed")
     reported = []
     ckpt = restore_point(store, group, reported.append)
-    assert ckpt.step == 1 and [e["step"] for e in reported] == [2] and "rng/rank_00000.safetensors" in reported[0]["reason"]
+    assert ckpt.step == 1 and [e.step for e in reported] == [2] and "rng/rank_00000.safetensors" in reported[0].reason
     restored = OneTensor()
     load_checkpoint(store, ckpt, restored)
     assert torch.equal(restored.weight, torch.ones(1000))
@@ -177,5 +177,5 @@ def test_a_restore_point_tells_a_read_error_from_corruption(tmp_path, group, mon
     data[0] ^= 0xFF
     shard.write_bytes(bytes(data))
     assert restore_point(store, group, reported.append).step == 1
-    assert [event["step"] for event in reported] == [2]
+    assert [event.step for event in reported] == [2]
     assert store.clear_after(1) == {"set_aside": [2], "removed": []} and (tmp_path / "corrupt_step_00000002" / shard.name).exists()

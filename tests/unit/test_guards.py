@@ -10,11 +10,11 @@ import torch
 
 from lmforge.engines.base import StepStats
 from lmforge.errors import Diverged
+from lmforge.events import OutOfMemoryEvent, Rollback
 from lmforge.guards.divergence import DivergenceGuard
 from lmforge.guards.leaks import LeakCheck
 from lmforge.guards.oom import with_smaller_micro_batch
 from lmforge.spec import GuardSpec, spec_from_dict
-from lmforge.tracking.events import MESSAGES
 
 
 def finite(loss):
@@ -26,9 +26,9 @@ NAN = StepStats(loss=math.nan, grad_norm=math.nan, lr=1e-3, finite=False, update
 
 def test_nonfinite_steps_in_a_row_raise_and_a_finite_one_resets_the_count():
     guard = DivergenceGuard(GuardSpec(nonfinite_in_a_row=3))
-    assert guard.observe(1, NAN)[0]["in_a_row"] == 1
+    assert guard.observe(1, NAN)[0].in_a_row == 1
     guard.observe(2, finite(2.0))
-    assert guard.observe(3, NAN)[0]["in_a_row"] == 1 and guard.observe(4, NAN)[0]["in_a_row"] == 2
+    assert guard.observe(3, NAN)[0].in_a_row == 1 and guard.observe(4, NAN)[0].in_a_row == 2
     with pytest.raises(Diverged) as raised:
         guard.observe(5, NAN)
     assert raised.value.steps == [3, 4, 5] and "steps 3, 4, 5" in str(raised.value)
@@ -40,7 +40,7 @@ def test_a_spike_is_judged_against_the_window():
     assert not any(guard.observe(i, finite(loss)) for i, loss in enumerate(steady, 1))
     assert not guard.observe(11, finite(3.03))  # noise: 3 standard deviations
     [spike] = guard.observe(12, finite(4.0))
-    assert spike["event"] == "loss_spike" and spike["zscore"] > 4 and "loss spike 4.0000" in MESSAGES["loss_spike"](spike)
+    assert spike.event == "loss_spike" and spike.zscore > 4 and "loss spike 4.0000" in spike.line()
     assert not DivergenceGuard(GuardSpec()).observe(1, finite(100.0))  # no history yet: nothing to judge against
 
 
@@ -103,9 +103,9 @@ def test_leak_check_finds_what_grows_per_step():
         kept.append(torch.zeros(3, 7, dtype=torch.float64))
         torch.ones(5)  # made and dropped every step: not a leak
         found += check.after_step(step)
-    [leak] = [e for e in found if e["kind"] == "float64 [3, 7] on cpu"]
-    assert leak["per_step"] == 1.0 and leak["bytes_per_step"] == 3 * 7 * 8
-    assert not [e for e in found if "[5]" in e["kind"]]
+    [leak] = [e for e in found if e.kind == "float64 [3, 7] on cpu"]
+    assert leak.per_step == 1.0 and leak.bytes_per_step == 3 * 7 * 8
+    assert not [e for e in found if "[5]" in e.kind]
 
 
 def test_the_driver_keeps_the_job_as_the_guards_changed_it():
@@ -113,8 +113,8 @@ def test_the_driver_keeps_the_job_as_the_guards_changed_it():
     from lmforge.cluster.driver import Seen
 
     seen = Seen(spec_from_dict({"name": "g", "parallel": {"dp": 2}, "data": {"path": "unused"}, "train": {"global_batch": 16, "micro_batch": 4}}))
-    seen.add({"event": "rollback", "rollback": 1, "skip_batches": [5, 6]}, None)
-    seen.add({"event": "out_of_memory", "retry_micro_batch": 2}, None)
-    seen.add({"event": "out_of_memory", "retry_micro_batch": None}, None)  # at the floor: the job fails, nothing changes
+    seen.add(Rollback(step=7, steps=[5, 6], rollback=1, max_rollbacks=2, skip_batches=[5, 6]), None)
+    seen.add(OutOfMemoryEvent(step=8, rank=0, micro_batch=4, retry_micro_batch=2), None)
+    seen.add(OutOfMemoryEvent(step=9, rank=0, micro_batch=2, retry_micro_batch=None), None)  # at the floor: the job fails, nothing changes
     assert seen.spec.guards.skip_batches == [5, 6] and seen.spec.train.micro_batch == 2 and seen.spec.grad_accum == 4
     assert seen.after_failure(12) | {"time": 0} == {"failures": 1, "rollbacks": 1, "step": 12, "time": 0}

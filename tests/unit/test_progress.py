@@ -4,20 +4,25 @@ import io
 
 from rich.console import Console
 
+from lmforge.events import EVENT_TYPES, Eval, Event, Step, parse_event
 from lmforge.tracking.progress import ProgressView
 
 
-def step(n: int) -> dict:
-    return {"step": n, "loss": 5.0, "lr": 1e-3, "tokens_per_s": 1000.0, "step_time": 0.1, "data_wait": 0.0}
+def step(n: int) -> Step:
+    return Step(step=n, loss=5.0, lr=1e-3, grad_norm=1.0, tokens_per_s=1000.0, step_time=0.1, data_wait=0.0, tokens=n * 64, samples_consumed=n)
+
+
+def held_out(n: int, loss: float) -> Eval:
+    return Eval(step=n, eval_loss=loss, eval_ppl=2.0, batches=1, seconds=0.1)
 
 
 def test_step_lines_carry_the_latest_held_out_loss():
     out = io.StringIO()
     view = ProgressView(10, 0, console=Console(file=out, force_terminal=False, width=300))
     view.step(step(1))
-    view.held_out({"step": 2, "eval_loss": 4.56789})
+    view.held_out(held_out(2, 4.56789))
     view.step(step(2))
-    view.held_out({"step": 3, "eval_loss": 4.1})
+    view.held_out(held_out(3, 4.1))
     view.step(step(3))
     lines = out.getvalue().splitlines()
     assert "eval" not in lines[0]
@@ -30,16 +35,16 @@ MARKUP = "[/x] [bold]"
 EVENTS = {
     "spares": {"ready": 1, "wanted": 2},
     "checkpoint": {"step": 3, "path": MARKUP, "seconds": 1.0, "stall_seconds": 0.1},
-    "checkpoint_failed": {"step": 3, "failed_in_a_row": 1, "max_failed_writes": 3, "error": MARKUP},
-    "checkpoint_corrupt": {"path": MARKUP, "reason": MARKUP},
-    "data_changed": {"step": 3, "changes": {"seed": (MARKUP, MARKUP)}},
-    "restored": {"step": 3, "path": MARKUP},
+    "checkpoint_failed": {"step": 3, "failed_in_a_row": 1, "max_failed_writes": 3, "error": MARKUP, "ranks": [0]},
+    "checkpoint_corrupt": {"step": 3, "path": MARKUP, "reason": MARKUP},
+    "data_changed": {"step": 3, "path": MARKUP, "changes": {"seed": (MARKUP, MARKUP)}},
+    "restored": {"step": 3, "path": MARKUP, "from_memory": False},
     "grow_pending": {"to_dp": 2, "dp": 1},
     "resized": {"from_dp": 1, "dp": 2, "step": 3, "seconds": 1.0},
     "failure": {"attempt": 1, "max_failures": 2, "step": 3, "cause": MARKUP, "rank": 0, "nodes_lost": [MARKUP]},
-    "recovered": {"seconds": 1.0, "dp": 1, "steps_redone": 2, "nodes_lost": [MARKUP]},
+    "recovered": {"step": 3, "seconds": 1.0, "dp": 1, "steps_redone": 2, "nodes_lost": [MARKUP]},
     "nonfinite": {"step": 3, "loss": MARKUP, "grad_norm": MARKUP, "update_skipped": True, "in_a_row": 1, "limit": 3},
-    "rollback": {"rollback": 1, "max_rollbacks": 2, "cause": MARKUP, "skip_batches": [3]},
+    "rollback": {"step": 3, "steps": [3], "rollback": 1, "max_rollbacks": 2, "cause": MARKUP, "skip_batches": [3]},
     "eval": {"step": 3, "eval_loss": 1.0, "eval_ppl": 2.7, "batches": 2, "seconds": 0.5},
     "batch_skipped": {"step": 3},
     "loss_spike": {"step": 3, "loss": 9.0, "zscore": 6.0, "window_mean": 2.0},
@@ -49,13 +54,12 @@ EVENTS = {
 
 
 def test_every_event_prints_outside_text_as_text_even_on_a_console_that_reads_markup():
-    from lmforge.tracking import events
-
-    assert set(EVENTS) == set(events.MESSAGES), "a new event kind needs a row here"
+    with_lines = {kind.model_fields["event"].default for kind in EVENT_TYPES if kind.line is not Event.line}
+    assert set(EVENTS) == with_lines, "a new event kind needs a row here"
     out = io.StringIO()
     view = ProgressView(10, 0, console=Console(file=out, force_terminal=False, width=400))  # markup on, as a notebook's own
-    for kind, event in EVENTS.items():
-        view.print(events.MESSAGES[kind](event))
+    for kind, fields in EVENTS.items():
+        view.print(parse_event({"event": kind, **fields}).line())
     view.layout([{"rank": 0, "pp": 0, "dp": 0, "tp": 0, "node": MARKUP, "ip": MARKUP}])
     text = out.getvalue()
     assert text.count(MARKUP) >= sum(str(e).count(MARKUP) for e in EVENTS.values() if "changes" not in e)

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from lmforge.checkpoint.safe_metadata import SafeFileSystemReader, SafeFsspecReader
 from lmforge.checkpoint.stateful import Checkpointable
 from lmforge.checkpoint.store import CheckpointStore, CheckpointUnreadable, CommittedCheckpoint, join_path
+from lmforge.events import CheckpointCorrupt, Event
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ def write_rng(store: CheckpointStore, path: str, rank: int, rng: dict[str, torch
         f.write(save_safetensors(rng))
 
 
-def restore_point(store: CheckpointStore, group: dist.ProcessGroup, report: Callable[[dict], None]) -> Optional[CommittedCheckpoint]:
+def restore_point(store: CheckpointStore, group: dist.ProcessGroup, report: Callable[[Event], None]) -> Optional[CommittedCheckpoint]:
     """Collective: the newest committed checkpoint whose files all match their commit
     marker (each rank checks a share). A corrupt one is reported and passed over; one
     that some rank could not read fails the attempt on every rank (`CheckpointUnreadable`),
@@ -81,7 +82,7 @@ def restore_point(store: CheckpointStore, group: dist.ProcessGroup, report: Call
         reason = f"{', '.join(bad[:3])} do not match commit.json" if bad else "state.json is unreadable"
         log.warning("checkpoint %s is corrupt (%s); trying the previous one", store.step_path(step), reason)
         if rank == 0:
-            report({"event": "checkpoint_corrupt", "step": step, "path": store.step_path(step), "reason": reason})
+            report(CheckpointCorrupt(step=step, path=store.step_path(step), reason=reason))
     return None
 
 

@@ -26,6 +26,7 @@ from lmforge.checkpoint.sharded import dcp_writer, rng_state, write_rng
 from lmforge.checkpoint.stateful import Checkpointable
 from lmforge.checkpoint.store import CheckpointStore
 from lmforge.errors import CheckpointWritesFailing
+from lmforge.events import Checkpoint, CheckpointFailed, Event
 from lmforge.spec import CheckpointSpec
 
 
@@ -84,7 +85,7 @@ class BackgroundSaver:
 
 
 class CheckpointWriter(BackgroundSaver):
-    def __init__(self, store: CheckpointStore, options: CheckpointSpec, group: dist.ProcessGroup, report: Callable[[dict], None]):
+    def __init__(self, store: CheckpointStore, options: CheckpointSpec, group: dist.ProcessGroup, report: Callable[[Event], None]):
         super().__init__(group, "checkpoint")
         self.store, self.options = store, options
         self.report = report  # called on rank 0 only, from the writer thread too
@@ -139,14 +140,13 @@ class CheckpointWriter(BackgroundSaver):
         if failed:
             rank, first = next(iter(failed.items()))
             self._event(
-                {
-                    "event": "checkpoint_failed",
-                    "step": step,
-                    "error": f"rank {rank}: {first}",
-                    "ranks": sorted(failed),
-                    "failed_in_a_row": self.failed_in_a_row + 1,
-                    "max_failed_writes": self.options.max_failed_writes,
-                }
+                CheckpointFailed(
+                    step=step,
+                    error=f"rank {rank}: {first}",
+                    ranks=sorted(failed),
+                    failed_in_a_row=self.failed_in_a_row + 1,
+                    max_failed_writes=self.options.max_failed_writes,
+                )
             )
             return False
         names = self.store.files(step)
@@ -158,18 +158,17 @@ class CheckpointWriter(BackgroundSaver):
             pruned = self.store.prune(self.options.keep, self.options.keep_every)
             seconds = time.perf_counter() - began
             self._event(
-                {
-                    "event": "checkpoint",
-                    "step": step,
-                    "path": self.store.step_path(step),
-                    "seconds": seconds,
-                    "stall_seconds": stall if self.options.async_save else seconds,
-                    "pruned": pruned,
-                }
+                Checkpoint(
+                    step=step,
+                    path=self.store.step_path(step),
+                    seconds=seconds,
+                    stall_seconds=stall if self.options.async_save else seconds,
+                    pruned=pruned,
+                )
             )
         return True
 
-    def _event(self, event: dict) -> None:
+    def _event(self, event: Event) -> None:
         if self.rank == 0:
             self.report(event)
 

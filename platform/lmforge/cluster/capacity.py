@@ -20,6 +20,7 @@ from ray.autoscaler.sdk import request_resources
 
 from lmforge.cluster.placement import NodeWatch, Slots
 from lmforge.errors import UserError
+from lmforge.events import Event, GrowPending, Spares
 from lmforge.ray_runtime import DATA_CPUS, fits
 from lmforge.spec import JobSpec
 
@@ -28,7 +29,7 @@ PROBE_EVERY_S = 2.0  # how often a running job looks for room to grow or for its
 
 
 class Capacity:
-    def __init__(self, spec: JobSpec, name: str, report: Callable[[dict], None], placement_timeout_s: float):
+    def __init__(self, spec: JobSpec, name: str, report: Callable[[Event], None], placement_timeout_s: float):
         p, res = spec.parallel, spec.resources
         self.spec, self.report, self.placement_timeout_s = spec, report, placement_timeout_s
         self.slots = Slots(p.tp, res.cpus_per_worker, res.gpus_per_worker, name)
@@ -108,7 +109,7 @@ class Capacity:
                 if extra > 0 and not self._try_add(extra):
                     continue
                 self.growth_pending = True
-                self.report({"event": "grow_pending", "dp": dp, "to_dp": larger})
+                self.report(GrowPending(dp=dp, to_dp=larger))
                 return
         spares = held - self.groups(dp)
         if spares < self.spare_groups and self._room_for(1) and self._try_add(1):
@@ -154,4 +155,4 @@ class Capacity:
         ready = min(groups, self.spare_groups) * self.spec.parallel.tp
         if self.spare_groups and ready != self._spares_ready:
             self._spares_ready = ready
-            self.report({"event": "spares", "ready": ready, "wanted": self.spec.fault_tolerance.spares})
+            self.report(Spares(ready=ready, wanted=self.spec.fault_tolerance.spares))

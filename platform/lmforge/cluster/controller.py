@@ -29,6 +29,7 @@ from lmforge.data.feed import datasets_of, start_reader
 from lmforge.data.order import BatchLayout
 from lmforge.distill.cache import teacher_cache
 from lmforge.errors import CheckpointWritesFailing, Diverged, OutOfMemory, TrainingFailed, UserError, first_line
+from lmforge.events import Event, Failure, Layout, OutOfMemoryEvent, Reader, Recovered, Resized, Rollback, Start, Step
 from lmforge.guards.oom import with_smaller_micro_batch
 from lmforge.parallel.shape import MeshShape
 from lmforge.spec import JobSpec
@@ -50,7 +51,7 @@ class Controller:
         reports the recovery. `spec_dict` is then the job as the guards left it."""
         self.spec_dict, self.manifest = spec_dict, manifest
         self.placement_timeout_s = placement_timeout_s
-        self._events: list[dict] = []
+        self._events: list[Event] = []
         self._metrics = JobMetrics(spec_dict["name"])
         self._lock = threading.Lock()
         self._workers: list = []
@@ -82,47 +83,37 @@ class Controller:
             self._rollbacks = after_failure.get("rollbacks", 0)
             self._last_step, self._failed_at = after_failure["step"], after_failure["time"]
 
-    def drain(self) -> list[dict]:
+    def drain(self) -> list[Event]:
         with self._lock:
             events, self._events = self._events, []
         return events
 
-    def report(self, event: dict, attempt: int | None = None) -> None:
+    def report(self, event: Event, attempt: int | None = None) -> None:
         with self._lock:
             if attempt is not None and attempt != self._attempt:
                 return
             before = len(self._events)
-            if event.get("event") == "step" and self._failed_at is not None:
+            if isinstance(event, Step) and self._failed_at is not None:
                 self._events.append(
-                    {
-                        "event": "recovered",
-                        "step": event["step"],
-                        "dp": self._dp,
-                        "seconds": round(time.time() - self._failed_at, 2),
-                        "steps_redone": self._redone,
-                        "nodes_lost": self._nodes_lost(self._failed_layout),
-                        "time": time.time(),
-                    }
+                    Recovered(
+                        step=event.step,
+                        dp=self._dp,
+                        seconds=round(time.time() - self._failed_at, 2),
+                        steps_redone=self._redone,
+                        nodes_lost=self._nodes_lost(self._failed_layout),
+                        time=time.time(),
+                    )
                 )
                 self._failed_at = None
-            if event.get("event") == "step" and self._resize_from is not None:
+            if isinstance(event, Step) and self._resize_from is not None:
                 from_dp, since = self._resize_from
-                self._events.append(
-                    {
-                        "event": "resized",
-                        "step": event["step"],
-                        "from_dp": from_dp,
-                        "dp": self._dp,
-                        "seconds": round(time.time() - since, 2),
-                        "time": time.time(),
-                    }
-                )
+                self._events.append(Resized(step=event.step, from_dp=from_dp, dp=self._dp, seconds=round(time.time() - since, 2), time=time.time()))
                 self._resize_from = None
-            if event.get("event") == "start" and self._failed_at is not None:
-                self._redone = max(0, self._last_step - event["step"])
-            if event.get("event") == "step":
-                self._last_step, self._progress_at = event["step"], time.time()
-            self._events.append(event | {"time": time.time()})
+            if isinstance(event, Start) and self._failed_at is not None:
+                self._redone = max(0, self._last_step - event.step)
+            if isinstance(event, Step):
+                self._last_step, self._progress_at = event.step, time.time()
+            self._events.append(event.model_copy(update={"time": time.time()}))
             for new in self._events[before:]:
                 self._metrics.observe(new)
 
@@ -137,7 +128,7 @@ class Controller:
         budget = spec.fault_tolerance
         failures = self._failures
         capacity = self._capacity = Capacity(
-            spec, self._pg_name("slot/"), lambda event: self.report({"step": self._last_step} | event), self.placement_timeout_s
+            spec, self._pg_name("slot/"), lambda event: self.report(event.model_copy(update={"step": self._last_step})), self.placement_timeout_s
         )
         try:
             current = capacity.initial(spares_optional=bool(failures))
@@ -157,17 +148,16 @@ class Controller:
                     self._new_attempt(failed=True)
                     capacity.find_lost(self._rank_nodes, since=self._raised_at or noticed)
                     self.report(
-                        {
-                            "event": "failure",
-                            "attempt": failures,
-                            "max_failures": budget.max_failures,
-                            "step": self._last_step,
-                            "cause": f"{type(cause).__name__}: {first_line(cause)}",
-                            "rank": self._failed_rank,
-                            "nodes_lost": self._nodes_lost(self._layout),
-                            "noticed": noticed,
-                            "raised": self._raised_at,
-                        }
+                        Failure(
+                            attempt=failures,
+                            max_failures=budget.max_failures,
+                            step=self._last_step,
+                            cause=f"{type(cause).__name__}: {first_line(cause)}",
+                            rank=self._failed_rank,
+                            nodes_lost=self._nodes_lost(self._layout),
+                            noticed=noticed,
+                            raised=self._raised_at,
+                        )
                     )
                     time.sleep(min(60.0, budget.backoff_s * 2 ** (failures - 1)))
                     current = capacity.fit(current)
@@ -196,15 +186,14 @@ class Controller:
         if self._keepers:
             self._keepers.forget()  # snapshots of the steps that went wrong are not a place to return to
         self.report(
-            {
-                "event": "rollback",
-                "step": self._last_step,
-                "steps": cause.steps,
-                "skip_batches": skip,
-                "cause": str(cause),
-                "rollback": self._rollbacks,
-                "max_rollbacks": spec.guards.max_rollbacks,
-            }
+            Rollback(
+                step=self._last_step,
+                steps=cause.steps,
+                skip_batches=skip,
+                cause=str(cause),
+                rollback=self._rollbacks,
+                max_rollbacks=spec.guards.max_rollbacks,
+            )
         )
         return spec.with_changes("guards", skip_batches=skip)
 
@@ -214,15 +203,14 @@ class Controller:
         smaller = with_smaller_micro_batch(spec)
         report_name = f"memory-oom-step{cause.step}-rank{cause.rank}.txt"
         self.report(
-            {
-                "event": "out_of_memory",
-                "step": cause.step,
-                "rank": cause.rank,
-                "micro_batch": cause.micro_batch,
-                "retry_micro_batch": smaller.train.micro_batch if smaller else None,
-                "report": cause.report,
-                "report_name": report_name,
-            }
+            OutOfMemoryEvent(
+                step=cause.step,
+                rank=cause.rank,
+                micro_batch=cause.micro_batch,
+                retry_micro_batch=smaller.train.micro_batch if smaller else None,
+                report=cause.report,
+                report_name=report_name,
+            )
         )
         if smaller is None:
             raise TrainingFailed(
@@ -256,7 +244,7 @@ class Controller:
             reader = self._start_reader(spec)  # starting while the group forms
             reused = self._start_workers(world, tp, res.cpus_per_worker, res.gpus_per_worker)
             self._layout = self._rendezvous(MeshShape.for_spec(spec.parallel))
-            self.report({"event": "layout", "ranks": self._layout, "reused": reused})
+            self.report(Layout(ranks=self._layout, reused=reused))
             first_on_node = {node: rank for rank, node in reversed(list(enumerate(self._rank_nodes)))}
             snapshots = self._snapshots()
             refs = self._train_refs = [
@@ -285,7 +273,7 @@ class Controller:
         if self._reader is not None and self._reader_node in self._capacity.alive_nodes():
             try:
                 ray.get(self._reader.relayout.remote(layout, serves, sharers), timeout=READER_ANSWER_S)
-                self.report({"event": "reader", "kept": True, "node": self._reader_node[:12]})
+                self.report(Reader(kept=True, node=self._reader_node[:12]))
                 return self._reader
             except (ray.exceptions.RayError, TimeoutError):
                 pass  # gone, or too slow to trust: a new one
@@ -293,7 +281,7 @@ class Controller:
         datasets, mixture = datasets_of(spec, self.manifest)
         self._reader_node = self._capacity.slots.nodes()[0]
         self._reader = start_reader(datasets, mixture, layout, serves, sharers, teacher_cache(spec), self._reader_node)
-        self.report({"event": "reader", "kept": False, "node": self._reader_node[:12]})
+        self.report(Reader(kept=False, node=self._reader_node[:12]))
         return self._reader
 
     def _snapshots(self) -> list:

@@ -21,14 +21,25 @@ from lmforge.cluster.controller import Controller
 from lmforge.credentials import redact_uri
 from lmforge.data.prepare import PrepareOptions, prepare_dataset, read_manifest
 from lmforge.errors import TrainingFailed, UserError, first_line
+from lmforge.events import (
+    EVENT_PREFIX,
+    Checkpoint,
+    DataChanged,
+    Eval,
+    Event,
+    Failure,
+    Layout,
+    OutOfMemoryEvent,
+    Rollback,
+    Start,
+    Step,
+)
 from lmforge.lease import JobLease
 from lmforge.memory.snapshots import check_host_memory
 from lmforge.plan import Plan, check_dataset, check_fresh_start, check_resume_order
 from lmforge.ray_runtime import check_capacity, connect, embedded_resources
 from lmforge.spec import JobSpec
-from lmforge.tracking import events
 from lmforge.tracking.console import plain, text_console
-from lmforge.tracking.events import EVENT_PREFIX
 from lmforge.tracking.progress import ProgressView
 from lmforge.tracking.run_dir import STEP_FIELDS, RunDir
 
@@ -139,7 +150,7 @@ def _run(plan: Plan, manifest: dict, console: Console, show_progress: bool, leas
     seen = Seen(spec, latest_checkpoint=plan.resume_from.path if plan.resume_from else None)
     handle = lambda event: seen.add(event, _handle(event, view, run_dir, tracker, publish))
     if plan.order_changes:
-        handle({"event": "data_changed", "step": plan.start_step, "path": plan.resume_from.path, "changes": plan.order_changes})
+        handle(DataChanged(step=plan.start_step, path=plan.resume_from.path, changes=plan.order_changes))
     budget = spec.fault_tolerance
     status, after_failure = "FAILED", None
     try:
@@ -156,18 +167,17 @@ def _run(plan: Plan, manifest: dict, console: Console, show_progress: bool, leas
                         raise TrainingFailed(
                             f"the controller died ({first_line(err)}); fault_tolerance.max_failures {budget.max_failures} is used up"
                         ) from None
-                    step = seen.last.get("step", plan.start_step)
+                    step = seen.last.step if seen.last else plan.start_step
                     after_failure = seen.after_failure(step)
                     handle(
-                        {
-                            "event": "failure",
-                            "attempt": seen.failures + 1,
-                            "max_failures": budget.max_failures,
-                            "step": step,
-                            "cause": f"the controller died ({type(err).__name__})",
-                            "rank": None,
-                            "nodes_lost": [],
-                        }
+                        Failure(
+                            attempt=seen.failures + 1,
+                            max_failures=budget.max_failures,
+                            step=step,
+                            cause=f"the controller died ({type(err).__name__})",
+                            rank=None,
+                            nodes_lost=[],
+                        )
                     )
                     time.sleep(min(60.0, budget.backoff_s * 2 ** (seen.failures - 1)))
                 finally:
@@ -184,11 +194,11 @@ def _run(plan: Plan, manifest: dict, console: Console, show_progress: bool, leas
     summary = {
         "job": spec.name,
         "final_step": result["step"],
-        "final_loss": seen.last.get("loss"),
-        "eval_loss": seen.last_eval.get("eval_loss"),
-        "eval_ppl": seen.last_eval.get("eval_ppl"),
-        "eval_step": seen.last_eval.get("step"),
-        **{k: seen.last_eval[k] for k in ("eval_kl", "eval_top1") if k in seen.last_eval},
+        "final_loss": seen.last.loss if seen.last else None,
+        "eval_loss": seen.last_eval.eval_loss if seen.last_eval else None,
+        "eval_ppl": seen.last_eval.eval_ppl if seen.last_eval else None,
+        "eval_step": seen.last_eval.step if seen.last_eval else None,
+        **({k: v for k, v in seen.last_eval.metrics().items() if k in ("eval_kl", "eval_top1")} if seen.last_eval else {}),
         "start_step": plan.start_step,
         "tokens": result["step"] * spec.train.global_batch * spec.train.seq_len,
         "wall_seconds": round(time.time() - began, 2),
@@ -208,7 +218,7 @@ def _run(plan: Plan, manifest: dict, console: Console, show_progress: bool, leas
     if answered:
         summary["student_answers"] = answered["metrics"]
     run_dir.write_summary(summary)
-    if tracker and seen.last_eval.get("step") == result["step"]:
+    if tracker and seen.last_eval and seen.last_eval.step == result["step"]:
         tracker.log_evaluation(seen.last_eval, run_dir.summary_path, answered)  # a distillation's: its own child run
     return summary
 
@@ -254,30 +264,29 @@ class Seen:
 
     spec: JobSpec
     latest_checkpoint: Optional[str] = None
-    last: dict = field(default_factory=dict)
-    last_eval: dict = field(default_factory=dict)
+    last: Optional[Step] = None
+    last_eval: Optional[Eval] = None
     ranks: list = field(default_factory=list)
     failures: int = 0
     rollbacks: int = 0
     waits: "WaitTally" = field(default_factory=lambda: WaitTally())
 
-    def add(self, event: dict, checkpoint_path: Optional[str]) -> None:
+    def add(self, event: Event, checkpoint_path: Optional[str]) -> None:
         self.latest_checkpoint = checkpoint_path or self.latest_checkpoint
-        kind = event["event"]
-        if kind == "step":
+        if isinstance(event, Step):
             self.last = event
             self.waits.add(event)
-        elif kind == "eval":
+        elif isinstance(event, Eval):
             self.last_eval = event
-        elif kind == "layout":
-            self.ranks = event["ranks"]
-        elif kind == "failure":
+        elif isinstance(event, Layout):
+            self.ranks = event.ranks
+        elif isinstance(event, Failure):
             self.failures += 1
-        elif kind == "rollback":
-            self.rollbacks = event["rollback"]
-            self.spec = self.spec.with_changes("guards", skip_batches=event["skip_batches"])
-        elif kind == "out_of_memory" and event["retry_micro_batch"]:
-            self.spec = self.spec.with_micro_batch(event["retry_micro_batch"])
+        elif isinstance(event, Rollback):
+            self.rollbacks = event.rollback
+            self.spec = self.spec.with_changes("guards", skip_batches=event.skip_batches)
+        elif isinstance(event, OutOfMemoryEvent) and event.retry_micro_batch:
+            self.spec = self.spec.with_micro_batch(event.retry_micro_batch)
 
     def after_failure(self, step: int) -> dict:
         """What a replacement controller continues from."""
@@ -292,7 +301,7 @@ def _start_controller(spec: JobSpec, manifest: dict, after_failure: Optional[dic
     )
 
 
-def _drain(controller) -> list[dict]:
+def _drain(controller) -> list[Event]:
     """The controller's new events; none this time if it is briefly unreachable (a
     node leaving the cluster can interrupt connections for a moment). A controller
     that is really gone fails the `run` call, which the caller waits on."""
@@ -318,12 +327,12 @@ class WaitTally:
     def __init__(self):
         self.first_wait, self.wait, self.step_time, self.steps = None, 0.0, 0.0, 0
 
-    def add(self, event: dict) -> None:
+    def add(self, event: Step) -> None:
         if self.first_wait is None:
-            self.first_wait = event["data_wait"]
+            self.first_wait = event.data_wait
             return
-        self.wait += event["data_wait"]
-        self.step_time += event["step_time"]
+        self.wait += event.data_wait
+        self.step_time += event.step_time
         self.steps += 1
 
     def summary(self) -> dict:
@@ -333,40 +342,41 @@ class WaitTally:
         }
 
 
-def _handle(event: dict, view: ProgressView, run_dir: RunDir, tracker, publish: Optional[Callable[[dict], None]]) -> Optional[str]:
+def _handle(event: Event, view: ProgressView, run_dir: RunDir, tracker, publish: Optional[Callable[[dict], None]]) -> Optional[str]:
     """Route one event from the controller; returns a checkpoint path when one was committed."""
-    kind = event["event"]
-    if kind == "step":
-        run_dir.append_step(event)
+    if isinstance(event, Step):
+        row = event.as_dict()
+        run_dir.append_step(row)
         if publish:
-            publish({k: event[k] for k in STEP_FIELDS if k in event})
+            publish({k: row[k] for k in STEP_FIELDS if k in row})
         view.step(event)
         if tracker:
-            tracker.log_step(event)
+            tracker.log_step(row)
         return None
-    if "report" in event:  # a memory report: a file in the run directory, and an MLflow artifact
-        path = run_dir.write_report(event.pop("report_name"), event.pop("report"))
-        event["report_path"] = str(path)
+    if isinstance(event, OutOfMemoryEvent) and event.report is not None:  # a file in the run directory, and an MLflow artifact
+        path = run_dir.write_report(event.report_name or f"memory-oom-step{event.step}.txt", event.report)
+        event = event.model_copy(update={"report": None, "report_path": str(path)})
         if tracker:
             tracker.log_artifact(path)
-    if kind == "start":
-        run_dir.rewind(event["step"])
-    elif kind == "rollback":
-        run_dir.record_skip_batches(event["skip_batches"])
-    elif kind == "layout":
-        view.layout(event["ranks"])
-    elif kind == "eval":
+    if isinstance(event, Start):
+        run_dir.rewind(event.step)
+    elif isinstance(event, Rollback):
+        run_dir.record_skip_batches(event.skip_batches)
+    elif isinstance(event, Layout):
+        view.layout(event.ranks)
+    elif isinstance(event, Eval):
         view.held_out(event)
-    if kind in events.MESSAGES:
-        view.print(events.MESSAGES[kind](event))
-    if kind in events.RECORDED:
-        run_dir.append_event(event)
+    line = event.line()
+    if line is not None:
+        view.print(line)
+    if event.recorded:
+        run_dir.append_event(event.as_dict())
         if publish:
-            publish(event)
-    if tracker and kind in events.METRICS:
-        for key, value in events.METRICS[kind](event).items():
-            tracker.log_metric(key, value, event["step"])
-    if tracker and kind in events.TAGS:
-        for key, value in events.TAGS[kind](event).items():
+            publish(event.as_dict())
+    if tracker:
+        step = getattr(event, "step", None)
+        for key, value in event.metrics().items():
+            tracker.log_metric(key, value, step)
+        for key, value in event.tags().items():
             tracker.set_tag(key, value)
-    return event["path"] if kind == "checkpoint" else None
+    return event.path if isinstance(event, Checkpoint) else None

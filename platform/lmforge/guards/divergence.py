@@ -16,6 +16,7 @@ from collections import deque
 
 from lmforge.engines.base import StepStats
 from lmforge.errors import Diverged
+from lmforge.events import Event, LossSpike, Nonfinite
 from lmforge.spec import GuardSpec
 
 MIN_HISTORY = 5  # losses needed before a spike can be judged at all
@@ -27,19 +28,18 @@ class DivergenceGuard:
         self.in_a_row: list[int] = []
         self.history: deque[float] = deque(maxlen=guards.spike_window)
 
-    def observe(self, step: int, stats: StepStats) -> list[dict]:
+    def observe(self, step: int, stats: StepStats) -> list[Event]:
         """Events for this step; raises Diverged at the limit."""
         if not stats.finite:
             self.in_a_row.append(step)
-            event = {
-                "event": "nonfinite",
-                "step": step,
-                "loss": _json_number(stats.loss),
-                "grad_norm": _json_number(stats.grad_norm),
-                "in_a_row": len(self.in_a_row),
-                "limit": self.limit,
-                "update_skipped": stats.update_skipped,
-            }
+            event = Nonfinite(
+                step=step,
+                loss=_json_number(stats.loss),
+                grad_norm=_json_number(stats.grad_norm),
+                in_a_row=len(self.in_a_row),
+                limit=self.limit,
+                update_skipped=stats.update_skipped,
+            )
             if len(self.in_a_row) >= self.limit:
                 raise Diverged(list(self.in_a_row))
             return [event]
@@ -49,16 +49,12 @@ class DivergenceGuard:
             mean, spread = statistics.fmean(self.history), statistics.pstdev(self.history)
             z = (stats.loss - mean) / spread if spread > 0 else 0.0
             if z > self.zscore:
-                spike = {"event": "loss_spike", "step": step, "loss": stats.loss, "zscore": round(z, 2), "window_mean": mean}
+                spike = LossSpike(step=step, loss=stats.loss, zscore=round(z, 2), window_mean=mean)
                 if self.roll_back_spikes:
-                    raise Diverged([step], f"loss spike at step {step}: {_spike_text(spike)}")
+                    raise Diverged([step], f"loss spike at step {step}: {spike.describe()}")
                 events.append(spike)
         self.history.append(stats.loss)
         return events
-
-
-def _spike_text(spike: dict) -> str:
-    return f"{spike['loss']:.4f}, {spike['zscore']} standard deviations above the recent mean {spike['window_mean']:.4f}"
 
 
 def _json_number(value: float) -> float | str:

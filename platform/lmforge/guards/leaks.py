@@ -13,6 +13,8 @@ from collections import Counter
 
 import torch
 
+from lmforge.events import Event, Leak
+
 WARMUP_STEPS = 2  # optimizer states and caches appear in the first steps
 EVERY = 5  # steps between judgements
 
@@ -22,7 +24,7 @@ class LeakCheck:
         self.baseline: tuple[int, Counter, Counter] | None = None
         self.reported: set[tuple] = set()
 
-    def after_step(self, step: int) -> list[dict]:
+    def after_step(self, step: int) -> list[Event]:
         if step < WARMUP_STEPS or (self.baseline is not None and (step - self.baseline[0]) % EVERY):
             return []
         counts, sizes = live_tensors()
@@ -36,17 +38,16 @@ class LeakCheck:
             grown = count - before.get(kind, 0)
             if grown >= steps and kind not in self.reported:
                 events.append(
-                    {
-                        "event": "leak",
-                        "step": step,
-                        "kind": describe(kind),
-                        "tensors": count,
-                        "per_step": round(grown / steps, 2),
-                        "bytes_per_step": round((sizes[kind] - before_bytes.get(kind, 0)) / steps),
-                    }
+                    Leak(
+                        step=step,
+                        kind=describe(kind),
+                        tensors=count,
+                        per_step=round(grown / steps, 2),
+                        bytes_per_step=round((sizes[kind] - before_bytes.get(kind, 0)) / steps),
+                    )
                 )
                 self.reported.add(kind)
-        return sorted(events, key=lambda e: -e["bytes_per_step"])[:5]
+        return sorted(events, key=lambda e: -e.bytes_per_step)[:5]
 
 
 def live_tensors() -> tuple[Counter, Counter]:

@@ -12,8 +12,8 @@ import time
 from typing import Iterator, Optional
 
 from lmforge.errors import TrainingFailed
+from lmforge.events import EVENT_PREFIX
 from lmforge.jobs.connection import TERMINAL, translated
-from lmforge.tracking.events import EVENT_PREFIX
 
 
 class JobTimeout(TimeoutError):

@@ -20,8 +20,8 @@ import yaml
 
 from lmforge.credentials import redact
 from lmforge.data.mixture import is_mixture
+from lmforge.events import Eval
 from lmforge.spec import JobSpec, flatten
-from lmforge.tracking import events
 
 JOB_TAG = "lmforge.job"
 ROLE_TAG = "lmforge.role"  # "train", "cache", "generate" and "evaluation"; "job" for a distillation's parent; "pipeline"
@@ -227,7 +227,7 @@ class MlflowRun:
         if self.parent_id:
             self.client.set_terminated(self.parent_id, status=status)
 
-    def log_evaluation(self, evaluation: dict, summary_path, answered: dict | None = None) -> str | None:
+    def log_evaluation(self, evaluation: Eval, summary_path, answered: dict | None = None) -> str | None:
         """A distillation's final evaluation as its own child run: the trained student's
         held-out metrics at the last step, and the job's summary; an instruction
         distillation's also the student's answers to held-out prompts (`answered`: their
@@ -235,7 +235,7 @@ class MlflowRun:
         if not self.parent_id:
             return None
         run_id = self._child("evaluation")
-        log_answers(self.client, run_id, answered or {"metrics": {}}, evaluation["step"], events.METRICS["eval"](evaluation))
+        log_answers(self.client, run_id, answered or {"metrics": {}}, evaluation.step, evaluation.metrics())
         self.client.log_artifact(run_id, str(summary_path))
         self.client.set_terminated(run_id, status="FINISHED")
         self.client.set_terminated(self.parent_id, status="FINISHED")

@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from lmforge.events import Eval, Step
 from lmforge.tracking.console import plain, text_column, text_console
 
 
@@ -61,30 +62,30 @@ class ProgressView:
             table.add_row(*(plain(r[c]) for c in columns))
         self.console.print(table)
 
-    def held_out(self, event: dict) -> None:
+    def held_out(self, event: Eval) -> None:
         """Shown with every step after it, until the next evaluation."""
-        self._eval = f"eval {event['eval_loss']:.4f}"
+        self._eval = f"eval {event.eval_loss:.4f}"
         if self.progress:
             self.progress.update(self.task, eval=self._eval)
 
-    def step(self, event: dict) -> None:
+    def step(self, event: Step) -> None:
         if not self.enabled:
             return
-        loss, tps = f"{event['loss']:.4f}", f"{event['tokens_per_s']:,.0f}"
+        loss, tps = f"{event.loss:.4f}", f"{event.tokens_per_s:,.0f}"
         if self.progress:
-            self.progress.update(self.task, completed=event["step"], loss=loss, tps=tps)
+            self.progress.update(self.task, completed=event.step, loss=loss, tps=tps)
             return
         now = time.time()
-        self._recent.append(event["step_time"])
-        if event["step"] % self.every == 0 or event["step"] == self.total or now - self._last_line > 30:
+        self._recent.append(event.step_time)
+        if event.step % self.every == 0 or event.step == self.total or now - self._last_line > 30:
             self._last_line = now
             window = self._recent[-20:]
-            eta = (self.total - event["step"]) * sum(window) / len(window)
-            bubble = f"  bubble {event['bubble']:.0%} (theory {event['bubble_theory']:.0%})" if "bubble" in event else ""
+            eta = (self.total - event.step) * sum(window) / len(window)
+            bubble = f"  bubble {event.bubble:.0%} (theory {event.bubble_theory or 0:.0%})" if event.bubble is not None else ""
             self.console.print(
                 plain(
-                    f"step {event['step']}/{self.total}  loss {loss}  {self._eval + '  ' if self._eval else ''}lr {event['lr']:.2e}  "
-                    f"{tps} tok/s  data wait {event['data_wait'] * 1000:.1f} ms{bubble}  ETA {_clock(eta)}"
+                    f"step {event.step}/{self.total}  loss {loss}  {self._eval + '  ' if self._eval else ''}lr {event.lr:.2e}  "
+                    f"{tps} tok/s  data wait {event.data_wait * 1000:.1f} ms{bubble}  ETA {_clock(eta)}"
                 ),
                 highlight=False,
                 soft_wrap=True,

@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+from lmforge.events import Checkpoint, Eval, Event, Failure, Recovered, Resized, Step
+
 # name: (kind, description, tag keys); the job's name tags every series.
 RANK_METRICS = {
     "lmforge_tokens_per_second": ("gauge", "Tokens trained per second (the whole job's, seen by this rank)"),
@@ -41,13 +43,13 @@ class RankMetrics:
         self.tags = {"job": job, "rank": str(rank)}
         self.series = {name: _make(name, kind, text, ("job", "rank")) for name, (kind, text) in RANK_METRICS.items()}
 
-    def step(self, row: dict, memory_bytes: Optional[int] = None) -> None:
+    def step(self, row: Step, memory_bytes: Optional[int] = None) -> None:
         values = {
-            "lmforge_tokens_per_second": row["tokens_per_s"],
-            "lmforge_step_seconds": row["step_time"],
-            "lmforge_mfu": row["mfu"],
-            "lmforge_data_wait_seconds": row["data_wait"],
-            "lmforge_step": row["step"],
+            "lmforge_tokens_per_second": row.tokens_per_s,
+            "lmforge_step_seconds": row.step_time,
+            "lmforge_mfu": row.mfu,
+            "lmforge_data_wait_seconds": row.data_wait,
+            "lmforge_step": row.step,
             "lmforge_memory_bytes": memory_bytes if memory_bytes is not None else resident_bytes(),
         }
         for name, value in values.items():
@@ -61,18 +63,17 @@ class JobMetrics:
         self.tags = {"job": job}
         self.series = {name: _make(name, kind, text, ("job",)) for name, (kind, text) in JOB_METRICS.items()}
 
-    def observe(self, event: dict) -> None:
-        kind = event.get("event")
-        if kind == "eval":
-            self.series["lmforge_eval_loss"].set(event["eval_loss"], tags=self.tags)
-        elif kind == "checkpoint":
-            self.series["lmforge_checkpoint_stall_seconds"].set(event["stall_seconds"], tags=self.tags)
-        elif kind == "failure":
+    def observe(self, event: Event) -> None:
+        if isinstance(event, Eval):
+            self.series["lmforge_eval_loss"].set(event.eval_loss, tags=self.tags)
+        elif isinstance(event, Checkpoint):
+            self.series["lmforge_checkpoint_stall_seconds"].set(event.stall_seconds, tags=self.tags)
+        elif isinstance(event, Failure):
             self.series["lmforge_failures_total"].inc(1, tags=self.tags)
-        elif kind == "recovered":
+        elif isinstance(event, Recovered):
             self.series["lmforge_recoveries_total"].inc(1, tags=self.tags)
-            self.series["lmforge_recovery_seconds"].set(event["seconds"], tags=self.tags)
-        elif kind == "resized":
+            self.series["lmforge_recovery_seconds"].set(event.seconds, tags=self.tags)
+        elif isinstance(event, Resized):
             self.series["lmforge_resizes_total"].inc(1, tags=self.tags)
 
 
