@@ -65,7 +65,7 @@ def model_dir(args, tmp: Path) -> Path:
 def int8_dir(source_dir: Path, tmp: Path) -> Path:
     from lmforge.checkpoint.export import open_source
     from lmforge.models.build import build_model
-    from lmforge.serve.quantize import quantize_blocks, write_quantized
+    from lmforge.quantization.quantize import quantize_blocks, write_quantized
 
     source = open_source(source_dir)
     model = build_model(source.cfg, weights=source.read_tensors())
@@ -168,12 +168,12 @@ def engine_alone(model: Path, slots: int, sequences: int, max_tokens: int) -> fl
 
     import torch
 
+    from lmforge.inference.generate import Generator
     from lmforge.inference.sampling import SamplingParams
     from lmforge.serve.engine import ContinuousBatcher, Sequence
-    from lmforge.serve.quantize import load_generator
 
     torch.set_num_threads(1)
-    generator = load_generator(str(model))
+    generator = Generator.load(str(model))
     engine = ContinuousBatcher(generator.model, frozenset(), generator.tokenizer.get_vocab_size(), slots)
     done, params = threading.Semaphore(0), SamplingParams(max_new_tokens=max_tokens, temperature=0, stop_at_eos=False)
     encoded = [generator.tokenizer.encode(text).ids for text in prompts(sequences)]

@@ -346,32 +346,21 @@ GENERATE_FLAGS = {
 
 
 def _cmd_generate(args) -> int:
-    from lmforge.inference.sampling import SamplingParams
-    from lmforge.sdk import default_device
-    from lmforge.serve.quantize import load_generator
+    from lmforge import sdk
 
-    params = SamplingParams(
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        repetition_penalty=args.repetition_penalty,
-        seed=args.seed,
-        stop=args.stop,
-    )
-    params.check(GENERATE_FLAGS)  # before the model loads
-    generator = load_generator(args.model, args.device or default_device(), args.dtype, args.tokenizer)
-    for prompt, result in zip(args.prompt, generator.generate(args.prompt, params, GENERATE_FLAGS)):
+    sampling = {key: getattr(args, key) for key in ("max_new_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "seed", "stop")}
+    results = sdk.generate(args.model, args.prompt, device=args.device, dtype=args.dtype, tokenizer=args.tokenizer, names=GENERATE_FLAGS, **sampling)
+    for prompt, result in zip(args.prompt, results):
         if args.json:
-            print(json.dumps({"prompt": prompt} | result.as_dict()))
+            print(json.dumps({"prompt": prompt} | result))
         else:
-            print(prompt + result.text)
-            print(f"[{len(result.tokens)} tokens, {result.finish_reason}]", file=sys.stderr)
+            print(prompt + result["text"])
+            print(f"[{len(result['tokens'])} tokens, {result['finish_reason']}]", file=sys.stderr)
     return 0
 
 
 def _cmd_quantize(args) -> int:
-    from lmforge.serve.quantize_run import QuantizeOptions, quantize_model
+    from lmforge.quantization.command import QuantizeOptions, quantize_model
 
     opts = QuantizeOptions(
         model=args.model,

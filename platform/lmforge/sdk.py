@@ -27,6 +27,8 @@ from lmforge.data.precheck import check_before_ray
 from lmforge.data.prepare import MANIFEST, PrepareOptions, has_manifest, prepare_dataset, read_manifest
 from lmforge.distill import pipeline
 from lmforge.errors import UserError
+from lmforge.inference.generate import Generator
+from lmforge.inference.sampling import SamplingParams
 from lmforge.jobs import JobHandle, job, jobs, runs, submit
 from lmforge.plan import preflight
 from lmforge.ray_runtime import connect
@@ -186,23 +188,25 @@ def export(checkpoint, out, format: str = "lmforge", dtype: str = "fp32", tokeni
     return result
 
 
-def generate(model, prompts, device: Optional[str] = None, dtype: str = "fp32", tokenizer: Optional[str] = None, **sampling) -> list[dict]:
-    """Generate from `model`: a path (committed checkpoint, lmforge export or Hugging
-    Face directory) or a loaded `lmforge.inference.generate.Generator` (load it once
-    with `Generator.load` to generate many times). `prompts`: a string or a list of
-    them; `sampling`: the fields of `SamplingParams` (max_new_tokens, temperature,
-    top_k, top_p, repetition_penalty, seed, stop). One dict per prompt: text, tokens,
-    logprobs, finish_reason."""
-    from lmforge.inference.generate import Generator
-    from lmforge.inference.sampling import SamplingParams
-
+def generate(
+    model, prompts, device: Optional[str] = None, dtype: str = "fp32", tokenizer: Optional[str] = None, names: Optional[dict] = None, **sampling
+) -> list[dict]:
+    """Generate from `model`: a path (committed checkpoint, lmforge export, Hugging
+    Face directory or quantized directory) or a loaded `lmforge.inference.generate.Generator`
+    (load it once with `Generator.load` to generate many times). `prompts`: a string or
+    a list of them; `sampling`: the fields of `SamplingParams` (max_new_tokens,
+    temperature, top_k, top_p, repetition_penalty, seed, stop), checked before the
+    model loads; `names`: how errors name them (`lmforge generate` passes its flags).
+    One dict per prompt: text, tokens, logprobs, finish_reason."""
     unknown = sorted(set(sampling) - set(SamplingParams.__dataclass_fields__))
     if unknown:
         raise UserError(f"generate: unknown option {unknown[0]}; the options are {', '.join(SamplingParams.__dataclass_fields__)}")
+    params = SamplingParams(**sampling)
+    params.check(names)  # before the model loads
     if not isinstance(model, Generator):
         model = Generator.load(str(model), device or default_device(), dtype, tokenizer)
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-    return [result.as_dict() for result in model.generate(prompts, SamplingParams(**sampling))]
+    return [result.as_dict() for result in model.generate(prompts, params, names)]
 
 
 def default_device() -> str:

@@ -2,7 +2,8 @@
 group-wise (torchao on CPU), byte counts against bf16 computed here from the model's
 shapes, perplexity against the unquantized model on the held-out split, recomputed
 here from the reloaded directory; the directory loads without unpickling and
-generates in `lmforge generate`; bad input is refused before anything is written."""
+generates in `lmforge generate` as in `sdk.generate` (as do a checkpoint and an
+export: one path); bad input is refused before anything is written."""
 
 import json
 import math
@@ -13,10 +14,11 @@ import torch
 
 from cli import assert_clean_error, run_cli
 from conftest import REFERENCE_STEPS, SESSION_MLFLOW
+from lmforge import sdk
 from lmforge.checkpoint.export import open_source
+from lmforge.inference.generate import Generator
 from lmforge.inference.perplexity import held_out_samples, mean_nll
 from lmforge.models.build import build_model
-from lmforge.serve.quantize import load_generator
 
 
 def last_step(reference_run) -> Path:
@@ -28,6 +30,22 @@ def source(reference_run, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("quantize") / "fp32"
     assert run_cli("export", str(last_step(reference_run)), "--out", str(out), cwd=out.parent).returncode == 0
     return out
+
+
+def assert_cli_and_sdk_generate_alike(model: Path) -> None:
+    """`lmforge generate` and `sdk.generate` open the same model kinds through one path:
+    greedy, both write the same tokens."""
+    generated = run_cli("generate", str(model), "--prompt", "def ", "--temperature", "0", "--max-new-tokens", "8", "--json", cwd=model.parent)
+    assert generated.returncode == 0, generated.stderr
+    from_cli = json.loads(generated.stdout)
+    [from_sdk] = sdk.generate(str(model), "def ", temperature=0, max_new_tokens=8)
+    assert len(from_cli["tokens"]) >= 1 and from_cli["tokens"] == from_sdk["tokens"] and from_cli["text"] == from_sdk["text"]
+
+
+@pytest.mark.parametrize("kind", ["checkpoint", "export"])
+def test_the_cli_and_the_sdk_generate_from_every_model_kind(source, reference_run, kind):
+    """The quantized kind is checked where it is made, below."""
+    assert_cli_and_sdk_generate_alike(last_step(reference_run) if kind == "checkpoint" else source)
 
 
 def up(n: int, multiple: int) -> int:
@@ -86,7 +104,7 @@ def test_quantized_model_is_smaller_close_and_loads_without_unpickling(source, t
     # Reloaded (safetensors parts into a model quantized the same way; torch.load is
     # never called): the perplexity the report gives, within its bound of the source's.
     monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("a quantized directory must not be unpickled"))
-    generator = load_generator(str(out))
+    generator = Generator.load(str(out))
     tokens, mask = held_out_samples(tiny_dataset, 32)
     vocab = generator.tokenizer.get_vocab_size()
     quantized = mean_nll(generator.model, tokens, mask, vocab)
@@ -99,9 +117,7 @@ def test_quantized_model_is_smaller_close_and_loads_without_unpickling(source, t
     assert kind in {type(m).__name__ for m in generator.model.modules()} | {type(p).__name__ for p in generator.model.parameters()}
     assert type(generator.model.tok_embeddings.weight) is torch.nn.Parameter and generator.model.tok_embeddings.weight.dtype == torch.float32
 
-    generated = run_cli("generate", str(out), "--prompt", "def ", "--temperature", "0", "--max-new-tokens", "8", "--json", cwd=out.parent)
-    assert generated.returncode == 0, generated.stderr
-    assert len(json.loads(generated.stdout)["tokens"]) >= 1
+    assert_cli_and_sdk_generate_alike(out)
 
     from mlflow.tracking import MlflowClient
 

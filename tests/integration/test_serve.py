@@ -30,8 +30,8 @@ import pytest
 from cli import run_cli
 from conftest import REFERENCE_STEPS, SESSION_MLFLOW
 from lmforge.distill.instruct.prompts import DEFAULT_CHAT_TEMPLATE
+from lmforge.inference.generate import Generator
 from lmforge.inference.sampling import SamplingParams
-from lmforge.serve.quantize import load_generator
 from multinode import free_port
 
 pytestmark = pytest.mark.ray
@@ -148,7 +148,7 @@ def serving(ray_session, reference_run, tiny_dataset, tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(serving):
     """The teacher in this process: what each prompt generates alone."""
-    return load_generator(str(serving.teacher))
+    return Generator.load(str(serving.teacher))
 
 
 def alone(reference, prompt: str, max_tokens: int) -> str:

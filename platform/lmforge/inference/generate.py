@@ -9,14 +9,20 @@ string or `max_new_tokens`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
+from tokenizers import Tokenizer
 
+from lmforge.data.tokenizer import end_of_text_token
 from lmforge.errors import UserError
 from lmforge.inference.cache import KVCache
 from lmforge.inference.sampling import SamplingParams, next_tokens
+from lmforge.models.build import build_model
+from lmforge.models.hf import DTYPES
 from lmforge.models.llama import Transformer
+from lmforge.quantization.quantize import is_quantized, load_quantized
 
 
 @dataclass
@@ -133,13 +139,14 @@ class Generator:
 
     @classmethod
     def load(cls, path: str, device: str = "cpu", dtype: str = "fp32", tokenizer: Optional[str] = None) -> "Generator":
-        """Any model lmforge opens: a committed checkpoint, an lmforge export, a Hugging Face directory."""
+        """Any model lmforge opens: a committed checkpoint, an lmforge export, a Hugging
+        Face directory, a quantized directory (`lmforge quantize`)."""
         from lmforge.checkpoint.export import open_source
-        from lmforge.models.build import build_model
-        from lmforge.models.hf import DTYPES
 
         if dtype not in DTYPES:
             raise UserError(f"--dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
+        if is_quantized(Path(path)):
+            return cls._load_quantized(Path(path), device, dtype, tokenizer)
         source = open_source(path, tokenizer)
         if source.tokenizer_json is None:
             raise UserError(f"MODEL: {path} has no tokenizer to turn prompts into tokens; pass --tokenizer tokenizer.json")
@@ -147,6 +154,16 @@ class Generator:
         model.reset_rope()  # `.to` cast the RoPE tables too: back to fp32
         tok = source.tokenizer()
         return cls(model, tok, frozenset({tok.token_to_id(source.eos_token)}))
+
+    @classmethod
+    def _load_quantized(cls, path: Path, device: str, dtype: str, tokenizer: Optional[str]) -> "Generator":
+        if dtype != "fp32":
+            raise UserError(f"--dtype: a quantized model computes in fp32 here; {dtype} is for unquantized models")
+        tokenizer_file = Path(tokenizer) if tokenizer else path / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise UserError(f"MODEL: {path} has no tokenizer.json; pass --tokenizer tokenizer.json")
+        tok = Tokenizer.from_file(str(tokenizer_file))
+        return cls(load_quantized(path, device), tok, frozenset({tok.token_to_id(end_of_text_token(tokenizer_file))}))
 
     def encode(self, prompt: str, params: SamplingParams, name: str = "prompt") -> list[int]:
         ids = self.tokenizer.encode(prompt).ids

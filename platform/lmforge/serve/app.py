@@ -49,7 +49,7 @@ def application(options: ServerOptions, replicas: Union[int, str], cpus: float, 
 def check_model(path: str, tokenizer: Optional[str]) -> None:
     """Before anything starts: the model opens (headers only) and has a tokenizer."""
     from lmforge.checkpoint.export import open_source
-    from lmforge.serve.quantize import QUANTIZATION, is_quantized
+    from lmforge.quantization.quantize import QUANTIZATION, is_quantized
 
     if is_quantized(path):
         if not (Path(path) / "config.json").is_file() or not (tokenizer or (Path(path) / "tokenizer.json").is_file()):

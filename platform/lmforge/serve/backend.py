@@ -130,11 +130,11 @@ class Backend:
         import torch
 
         from lmforge.distill.instruct.prompts import chat_renderer
-        from lmforge.serve.quantize import load_generator
+        from lmforge.inference.generate import Generator
 
         torch.set_num_threads(options.threads)
         self.options, self.name = options, options.name
-        self.generator = load_generator(options.model, options.device or "cpu", tokenizer=options.tokenizer)
+        self.generator = Generator.load(options.model, options.device or "cpu", tokenizer=options.tokenizer)
         self.tokenizer, self.context = self.generator.tokenizer, self.generator.model.cfg.max_seq_len
         self.metrics = ServerMetrics(options.name, lambda: self.engine.counts)
         self.engine = make_engine(

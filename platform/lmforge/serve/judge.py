@@ -72,12 +72,12 @@ class LocalModel:
 
     def __init__(self, flag: str, path: str):
         from lmforge.distill.instruct.prompts import chat_renderer
+        from lmforge.inference.generate import Generator
         from lmforge.sdk import default_device
         from lmforge.serve.backend import chat_template_of
-        from lmforge.serve.quantize import load_generator
 
         self.flag, self.base_url, self.model = flag, str(Path(path).resolve()), Path(path).resolve().name
-        self.generator = load_generator(path, default_device())
+        self.generator = Generator.load(path, default_device())
         self.render = chat_renderer(chat_template_of(path), "chat_template")
         self.lock = asyncio.Lock()  # one generation at a time on the model
 

@@ -11,7 +11,7 @@ from typing import Optional
 
 from lmforge.credentials import redact_uri
 from lmforge.errors import UserError
-from lmforge.serve.quantize import (
+from lmforge.quantization.quantize import (
     GROUP_SIZES,
     METHODS,
     byte_counts,

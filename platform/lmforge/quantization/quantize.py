@@ -17,7 +17,6 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -139,27 +138,6 @@ def load_quantized(path: Path, device: str):
             target.copy_(saved[name])  # the model's own storage: parts are views of it
     model.reset_rope()
     return model.eval()
-
-
-def load_generator(path: str, device: str = "cpu", dtype: str = "fp32", tokenizer: Optional[str] = None):
-    """A `Generator` for any model lmforge serves: a quantized directory, an lmforge
-    export, a Hugging Face directory or a committed checkpoint."""
-    from lmforge.inference.generate import Generator
-
-    path_ = Path(path)
-    if not is_quantized(path_):
-        return Generator.load(path, device, dtype, tokenizer=tokenizer)
-    if dtype != "fp32":
-        raise UserError(f"--dtype: a quantized model computes in fp32 here; {dtype} is for unquantized models")
-    from tokenizers import Tokenizer
-
-    from lmforge.data.tokenizer import end_of_text_token
-
-    tokenizer_file = Path(tokenizer) if tokenizer else path_ / "tokenizer.json"
-    if not tokenizer_file.is_file():
-        raise UserError(f"MODEL: {path} has no tokenizer.json; pass --tokenizer tokenizer.json")
-    tok = Tokenizer.from_file(str(tokenizer_file))
-    return Generator(load_quantized(path_, device), tok, frozenset({tok.token_to_id(end_of_text_token(tokenizer_file))}))
 
 
 def linear_weight_names(model) -> list[str]:
