@@ -467,7 +467,7 @@ def _cmd_serve(args) -> int:
 
 
 def _cmd_eval(args) -> int:
-    from lmforge.serve.judge import JudgeOptions, run_judge
+    from lmforge.evaluation.judge import JudgeOptions, run_judge
 
     opts = JudgeOptions(
         a=args.a,

@@ -8,7 +8,7 @@ it here or submit it to a cluster and follow it, export and generate.
     job.follow(); job.plot(); job.summary()
     sdk.generate("runs/quickstart/checkpoints/step_00000200", "def main(", max_new_tokens=32)
 
-A thin face over the plan (`lmforge.plan`), the driver (`lmforge.cluster.driver`)
+A thin face over pre-flight (`lmforge.preflight`), the driver (`lmforge.cluster.driver`)
 and job submission (`lmforge.jobs`); the CLI is a thin layer over it.
 """
 
@@ -27,10 +27,10 @@ from lmforge.data.precheck import check_before_ray
 from lmforge.data.prepare import MANIFEST, PrepareOptions, has_manifest, prepare_dataset, read_manifest
 from lmforge.distill import pipeline
 from lmforge.errors import UserError
-from lmforge.inference.generate import Generator
+from lmforge.inference.generate import Generator, default_device
 from lmforge.inference.sampling import SamplingParams
 from lmforge.jobs import JobHandle, job, jobs, runs, submit
-from lmforge.plan import preflight
+from lmforge.preflight import preflight
 from lmforge.ray_runtime import connect
 from lmforge.spec import JobSpec, load_spec
 
@@ -70,7 +70,7 @@ def build_cache(spec: JobSpec, address: Optional[str] = None, show_progress: boo
     the cache's manifest."""
     from lmforge.distill.cache import build_cache as build_teacher_cache
     from lmforge.distill.cache import check_can_build
-    from lmforge.plan import check_teachers
+    from lmforge.preflight import check_teachers
 
     spec = spec.with_absolute_paths()
     check_can_build(spec)
@@ -207,12 +207,6 @@ def generate(
         model = Generator.load(str(model), device or default_device(), dtype, tokenizer)
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
     return [result.as_dict() for result in model.generate(prompts, params, names)]
-
-
-def default_device() -> str:
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def train(

@@ -422,7 +422,7 @@ def test_deepspeed_config_contradicting_the_job(tmp_path):
 
 
 def test_deepspeed_fp16_on_a_cpu_without_fp16_units(tmp_path, tiny_dataset):
-    from lmforge.plan import cpu_supports_fp16
+    from lmforge.preflight import cpu_supports_fp16
 
     if cpu_supports_fp16():
         pytest.skip("this CPU has AVX512-FP16: DeepSpeed accepts fp16 here")

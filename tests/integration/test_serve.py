@@ -29,7 +29,7 @@ import pytest
 
 from cli import run_cli
 from conftest import REFERENCE_STEPS, SESSION_MLFLOW
-from lmforge.distill.instruct.prompts import DEFAULT_CHAT_TEMPLATE
+from lmforge.chat import DEFAULT_CHAT_TEMPLATE
 from lmforge.inference.generate import Generator
 from lmforge.inference.sampling import SamplingParams
 from multinode import free_port

@@ -202,7 +202,7 @@ def test_a_job_started_from_a_hugging_face_directory_takes_its_shape_and_tokeniz
     from lmforge.data.prepare import PrepareOptions
     from lmforge.data.tokenizer import train_bpe
     from lmforge.errors import UserError
-    from lmforge.plan import check_init_from
+    from lmforge.preflight import check_init_from
     from lmforge.spec import spec_from_dict
 
     model, path = hf_llama

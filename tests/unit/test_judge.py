@@ -4,7 +4,7 @@ the two-order outcome table, and its bad input (prompt files, endpoints)."""
 import pytest
 
 from lmforge.errors import UserError
-from lmforge.serve.judge import Endpoint, aggregate, outcome, parse_verdict, read_prompts
+from lmforge.evaluation.judge import Endpoint, aggregate, outcome, parse_verdict, read_prompts
 
 
 @pytest.mark.parametrize(

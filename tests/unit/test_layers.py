@@ -1,5 +1,5 @@
 """Layer rules that import-linter cannot see (it counts imports inside functions too):
-the job file, the controller and the CLI start without torch, so `lmforge --help`,
+the job file, the controller, the CLI and the judge start without torch, so `lmforge --help`,
 a spec check and a replacement controller take a second, not four."""
 
 import subprocess
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-LIGHT = ["lmforge.spec", "lmforge.cluster.controller", "lmforge.cli", "lmforge.models.model_dir", "lmforge.jobs"]
+LIGHT = ["lmforge.spec", "lmforge.cluster.controller", "lmforge.cli", "lmforge.models.model_dir", "lmforge.jobs", "lmforge.evaluation.judge"]
 
 
 @pytest.mark.parametrize("module", LIGHT)

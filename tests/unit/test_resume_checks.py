@@ -8,7 +8,7 @@ import pytest
 from lmforge.checkpoint.store import CommittedCheckpoint
 from lmforge.data.identity import order_inputs
 from lmforge.errors import UserError
-from lmforge.plan import check_resume_order
+from lmforge.preflight import check_resume_order
 from lmforge.spec import spec_from_dict
 
 BASE = {"name": "t", "data": {"path": "d"}, "train": {"seed": 3}}

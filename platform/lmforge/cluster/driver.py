@@ -36,7 +36,7 @@ from lmforge.events import (
 )
 from lmforge.lease import JobLease
 from lmforge.memory.snapshots import check_host_memory
-from lmforge.plan import Plan, check_dataset, check_fresh_start, check_resume_order
+from lmforge.preflight import Plan, check_dataset, check_fresh_start, check_resume_order
 from lmforge.ray_runtime import check_capacity, connect, embedded_resources
 from lmforge.spec import JobSpec
 from lmforge.tracking.console import plain, text_console

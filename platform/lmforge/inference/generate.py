@@ -131,6 +131,10 @@ def generate_ids(
     return out
 
 
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 class Generator:
     """A model and its tokenizer, ready to answer text prompts."""
 

@@ -15,9 +15,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import AsyncIterator, Optional
 
+from lmforge.chat import chat_renderer, chat_template_of
 from lmforge.errors import UserError
 from lmforge.inference.sampling import SamplingParams
-from lmforge.jsonfile import read_object
 from lmforge.serve.engine import Sequence, Token, make_engine
 from lmforge.serve.metrics import ServerMetrics
 from lmforge.serve.protocol import APIError, ChatRequest, CompletionRequest, Shape, logprobs_object, new_id, sse, usage
@@ -44,21 +44,6 @@ class ServerOptions:
     tokenizer: Optional[str] = None
     chat_template: Optional[str] = None  # a Jinja file; default: the model's tokenizer_config.json, else lmforge's
     threads: int = 1
-
-
-def chat_template_of(model: str, override: Optional[str] = None) -> Optional[str]:
-    """The Jinja chat template: `override`'s file, else the model directory's
-    tokenizer_config.json `chat_template`, else None (lmforge's default)."""
-    from pathlib import Path
-
-    if override:
-        return Path(override).read_text()
-    config = Path(model) / "tokenizer_config.json"
-    try:
-        template = read_object(config).get("chat_template") if config.is_file() else None
-    except ValueError as err:
-        raise UserError(str(err)) from None
-    return template if isinstance(template, str) else None
 
 
 class ResponseCache:
@@ -129,7 +114,6 @@ class Backend:
     def __init__(self, options: ServerOptions):
         import torch
 
-        from lmforge.distill.instruct.prompts import chat_renderer
         from lmforge.inference.generate import Generator
 
         torch.set_num_threads(options.threads)

@@ -24,6 +24,7 @@ import pyarrow as pa
 import ray
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
+from lmforge.chat import chat_template_of
 from lmforge.checkpoint.export import open_source
 from lmforge.data.packing import ShardWriter
 from lmforge.data.prepare import EVAL_DIR, MANIFEST
@@ -31,7 +32,7 @@ from lmforge.data.staging import staged
 from lmforge.data.tokenizer import end_of_text_token, eos_id, load_tokenizer, tokenizer_sha256
 from lmforge.distill.cache import actor_pool, weights_sha256
 from lmforge.distill.instruct.answers import TeacherAnswers, read_answers, unit_file
-from lmforge.distill.instruct.prompts import chat_template, read_prompts
+from lmforge.distill.instruct.prompts import read_prompts
 from lmforge.distill.instruct.samples import write_samples
 from lmforge.distill.instruct.selection import RULES, select
 from lmforge.errors import UserError
@@ -70,7 +71,7 @@ def plan_generation(spec) -> Plan:
     """Teachers, tokenizer, chat template and prompts, checked; prompts that cannot fit the
     teachers' context or a training sample with max_new_tokens are dropped and counted,
     and when none fits that is refused."""
-    from lmforge.plan import check_teachers
+    from lmforge.preflight import check_teachers
 
     check_can_generate(spec)
     d, instruct = spec.distill, spec.distill.instruct
@@ -78,7 +79,8 @@ def plan_generation(spec) -> Plan:
     teachers = [open_source(s.path, name=name) for s, name in zip(d.sources, names)]
     tokenizer, eos_token = _tokenizer(spec, teachers[0], names[0])
     check_teachers(spec, None, spec.data.tokenizer or tokenizer)
-    template = chat_template(instruct, teachers[0].path if teachers[0].kind != "checkpoint" else None)
+    teacher_dir = teachers[0].path if teachers[0].kind != "checkpoint" else None
+    template = chat_template_of(teacher_dir, instruct.chat_template, "distill.instruct.chat_template")
     prompts = read_prompts(instruct, template)
     room = min(spec.train.seq_len + 1, *(t.cfg.max_seq_len for t in teachers)) - instruct.generate.max_new_tokens
     encoded = tokenizer.encode_batch([p.text for p in prompts])

@@ -14,17 +14,9 @@ from typing import Optional
 import fsspec
 import pyarrow.parquet as pq
 
+from lmforge.chat import ROLES, chat_renderer, is_message
 from lmforge.data.packing import held_out
 from lmforge.errors import UserError
-from lmforge.jsonfile import read_object
-
-# When neither `distill.instruct.chat_template` nor the teacher's tokenizer_config.json
-# gives one: each message as a role line then its content, and the assistant's line last.
-DEFAULT_CHAT_TEMPLATE = (
-    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
-ROLES = ("system", "user", "assistant")
 
 
 @dataclass(frozen=True)
@@ -40,7 +32,7 @@ def read_prompts(instruct, template: Optional[str]) -> list[Prompt]:
     rows = _rows(instruct.prompts)
     if not rows:
         raise UserError(f"distill.instruct.prompts: {instruct.prompts} holds no prompts")
-    render = functools.cache(lambda: chat_renderer(template))  # compiled at the first chat, if any
+    render = functools.cache(lambda: chat_renderer(template, "distill.instruct.chat_template"))  # compiled at the first chat, if any
     prompts = []
     for index, row in enumerate(rows):
         text = _text(row, index, instruct, render)
@@ -90,52 +82,9 @@ def _text(row: dict, index: int, instruct, render) -> str:
             f"column (it has {sorted(row)}); set distill.instruct.prompt_column or messages_column"
         )
     messages = row[instruct.messages_column]
-    if not isinstance(messages, list) or not messages or not all(_is_message(m) for m in messages):
+    if not isinstance(messages, list) or not messages or not all(is_message(m) for m in messages):
         raise UserError(
             f"distill.instruct.messages_column: {where}: {instruct.messages_column!r} must be a non-empty list of "
             f"{{role, content}} pairs with role one of {', '.join(ROLES)}"
         )
     return render()(messages)
-
-
-def _is_message(message) -> bool:
-    return isinstance(message, dict) and set(message) == {"role", "content"} and message["role"] in ROLES and isinstance(message["content"], str)
-
-
-def chat_renderer(template: Optional[str], name: str = "distill.instruct.chat_template"):
-    """A chat as the model reads it, by a Jinja template in a sandbox (a template is
-    code from a model directory or a user's file: it gets no Python objects); `name`:
-    where the template came from, for messages."""
-    from jinja2 import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    try:
-        compiled = ImmutableSandboxedEnvironment(keep_trailing_newline=True).from_string(template or DEFAULT_CHAT_TEMPLATE)
-    except TemplateError as err:
-        raise UserError(f"{name}: not a Jinja template ({err})") from None
-
-    def render(messages: list[dict]) -> str:
-        try:
-            return compiled.render(messages=messages, add_generation_prompt=True, bos_token="", eos_token="")
-        except TemplateError as err:
-            raise UserError(f"{name}: rendering a chat failed ({err})") from None
-
-    return render
-
-
-def chat_template(instruct, teacher_dir: Optional[Path]) -> Optional[str]:
-    """The template chats are rendered with: the job's file, else the teacher directory's
-    tokenizer_config.json `chat_template`, else None (lmforge's default)."""
-    if instruct.chat_template:
-        path = Path(instruct.chat_template)
-        if not path.is_file():
-            raise UserError(f"distill.instruct.chat_template: {path} does not exist")
-        return path.read_text()
-    config = teacher_dir / "tokenizer_config.json" if teacher_dir is not None else None
-    if config is None or not config.is_file():
-        return None
-    try:
-        template = read_object(config).get("chat_template")
-    except ValueError as err:
-        raise UserError(str(err)) from None
-    return template if isinstance(template, str) else None

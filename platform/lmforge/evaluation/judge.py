@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from lmforge.chat import chat_renderer, chat_template_of
 from lmforge.credentials import redact_uri
 from lmforge.errors import UserError
 
@@ -71,10 +72,7 @@ class LocalModel:
     """--a or --b given as a model directory: answered greedily in this process."""
 
     def __init__(self, flag: str, path: str):
-        from lmforge.distill.instruct.prompts import chat_renderer
-        from lmforge.inference.generate import Generator
-        from lmforge.sdk import default_device
-        from lmforge.serve.backend import chat_template_of
+        from lmforge.inference.generate import Generator, default_device  # torch, for a local model only
 
         self.flag, self.base_url, self.model = flag, str(Path(path).resolve()), Path(path).resolve().name
         self.generator = Generator.load(path, default_device())

@@ -1,0 +1,63 @@
+"""Chats as a model reads them: which Jinja template (a user's file, else the model
+directory's tokenizer_config.json, else lmforge's default) and rendering messages
+with it in a sandbox. Serving, instruction distillation and the judge share it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from lmforge.errors import UserError
+from lmforge.jsonfile import read_object
+
+# When neither a template file nor the model's tokenizer_config.json gives one: each
+# message as a role line then its content, and the assistant's line last.
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+ROLES = ("system", "user", "assistant")
+
+
+def is_message(message) -> bool:
+    return isinstance(message, dict) and set(message) == {"role", "content"} and message["role"] in ROLES and isinstance(message["content"], str)
+
+
+def chat_template_of(model_dir: Optional[str | Path], template_file: Optional[str] = None, name: str = "chat_template") -> Optional[str]:
+    """The template chats are rendered with: `template_file` (`name` is the setting that
+    gave it), else the model directory's tokenizer_config.json `chat_template`, else
+    None (lmforge's default)."""
+    if template_file:
+        path = Path(template_file)
+        if not path.is_file():
+            raise UserError(f"{name}: {path} does not exist")
+        return path.read_text()
+    config = Path(model_dir) / "tokenizer_config.json" if model_dir is not None else None
+    if config is None or not config.is_file():
+        return None
+    try:
+        template = read_object(config).get("chat_template")
+    except ValueError as err:
+        raise UserError(str(err)) from None
+    return template if isinstance(template, str) else None
+
+
+def chat_renderer(template: Optional[str], name: str = "chat_template"):
+    """A chat as the model reads it, by a Jinja template in a sandbox (a template is
+    code from a model directory or a user's file: it gets no Python objects); `name`:
+    where the template came from, for messages."""
+    try:
+        compiled = ImmutableSandboxedEnvironment(keep_trailing_newline=True).from_string(template or DEFAULT_CHAT_TEMPLATE)
+    except TemplateError as err:
+        raise UserError(f"{name}: not a Jinja template ({err})") from None
+
+    def render(messages: list[dict]) -> str:
+        try:
+            return compiled.render(messages=messages, add_generation_prompt=True, bos_token="", eos_token="")
+        except TemplateError as err:
+            raise UserError(f"{name}: rendering a chat failed ({err})") from None
+
+    return render
