@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional, Union
 
 import ray
 from rich.console import Console
@@ -27,11 +27,15 @@ from lmforge.data.precheck import check_before_ray
 from lmforge.data.prepare import MANIFEST, PrepareOptions, has_manifest, prepare_dataset, read_manifest
 from lmforge.distill import pipeline
 from lmforge.errors import UserError
+from lmforge.evaluation.judge import JudgeOptions, run_judge
 from lmforge.inference.generate import Generator, default_device
 from lmforge.inference.sampling import SamplingParams
 from lmforge.jobs import JobHandle, job, jobs, runs, submit
 from lmforge.preflight import preflight
-from lmforge.ray_runtime import connect
+from lmforge.quantization.command import QuantizeOptions, quantize_model
+from lmforge.ray_runtime import connect, embedded_resources
+from lmforge.serve.app import check_cpus, check_model, check_port, serve_model
+from lmforge.serve.backend import ServerOptions
 from lmforge.spec import JobSpec, load_spec
 
 load = load_spec
@@ -50,6 +54,9 @@ __all__ = [
     "build_cache",
     "generate_answers",
     "run_pipeline",
+    "quantize",
+    "serve",
+    "judge",
 ]
 
 
@@ -207,6 +214,72 @@ def generate(
         model = Generator.load(str(model), device or default_device(), dtype, tokenizer)
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
     return [result.as_dict() for result in model.generate(prompts, params, names)]
+
+
+def quantize(
+    model: str,
+    method: str,
+    out: str,
+    group_size: int = 128,
+    eval_data: Optional[str] = None,
+    eval_samples: int = 256,
+    tokenizer: Optional[str] = None,
+    tracking_uri: Optional[str] = None,
+    tracking: bool = True,
+    say: Callable[[str], None] = print,
+) -> dict:
+    """`lmforge quantize`: `model`'s blocks quantized (`method` int8, or int4 in groups of
+    `group_size`) into the new directory `out`; returns the size and perplexity report
+    (perplexity on `eval_samples` of `eval_data`'s held-out split, default the model's
+    own dataset)."""
+    opts = QuantizeOptions(model, method, out, group_size, eval_data, eval_samples, tokenizer, tracking_uri=tracking_uri, tracking=tracking)
+    opts.check()  # before the model loads
+    return quantize_model(opts, say=say)
+
+
+def serve(
+    options: ServerOptions,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    replicas: Union[int, str] = 1,
+    max_replicas: int = 4,
+    cpus_per_replica: float = 1.0,
+    address: Optional[str] = None,
+    route_prefix: str = "/",
+    app_name: Optional[str] = None,
+    say: Callable[[str], None] = print,
+    model_as_given: Optional[str] = None,
+) -> None:
+    """`lmforge serve`: the model behind an OpenAI-compatible API on Ray Serve, until
+    SIGINT or SIGTERM. `replicas`: a number, or "auto" (1..`max_replicas` on load).
+    `model_as_given`: the model path as the user wrote it, for messages."""
+    check_port(host, port, address)
+    embedded = embedded_resources(address)  # what a cluster this call starts would have
+    check_cpus(cpus_per_replica, embedded["CPU"] if embedded else None)
+    check_model(model_as_given or options.model, options.tokenizer)
+    serve_model(options, host, port, replicas, cpus_per_replica, address, route_prefix, app_name or options.name, say, max_replicas)
+
+
+def judge(
+    a: str,
+    b: str,
+    judge: str,
+    prompts: str,
+    out: str,
+    max_tokens: int = 256,
+    judge_max_tokens: int = 512,
+    concurrency: int = 8,
+    keys: Optional[dict[str, Optional[str]]] = None,
+    tracking_uri: Optional[str] = None,
+    tracking: bool = True,
+    say: Callable[[str], None] = print,
+) -> dict:
+    """`lmforge eval judge`: models `a` and `b` (OpenAI-compatible URLs or model
+    directories) answer `prompts` (JSONL), and `judge` compares each pair in both
+    orders; writes report.json and judgments.jsonl to `out` and returns the report
+    (win, loss, tie and inconsistency rates). `keys`: each endpoint's own API key."""
+    opts = JudgeOptions(a, b, judge, prompts, out, max_tokens, judge_max_tokens, concurrency, keys or {}, tracking_uri, tracking)
+    return run_judge(opts, say=say)
 
 
 def train(

@@ -70,8 +70,10 @@ def serve_model(
     route_prefix: str,
     app_name: str,
     say=print,
+    max_replicas: int = 4,
 ) -> None:
-    """Deploy, say where, and keep serving until SIGINT or SIGTERM."""
+    """Deploy, say where, and keep serving until SIGINT or SIGTERM. `max_replicas`: the
+    autoscaler's bound when `replicas` is "auto"."""
     import dataclasses
     import logging
 
@@ -92,7 +94,7 @@ def serve_model(
         if bound != port:
             raise UserError(f"--port: Serve on this cluster already listens on port {bound}; pass --port {bound}")
         try:  # returns once the replicas are up
-            serve.run(application(options, replicas, cpus, gpus), name=app_name, route_prefix=route_prefix, blocking=False)
+            serve.run(application(options, replicas, cpus, gpus, max_replicas), name=app_name, route_prefix=route_prefix, blocking=False)
         except RuntimeError as err:  # a replica failed to start: its last line says why
             last = [line for line in str(err).splitlines() if line.strip()][-1:] or ["(no message)"]
             raise UserError(f"MODEL: {options.model}: the server's replica failed to start: {last[0].strip()}") from None

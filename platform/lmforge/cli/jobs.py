@@ -1,14 +1,16 @@
-"""`lmforge submit | jobs | status | logs | stop`: the job commands over
-`lmforge.jobs`, for a shell what the SDK is for a notebook."""
+"""`lmforge submit | jobs | status | logs | stop`: jobs on a cluster, over `lmforge.jobs`
+(what `sdk.submit`, `sdk.job` and `sdk.jobs` are)."""
 
 from __future__ import annotations
 
 import json
 import sys
 
-from lmforge.tracking.console import text_console
+from rich.table import Table
 
-COMMANDS = ("submit", "jobs", "status", "logs", "stop")
+from lmforge import jobs
+from lmforge.cli import common
+from lmforge.tracking.console import text_console
 
 
 def add_parsers(sub) -> None:
@@ -17,14 +19,15 @@ def add_parsers(sub) -> None:
         parser.add_argument("--token", help="the cluster's auth token (default: RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH)")
 
     submit = sub.add_parser("submit", help="run a job on a Ray cluster through its job API; it outlives this command")
-    submit.add_argument("job", help="job YAML file (validated here before anything is submitted)")
-    submit.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a field, e.g. train.max_steps=10")
+    common.add_job(submit, help="job YAML file (validated here before anything is submitted)")
     submit.add_argument("--working-dir", help="directory to upload as the job's working directory (relative paths in the job resolve there)")
     submit.add_argument("--follow", action="store_true", help="show the job's output until it ends; exit 1 if it failed")
     cluster_flags(submit)
+    submit.set_defaults(run=run)
     listing = sub.add_parser("jobs", help="list the cluster's lmforge jobs")
     listing.add_argument("--json", action="store_true", help="print the list as JSON")
     cluster_flags(listing)
+    listing.set_defaults(run=run)
     for name, text in (("status", "a job's status"), ("logs", "a job's output"), ("stop", "stop a running job")):
         parser = sub.add_parser(name, help=text)
         parser.add_argument("id", help="the job's id (as `lmforge submit` printed it, or from `lmforge jobs`)")
@@ -34,11 +37,10 @@ def add_parsers(sub) -> None:
         if name == "status":
             parser.add_argument("--json", action="store_true", help="the status and, once finished, the summary as JSON")
         cluster_flags(parser)
+        parser.set_defaults(run=run)
 
 
 def run(args) -> int:
-    from lmforge import jobs
-
     if args.command == "submit":
         handle = jobs.submit(args.job, args.overrides, address=args.address, working_dir=args.working_dir, token=args.token)
         print(handle.id)
@@ -71,8 +73,6 @@ def run(args) -> int:
 
 
 def _table(frame) -> None:
-    from rich.table import Table
-
     table = Table(show_edge=False)
     for column in ("id", "job", "status", "start", "end"):
         table.add_column(column)

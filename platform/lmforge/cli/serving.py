@@ -1,0 +1,145 @@
+"""`lmforge serve | eval judge`: a model behind an OpenAI-compatible API, and two
+models' answers judged by a third."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from lmforge.cli import common
+from lmforge.errors import UserError
+
+
+def add_parsers(sub) -> None:
+    srv = sub.add_parser("serve", help="serve a model with an OpenAI-compatible API on Ray Serve (continuous batching)")
+    srv.add_argument("model", help="an lmforge export, a quantized directory, a Hugging Face Llama directory or a committed step directory")
+    srv.add_argument("--name", help="the model's name in requests and /v1/models (default: the directory's name)")
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--replicas", default="1", help="replicas of the model, or auto (Serve scales 1..--max-replicas on load)")
+    srv.add_argument("--max-replicas", type=int, default=4, help="--replicas auto: the most replicas (default 4)")
+    srv.add_argument("--batching", default="continuous", help="continuous (default), request (Ray Serve's @serve.batch) or off")
+    srv.add_argument("--max-running", type=int, default=16, help="sequences decoding together per replica (default 16)")
+    srv.add_argument("--max-waiting", type=int, default=256, help="sequences queued per replica before 503 (default 256)")
+    srv.add_argument("--max-n", type=int, default=8, help="the largest n a request may ask for (default 8)")
+    srv.add_argument("--cache-size", type=int, default=256, help="temperature-0 responses kept for identical requests (0: none)")
+    srv.add_argument("--api-key", help="require Authorization: Bearer KEY on /v1 (default: LMFORGE_API_KEY, else none)")
+    srv.add_argument("--route-prefix", default="/", help="URL prefix of this model's routes (several models on one cluster)")
+    srv.add_argument("--app-name", help="Serve application name (default: --name)")
+    srv.add_argument("--chat-template", help="Jinja chat template file (default: the model's tokenizer_config.json, else lmforge's)")
+    srv.add_argument("--tokenizer", help="tokenizer.json (default: the model's, or its dataset's)")
+    srv.add_argument("--device", help="cpu or cuda (default: cuda when the cluster has GPUs; each replica then asks for one)")
+    srv.add_argument("--cpus-per-replica", type=float, default=1.0)
+    srv.add_argument("--threads", type=int, default=1, help="torch threads per replica (default 1)")
+    common.add_cluster(srv, progress=False)
+    srv.set_defaults(run=serve_command)
+
+    evaluate = sub.add_parser("eval", help="evaluation commands").add_subparsers(dest="eval_command", required=True)
+    judge = evaluate.add_parser("judge", help="pairwise LLM-as-judge of two OpenAI-compatible models, each pair judged in both orders")
+    judge.add_argument(
+        "--a", required=True, help="model A: an OpenAI-compatible base URL (http://host:port/v1, optionally URL#model) or a model directory"
+    )
+    judge.add_argument("--b", required=True, help="model B: as --a")
+    judge.add_argument("--judge", required=True, help="the judge: as --a (any OpenAI-compatible chat model)")
+    judge.add_argument("--prompts", required=True, help='JSONL file: one {"prompt": ...} (or {"messages": [...]}) per line')
+    judge.add_argument("--out", required=True, help="directory for report.json and judgments.jsonl")
+    judge.add_argument("--max-tokens", type=int, default=256, help="answer length for A and B (default 256)")
+    judge.add_argument("--judge-max-tokens", type=int, default=512)
+    judge.add_argument("--concurrency", type=int, default=8, help="requests in flight at once (default 8)")
+    judge.add_argument("--a-key", help="API key of --a's endpoint only (default: LMFORGE_JUDGE_A_KEY, else none)")
+    judge.add_argument("--b-key", help="API key of --b's endpoint only (default: LMFORGE_JUDGE_B_KEY, else none)")
+    judge.add_argument("--judge-key", help="API key of the judge's endpoint only (default: OPENAI_API_KEY, else none)")
+    common.add_tracking(judge)
+    common.add_json(judge, "the report")
+    judge.set_defaults(run=judge_command)
+
+
+def serve_command(args) -> int:
+    options = _server_options(args)
+    common.sdk().serve(
+        options,
+        args.host,
+        args.port,
+        args.replicas if args.replicas == "auto" else int(args.replicas),
+        max_replicas=args.max_replicas,
+        cpus_per_replica=args.cpus_per_replica,
+        address=args.address,
+        route_prefix=args.route_prefix,
+        app_name=args.app_name or options.name,
+        say=common.say,
+        model_as_given=args.model,
+    )
+    return 0
+
+
+def _server_options(args):
+    """The flags checked, naming each, before Ray or the model loads."""
+    from lmforge.serve.api import key_digest  # the serving stack, and torch with it
+    from lmforge.serve.backend import ServerOptions
+    from lmforge.serve.engine import MODES
+
+    if args.batching not in MODES:
+        raise UserError(f"--batching: {args.batching!r} is not one of {', '.join(MODES)}")
+    if args.replicas != "auto" and not (args.replicas.isdigit() and int(args.replicas) >= 1):
+        raise UserError(f"--replicas: a number of at least 1 or auto, got {args.replicas!r}")
+    for flag in ("max_running", "max_waiting", "max_n", "threads", "max_replicas", "port"):
+        if getattr(args, flag) < 1:
+            raise UserError(f"--{flag.replace('_', '-')}: must be at least 1, got {getattr(args, flag)}")
+    if args.port > 65535:
+        raise UserError(f"--port: must be at most 65535, got {args.port}")
+    if not args.cpus_per_replica > 0:
+        raise UserError(f"--cpus-per-replica: must be > 0, got {args.cpus_per_replica}")
+    if args.route_prefix != "/" and (args.route_prefix.endswith("/") or "{" in args.route_prefix or "}" in args.route_prefix):
+        raise UserError(f"--route-prefix: a path like /name, not ending in / and without braces, got {args.route_prefix!r}")
+    if args.cache_size < 0:
+        raise UserError(f"--cache-size: must be >= 0, got {args.cache_size}")
+    if not args.route_prefix.startswith("/"):
+        raise UserError(f"--route-prefix: must start with /, got {args.route_prefix!r}")
+    if args.chat_template and not Path(args.chat_template).is_file():
+        raise UserError(f"--chat-template: {args.chat_template} does not exist")
+    if not Path(args.model).exists():
+        raise UserError(f"MODEL: {args.model} does not exist")
+    key = args.api_key or os.environ.get("LMFORGE_API_KEY")
+    return ServerOptions(
+        model=str(Path(args.model).resolve()),
+        name=args.name or Path(args.model).resolve().name,
+        batching=args.batching,
+        max_running=args.max_running,
+        max_waiting=args.max_waiting,
+        max_n=args.max_n,
+        cache_size=args.cache_size,
+        api_key_sha256=key_digest(key) if key else None,
+        device=args.device,
+        tokenizer=args.tokenizer,
+        threads=args.threads,
+        chat_template=str(Path(args.chat_template).resolve()) if args.chat_template else None,
+    )
+
+
+def judge_command(args) -> int:
+    report = common.sdk().judge(
+        args.a,
+        args.b,
+        args.judge,
+        args.prompts,
+        args.out,
+        max_tokens=args.max_tokens,
+        judge_max_tokens=args.judge_max_tokens,
+        concurrency=args.concurrency,
+        keys={
+            "a": args.a_key or os.environ.get("LMFORGE_JUDGE_A_KEY"),
+            "b": args.b_key or os.environ.get("LMFORGE_JUDGE_B_KEY"),
+            "judge": args.judge_key or os.environ.get("OPENAI_API_KEY"),
+        },
+        tracking_uri=args.tracking_uri,
+        tracking=not args.no_tracking,
+        say=common.say,
+    )
+    if args.json:
+        return common.print_json(report)
+    rates = report["rates"]
+    print(
+        f"judged {report['prompts']} prompts in both orders: A wins {rates['win']:.1%}, loses {rates['loss']:.1%}, "
+        f"ties {rates['tie']:.1%}, inconsistent {rates['inconsistent']:.1%} ({report['unparsable']} unparsable verdicts) -> {args.out}"
+    )
+    return 0
