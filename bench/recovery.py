@@ -41,6 +41,7 @@ TESTS = Path(__file__).resolve().parents[1] / "tests"
 sys.path[:0] = [str(TESTS), str(TESTS / "chaos")]
 from chaos import wait_until  # noqa: E402
 from lmforge import sdk  # noqa: E402
+from lmforge.checkpoint.state import TrainerState  # noqa: E402
 from lmforge.data.corpus import stdlib_files  # noqa: E402
 from lmforge.data.prepare import PrepareOptions, prepare_dataset  # noqa: E402
 from lmforge.models.build import build_model  # noqa: E402
@@ -227,7 +228,7 @@ def save_stall(dim: int, layers: int, saves: int) -> dict[str, float]:
                 alone = time.perf_counter() - began
                 alone_times.append(alone)
                 began = time.perf_counter()
-                writer.save(i + 1, engine, {"step": i + 1})
+                writer.save(i + 1, engine, TrainerState(step=i + 1))
                 engine.train_step(batch(), before_update=writer.staged)
                 held.append(time.perf_counter() - began - alone)
                 writer.wait()  # the write finishes before the next round (not counted)

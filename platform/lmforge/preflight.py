@@ -78,22 +78,23 @@ def check_fresh_start(spec: JobSpec, store: CheckpointStore) -> None:
 
 
 def check_resume(spec: JobSpec, ckpt: CommittedCheckpoint) -> None:
-    saved_job = ckpt.state.get("job")
+    state = ckpt.state
+    saved_job = state.job
     if saved_job and saved_job != spec.name:
         raise UserError(
             f"checkpoint.dir: {ckpt.path} was written by job {saved_job}, not {spec.name}; "
             "give this job a checkpoint directory of its own (or its init_from a checkpoint to start from)"
         )
-    saved_model = ckpt.state.get("model")
+    saved_model = state.model
     if saved_model and saved_model != spec.model_arch.as_dict():
         changed = sorted(k for k in saved_model if saved_model.get(k) != spec.model_arch.as_dict().get(k))
         raise UserError(f"checkpoint.dir: {ckpt.path} holds a model of a different shape (differs in {', '.join(changed)})")
-    if ckpt.state.get("global_batch") != spec.train.global_batch:
+    if state.global_batch != spec.train.global_batch:
         raise UserError(
-            f"train.global_batch: {spec.train.global_batch} differs from the {ckpt.state.get('global_batch')} "
+            f"train.global_batch: {spec.train.global_batch} differs from the {state.global_batch} "
             f"the checkpoint {ckpt.path} was trained with; the data order would not continue exactly"
         )
-    saved_format, wanted = ckpt.state.get("format", "dcp"), "deepspeed" if spec.engine == "deepspeed" else "dcp"
+    saved_format, wanted = state.format, "deepspeed" if spec.engine == "deepspeed" else "dcp"
     if saved_format != wanted:
         raise UserError(f"engine: {spec.engine} cannot resume {ckpt.path}, a {saved_format} checkpoint of the other engine")
     if ckpt.step > spec.train.max_steps:
@@ -104,7 +105,7 @@ def check_resume_order(spec: JobSpec, manifest: dict, ckpt: CommittedCheckpoint)
     """The order inputs that changed since the checkpoint ({input: [saved, now]}),
     allowed only by `checkpoint.allow_data_change`: otherwise "exactly where it
     stopped" would go on in a different order without a word."""
-    changes = order_changes(ckpt.state.get("order", {}), order_inputs(spec, manifest))
+    changes = order_changes(ckpt.state.order, order_inputs(spec, manifest))
     if changes and not spec.checkpoint.allow_data_change:
         key, (saved, now) = next(iter(changes.items()))
         raise UserError(

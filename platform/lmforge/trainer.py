@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from lmforge.checkpoint.memory import SnapshotTarget, SnapshotWriter, load_snapshot, snapshot_state
 from lmforge.checkpoint.sharded import load_checkpoint, restore_point
+from lmforge.checkpoint.state import MlflowRef, TrainerState
 from lmforge.checkpoint.store import CheckpointStore
 from lmforge.checkpoint.writer import CheckpointWriter
 from lmforge.credentials import without_credentials
@@ -80,7 +81,7 @@ class Trainer:
         from_memory = self._newer_in_memory(snapshot_source, checkpoint_group)
         memory_state = snapshot_state(snapshot_source.fetch) if from_memory else None
         resume_from = restore_point(self.store, checkpoint_group, self._event) if not from_memory else None
-        self.start_step = memory_state["step"] if from_memory else resume_from.step if resume_from else 0
+        self.start_step = (memory_state.step or 0) if from_memory else resume_from.step if resume_from else 0
         if self.rank == 0:
             self.store.clear_after(self.start_step)  # corrupt (set aside) or half-written: to be written again
         dist.barrier(group=checkpoint_group)
@@ -138,22 +139,20 @@ class Trainer:
             if isinstance(event, (Step, Eval)):
                 self.unsaved_records.append(event.as_dict())
 
-    def _trainer_state(self, step: int) -> dict:
-        return {
-            "step": step,
-            "samples_consumed": step * self.spec.train.global_batch,
-            "global_batch": self.spec.train.global_batch,
-            "seed": self.spec.train.seed,
-            "dp": self.spec.parallel.dp,
-            "model": self.spec.model_arch.as_dict(),
-            "data_path": self.spec.data.path or self.spec.data.paths[0],  # where export finds the tokenizer
-            "order": order_inputs(self.spec, self.manifest),
-            "job": self.spec.name,
-            # Where `lmforge export` registers a model made from this checkpoint.
-            "mlflow": {"tracking_uri": without_credentials(self.spec.tracking_uri), "run_id": self.spec.tracking.run_id}
-            if self.spec.tracking.run_id
-            else None,
-        }
+    def _trainer_state(self, step: int) -> TrainerState:
+        run_id = self.spec.tracking.run_id
+        return TrainerState(
+            step=step,
+            samples_consumed=step * self.spec.train.global_batch,
+            global_batch=self.spec.train.global_batch,
+            seed=self.spec.train.seed,
+            dp=self.spec.parallel.dp,
+            model=self.spec.model_arch.as_dict(),
+            data_path=self.spec.data.path or self.spec.data.paths[0],
+            order=order_inputs(self.spec, self.manifest),
+            job=self.spec.name,
+            mlflow=MlflowRef(tracking_uri=without_credentials(self.spec.tracking_uri), run_id=run_id) if run_id else None,
+        )
 
     def run(self) -> dict:
         train = self.spec.train
@@ -176,7 +175,7 @@ class Trainer:
                 if self.snapshots and step % self.spec.checkpoint.memory_interval == 0 and step < train.max_steps:
                     self.snapshots.save(step, self.engine, self._trainer_state(step))
                 if step % self.spec.checkpoint.interval == 0 or step == train.max_steps:
-                    self.writer.save(step, self.engine, self._trainer_state(step) | {"records": self.unsaved_records})
+                    self.writer.save(step, self.engine, self._trainer_state(step).model_copy(update={"records": self.unsaved_records}))
                     self.unsaved_records = []
                     if step < train.max_steps and self._stop_requested():
                         stopped = True

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from lmforge.checkpoint.sharded import load_checkpoint
+from lmforge.checkpoint.state import TrainerState
 from lmforge.checkpoint.store import CheckpointStore
 from lmforge.checkpoint.writer import CheckpointWriter
 from lmforge.distill.loss import DistillInputs
@@ -230,7 +231,7 @@ def run_case(args: argparse.Namespace, device: torch.device) -> None:
             writer = CheckpointWriter(
                 CheckpointStore(args.save), CheckpointSpec(keep=1, async_save=False), dist.new_group(backend="gloo"), lambda event: None
             )
-            writer.save(step + 1, engine, {"step": step + 1, "dp": p.dp, "model": spec.model_arch.as_dict()})
+            writer.save(step + 1, engine, TrainerState(step=step + 1, dp=p.dp, model=spec.model_arch.as_dict()))
             writer.close()
     per_rank = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, states.get("measured"))

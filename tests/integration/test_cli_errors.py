@@ -11,6 +11,7 @@ import yaml
 from cli import assert_clean_error, run_cli, run_cli_process
 from conftest import tiny_job, with_sections
 from hf_models import word_level_tokenizer
+from lmforge.checkpoint.state import TrainerState
 
 
 def write_job(tmp_path: Path, job: dict) -> Path:
@@ -278,7 +279,7 @@ def job_over_checkpoints(tmp_path: Path, written_by: str = "tiny", **checkpoint)
     write_job(tmp_path, tiny_job(tmp_path, tmp_path / "data", data=data, checkpoint=checkpoint))
     store = CheckpointStore(checkpoint.get("dir") or str(tmp_path / "runs" / "tiny" / "checkpoints"))
     store.fs.makedirs(store.fs_path(store.step_path(4)), exist_ok=True)
-    store.write_state(4, {"step": 4, "job": written_by, "global_batch": 8})
+    store.write_state(4, TrainerState(step=4, job=written_by, global_batch=8))
     store.commit(4, store.digest(4, store.files(4)))
     return store
 

@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from lmforge.checkpoint.state import TrainerState
 from lmforge.checkpoint.store import CheckpointStore, CheckpointUnreadable
 from lmforge.errors import UserError
 
@@ -14,7 +15,7 @@ def _fake_step(store: CheckpointStore, step: int, commit: bool = True):
     store.fs.makedirs(path, exist_ok=True)
     with store.fs.open(path + "/__0_0.distcp", "wb") as f:
         f.write(b"x" * step)
-    store.write_state(step, {"step": step})
+    store.write_state(step, TrainerState(step=step))
     if commit:
         store.commit(step, store.digest(step, store.files(step)))
 
@@ -25,7 +26,7 @@ def test_latest_ignores_uncommitted(tmp_path):
     _fake_step(store, 10)
     _fake_step(store, 20, commit=False)
     latest = store.latest()
-    assert latest.step == 10 and latest.state == {"step": 10}
+    assert latest.step == 10 and latest.state == TrainerState(step=10)
 
 
 def test_commit_records_sizes_and_checksums(tmp_path):

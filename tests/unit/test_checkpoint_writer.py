@@ -11,6 +11,7 @@ import torch.distributed.checkpoint as dcp
 
 from lmforge.checkpoint.memory import SnapshotWriter, load_snapshot, snapshot_state
 from lmforge.checkpoint.sharded import load_checkpoint, restore_point
+from lmforge.checkpoint.state import TrainerState
 from lmforge.checkpoint.store import CheckpointStore
 from lmforge.checkpoint.writer import CheckpointWriter
 from lmforge.engines.base import Engine
@@ -51,7 +52,7 @@ def test_a_save_commits_the_state_as_it_was_at_save_time(tmp_path, group):
     engine, events = OneTensor(), []
     writer = _writer(tmp_path, group, events)
     engine.train_step(None)
-    writer.save(1, engine, {"step": 1})
+    writer.save(1, engine, TrainerState(step=1))
     engine.train_step(None, before_update=writer.staged)  # changes the weight while the write may still run
     writer.close()
     (event,) = events
@@ -69,15 +70,15 @@ def test_failed_writes_are_reported_until_too_many_in_a_row(tmp_path, group):
     writer = _writer(tmp_path, group, events, max_failed_writes=2)
     for step in (2, 3):
         (tmp_path / f"step_{step:08d}").write_text("in the way")  # a file where the step's directory goes
-    writer.save(1, engine, {"step": 1})
-    writer.save(2, engine, {"step": 2})
-    writer.save(4, engine, {"step": 4})  # waits for 2 (failed: 1 in a row), then writes 4
-    writer.save(3, engine, {"step": 3})  # waits for 4 (committed: the count resets)
+    writer.save(1, engine, TrainerState(step=1))
+    writer.save(2, engine, TrainerState(step=2))
+    writer.save(4, engine, TrainerState(step=4))  # waits for 2 (failed: 1 in a row), then writes 4
+    writer.save(3, engine, TrainerState(step=3))  # waits for 4 (committed: the count resets)
     writer.wait()  # 3 failed: 1 in a row, still tolerated
     assert [(e.event, e.step) for e in events] == [("checkpoint", 1), ("checkpoint_failed", 2), ("checkpoint", 4), ("checkpoint_failed", 3)]
     assert "step_00000002" in events[1].error and events[1].failed_in_a_row == 1
     (tmp_path / "step_00000005").write_text("in the way")
-    writer.save(5, engine, {"step": 5})
+    writer.save(5, engine, TrainerState(step=5))
     with pytest.raises(CheckpointWritesFailing, match="2 checkpoints in a row could not be written"):
         writer.close()
 
@@ -86,7 +87,7 @@ def test_retention_keeps_the_newest_and_every_mth(tmp_path, group):
     engine, events = OneTensor(), []
     writer = _writer(tmp_path, group, events, keep=2, keep_every=4)
     for step in range(1, 9):
-        writer.save(step, engine, {"step": step})
+        writer.save(step, engine, TrainerState(step=step))
     writer.close()
     assert CheckpointStore(str(tmp_path)).committed() == [4, 7, 8]
 
@@ -98,7 +99,7 @@ def test_an_fsspec_uri_saves_verifies_and_restores(group):
     writer = _writer(root, group, events)
     for step in (1, 2):
         engine.train_step(None, before_update=writer.staged)
-        writer.save(step, engine, {"step": step})
+        writer.save(step, engine, TrainerState(step=step))
     writer.close()
     store = CheckpointStore(root)
     assert store.is_uri and store.committed() == [1, 2]
@@ -129,12 +130,15 @@ def test_a_memory_snapshot_is_a_dcp_checkpoint_restored_as_it_was_at_save_time(t
     engine, target = OneTensor(), DictTarget()
     snapshots = SnapshotWriter(target, group)
     engine.train_step(None)
-    snapshots.save(1, engine, {"step": 1})
+    snapshots.save(1, engine, TrainerState(step=1))
     engine.train_step(None, before_update=snapshots.staged)
     snapshots.close()
     assert target.taken_steps == [(1, 1)]
     files = target.files[1]
-    assert json.loads(files["state.json"]) == {"step": 1, "engine": {"scheduler": {}}} and ".metadata" in files
+    assert (
+        json.loads(files["state.json"]) == {"step": 1, "engine": {"scheduler": {}}, "order": {}, "records": [], "format": "dcp"}
+        and ".metadata" in files
+    )
     fetched = []
     fetch = lambda name: fetched.append(name) or files[name]
     restored = OneTensor()
@@ -158,7 +162,7 @@ def test_a_restore_point_tells_a_read_error_from_corruption(tmp_path, group, mon
     writer = _writer(tmp_path, group, events, async_save=False)
     for step in (1, 2):
         engine.train_step(None)
-        writer.save(step, engine, {"step": step})
+        writer.save(step, engine, TrainerState(step=step))
     writer.close()
     store = CheckpointStore(str(tmp_path))
     shard = sorted((tmp_path / "step_00000002").glob("*.distcp"))[0]

@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from lmforge.checkpoint.state import TrainerState
 from lmforge.checkpoint.store import CommittedCheckpoint
 from lmforge.data.identity import order_inputs
 from lmforge.errors import UserError
@@ -25,7 +26,7 @@ def manifest(num_samples=512, shard_samples=256, tokenizer="aa", shards=("s0", "
 
 def checkpoint_of(overrides=(), **dataset) -> CommittedCheckpoint:
     return CommittedCheckpoint(
-        step=10, path="ckpt/step_10", state={"order": order_inputs(spec_from_dict(BASE, list(overrides)), manifest(**dataset))}
+        step=10, path="ckpt/step_10", state=TrainerState(order=order_inputs(spec_from_dict(BASE, list(overrides)), manifest(**dataset)))
     )
 
 
@@ -55,7 +56,7 @@ def test_an_allowed_change_is_returned_for_the_record():
 
 def test_the_same_inputs_and_an_older_checkpoint_pass():
     assert check_resume_order(spec_from_dict(BASE), manifest(), checkpoint_of()) == {}
-    older = CommittedCheckpoint(step=10, path="ckpt/step_10", state={"global_batch": 16})  # written before the order was kept
+    older = CommittedCheckpoint(step=10, path="ckpt/step_10", state=TrainerState(global_batch=16))  # written before the order was kept
     assert check_resume_order(spec_from_dict(BASE), manifest(), older) == {}
 
 

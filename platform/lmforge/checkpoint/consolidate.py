@@ -16,9 +16,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from pydantic import ValidationError
 
 from lmforge.checkpoint.deepspeed_files import CHECKPOINT_TAG, skip_shared_memory_op
 from lmforge.checkpoint.safe_metadata import MetadataRefused, SafeFileSystemReader
+from lmforge.checkpoint.state import TrainerState
 from lmforge.checkpoint.store import COMMIT, STATE, CheckpointStore, CheckpointUnreadable
 from lmforge.errors import UserError
 from lmforge.jsonfile import member, read_object
@@ -27,14 +29,13 @@ from lmforge.models.config import config_from_dict
 from lmforge.models.weights import clean_name, weight_names
 
 
-def read_checkpoint(step_dir: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor], dict]:
+def read_checkpoint(step_dir: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor], TrainerState]:
     """(the model's shape, its full fp32 weights in lmforge's names, the checkpoint's state.json)."""
     step_dir = Path(step_dir)
     state = committed_state(step_dir)
-    cfg = config_from_dict(state["model"], str(step_dir / STATE))
-    _verify(step_dir, state["step"])
-    fmt = state.get("format", "dcp")
-    tensors = _read_dcp(step_dir, cfg) if fmt == "dcp" else _read_deepspeed(step_dir)
+    cfg = config_from_dict(state.model, str(step_dir / STATE))
+    _verify(step_dir, state.step)
+    tensors = _read_dcp(step_dir, cfg) if state.format == "dcp" else _read_deepspeed(step_dir)
     names = weight_names(cfg)
     missing = sorted(set(names) - set(tensors))
     if missing:
@@ -48,16 +49,22 @@ def is_checkpoint(path: str | os.PathLike) -> bool:
     return (path / COMMIT).is_file() or (path / STATE).is_file() or re.fullmatch(r"step_\d+", path.name) is not None
 
 
-def committed_state(step_dir: Path) -> dict:
+def committed_state(step_dir: Path) -> TrainerState:
+    """A committed step's state.json, with the model and step an export needs; UserError
+    naming the file for anything else."""
     if not (step_dir / COMMIT).is_file():
         raise UserError(f"{step_dir}: not a committed checkpoint (no {COMMIT}); pass a step_XXXXXXXX directory")
+    where = str(step_dir / STATE)
     try:
-        state = read_object(step_dir / STATE)
-        config_from_dict(member(state, "model", dict, str(step_dir / STATE)), str(step_dir / STATE))
-        member(state, "step", int, str(step_dir / STATE))
+        values = read_object(step_dir / STATE)
+        config_from_dict(member(values, "model", dict, where), where)
+        member(values, "step", int, where)
+        return TrainerState.model_validate(values)
+    except ValidationError as err:
+        first = err.errors()[0]
+        raise UserError(f"{where}: {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
     except ValueError as err:
         raise UserError(str(err)) from None
-    return state
 
 
 def _read_dcp(step_dir: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:

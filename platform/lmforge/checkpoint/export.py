@@ -84,7 +84,7 @@ def _check_tokenizer(source: ModelSource, name: str) -> None:
 
 def _checkpoint_source(step_dir: Path) -> ModelSource:
     state = committed_state(step_dir)
-    if state.get("format") == "deepspeed":
+    if state.format == "deepspeed":
         log.warning(
             "warning: %s is a DeepSpeed checkpoint, whose files Python unpickles (they can run code): open only checkpoints "
             "your own jobs wrote, and share models as exports (safetensors and JSON)",
@@ -93,16 +93,16 @@ def _checkpoint_source(step_dir: Path) -> ModelSource:
     source = ModelSource(
         step_dir,
         "checkpoint",
-        config_from_dict(state["model"], str(step_dir / "state.json")),
+        config_from_dict(state.model, str(step_dir / "state.json")),
         lambda: read_checkpoint(step_dir)[1],
         record={
             "checkpoint": str(step_dir.absolute()),
-            "step": state["step"],
-            "format": state.get("format", "dcp"),
-            **{key: state[key] for key in ("job", "mlflow") if state.get(key)},
+            "step": state.step,
+            "format": state.format,
+            **{key: value for key, value in state.as_json().items() if key in ("job", "mlflow")},
         },
     )
-    dataset = state.get("data_path") or "."
+    dataset = state.data_path or "."
     manifest = storage.join(dataset, "manifest.json")
     if storage.exists(manifest, "data_path"):  # the tokenizer of the dataset it was trained on (a directory or a URI)
         try:

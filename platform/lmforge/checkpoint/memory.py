@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemWr
 
 from lmforge.checkpoint.safe_metadata import SafeFileSystemReader
 from lmforge.checkpoint.sharded import rng_name, rng_state, set_rng_state
+from lmforge.checkpoint.state import TrainerState
 from lmforge.checkpoint.stateful import Checkpointable
 from lmforge.checkpoint.store import STATE
 from lmforge.checkpoint.writer import BackgroundSaver
@@ -135,7 +136,7 @@ class SnapshotWriter(BackgroundSaver):
         super().__init__(group, "snapshot")
         self.target = target
 
-    def save(self, step: int, engine: Checkpointable, trainer_state: dict) -> None:
+    def save(self, step: int, engine: Checkpointable, trainer_state: TrainerState) -> None:
         """Collective over every rank at the same step."""
         self.wait()
         tensors, plain = engine.state_dict()
@@ -143,7 +144,7 @@ class SnapshotWriter(BackgroundSaver):
         upload = self._async_save(tensors, _writer(files))
         files.files[rng_name(self.rank)] = save_safetensors(rng_state())
         if self.rank == 0:
-            files.files[STATE] = json.dumps({**trainer_state, "engine": plain}).encode()
+            files.files[STATE] = json.dumps(trainer_state.model_copy(update={"engine": plain}).as_json()).encode()
         self._pending = self._thread.submit(self._finish, step, upload, files)
 
     def _finish(self, step: int, upload: Future, files: MemoryFiles) -> None:
@@ -154,16 +155,16 @@ class SnapshotWriter(BackgroundSaver):
             self.target.taken(step, self.world)
 
 
-def snapshot_state(fetch: Callable[[str], bytes]) -> dict:
-    return json.loads(fetch(STATE))
+def snapshot_state(fetch: Callable[[str], bytes]) -> TrainerState:
+    return TrainerState.model_validate_json(fetch(STATE))
 
 
-def load_snapshot(fetch: Callable[[str], bytes], engine: Checkpointable, state: dict) -> None:
+def load_snapshot(fetch: Callable[[str], bytes], engine: Checkpointable, state: TrainerState) -> None:
     """This rank's share of a snapshot, resharded to the engine's layout; `state`:
     its `state.json`."""
     tensors, _ = engine.state_dict()
     dcp.load(tensors, storage_reader=_reader(MemoryFiles(fetch)))
-    engine.load_state_dict(tensors, state["engine"])
+    engine.load_state_dict(tensors, state.engine)
     try:
         rng = fetch(rng_name(dist.get_rank()))
     except KeyError:

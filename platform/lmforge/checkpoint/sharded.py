@@ -90,7 +90,7 @@ def load_checkpoint(store: CheckpointStore, ckpt: CommittedCheckpoint, engine: C
     if engine.checkpoint_format == "dcp":
         tensors, _ = engine.state_dict()
         dcp.load(tensors, storage_reader=_reader(store, ckpt.path))
-        engine.load_state_dict(tensors, ckpt.state["engine"])
+        engine.load_state_dict(tensors, ckpt.state.engine)
     else:
         engine.load(store.fs_path(ckpt.path), ckpt.state)
     rng_path = store.fs_path(_rng_file(ckpt.path, dist.get_rank()))

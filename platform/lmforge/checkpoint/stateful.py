@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from lmforge.checkpoint.state import TrainerState
+
 
 class Checkpointable(Protocol):
     # "dcp": `state_dict()` saved with torch.distributed.checkpoint; otherwise the
@@ -21,6 +23,6 @@ class Checkpointable(Protocol):
         """Own format: write this rank's files into the step directory."""
         ...
 
-    def load(self, directory: str, saved: dict) -> None:
+    def load(self, directory: str, saved: TrainerState) -> None:
         """Own format: restore from a step directory; `saved` is its state.json."""
         ...

@@ -21,7 +21,9 @@ from typing import Optional
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
+from pydantic import ValidationError
 
+from lmforge.checkpoint.state import TrainerState
 from lmforge.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -39,7 +41,7 @@ class CheckpointUnreadable(Exception):
 class CommittedCheckpoint:
     step: int
     path: str  # as given to DCP: a local path or a URI
-    state: dict
+    state: TrainerState
 
 
 def join_path(root: str, *parts: str) -> str:
@@ -91,16 +93,16 @@ class CheckpointStore:
 
     def checkpoint(self, step: int) -> Optional[CommittedCheckpoint]:
         """A committed step with its state, or None when state.json is missing or not a
-        JSON object (`CheckpointUnreadable` when it could not be read)."""
+        trainer state (`CheckpointUnreadable` when it could not be read)."""
         path = self.step_path(step)
         try:
             with self.fs.open(self.fs_path(join_path(path, STATE))) as f:
-                state = json.load(f)
-        except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
+                state = TrainerState.model_validate_json(f.read())
+        except (FileNotFoundError, ValidationError):
             state = None
         except OSError as err:
             raise CheckpointUnreadable(f"{path}/{STATE}: {err}") from err
-        if not isinstance(state, dict):
+        if state is None:
             log.warning("checkpoint %s has no readable state.json; trying the previous one", path)
             return None
         return CommittedCheckpoint(step=step, path=path, state=state)
@@ -113,8 +115,8 @@ class CheckpointStore:
                 return ckpt
         return None
 
-    def write_state(self, step: int, state: dict) -> None:
-        self._write_json(join_path(self.step_path(step), STATE), state)
+    def write_state(self, step: int, state: TrainerState) -> None:
+        self._write_json(join_path(self.step_path(step), STATE), state.as_json())
 
     def _write_json(self, path: str, value: dict) -> None:
         """Whole or not at all: renamed into place on a filesystem (an object store's put is atomic)."""

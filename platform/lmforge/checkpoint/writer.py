@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from lmforge.checkpoint.sharded import dcp_writer, rng_state, write_rng
+from lmforge.checkpoint.state import TrainerState
 from lmforge.checkpoint.stateful import Checkpointable
 from lmforge.checkpoint.store import CheckpointStore
 from lmforge.errors import CheckpointWritesFailing
@@ -91,7 +92,7 @@ class CheckpointWriter(BackgroundSaver):
         self.report = report  # called on rank 0 only, from the writer thread too
         self.failed_in_a_row = 0
 
-    def save(self, step: int, engine: Checkpointable, trainer_state: dict) -> None:
+    def save(self, step: int, engine: Checkpointable, trainer_state: TrainerState) -> None:
         """Collective over every rank at the same step. Training is held up while the
         previous write finishes (`stall_seconds`), and later in `staged()` if the copy
         is slower than a forward and backward."""
@@ -106,7 +107,7 @@ class CheckpointWriter(BackgroundSaver):
         else:
             engine.save(self.store.fs_path(path))  # DeepSpeed writes synchronously, on its own
             upload = None
-        state = {**trainer_state, "engine": plain, "format": engine.checkpoint_format}
+        state = trainer_state.model_copy(update={"engine": plain, "format": engine.checkpoint_format})
         stall = time.perf_counter() - began
         self._pending = self._thread.submit(self._finish, step, upload, rng, state, began, stall)
         if not self.options.async_save:

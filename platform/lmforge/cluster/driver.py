@@ -131,7 +131,7 @@ def _run(plan: Plan, manifest: dict, console: Console, show_progress: bool, leas
     run_dir = RunDir(spec.run_dir)
     run_dir.rewind(plan.start_step)
     if plan.resume_from:
-        run_dir.restore_records(plan.resume_from.state.get("records", []))
+        run_dir.restore_records(plan.resume_from.state.records)
     skipped = sorted(set(run_dir.skip_batches()) | set(spec.guards.skip_batches)) if plan.resume_from else []
     if skipped:
         spec = spec.with_changes("guards", skip_batches=skipped)  # what earlier rollbacks of this run skipped

@@ -13,6 +13,7 @@ from typing import Callable, Optional
 
 import torch
 
+from lmforge.checkpoint.state import TrainerState
 from lmforge.engines.loss import LossInputs
 
 
@@ -78,7 +79,7 @@ class Engine(ABC):
         """Own format: write this rank's files into the step directory."""
         raise NotImplementedError(f"{type(self).__name__} checkpoints with state_dict()")
 
-    def load(self, directory: str, saved: dict) -> None:
+    def load(self, directory: str, saved: TrainerState) -> None:
         """Own format: restore from a step directory; `saved` is its state.json."""
         raise NotImplementedError(f"{type(self).__name__} checkpoints with state_dict()")
 

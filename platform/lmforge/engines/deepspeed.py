@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from lmforge.checkpoint.deepspeed_files import CHECKPOINT_TAG, UNIVERSAL_TAG, skip_shared_memory_op, to_universal
+from lmforge.checkpoint.state import TrainerState
 from lmforge.engines.base import Engine, StepStats, warmup_cosine
 from lmforge.engines.loss import Loss, LossInputs, Placement, cross_entropy
 from lmforge.engines.loss_mask import learnt_per_rank, next_token_labels
@@ -136,12 +137,12 @@ class DeepSpeedEngine(Engine):
     def save(self, directory: str) -> None:
         self.engine.save_checkpoint(directory, tag=CHECKPOINT_TAG, save_latest=False)
 
-    def load(self, directory: str, saved: dict) -> None:
+    def load(self, directory: str, saved: TrainerState) -> None:
         """Same DP size: DeepSpeed's own files. Another DP size with ZeRO partitions:
         DeepSpeed's universal checkpoint, converted once (by rank 0) into `<step dir>/universal`."""
         tag = CHECKPOINT_TAG
         # ZeRO stage 0 saves whole optimizer state, which loads on any DP size as is.
-        if saved.get("dp") != self.dims.shape.dp and self.engine.zero_optimization_stage() > 0:
+        if saved.dp != self.dims.shape.dp and self.engine.zero_optimization_stage() > 0:
             if dist.get_rank() == 0:
                 to_universal(directory)
             dist.barrier()

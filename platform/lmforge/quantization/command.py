@@ -60,7 +60,7 @@ def _trained_on(source) -> Optional[str]:
     if step is None and config.is_file():
         step = json.loads(config.read_text()).get("source", {}).get("checkpoint")
     if step and Path(step).exists() and is_checkpoint(Path(step)):
-        return committed_state(Path(step)).get("data_path")
+        return committed_state(Path(step)).data_path
     return None
 
 
