@@ -46,6 +46,11 @@ class Step(Event):
     """One optimizer step's metrics; a loss's named terms beyond those declared ride along."""
 
     model_config = ConfigDict(extra="allow")
+    # What MLflow charts for each step (metrics.jsonl keeps the counters beside them).
+    METRICS: ClassVar[tuple[str, ...]] = (
+        "loss", "ce_loss", "kd_loss", "hidden_loss", "on_policy", "lr", "grad_norm", "tokens_per_s", "mfu", "bubble", "bubble_theory",
+        "step_time", "data_wait",
+    )  # fmt: skip
     event: Literal["step"] = "step"
     step: int
     loss: float

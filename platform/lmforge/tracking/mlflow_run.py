@@ -20,27 +20,12 @@ import yaml
 
 from lmforge.credentials import redact
 from lmforge.data.mixture import is_mixture
-from lmforge.events import Eval
+from lmforge.events import Eval, Step
 from lmforge.spec import JobSpec, flatten
 
 JOB_TAG = "lmforge.job"
 ROLE_TAG = "lmforge.role"  # "train", "cache", "generate" and "evaluation"; "job" for a distillation's parent; "pipeline"
 PARENT_TAG = "mlflow.parentRunId"  # MLflow's own: its UI nests a run under that one
-METRIC_KEYS = (
-    "loss",
-    "ce_loss",
-    "kd_loss",
-    "hidden_loss",
-    "on_policy",
-    "lr",
-    "grad_norm",
-    "tokens_per_s",
-    "mfu",
-    "bubble",
-    "bubble_theory",
-    "step_time",
-    "data_wait",
-)
 
 for _noisy in ("alembic", "mlflow"):
     logging.getLogger(_noisy).setLevel(logging.WARNING)
@@ -176,7 +161,7 @@ class MlflowRun:
         from mlflow.entities import Metric
 
         stamp = int(event.get("time", time.time()) * 1000)
-        self._pending += [Metric(k, float(event[k]), stamp, event["step"]) for k in METRIC_KEYS if k in event]
+        self._pending += [Metric(k, float(event[k]), stamp, event["step"]) for k in Step.METRICS if k in event]
         taken = event.get("mixture") or []  # a mixture's samples of each source this step, as shares
         self._pending += [Metric(f"mixture_{i}", n / sum(taken), stamp, event["step"]) for i, n in enumerate(taken)]
         if time.time() - self._last_flush >= self.flush_every_s:

@@ -9,26 +9,9 @@ import json
 import os
 from pathlib import Path
 
-STEP_FIELDS = (
-    "step",
-    "loss",
-    "ce_loss",
-    "kd_loss",
-    "hidden_loss",
-    "on_policy",
-    "lr",
-    "grad_norm",
-    "tokens_per_s",
-    "mfu",
-    "bubble",
-    "bubble_theory",
-    "step_time",
-    "data_wait",
-    "tokens",
-    "samples_consumed",
-    "mixture",
-    "time",
-)
+from lmforge.events import Step
+
+STEP_FIELDS = ("step", *Step.METRICS, "tokens", "samples_consumed", "mixture", "time")  # a step's line in metrics.jsonl
 
 
 REDONE_EVENTS = {"eval"}  # measured again when their step is
