@@ -13,23 +13,22 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from lmforge import spec_rules as rules
+from lmforge.checkpoint.config import CheckpointSpec
 from lmforge.data.config import DataSpec
 from lmforge.deepspeed_config import inline_config_file
 from lmforge.distill.config import DistillSpec
 from lmforge.errors import UserError
+from lmforge.guards.config import DebugSpec, GuardSpec
 from lmforge.models.config import PRESETS, ModelConfig
 from lmforge.models.model_dir import read_model_config
+from lmforge.section import Section
 from lmforge.sizes import parse_size
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
-
-
-class ModelSpec(_Section):
+class ModelSpec(Section):
     preset: str = "tiny"
     dim: Optional[int] = Field(None, gt=0)
     n_layers: Optional[int] = Field(None, gt=0)
@@ -67,7 +66,7 @@ class ModelSpec(_Section):
         return (self._init_shape or PRESETS[self.preset]).with_overrides(**overrides)
 
 
-class ParallelSpec(_Section):
+class ParallelSpec(Section):
     dp: Union[int, Literal["auto"]] = Field(1, description="data-parallel ranks, or auto: resources.workers / (pp x tp)")
     tp: int = Field(1, ge=1)
     pp: int = Field(1, ge=1)
@@ -90,7 +89,7 @@ class ParallelSpec(_Section):
         return self.dp * self.tp * self.pp
 
 
-class OptimSpec(_Section):
+class OptimSpec(Section):
     lr: float = Field(3e-4, gt=0)
     weight_decay: float = Field(0.1, ge=0)
     betas: tuple[float, float] = (0.9, 0.95)
@@ -101,7 +100,7 @@ class OptimSpec(_Section):
     grad_clip: float = Field(1.0, ge=0, description="max global grad norm; 0 disables clipping")
 
 
-class TrainSpec(_Section):
+class TrainSpec(Section):
     global_batch: int = Field(16, gt=0, description="samples per optimizer step, over all DP ranks")
     micro_batch: int = Field(4, gt=0, description="samples per forward/backward on one rank")
     seq_len: int = Field(128, description="tokens per sample fed to the model")
@@ -117,32 +116,7 @@ class TrainSpec(_Section):
         return value
 
 
-class CheckpointSpec(_Section):
-    dir: Optional[str] = Field(None, description="directory or fsspec URI; default <run_dir>/checkpoints")
-    interval: int = Field(50, gt=0, description="save every N optimizer steps (and at the last step)")
-    keep: int = Field(3, gt=0, description="newest committed checkpoints kept")
-    keep_every: Optional[int] = Field(None, gt=0, description="also keep every checkpoint whose step is a multiple of this")
-    async_save: bool = Field(True, description="write in the background; training pauses only to copy the state to CPU memory")
-    in_memory: bool = Field(
-        False,
-        description="also keep a snapshot in host memory, on the rank's node and one other, every memory_interval steps; "
-        "a restart within the job restores from it (up to 4x each rank's weights and optimizer state per rank, see `lmforge plan`)",
-    )
-    memory_interval: int = Field(
-        5,
-        gt=0,
-        description="steps between in-memory snapshots (with in_memory): a failure redoes at most about this many steps; "
-        "each snapshot costs the loop a copy and a serialization of the rank's state (bench/RESULTS.md)",
-    )
-    max_failed_writes: int = Field(3, gt=0, description="checkpoint writes that may fail in a row (logged) before the job fails")
-    resume: bool = Field(True, description="continue from the latest checkpoint; false: start at 0 over an empty checkpoint.dir")
-    discard_existing: bool = Field(False, description="with resume: false, delete the checkpoints checkpoint.dir holds first")
-    allow_data_change: bool = Field(
-        False, description="resume although the seed, shuffle window or dataset changed (a new data order; recorded as a data_changed event)"
-    )
-
-
-class TrackingSpec(_Section):
+class TrackingSpec(Section):
     enabled: bool = True
     uri: Optional[str] = Field(None, description="MLflow tracking URI; default sqlite:///<output_dir>/mlflow.db")
     experiment: str = "lmforge"
@@ -155,7 +129,7 @@ class TrackingSpec(_Section):
     run_id: Optional[str] = Field(None, description="set by lmforge: the MLflow run the ranks' system metrics and checkpoints belong to")
 
 
-class ResourcesSpec(_Section):
+class ResourcesSpec(Section):
     workers: Optional[int] = Field(None, gt=0, description="worker actors; must equal pp x dp x tp")
     cpus_per_worker: float = Field(1.0, gt=0)
     gpus_per_worker: float = Field(0.0, ge=0)
@@ -169,7 +143,7 @@ class ResourcesSpec(_Section):
         return None if value is None else parse_size(value)
 
 
-class FaultToleranceSpec(_Section):
+class FaultToleranceSpec(Section):
     max_failures: int = Field(0, ge=0, description="restarts from the latest checkpoint before the job fails")
     backoff_s: float = Field(1.0, ge=0, description="wait before the first restart; doubles with each, up to 60 s")
     step_timeout_s: Optional[float] = Field(
@@ -183,37 +157,7 @@ class FaultToleranceSpec(_Section):
     )
 
 
-class GuardSpec(_Section):
-    nonfinite_in_a_row: int = Field(
-        3,
-        ge=1,
-        description="non-finite losses or grad norms in a row (each skips its update) before rolling back to the latest checkpoint and skipping those batches",
-    )
-    max_rollbacks: int = Field(3, ge=0, description="rollbacks (non-finite steps, or spikes under on_spike: rollback) before the job fails")
-    spike_window: int = Field(50, ge=5, description="steps of loss history that a spike is measured against")
-    spike_zscore: float = Field(6.0, gt=0, description="a loss this many standard deviations above the window's mean is a spike")
-    on_spike: Literal["log", "rollback"] = Field(
-        "log",
-        description="log: record the spike and go on; rollback: restart from the latest checkpoint skipping the spike's batch (as for non-finite steps)",
-    )
-    oom_min_micro_batch: int = Field(
-        1, ge=1, description="on out-of-memory, retry with half the micro-batch (twice the accumulation) down to this, then fail"
-    )
-    skip_batches: list[int] = Field([], description="steps whose batch is read but not trained on (a rollback adds the offending ones)")
-    leak_check: bool = Field(False, description="debug: report tensors that stay alive across steps, and their growth per step")
-
-
-class DebugSpec(_Section):
-    """Fault injection, to see the guards work (tests, drills)."""
-
-    nan_at_steps: list[int] = Field([], description="make these steps' loss NaN")
-    spike_at_steps: list[int] = Field([], description="make these steps' loss spike (the logits scaled up)")
-    oom_at_step: Optional[int] = Field(None, gt=0, description="raise torch.OutOfMemoryError on rank 0 at this step ...")
-    oom_above_micro_batch: int = Field(0, ge=0, description="... while train.micro_batch is larger than this")
-    leak_per_step: bool = Field(False, description="keep one small tensor alive per step (a leak for guards.leak_check to find)")
-
-
-class EvalSpec(_Section):
+class EvalSpec(Section):
     """A held-out loss measured while training; the split is made by `data prepare`."""
 
     source: Optional[str] = Field(None, description="prepare: a separate corpus as the held-out split (instead of data.eval_fraction)")
@@ -223,17 +167,17 @@ class EvalSpec(_Section):
     )
 
 
-class ElasticSpec(_Section):
+class ElasticSpec(Section):
     min_dp: int = Field(..., ge=1, description="fewest data-parallel replicas to continue with after a loss")
     max_dp: int = Field(..., ge=1, description="most data-parallel replicas to use when capacity allows")
 
 
-class DeepSpeedSpec(_Section):
+class DeepSpeedSpec(Section):
     config: Union[str, dict] = Field(..., description="a DeepSpeed config mapping, or a JSON file (relative to the job file)")
     config_file: Optional[str] = Field(None, description="set by lmforge: the file `config` was read from")
 
 
-class JobSpec(_Section):
+class JobSpec(Section):
     name: str = Field(..., pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
     output_dir: str = "runs"
     engine: Literal["native", "deepspeed"] = "native"

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from lmforge.checkpoint.config import CheckpointSpec
 from lmforge.checkpoint.sharded import load_checkpoint
 from lmforge.checkpoint.state import TrainerState
 from lmforge.checkpoint.store import CheckpointStore
@@ -31,7 +32,7 @@ from lmforge.engines import create_engine
 from lmforge.parallel.mesh import build_mesh
 from lmforge.parallel.shape import MeshShape
 from lmforge.ray_runtime import tune_process
-from lmforge.spec import CheckpointSpec, spec_from_dict
+from lmforge.spec import spec_from_dict
 from lmforge.trainer import job_loss
 
 STEPS = 6

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from lmforge.checkpoint.config import CheckpointSpec
 from lmforge.checkpoint.memory import SnapshotWriter, load_snapshot, snapshot_state
 from lmforge.checkpoint.sharded import load_checkpoint, restore_point
 from lmforge.checkpoint.state import TrainerState
@@ -16,7 +17,6 @@ from lmforge.checkpoint.store import CheckpointStore
 from lmforge.checkpoint.writer import CheckpointWriter
 from lmforge.engines.base import Engine
 from lmforge.errors import CheckpointWritesFailing
-from lmforge.spec import CheckpointSpec
 
 
 class OneTensor(Engine):

@@ -11,10 +11,11 @@ import torch
 from lmforge.engines.base import StepStats
 from lmforge.errors import Diverged
 from lmforge.events import OutOfMemoryEvent, Rollback
+from lmforge.guards.config import GuardSpec
 from lmforge.guards.divergence import DivergenceGuard
 from lmforge.guards.leaks import LeakCheck
 from lmforge.guards.oom import with_smaller_micro_batch
-from lmforge.spec import GuardSpec, spec_from_dict
+from lmforge.spec import spec_from_dict
 
 
 def finite(loss):

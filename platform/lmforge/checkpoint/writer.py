@@ -22,13 +22,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
+from lmforge.checkpoint.config import CheckpointSpec
 from lmforge.checkpoint.sharded import dcp_writer, rng_state, write_rng
 from lmforge.checkpoint.state import TrainerState
 from lmforge.checkpoint.stateful import Checkpointable
 from lmforge.checkpoint.store import CheckpointStore
 from lmforge.errors import CheckpointWritesFailing
 from lmforge.events import Checkpoint, CheckpointFailed, Event
-from lmforge.spec import CheckpointSpec
 
 
 class BackgroundSaver:

@@ -17,7 +17,7 @@ from collections import deque
 from lmforge.engines.base import StepStats
 from lmforge.errors import Diverged
 from lmforge.events import Event, LossSpike, Nonfinite
-from lmforge.spec import GuardSpec
+from lmforge.guards.config import GuardSpec
 
 MIN_HISTORY = 5  # losses needed before a spike can be judged at all
 
