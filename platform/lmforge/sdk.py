@@ -22,21 +22,30 @@ from typing import Callable, Optional, Union
 import ray
 from rich.console import Console
 
+from lmforge.checkpoint.export import export_model
 from lmforge.cluster import driver
 from lmforge.data.precheck import check_before_ray
 from lmforge.data.prepare import MANIFEST, PrepareOptions, has_manifest, prepare_dataset, read_manifest
 from lmforge.distill import pipeline
+from lmforge.distill.cache import build_cache as build_teacher_cache
+from lmforge.distill.cache import cache_params, check_can_build
+from lmforge.distill.instruct.build import generate_dataset, plan_generation
 from lmforge.errors import UserError
 from lmforge.evaluation.judge import JudgeOptions, run_judge
 from lmforge.inference.generate import Generator, default_device
 from lmforge.inference.sampling import SamplingParams
 from lmforge.jobs import JobHandle, job, jobs, runs, submit
-from lmforge.preflight import preflight
+from lmforge.memory.estimate import worst_rank
+from lmforge.planner.cluster import parse_cluster
+from lmforge.planner.report import fits
+from lmforge.preflight import check_teachers, preflight
 from lmforge.quantization.command import QuantizeOptions, quantize_model
 from lmforge.ray_runtime import connect, embedded_resources
 from lmforge.serve.app import check_cpus, check_model, check_port, serve_model
 from lmforge.serve.backend import ServerOptions
 from lmforge.spec import JobSpec, load_spec
+from lmforge.tracking.mlflow_run import MlflowRun
+from lmforge.tracking.model_registry import register_export
 
 load = load_spec
 __all__ = [
@@ -75,10 +84,6 @@ def build_cache(spec: JobSpec, address: Optional[str] = None, show_progress: boo
     """Build a distillation job's offline teacher cache (`distill.cache`): its teachers'
     top-k targets for every sample of its dataset (prepared first if need be); returns
     the cache's manifest."""
-    from lmforge.distill.cache import build_cache as build_teacher_cache
-    from lmforge.distill.cache import check_can_build
-    from lmforge.preflight import check_teachers
-
     spec = spec.with_absolute_paths()
     check_can_build(spec)
     data_path = _required(spec.data.path, "data.path", "a teacher cache scores one dataset")
@@ -97,8 +102,6 @@ def generate_answers(spec: JobSpec, address: Optional[str] = None, show_progress
     """An instruction distillation's dataset (`data.path`): its teachers' answers to
     `distill.instruct.prompts`, selected, as SFT samples with their soft targets;
     returns its manifest. Rerun after an interruption, it answers only what is left."""
-    from lmforge.distill.instruct.build import generate_dataset, plan_generation
-
     spec = spec.with_absolute_paths()
     plan = plan_generation(spec)  # every refusal before Ray starts
     with _distill_stage(spec, "generate", address) as tracker:
@@ -122,8 +125,6 @@ def _distill_stage(spec: JobSpec, role: str, address: Optional[str]):
     tracker, status = None, "FAILED"
     try:
         if spec.tracking.enabled:
-            from lmforge.tracking.mlflow_run import MlflowRun
-
             tracker = MlflowRun(spec, role=role)
         yield tracker
         status = "FINISHED"
@@ -146,7 +147,6 @@ def _track_generation(tracker, spec: JobSpec, manifest: dict) -> None:
 
 
 def _track_cache(tracker, spec: JobSpec, manifest: dict) -> None:
-    from lmforge.distill.cache import cache_params
 
     tracker.log_params(cache_params(manifest))  # now that the cache is there: what its manifest says
     data = manifest["dataset"]
@@ -169,10 +169,6 @@ def _required(value: Optional[str], field: str, why: str) -> str:
 def plan(spec: JobSpec, cluster: Optional[str] = None) -> dict:
     """`lmforge plan` for a notebook: the job's largest rank's memory by part (bytes),
     and with `cluster` ("nodes=4,gpus_per_node=8,gpu_mem=80GB") whether it fits."""
-    from lmforge.memory.estimate import worst_rank
-    from lmforge.planner.cluster import parse_cluster
-    from lmforge.planner.report import fits
-
     breakdown = worst_rank(spec)
     result = {"job": spec.name, "world_size": spec.world_size, "worst_rank": breakdown.as_dict()}
     if cluster:
@@ -186,9 +182,6 @@ def export(checkpoint, out, format: str = "lmforge", dtype: str = "fp32", tokeni
     MLflow store a checkpoint names may be another's, or unreachable from here): when
     the checkpoint belongs to an MLflow run, log the directory there and register it as
     a new version of the model named after the job (result["registered"]: name, version, run_id)."""
-    from lmforge.checkpoint.export import export_model
-    from lmforge.tracking.model_registry import register_export
-
     result = export_model(checkpoint, out, fmt=format, dtype=dtype, tokenizer=tokenizer)
     if register:
         result["registered"] = register_export(result["source"], out, format, result["step"])

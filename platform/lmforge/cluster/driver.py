@@ -20,6 +20,7 @@ from lmforge.cluster import placement
 from lmforge.cluster.controller import Controller
 from lmforge.credentials import redact_uri
 from lmforge.data.prepare import PrepareOptions, prepare_dataset, read_manifest
+from lmforge.distill.instruct.evaluate import after_training
 from lmforge.errors import TrainingFailed, UserError, first_line
 from lmforge.events import (
     EVENT_PREFIX,
@@ -40,6 +41,7 @@ from lmforge.preflight import Plan, check_dataset, check_fresh_start, check_resu
 from lmforge.ray_runtime import check_capacity, connect, embedded_resources
 from lmforge.spec import JobSpec
 from lmforge.tracking.console import plain, text_console
+from lmforge.tracking.mlflow_run import MlflowRun
 from lmforge.tracking.progress import ProgressView
 from lmforge.tracking.run_dir import STEP_FIELDS, RunDir
 
@@ -137,8 +139,6 @@ def _run(plan: Plan, manifest: dict, console: Console, show_progress: bool, leas
         spec = spec.with_changes("guards", skip_batches=skipped)  # what earlier rollbacks of this run skipped
     tracker = None
     if spec.tracking.enabled:
-        from lmforge.tracking.mlflow_run import MlflowRun
-
         tracker = MlflowRun(spec)
         tracker.catch_up(run_dir.steps())
         tracker.log_dataset(manifest)
@@ -225,7 +225,6 @@ def _run(plan: Plan, manifest: dict, console: Console, show_progress: bool, leas
 
 def _student_answers(spec: JobSpec, checkpoint: Optional[str], run_dir: RunDir, view: ProgressView) -> Optional[dict]:
     """An instruction distillation's trained student answering its held-out prompts."""
-    from lmforge.distill.instruct.evaluate import after_training
 
     if checkpoint is None or not (spec.distill and spec.distill.instruct):
         return None

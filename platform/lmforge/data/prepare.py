@@ -16,7 +16,7 @@ from rich.progress import Progress, TimeElapsedColumn
 
 from lmforge.data import storage
 from lmforge.data.pipeline import EVAL_DIR, MANIFEST, run_pipeline
-from lmforge.data.precheck import check_before_ray
+from lmforge.data.precheck import JOB_FIELDS, check_before_ray
 from lmforge.errors import UserError
 from lmforge.tracking.console import text_column
 
@@ -63,7 +63,6 @@ class PrepareOptions:
 
     def name(self, key: str) -> str:
         """What the user typed for option `key`: its flag, or else its job field."""
-        from lmforge.data.precheck import JOB_FIELDS
 
         return self.names.get(key, JOB_FIELDS[key])
 

@@ -15,6 +15,7 @@ from torch import nn
 from lmforge.checkpoint.export import open_source
 from lmforge.distill.losses import TopK
 from lmforge.models import ModelConfig, Transformer, materialize
+from lmforge.models.build import build_model
 
 
 def build_teacher(path: str, device: torch.device, parallelize: Callable[[nn.Module], nn.Module]) -> nn.Module:
@@ -31,7 +32,6 @@ def build_teacher(path: str, device: torch.device, parallelize: Callable[[nn.Mod
 def load_whole(paths: list[str], device: torch.device) -> list[nn.Module]:
     """Teachers whole on one device, in eval mode: an inference actor's (the teacher
     cache's scorer, instruction distillation's answers)."""
-    from lmforge.models.build import build_model
 
     teachers = []
     for path in paths:

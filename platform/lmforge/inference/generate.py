@@ -15,6 +15,7 @@ from typing import Callable, Optional
 import torch
 from tokenizers import Tokenizer
 
+from lmforge.checkpoint.export import open_source
 from lmforge.data.tokenizer import end_of_text_token
 from lmforge.errors import UserError
 from lmforge.inference.cache import KVCache
@@ -145,7 +146,6 @@ class Generator:
     def load(cls, path: str, device: str = "cpu", dtype: str = "fp32", tokenizer: Optional[str] = None) -> "Generator":
         """Any model lmforge opens: a committed checkpoint, an lmforge export, a Hugging
         Face directory, a quantized directory (`lmforge quantize`)."""
-        from lmforge.checkpoint.export import open_source
 
         if dtype not in DTYPES:
             raise UserError(f"--dtype: {dtype!r} is not one of {', '.join(DTYPES)}")

@@ -9,8 +9,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from lmforge.checkpoint.consolidate import committed_state, is_checkpoint
+from lmforge.checkpoint.export import open_source
 from lmforge.credentials import redact_uri
 from lmforge.errors import UserError
+from lmforge.inference.perplexity import held_out_samples, mean_nll, perplexity
+from lmforge.models.build import build_model
 from lmforge.quantization.quantize import (
     GROUP_SIZES,
     METHODS,
@@ -21,6 +25,7 @@ from lmforge.quantization.quantize import (
     stored_tensors,
     write_quantized,
 )
+from lmforge.tracking.command_run import log_command_run, tracking_uri
 
 REPORT = "quantization_report.json"
 
@@ -53,7 +58,6 @@ class QuantizeOptions:
 
 def _trained_on(source) -> Optional[str]:
     """The dataset a model was trained on, when its checkpoint says so."""
-    from lmforge.checkpoint.consolidate import committed_state, is_checkpoint
 
     step = source.record.get("checkpoint")
     config = source.path / "config.json"
@@ -65,9 +69,6 @@ def _trained_on(source) -> Optional[str]:
 
 
 def quantize_model(opts: QuantizeOptions, say=print) -> dict:
-    from lmforge.checkpoint.export import open_source
-    from lmforge.inference.perplexity import held_out_samples, mean_nll, perplexity
-    from lmforge.models.build import build_model
 
     opts.check()
     source = open_source(opts.model, opts.tokenizer)
@@ -109,7 +110,6 @@ def quantize_model(opts: QuantizeOptions, say=print) -> dict:
 
 
 def _log(opts: QuantizeOptions, result: dict) -> str:
-    from lmforge.tracking.command_run import log_command_run, tracking_uri
 
     uri = tracking_uri(opts.tracking_uri)
     params = {key: result[key] for key in ("source", "method", "group_size", "library", "device_type", "eval_data", "eval_samples", "out")}

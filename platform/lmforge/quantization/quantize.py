@@ -20,8 +20,11 @@ from pathlib import Path
 
 import torch
 
+from lmforge.data.tokenizer import tokenizer_files
 from lmforge.errors import UserError
 from lmforge.jsonfile import member, read_object
+from lmforge.models.build import build_model
+from lmforge.models.config import config_from_dict
 
 METHODS = ("int8", "int4")
 GROUP_SIZES = (32, 64, 128, 256)
@@ -108,9 +111,6 @@ def load_quantized(path: Path, device: str):
     """A quantized directory's model, on `device` (UserError naming the file when it does not fit)."""
     from safetensors.torch import load_file
 
-    from lmforge.models.build import build_model
-    from lmforge.models.config import config_from_dict
-
     try:
         record = read_object(path / QUANTIZATION)
         cfg = config_from_dict(member(read_object(path / "config.json"), "model", dict, str(path / "config.json")), str(path / "config.json"))
@@ -148,8 +148,6 @@ def linear_weight_names(model) -> list[str]:
 def write_quantized(out: Path, source, model, method: str, group_size: int) -> dict:
     """Atomically (a staging directory renamed into place). Returns the byte counts."""
     from safetensors.torch import save_file
-
-    from lmforge.data.tokenizer import tokenizer_files
 
     tensors = stored_tensors(model)
     record = {

@@ -15,7 +15,10 @@ from typing import Optional, Union
 
 from ray import serve
 
+from lmforge.checkpoint.export import open_source
 from lmforge.errors import UserError
+from lmforge.quantization.quantize import QUANTIZATION, is_quantized
+from lmforge.ray_runtime import connect, embedded_resources
 from lmforge.serve.api import build_api
 from lmforge.serve.backend import Backend, ServerOptions
 
@@ -48,8 +51,6 @@ def application(options: ServerOptions, replicas: Union[int, str], cpus: float, 
 
 def check_model(path: str, tokenizer: Optional[str]) -> None:
     """Before anything starts: the model opens (headers only) and has a tokenizer."""
-    from lmforge.checkpoint.export import open_source
-    from lmforge.quantization.quantize import QUANTIZATION, is_quantized
 
     if is_quantized(path):
         if not (Path(path) / "config.json").is_file() or not (tokenizer or (Path(path) / "tokenizer.json").is_file()):
@@ -78,8 +79,6 @@ def serve_model(
     import logging
 
     import ray
-
-    from lmforge.ray_runtime import connect
 
     logging.getLogger("ray.serve").setLevel(logging.WARNING)  # the command says where it serves
     started_ray = connect(address)
@@ -124,8 +123,6 @@ def check_cpus(cpus: float, largest: Optional[float]) -> None:
 def check_port(host: str, port: int, address: Optional[str]) -> None:
     """A cluster this command starts will bind the port for Serve: it must be free."""
     import socket
-
-    from lmforge.ray_runtime import embedded_resources
 
     if embedded_resources(address) is None:
         return  # joining a cluster, whose Serve may listen there already

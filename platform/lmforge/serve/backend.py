@@ -17,6 +17,7 @@ from typing import AsyncIterator, Optional
 
 from lmforge.chat import chat_renderer, chat_template_of
 from lmforge.errors import UserError
+from lmforge.inference.generate import Generator
 from lmforge.inference.sampling import SamplingParams
 from lmforge.serve.engine import Sequence, Token, make_engine
 from lmforge.serve.metrics import ServerMetrics
@@ -113,8 +114,6 @@ class Choice:
 class Backend:
     def __init__(self, options: ServerOptions):
         import torch
-
-        from lmforge.inference.generate import Generator
 
         torch.set_num_threads(options.threads)
         self.options, self.name = options, options.name

@@ -18,6 +18,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from lmforge.distill.teacher import load_whole
+from lmforge.inference.generate import generate_ids
+from lmforge.inference.sampling import SamplingParams
+from lmforge.ray_runtime import tune_process
+
 ANSWER_COLUMNS = (
     "prompt_index",
     "teacher",
@@ -51,9 +56,6 @@ class TeacherAnswers:
     ):
         import torch
 
-        from lmforge.distill.teacher import load_whole
-        from lmforge.ray_runtime import tune_process
-
         tune_process(threads)
         self.teachers = load_whole(paths, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
         self.settings, self.eos_ids, self.vocab = settings, frozenset({eos_id}), vocab
@@ -69,8 +71,6 @@ class TeacherAnswers:
         return {"unit": batch["unit"], "answers": np.asarray(answers), "tokens": np.asarray(tokens)}
 
     def _answer(self, prompts: list) -> dict:
-        from lmforge.inference.generate import generate_ids
-        from lmforge.inference.sampling import SamplingParams
 
         s = self.settings
         params = SamplingParams(max_new_tokens=s["max_new_tokens"], temperature=s["temperature"], top_k=s["top_k"], top_p=s["top_p"])

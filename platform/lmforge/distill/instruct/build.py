@@ -36,6 +36,7 @@ from lmforge.distill.instruct.prompts import read_prompts
 from lmforge.distill.instruct.samples import write_samples
 from lmforge.distill.instruct.selection import RULES, select
 from lmforge.errors import UserError
+from lmforge.preflight import check_teachers
 from lmforge.tracking.console import text_column
 
 SETTINGS = "settings.json"
@@ -71,7 +72,6 @@ def plan_generation(spec) -> Plan:
     """Teachers, tokenizer, chat template and prompts, checked; prompts that cannot fit the
     teachers' context or a training sample with max_new_tokens are dropped and counted,
     and when none fits that is refused."""
-    from lmforge.preflight import check_teachers
 
     check_can_generate(spec)
     d, instruct = spec.distill, spec.distill.instruct

@@ -15,7 +15,10 @@ import ray
 
 from lmforge.data.prepare import EVAL_DIR, MANIFEST
 from lmforge.errors import UserError
+from lmforge.inference.generate import Generator, generate_ids
+from lmforge.inference.sampling import SamplingParams
 from lmforge.jsonfile import read_object
+from lmforge.ray_runtime import tune_process
 
 TABLE = "student_answers.json"  # the MLflow table artifact
 ANSWERS_FILE = "student_answers.jsonl"  # the same rows, in the run directory
@@ -69,10 +72,6 @@ def evaluate_student(spec, model_path: str, limit: int) -> dict:
 @ray.remote
 def _score_and_answer(model_path: str, tokenizer: str, tokens: list, loss_mask: list, wanted: list[dict], max_new_tokens: int) -> dict:
     import torch
-
-    from lmforge.inference.generate import Generator, generate_ids
-    from lmforge.inference.sampling import SamplingParams
-    from lmforge.ray_runtime import tune_process
 
     tune_process(1)
     student = Generator.load(model_path, "cuda" if torch.cuda.is_available() else "cpu", tokenizer=tokenizer)
