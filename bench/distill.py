@@ -33,8 +33,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from lmforge.distill.cache import write_shard
 from lmforge.distill.losses import teacher_log_probs
+from lmforge.distill.teacher_cache import write_shard
 from lmforge.engines import create_engine
 from lmforge.models import PRESETS
 from lmforge.models.build import build_model

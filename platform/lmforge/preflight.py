@@ -23,7 +23,7 @@ from lmforge.data.mixture import is_mixture, mixture_manifest
 from lmforge.data.precheck import check_before_ray
 from lmforge.data.prepare import MANIFEST, PrepareOptions, has_manifest, read_manifest
 from lmforge.data.tokenizer import load_tokenizer
-from lmforge.distill.cache import read_cache
+from lmforge.distill.teacher_cache import read_cache
 from lmforge.errors import UserError
 from lmforge.models.weights import open_model_dir
 from lmforge.planner.fit import check_fits

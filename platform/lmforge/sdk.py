@@ -26,10 +26,10 @@ from lmforge.checkpoint.export import export_model
 from lmforge.cluster import driver
 from lmforge.data.precheck import check_before_ray
 from lmforge.data.prepare import MANIFEST, PrepareOptions, has_manifest, prepare_dataset, read_manifest
-from lmforge.distill import pipeline
-from lmforge.distill.cache import build_cache as build_teacher_cache
-from lmforge.distill.cache import cache_params, check_can_build
+from lmforge.distill import stages
 from lmforge.distill.instruct.build import generate_dataset, plan_generation
+from lmforge.distill.teacher_cache import build_cache as build_teacher_cache
+from lmforge.distill.teacher_cache import cache_params, check_can_build
 from lmforge.errors import UserError
 from lmforge.evaluation.judge import JudgeOptions, run_judge
 from lmforge.inference.generate import Generator, default_device
@@ -113,8 +113,8 @@ def generate_answers(spec: JobSpec, address: Optional[str] = None, show_progress
 
 def run_pipeline(path, address: Optional[str] = None, show_progress: bool = True) -> dict:
     """Run a distillation pipeline file's stages in order, each from the previous stage's
-    student (`lmforge.distill.pipeline`); rerun, it resumes at the stage that stopped."""
-    return pipeline.run_pipeline(path, pipeline.StageCalls(train, build_cache, generate_answers), address, show_progress)
+    student (`lmforge.distill.stages`); rerun, it resumes at the stage that stopped."""
+    return stages.run_pipeline(path, stages.StageCalls(train, build_cache, generate_answers), address, show_progress)
 
 
 @contextmanager

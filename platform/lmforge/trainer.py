@@ -26,8 +26,8 @@ from lmforge.data.feed import BatchFeed, FedStep, datasets_of
 from lmforge.data.heldout import HeldOutBatches, eval_batches
 from lmforge.data.identity import order_inputs
 from lmforge.data.order import BatchLayout
-from lmforge.distill.cache import teacher_cache
 from lmforge.distill.loss import DistillLoss
+from lmforge.distill.teacher_cache import teacher_cache
 from lmforge.engines import CrossEntropy, Loss, create_engine
 from lmforge.errors import OutOfMemory
 from lmforge.events import BatchSkipped, Eval, Event, Restored, Start, Step

@@ -10,8 +10,8 @@ import torch
 
 from cli import assert_clean_error, run_cli
 from hf_models import VOCAB, make_hf_model, word_level_tokenizer
-from lmforge.inference.cache import KVCache
 from lmforge.inference.generate import Generator, generate_ids
+from lmforge.inference.kv_cache import KVCache
 from lmforge.inference.sampling import SamplingParams, keep_top_k, keep_top_p, penalize_repeats
 from lmforge.models.build import build_model
 from lmforge.models.weights import open_model_dir

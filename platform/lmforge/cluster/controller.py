@@ -27,7 +27,7 @@ from lmforge.cluster.keepers import Keepers
 from lmforge.cluster.worker import Worker
 from lmforge.data.feed import datasets_of, start_reader
 from lmforge.data.order import BatchLayout
-from lmforge.distill.cache import teacher_cache
+from lmforge.distill.teacher_cache import teacher_cache
 from lmforge.errors import CheckpointWritesFailing, Diverged, OutOfMemory, TrainingFailed, UserError, first_line
 from lmforge.events import Event, Failure, Layout, OutOfMemoryEvent, Reader, Recovered, Resized, Rollback, Start, Step
 from lmforge.guards.oom import with_smaller_micro_batch

@@ -15,8 +15,8 @@ import ray
 from rich.progress import Progress, TimeElapsedColumn
 
 from lmforge.data import storage
-from lmforge.data.pipeline import EVAL_DIR, MANIFEST, run_pipeline
 from lmforge.data.precheck import JOB_FIELDS, check_before_ray
+from lmforge.data.prepare_task import EVAL_DIR, MANIFEST, run_pipeline
 from lmforge.errors import UserError
 from lmforge.tracking.console import text_column
 

@@ -18,7 +18,7 @@ from tokenizers import Tokenizer
 from lmforge.checkpoint.export import open_source
 from lmforge.data.tokenizer import end_of_text_token
 from lmforge.errors import UserError
-from lmforge.inference.cache import KVCache
+from lmforge.inference.kv_cache import KVCache
 from lmforge.inference.sampling import SamplingParams, next_tokens
 from lmforge.models.build import build_model
 from lmforge.models.hf import DTYPES

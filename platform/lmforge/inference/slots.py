@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from lmforge.inference.cache import LayerCache
+from lmforge.inference.kv_cache import LayerCache
 from lmforge.models.config import ModelConfig
 
 

@@ -2,7 +2,7 @@
 
 A plain `nn.Module` in the nanoGPT/TorchTitan spirit: parallelism, checkpointing
 and compilation are applied from outside by `lmforge.parallel`; generation passes
-a KV cache (`lmforge.inference.cache`) through the forward and nothing more.
+a KV cache (`lmforge.inference.kv_cache`) through the forward and nothing more.
 """
 
 from __future__ import annotations

@@ -115,7 +115,7 @@ class MlflowRun:
     def _spec_params(self) -> dict:
         """The job's params, computed once: a distillation's parent and child runs all
         log them, and they include hashes of the teachers' weights (read in full)."""
-        from lmforge.distill.cache import tracking_params
+        from lmforge.distill.teacher_cache import tracking_params
 
         return flatten(redact(self.spec.model_dump(mode="json"))) | tracking_params(self.spec)
 

@@ -30,11 +30,11 @@ from lmforge.data.packing import ShardWriter
 from lmforge.data.prepare import EVAL_DIR, MANIFEST
 from lmforge.data.staging import staged
 from lmforge.data.tokenizer import end_of_text_token, eos_id, load_tokenizer, tokenizer_sha256
-from lmforge.distill.cache import actor_pool, weights_sha256
 from lmforge.distill.instruct.answers import TeacherAnswers, read_answers, unit_file
 from lmforge.distill.instruct.prompts import read_prompts
 from lmforge.distill.instruct.samples import write_samples
 from lmforge.distill.instruct.selection import RULES, select
+from lmforge.distill.teacher_cache import actor_pool, weights_sha256
 from lmforge.errors import UserError
 from lmforge.preflight import check_teachers
 from lmforge.tracking.console import text_column
