@@ -25,7 +25,6 @@ class Placement:
     device: torch.device
     parallelize: Callable[[nn.Module], nn.Module]  # the engine's own path for a module the student's size (a teacher)
     tp_group: Optional[dist.ProcessGroup] = None  # the logits are vocabulary-sharded over it
-    sequence_parallel: bool = False
     pipelined: bool = False  # the schedule calls `stage_loss` on the last stage
     grad_accum: int = 1
 

@@ -64,10 +64,9 @@ class NativeEngine(Engine):
             Placement(
                 device,
                 self._parallelize,
-                dims.tp_mesh.get_group() if self.tensor_parallel else None,
-                spec.parallel.sequence_parallel,
-                self.pipelined,
-                spec.grad_accum,
+                tp_group=dims.tp_mesh.get_group() if self.tensor_parallel else None,
+                pipelined=self.pipelined,
+                grad_accum=spec.grad_accum,
             )
         )
         with torch.device("meta"):
