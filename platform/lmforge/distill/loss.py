@@ -51,8 +51,8 @@ class DistillLoss(Loss):
         self.staged: Optional[StagedObjective] = None
 
     def build(self, placement: Placement) -> None:
-        """The teachers first (their width sizes the adapters); from an offline cache there
-        are none: its targets come with the batches."""
+        """Before the student: online teachers through the engine's own parallelize step
+        (from an offline cache there are none: its targets come with the batches)."""
         self.device = placement.device
         if self.settings.online:
             self.teachers = [build_teacher(source.path, placement.device, placement.parallelize) for source in self.settings.sources]
