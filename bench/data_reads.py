@@ -58,13 +58,13 @@ def main() -> None:
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
         data = os.path.join(workdir, "data")
         manifest = prepare_dataset(PrepareOptions(source=str(corpus), out=data, seq_len=SEQ_LEN, vocab_size=512, show_progress=False))
-        per_sample = sum(shard["bytes"] for shard in manifest["shards"]) / manifest["num_samples"]
+        per_sample = sum(shard.bytes for shard in manifest.shards) / manifest.num_samples
         trained = STEPS * GLOBAL_BATCH
-        if trained > manifest["num_samples"]:
-            sys.exit(f"the dataset holds {manifest['num_samples']} samples, fewer than the {trained} trained: give more --files")
+        if trained > manifest.num_samples:
+            sys.exit(f"the dataset holds {manifest.num_samples} samples, fewer than the {trained} trained: give more --files")
         ideal = per_sample / SEQ_LEN
         print(
-            f"dataset: {manifest['num_samples']:,} samples in {len(manifest['shards'])} shards, {per_sample:.0f} bytes a sample; "
+            f"dataset: {manifest.num_samples:,} samples in {len(manifest.shards)} shards, {per_sample:.0f} bytes a sample; "
             f"{STEPS} steps of {GLOBAL_BATCH} samples: ideal {ideal:.2f} bytes per trained token"
         )
         for name, parallel in LAYOUTS.items():

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from lmforge.data.manifest import Shard
 from lmforge.distill.losses import teacher_log_probs
 from lmforge.distill.teacher_cache import write_shard
 from lmforge.engines import create_engine
@@ -89,7 +90,7 @@ def cache_bytes_per_token(stored: list[tuple[np.ndarray, np.ndarray]], directory
     write_shard(
         path,
         {"sample_id": np.arange(len(ids)), "topk_ids": ids, "topk_logprobs": logprobs},
-        {"file": path.name, "first_sample_id": 0, "num_samples": len(ids)},
+        Shard(file=path.name, first_sample_id=0, num_samples=len(ids)),
     )
     return path.stat().st_size / (len(ids) * SEQ)
 

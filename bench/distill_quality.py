@@ -30,7 +30,8 @@ import torch
 from lmforge import sdk
 from lmforge.checkpoint.consolidate import read_checkpoint
 from lmforge.checkpoint.store import CheckpointStore
-from lmforge.data.prepare import read_manifest
+from lmforge.data.manifest import read_manifest
+from lmforge.distill.cache_manifest import is_built
 from lmforge.models.build import build_model
 from lmforge.spec import load_spec
 
@@ -58,7 +59,7 @@ def student(name: str, out: Path, teacher: Path, steps: int, extra: list[str]) -
         *extra,
     ]
     spec = load_spec(ROOT / "jobs" / "distill-logits.yaml", overrides)
-    if spec.distill.cache and not (Path(spec.distill.cache) / "manifest.json").is_file():
+    if spec.distill.cache and not is_built(spec.distill.cache):
         sdk.build_cache(spec, show_progress=False)
     summary = sdk.train(spec, show_progress=False)
     return Path(CheckpointStore(spec.checkpoint_dir).latest().path), summary
@@ -66,10 +67,10 @@ def student(name: str, out: Path, teacher: Path, steps: int, extra: list[str]) -
 
 def held_out_tokens(data_path: Path, samples: int) -> torch.Tensor:
     manifest = read_manifest(str(data_path))
-    held = manifest["eval"]
+    held = manifest.eval
     rows = []
-    for shard in held["shards"]:
-        rows += pq.read_table(data_path / held["dir"] / shard["file"], columns=["tokens"]).column("tokens").to_pylist()
+    for shard in held.shards:
+        rows += pq.read_table(data_path / held.dir / shard.file, columns=["tokens"]).column("tokens").to_pylist()
         if len(rows) >= samples:
             break
     return torch.tensor(rows[:samples])
@@ -115,7 +116,7 @@ def main() -> None:
 
     spec = load_spec(ROOT / "jobs" / "distill-logits.yaml", [f"distill.teacher={teacher_dir}"])
     data_path = Path(spec.with_absolute_paths().data.path)
-    vocab = read_manifest(str(data_path))["tokenizer"]["vocab_size"]
+    vocab = read_manifest(str(data_path)).tokenizer.vocab_size
     cfg, weights, _ = read_checkpoint(teacher_dir)
     teacher = build_model(cfg, weights=weights).eval()
     tokens = held_out_tokens(data_path, args.samples)

@@ -63,9 +63,9 @@ def run_lmforge(spec, manifest, warmup: int) -> tuple[float, list[float]]:
 
 def load_batches(spec, manifest) -> list[torch.Tensor]:
     """The exact samples lmforge trains on, in order, fully in memory."""
-    table = pq.read_table([os.path.join(spec.data.path, s["file"]) for s in manifest["shards"]])
+    table = pq.read_table([os.path.join(spec.data.path, s.file) for s in manifest.shards])
     tokens = table.column("tokens").combine_chunks().flatten().to_numpy().reshape(-1, spec.train.seq_len + 1)
-    order = GlobalOrder(manifest["num_samples"], spec.train.seed, block=manifest["shard_samples"], window=spec.data.shuffle_window)
+    order = GlobalOrder(manifest.num_samples, spec.train.seed, block=manifest.shard_samples, window=spec.data.shuffle_window)
     layout = BatchLayout(spec.train.global_batch, spec.train.micro_batch, 1)
     batches = []
     for step in range(spec.train.max_steps):

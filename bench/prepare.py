@@ -81,14 +81,14 @@ def main() -> None:
             seconds, cpu, manifest = prepare_seconds(source, tokenizer_path, args.seq_len, workdir, run)
             lmforge.append(seconds)
             driver_cpu.append(cpu)
-            coordinator_cpu.append(manifest["coordinator_cpu_seconds"])
+            coordinator_cpu.append(manifest.coordinator_cpu_seconds)
             print(
                 f"run {run + 1}: encode_batch {baseline[-1]:.2f} s, prepare {seconds:.2f} s (driver CPU {cpu:.2f} s, "
                 f"coordinator CPU {coordinator_cpu[-1]:.2f} s)",
                 file=sys.stderr,
             )
         ray.shutdown()
-    assert manifest["corpus_tokens"] == tokens + len(texts) - sum(1 for t in texts if not t), "prepare tokenized other texts"
+    assert manifest.corpus_tokens == tokens + len(texts) - sum(1 for t in texts if not t), "prepare tokenized other texts"
     base, ours = statistics.median(baseline), statistics.median(lmforge)
     ratios = sorted(b / o for b, o in zip(baseline, lmforge))
     print(f"corpus: {len(files):,} files, {len(texts):,} decodable, {tokens:,} tokens; {os.cpu_count()} CPUs")

@@ -17,7 +17,6 @@ packed side is first checked to give each sample the logits it has alone in a ro
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -30,6 +29,7 @@ import pyarrow.parquet as pq
 import torch
 import torch.nn.functional as F
 
+from lmforge.data.manifest import read_manifest
 from lmforge.models import PRESETS
 from lmforge.models.build import build_model
 from lmforge.ray_runtime import tune_process
@@ -58,8 +58,8 @@ class DocumentMask:
 def sample_lengths(dataset: str | None, count: int, seq_len: int, seed: int = 0) -> list[tuple[int, int]]:
     """(prompt tokens, answer tokens) of each sample."""
     if dataset:
-        manifest = json.loads((Path(dataset) / "manifest.json").read_text())
-        table = pq.read_table([str(Path(dataset) / s["file"]) for s in manifest["shards"]], columns=["loss_mask"]).to_pydict()
+        manifest = read_manifest(dataset)
+        table = pq.read_table([str(Path(dataset) / s.file) for s in manifest.shards], columns=["loss_mask"]).to_pydict()
         lengths = []
         for mask in table["loss_mask"][:count]:
             mask = np.asarray(mask, dtype=bool)

@@ -70,10 +70,10 @@ def main() -> None:
             (corpus / f"{i:05d}.py").write_bytes(Path(path).read_bytes())
         out = Path(tmp, "data")
         manifest = prepare_dataset(PrepareOptions(source=str(corpus), out=str(out), seq_len=128, shard_samples=256, show_progress=False))
-        paths = [str(out / s["file"]) for s in manifest["shards"]]
-        digests = {s["file"]: s["sha256"] for s in manifest["shards"]}
-        size = sum(s["bytes"] for s in manifest["shards"])
-        print(f"dataset: {manifest['num_samples']:,} samples in {len(paths)} shards, {size / 2**20:.1f} MiB")
+        paths = [str(out / s.file) for s in manifest.shards]
+        digests = {s.file: s.sha256 for s in manifest.shards}
+        size = sum(s.bytes for s in manifest.shards)
+        print(f"dataset: {manifest.num_samples:,} samples in {len(paths)} shards, {size / 2**20:.1f} MiB")
         sides = {"parquet (baseline)": parquet, "verified": verified}
         for read in sides.values():  # warm: worker processes, imports
             read(paths, digests)
@@ -83,7 +83,7 @@ def main() -> None:
                 began = time.perf_counter()
                 rows = read(paths, digests)
                 seconds[name].append(time.perf_counter() - began)
-                assert rows == manifest["num_samples"], (name, rows)
+                assert rows == manifest.num_samples, (name, rows)
         for name, values in seconds.items():
             print(
                 f"{name:20s}: median {statistics.median(values):.3f} s  (runs {min(values):.3f}-{max(values):.3f}), "

@@ -140,7 +140,9 @@ def main() -> None:
     cluster, _ = start_cluster(worker_nodes=2, cpus_per_node=2)
     seconds["cluster"] = round(time.perf_counter() - began, 1)
     try:
-        results = {"prepare": timed("prepare", lambda: prepare_dataset(PrepareOptions(**jobs["prepare"], show_progress=False)))}
+        results = {
+            "prepare": timed("prepare", lambda: prepare_dataset(PrepareOptions(**jobs["prepare"], show_progress=False)).model_dump(mode="json"))
+        }
         results["placement"] = timed("placement", lambda: placement(jobs["placement"]))
         elastic = jobs["elastic"]
         results["whole"] = timed("whole", lambda: sdk.train(spec_from_dict(elastic | {"name": "whole"}), show_progress=False))

@@ -16,14 +16,13 @@ from typing import Optional
 from lmforge.checkpoint.export import open_source
 from lmforge.checkpoint.store import CheckpointStore, CheckpointUnreadable, CommittedCheckpoint
 from lmforge.data import storage
-from lmforge.data.columns import is_masked
 from lmforge.data.heldout import check_held_out
 from lmforge.data.identity import describe, order_changes, order_inputs
-from lmforge.data.mixture import is_mixture, mixture_manifest
+from lmforge.data.manifest import MANIFEST, DatasetManifest, Manifest, MixtureManifest, has_manifest, mixture_manifest, read_manifest
 from lmforge.data.precheck import check_before_ray
-from lmforge.data.prepare import MANIFEST, PrepareOptions, has_manifest, read_manifest
+from lmforge.data.prepare import PrepareOptions
 from lmforge.data.tokenizer import load_tokenizer
-from lmforge.distill.teacher_cache import read_cache
+from lmforge.distill.cache_manifest import read_cache
 from lmforge.errors import UserError
 from lmforge.models.weights import open_model_dir
 from lmforge.planner.fit import check_fits
@@ -34,7 +33,7 @@ from lmforge.spec_rules import check_hidden_layers
 @dataclass
 class Plan:
     spec: JobSpec
-    manifest: Optional[dict]  # None: the dataset must be prepared from data.source first
+    manifest: Optional[Manifest]  # None: the dataset must be prepared from data.source first
     resume_from: Optional[CommittedCheckpoint]
     order_changes: dict = field(default_factory=dict)  # allowed by checkpoint.allow_data_change
 
@@ -43,16 +42,16 @@ class Plan:
         return self.resume_from.step if self.resume_from else 0
 
 
-def check_dataset(spec: JobSpec, manifest: dict) -> None:
+def check_dataset(spec: JobSpec, manifest: Manifest) -> None:
     path = storage.join(spec.data.path, MANIFEST) if spec.data.path else "data.sources"
-    if manifest["seq_len"] != spec.train.seq_len:
-        raise UserError(f"train.seq_len: {spec.train.seq_len} does not match the dataset's seq_len {manifest['seq_len']} ({path})")
-    vocab = manifest["tokenizer"]["vocab_size"]
+    if manifest.seq_len != spec.train.seq_len:
+        raise UserError(f"train.seq_len: {spec.train.seq_len} does not match the dataset's seq_len {manifest.seq_len} ({path})")
+    vocab = manifest.tokenizer.vocab_size
     if vocab > spec.model_arch.vocab_size:
         raise UserError(f"model.vocab_size: {spec.model_arch.vocab_size} is smaller than the tokenizer's vocabulary ({vocab}) in {path}")
-    if manifest["num_samples"] < spec.train.global_batch:
-        raise UserError(f"train.global_batch: {spec.train.global_batch} exceeds the dataset's {manifest['num_samples']} samples ({path})")
-    if not is_mixture(manifest):
+    if manifest.num_samples < spec.train.global_batch:
+        raise UserError(f"train.global_batch: {spec.train.global_batch} exceeds the dataset's {manifest.num_samples} samples ({path})")
+    if isinstance(manifest, DatasetManifest):
         check_held_out(spec, manifest, spec.data.path)
 
 
@@ -101,7 +100,7 @@ def check_resume(spec: JobSpec, ckpt: CommittedCheckpoint) -> None:
         raise UserError(f"train.max_steps: {spec.train.max_steps} is before the latest checkpoint's step {ckpt.step}")
 
 
-def check_resume_order(spec: JobSpec, manifest: dict, ckpt: CommittedCheckpoint) -> dict[str, list]:
+def check_resume_order(spec: JobSpec, manifest: Manifest, ckpt: CommittedCheckpoint) -> dict[str, list]:
     """The order inputs that changed since the checkpoint ({input: [saved, now]}),
     allowed only by `checkpoint.allow_data_change`: otherwise "exactly where it
     stopped" would go on in a different order without a word."""
@@ -115,7 +114,7 @@ def check_resume_order(spec: JobSpec, manifest: dict, ckpt: CommittedCheckpoint)
     return changes
 
 
-def check_init_from(spec: JobSpec, manifest: Optional[dict]) -> None:
+def check_init_from(spec: JobSpec, manifest: Optional[Manifest]) -> None:
     """The directory's weights are whole and of the job's shape; a dataset for a model
     that brings its tokenizer was tokenized with that vocabulary."""
     try:
@@ -135,10 +134,12 @@ def check_init_from(spec: JobSpec, manifest: Optional[dict]) -> None:
             )
 
 
-def _dataset_tokenizer(spec: JobSpec, manifest: Optional[dict]) -> Optional[str]:
+def _dataset_tokenizer(spec: JobSpec, manifest: Optional[Manifest]) -> Optional[str]:
     """The dataset's tokenizer.json, or the one preparing it will use (None: a BPE trained then)."""
-    if manifest:  # a mixture's is a full path already
-        return manifest["tokenizer"]["file"] if is_mixture(manifest) else storage.join(spec.data.path, manifest["tokenizer"]["file"])
+    if isinstance(manifest, MixtureManifest):  # a mixture's is a full path already
+        return manifest.tokenizer.file
+    if manifest is not None:
+        return storage.join(spec.data.path, manifest.tokenizer.file)
     return PrepareOptions.for_job(spec).tokenizer
 
 
@@ -147,13 +148,13 @@ def _vocabulary(tokenizer) -> dict:
     return (load_tokenizer(tokenizer) if isinstance(tokenizer, (str, Path)) else tokenizer).get_vocab()
 
 
-def check_distill(spec: JobSpec, manifest: Optional[dict]) -> None:
+def check_distill(spec: JobSpec, manifest: Optional[DatasetManifest]) -> None:
     """The teachers can teach this student, and a teacher cache it names (or the
     instruction dataset it trains on) is this job's."""
     check_teachers(spec, manifest)
     if spec.distill.instruct is not None:
         check_instruct_dataset(spec, manifest)
-    elif manifest is not None and is_masked(manifest) and spec.distill.hidden is not None:
+    elif manifest is not None and manifest.masked and spec.distill.hidden is not None:
         raise UserError(
             f"distill.hidden: {spec.data.path} is an instruction dataset, whose loss mask hidden-state distillation does not take; distill its logits"
         )
@@ -166,7 +167,7 @@ def check_distill(spec: JobSpec, manifest: Optional[dict]) -> None:
         read_cache(spec, manifest)
 
 
-def check_teachers(spec: JobSpec, manifest: Optional[dict], tokenizer=None) -> None:
+def check_teachers(spec: JobSpec, manifest: Optional[DatasetManifest], tokenizer=None) -> None:
     """Every teacher opens, shares the dataset's tokenizer (or `tokenizer`, an instruction
     distillation's), and splits as the student does."""
     dataset_tokenizer = tokenizer or _dataset_tokenizer(spec, manifest)
@@ -207,30 +208,30 @@ def _check_teacher(spec: JobSpec, teacher, name: str, vocabulary: dict, dataset_
             raise UserError(f"{err} ({teacher.path})") from None
 
 
-def check_instruct_dataset(spec: JobSpec, manifest: dict) -> None:
+def check_instruct_dataset(spec: JobSpec, manifest: Optional[DatasetManifest]) -> None:
     """`data.path` holds the answers of this job's teachers, with the soft targets its
     KD term learns (the same k and temperature)."""
-    made = manifest.get("instruct")
+    made = manifest.instruct if manifest else None
     if made is None:
         raise UserError(
             f"data.path: {spec.data.path} is not an instruction dataset (no answers to learn); write one with "
             "`lmforge distill generate JOB` into another data.path"
         )
     d = spec.distill
-    if [(t["path"], t["weight"]) for t in made["teachers"]] != [(str(s.path), s.weight) for s in d.sources]:
+    if [(t.path, t.weight) for t in made.teachers] != [(str(s.path), s.weight) for s in d.sources]:
         raise UserError(
-            f"data.path: {spec.data.path} holds answers of other teachers ({', '.join(t['path'] for t in made['teachers'])}); "
+            f"data.path: {spec.data.path} holds answers of other teachers ({', '.join(t.path for t in made.teachers)}); "
             "generate it again for this job's, or name those"
         )
-    stored = made.get("soft_targets")
+    stored = made.soft_targets
     if d.top_k and stored is None:
         raise UserError(
             f"distill.top_k: {spec.data.path} holds no soft targets (it was generated without distill.top_k); "
             "generate it again with top_k, or remove top_k and set kd_weight: 0"
         )
-    if d.top_k and (stored["k"], stored["temperature"]) != (d.top_k, d.temperature):
+    if d.top_k and stored is not None and (stored.k, stored.temperature) != (d.top_k, d.temperature):
         raise UserError(
-            f"distill.top_k: {spec.data.path} holds the teachers' top {stored['k']} at temperature {stored['temperature']:g}, "
+            f"distill.top_k: {spec.data.path} holds the teachers' top {stored.k} at temperature {stored.temperature:g}, "
             f"not top_k {d.top_k} at distill.temperature {d.temperature:g}; generate it again, or match them"
         )
 
@@ -252,7 +253,7 @@ def cpu_supports_fp16() -> bool:
         return False
 
 
-def read_mixture(spec: JobSpec) -> dict:
+def read_mixture(spec: JobSpec) -> MixtureManifest:
     """The mixture's manifest (`data.sources`), each source's read and checked."""
     manifests = [read_manifest(source.path, f"data.sources[{i}].path") for i, source in enumerate(spec.data.sources)]
     return mixture_manifest(spec.data.sources, manifests)
@@ -286,7 +287,7 @@ def preflight(spec: JobSpec) -> Plan:
     if spec.model.init_from:
         check_init_from(spec, manifest)
     if spec.distill:
-        check_distill(spec, manifest)
+        check_distill(spec, manifest if isinstance(manifest, DatasetManifest) else None)  # a mixture is not distilled (spec rules)
     store = CheckpointStore(spec.checkpoint_dir)
     store.check_usable()
     check_fresh_start(spec, store)

@@ -17,19 +17,21 @@ from __future__ import annotations
 import json
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Optional, Union
+from typing import Callable, Optional, TypeVar, Union
 
 import ray
 from rich.console import Console
 
 from lmforge.checkpoint.export import export_model
 from lmforge.cluster import driver
+from lmforge.data.manifest import MANIFEST, DatasetManifest, has_manifest, read_manifest
 from lmforge.data.precheck import check_before_ray
-from lmforge.data.prepare import MANIFEST, PrepareOptions, has_manifest, prepare_dataset, read_manifest
+from lmforge.data.prepare import PrepareOptions, prepare_dataset
 from lmforge.distill import stages
+from lmforge.distill.cache_manifest import CacheManifest, cache_params
 from lmforge.distill.instruct.build import generate_dataset, plan_generation
 from lmforge.distill.teacher_cache import build_cache as build_teacher_cache
-from lmforge.distill.teacher_cache import cache_params, check_can_build
+from lmforge.distill.teacher_cache import check_can_build
 from lmforge.errors import UserError
 from lmforge.evaluation.judge import JudgeOptions, run_judge
 from lmforge.inference.generate import Generator, default_device
@@ -48,6 +50,8 @@ from lmforge.tracking.mlflow_run import MlflowRun
 from lmforge.tracking.model_registry import register_export
 
 load = load_spec
+T = TypeVar("T")
+
 __all__ = [
     "load",
     "prepare",
@@ -69,7 +73,7 @@ __all__ = [
 ]
 
 
-def prepare(opts: PrepareOptions, address: Optional[str] = None) -> dict:
+def prepare(opts: PrepareOptions, address: Optional[str] = None) -> DatasetManifest:
     """Tokenize and pack a corpus into Parquet shards; returns the manifest."""
     check_before_ray(opts)
     started = connect(address)
@@ -80,7 +84,7 @@ def prepare(opts: PrepareOptions, address: Optional[str] = None) -> dict:
             ray.shutdown()
 
 
-def build_cache(spec: JobSpec, address: Optional[str] = None, show_progress: bool = True) -> dict:
+def build_cache(spec: JobSpec, address: Optional[str] = None, show_progress: bool = True) -> CacheManifest:
     """Build a distillation job's offline teacher cache (`distill.cache`): its teachers'
     top-k targets for every sample of its dataset (prepared first if need be); returns
     the cache's manifest."""
@@ -98,7 +102,7 @@ def build_cache(spec: JobSpec, address: Optional[str] = None, show_progress: boo
         return manifest
 
 
-def generate_answers(spec: JobSpec, address: Optional[str] = None, show_progress: bool = True) -> dict:
+def generate_answers(spec: JobSpec, address: Optional[str] = None, show_progress: bool = True) -> DatasetManifest:
     """An instruction distillation's dataset (`data.path`): its teachers' answers to
     `distill.instruct.prompts`, selected, as SFT samples with their soft targets;
     returns its manifest. Rerun after an interruption, it answers only what is left."""
@@ -135,31 +139,33 @@ def _distill_stage(spec: JobSpec, role: str, address: Optional[str]):
             ray.shutdown()
 
 
-def _track_generation(tracker, spec: JobSpec, manifest: dict) -> None:
-    counts = manifest["instruct"]["counts"]
-    tracker.log_params({f"distill.instruct.{key}": json.dumps(manifest["instruct"][key]) for key in ("generate", "select", "soft_targets")})
-    for key in ("prompts", "held_out_prompts", "prompt_too_long", "answers", "kept", "answer_tokens"):
-        tracker.log_metric(key, counts[key], 0)
-    for rule, count in counts["dropped"].items():
+def _track_generation(tracker, spec: JobSpec, manifest: DatasetManifest) -> None:
+    made = _required(manifest.instruct, "data.path", "an instruction dataset was just written")
+    settings = made.model_dump(mode="json")
+    tracker.log_params({f"distill.instruct.{key}": json.dumps(settings[key]) for key in ("generate", "select", "soft_targets")})
+    for key, count in made.counts.model_dump().items():
+        if key != "dropped":
+            tracker.log_metric(key, count, 0)
+    for rule, count in made.counts.dropped.items():
         tracker.log_metric(f"dropped_{rule}", count, 0)
-    tracker.log_metric("seconds", manifest["seconds"], 0)
+    tracker.log_metric("seconds", manifest.seconds, 0)
     tracker.log_artifact(Path(_required(spec.data.path, "data.path", "answers are one dataset")) / MANIFEST)
 
 
-def _track_cache(tracker, spec: JobSpec, manifest: dict) -> None:
-
+def _track_cache(tracker, spec: JobSpec, manifest: CacheManifest) -> None:
     tracker.log_params(cache_params(manifest))  # now that the cache is there: what its manifest says
-    data = manifest["dataset"]
-    for key in ("bytes_per_token", "dense_bf16_bytes_per_token", "bytes", "seconds"):
-        tracker.log_metric(key, manifest[key], 0)
+    sizes = {"bytes_per_token": manifest.bytes_per_token, "dense_bf16_bytes_per_token": manifest.dense_bf16_bytes_per_token, "bytes": manifest.bytes}
+    for key, value in (sizes | {"seconds": manifest.seconds}).items():
+        tracker.log_metric(key, value, 0)
     # Tokens scored, both splits: each position of each sample once.
-    tokens = (data["num_samples"] + data["eval_samples"]) * data["seq_len"]
-    tracker.log_metric("tokens_per_s", tokens / max(manifest["seconds"], 1e-9), 0)
+    data = manifest.dataset
+    tokens = (data.num_samples + data.eval_samples) * data.seq_len
+    tracker.log_metric("tokens_per_s", tokens / max(manifest.seconds, 1e-9), 0)
     cache = spec.distill.cache if spec.distill else None
     tracker.log_artifact(Path(_required(cache, "distill.cache", "the cache was just built")) / MANIFEST)
 
 
-def _required(value: Optional[str], field: str, why: str) -> str:
+def _required(value: Optional[T], field: str, why: str) -> T:
     """A setting this call cannot do without (the spec's rules normally saw to it)."""
     if not value:
         raise UserError(f"{field}: required here ({why})")

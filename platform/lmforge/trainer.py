@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import time
-from pathlib import Path
 from typing import Callable, Optional
 
 import numpy as np
@@ -25,9 +24,10 @@ from lmforge.credentials import without_credentials
 from lmforge.data.feed import BatchFeed, FedStep, datasets_of
 from lmforge.data.heldout import HeldOutBatches, eval_batches
 from lmforge.data.identity import order_inputs
+from lmforge.data.manifest import DatasetManifest, Manifest
 from lmforge.data.order import BatchLayout
+from lmforge.distill.cache_manifest import teacher_cache
 from lmforge.distill.loss import DistillLoss
-from lmforge.distill.teacher_cache import teacher_cache
 from lmforge.engines import CrossEntropy, Loss, create_engine
 from lmforge.errors import OutOfMemory
 from lmforge.events import BatchSkipped, Eval, Event, Restored, Start, Step
@@ -48,7 +48,7 @@ class Trainer:
     def __init__(
         self,
         spec: JobSpec,
-        manifest: dict,
+        manifest: Manifest,
         report: Optional[Reporter] = None,
         should_stop: Optional[Callable[[], bool]] = None,
         metrics=None,
@@ -90,7 +90,7 @@ class Trainer:
         self.snapshots = SnapshotWriter(snapshot_target, dist.new_group(backend="gloo")) if snapshot_target else None
         # Start reading ahead first: Ray Data's first read overlaps model building.
         self.layout = BatchLayout(spec.train.global_batch, spec.train.micro_batch, p.dp)
-        self.cache = teacher_cache(spec)  # (directory, manifest) of a distillation's offline targets (an instruction dataset's own)
+        self.cache = teacher_cache(spec)  # a distillation's offline top-k targets (an instruction dataset's own)
         datasets, self.mixture = datasets_of(spec, manifest)
         self.feed = BatchFeed(
             datasets,
@@ -105,12 +105,11 @@ class Trainer:
         )
         if self.device.type == "cuda" and not spec.resources.memory_per_worker:
             check_fits(spec, torch.cuda.get_device_properties(self.device).total_memory, f"{torch.cuda.get_device_name(self.device)} memory")
-        self.loss = job_loss(spec, manifest["tokenizer"]["vocab_size"], manifest["tokenizer"]["eos_id"])
+        self.loss = job_loss(spec, manifest.tokenizer.vocab_size, manifest.tokenizer.eos_id)
         self.engine = create_engine(spec, self.dims, self.device, self.loss)
         self.held_out = None
-        if spec.eval is not None:
-            held_cache = (str(Path(self.cache[0]) / self.cache[1]["eval"]["dir"]), self.cache[1]["k"]) if self.cache else None
-            self.held_out = HeldOutBatches(spec.data.path, manifest, self.layout, self.dims.dp_rank, eval_batches(spec, manifest), held_cache)
+        if spec.eval is not None and isinstance(manifest, DatasetManifest):  # a mixture has no held-out split (spec rules)
+            self.held_out = HeldOutBatches(spec.data.path, manifest, self.layout, self.dims.dp_rank, eval_batches(spec, manifest), self.cache)
         self.peak_flops = peak_flops(self.device, spec.train.precision)
         self.flops_per_step = spec.model_arch.flops_per_token(spec.train.seq_len) * spec.train.global_batch * spec.train.seq_len
         if from_memory:

@@ -56,7 +56,7 @@ def test_a_killed_generation_rerun_answers_the_rest_and_writes_the_same_bytes(in
     )
     for name in files:
         assert (Path(job["data"]["path"]) / name).read_bytes() == (want / name).read_bytes(), name
-    assert manifest["instruct"]["counts"] == instruct_dataset[1]["instruct"]["counts"]
+    assert manifest.instruct and manifest.instruct.counts == instruct_dataset[1].instruct.counts
 
 
 def _answers_nll(model_dir: Path, dataset: Path) -> float:

@@ -33,8 +33,8 @@ from cli import assert_clean_error, run_cli
 from conftest import DISTILL_STEPS, REFERENCE_STEPS, distill_job, reference_job, with_sections
 from lmforge import sdk
 from lmforge.checkpoint.store import CheckpointStore
+from lmforge.data.manifest import read_manifest
 from lmforge.data.order import GlobalOrder
-from lmforge.data.prepare import read_manifest
 from lmforge.errors import TrainingFailed
 from lmforge.spec import spec_from_dict
 
@@ -210,7 +210,7 @@ def test_killed_controller_is_replaced_and_a_corrupt_latest_checkpoint_is_passed
     # ... which is the order GlobalOrder defines, whatever dp read it.
     samples = {step: row["ids"] for step, row in step_rows(run_dir, "samples.jsonl").items()}
     manifest = read_manifest(tiny_dataset)
-    order = GlobalOrder(manifest["num_samples"], seed=1, block=manifest["shard_samples"], window=16)
+    order = GlobalOrder(manifest.num_samples, seed=1, block=manifest.shard_samples, window=16)
     assert samples == {step: order.ids((step - 1) * 8, 8).tolist() for step in range(1, STEPS + 1)}
     # The dead controller's placement group was removed (Ray would keep it until the job ends).
     live = [pg["name"] for pg in placement_group_table().values() if pg["state"] != "REMOVED"]

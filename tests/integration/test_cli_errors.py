@@ -12,6 +12,7 @@ from cli import assert_clean_error, run_cli, run_cli_process
 from conftest import tiny_job, with_sections
 from hf_models import word_level_tokenizer
 from lmforge.checkpoint.state import TrainerState
+from lmforge.data.manifest import read_manifest
 
 
 def write_job(tmp_path: Path, job: dict) -> Path:
@@ -473,7 +474,7 @@ def _teacher_with_the_datasets_tokenizer(tmp_path, hf_teacher, dataset):
 
     out = tmp_path / "teacher"
     shutil.copytree(hf_teacher, out)
-    shutil.copy(dataset / json.loads((dataset / "manifest.json").read_text())["tokenizer"]["file"], out / "tokenizer.json")
+    shutil.copy(dataset / read_manifest(dataset).tokenizer.file, out / "tokenizer.json")
     return out
 
 

@@ -31,15 +31,15 @@ def test_every_prompt_is_answered_once_and_the_selection_counts_are_the_datas(in
     job, manifest = instruct_dataset
     dataset, instruct = Path(job["data"]["path"]), job["distill"]["instruct"]
     answers = answers_of(dataset).to_pydict()
-    counts = manifest["instruct"]["counts"]
+    counts = manifest.instruct.counts
     n, teachers = instruct["generate"]["n"], len(job["distill"]["teachers"])
     seen = sorted(zip(answers["prompt_index"], answers["teacher"], answers["sample"]))
     assert seen == sorted((p, t, s) for p in range(INSTRUCT_PROMPTS) for t in range(teachers) for s in range(n))
-    assert counts["prompts"] == INSTRUCT_PROMPTS and counts["prompt_too_long"] == 0 and counts["answers"] == len(seen)
+    assert counts.prompts == INSTRUCT_PROMPTS and counts.prompt_too_long == 0 and counts.answers == len(seen)
 
     # The rules, recounted: too short, low mean log-probability, then duplicates, then per
     # (prompt, answer index) the teacher with the better mean.
-    rules, dropped, survivors = instruct["select"], dict.fromkeys(counts["dropped"], 0), []
+    rules, dropped, survivors = instruct["select"], dict.fromkeys(counts.dropped, 0), []
     for row, (ids, logprobs) in enumerate(zip(answers["answer_ids"], answers["logprobs"])):
         mean = float(np.mean(np.asarray(logprobs, dtype=np.float64)))
         if len(ids) < rules["min_tokens"]:
@@ -61,10 +61,10 @@ def test_every_prompt_is_answered_once_and_the_selection_counts_are_the_datas(in
         if key not in best or mean > best[key][1]:
             best[key] = (row, mean)
     dropped["not_best"] = len(unique) - len(best)
-    assert counts["dropped"] == dropped
+    assert counts.dropped == dropped
     assert dropped["low_logprob"] + dropped["not_best"] > 0, "the rules were not exercised"
     kept = sorted(row for row, _ in best.values())
-    assert counts["kept"] == len(kept) == manifest["num_samples"] + manifest["eval"]["num_samples"]
+    assert counts.kept == len(kept) == manifest.num_samples + manifest.eval_samples
 
     k, seq_len = job["distill"]["top_k"], job["train"]["seq_len"]
     train, held = samples_of(dataset), samples_of(dataset, "eval")

@@ -9,7 +9,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from lmforge.data.prepare import PrepareOptions, prepare_dataset, read_manifest
+from lmforge.data.manifest import DatasetManifest, read_manifest
+from lmforge.data.prepare import PrepareOptions, prepare_dataset
 
 pytestmark = pytest.mark.ray
 
@@ -29,7 +30,7 @@ def packed(tokenizer_path, documents, width):
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(tokenizer_path))
-    eos = json.loads((tokenizer_path.parent / "manifest.json").read_text())["tokenizer"]["eos_id"]
+    eos = read_manifest(tokenizer_path.parent).tokenizer.eos_id
     stream = [t for doc in documents for t in tokenizer.encode(doc).ids + [eos]]
     return [stream[i : i + width] for i in range(0, len(stream) - width + 1, width)]
 
@@ -57,9 +58,9 @@ def test_formats_and_uris_agree(ray_session, tiny_dataset, documents, tmp_path):
                 show_progress=False,
             )
         )
-        assert manifest["tokenizer"]["sha256"] == read_manifest(tiny_dataset)["tokenizer"]["sha256"]
-        assert read_manifest(out)["num_samples"] == manifest["num_samples"] > 64
-        assert manifest["eval"]["documents"] == 2 and manifest["eval"]["fraction"] == 0.2
+        assert manifest.tokenizer.sha256 == read_manifest(tiny_dataset).tokenizer.sha256
+        assert read_manifest(out).num_samples == manifest.num_samples > 64
+        assert manifest.eval and manifest.eval.documents == 2 and manifest.eval.fraction == 0.2
         results[name] = shard_tokens(out), shard_tokens(out / "eval")
     assert results["text"] == results["jsonl"] == results["parquet"]
     (ids, tokens), (held_ids, held) = results["text"]
@@ -86,9 +87,9 @@ def test_undecodable_files_are_skipped_and_counted(ray_session, tiny_dataset, do
             show_progress=False,
         )
     )
-    assert manifest["skipped_documents"] == 1 and manifest["documents"] == 2
+    assert manifest.skipped_documents == 1 and manifest.documents == 2
     # A corpus of its own as the held-out split, tokenized with the dataset's tokenizer.
-    assert manifest["eval"]["source"] == str(tmp_path / "held.jsonl") and manifest["eval"]["documents"] == 2
+    assert manifest.eval and manifest.eval.source == str(tmp_path / "held.jsonl") and manifest.eval.documents == 2
     assert shard_tokens(tmp_path / "out" / "eval")[1] == packed(tiny_dataset / "tokenizer.json", documents[5:7], 17)
 
 
@@ -119,8 +120,8 @@ def test_shards_are_byte_for_byte_those_of_packing_in_one_process(ray_session, t
         ("eval", [d for i, d in enumerate(documents) if held_out(i, 0.1)], tiny_dataset / "eval"),
     ):
         rows = np.asarray(packed(reference, chosen, 33), dtype=np.int32)
-        entries = manifest["shards"] if split == "train" else manifest["eval"]["shards"]
-        assert sum(entry["num_samples"] for entry in entries) == len(rows), split
+        entries = manifest.shards if split == "train" else manifest.eval.shards
+        assert sum(entry.num_samples for entry in entries) == len(rows), split
         for index, entry in enumerate(entries):
             block = rows[index * 256 : (index + 1) * 256]
             path = tmp_path / f"{split}-{index}.parquet"
@@ -133,23 +134,19 @@ def test_shards_are_byte_for_byte_those_of_packing_in_one_process(ray_session, t
                 ),
                 path,
             )
-            assert (
-                entry["sha256"]
-                == hashlib.sha256(path.read_bytes()).hexdigest()
-                == hashlib.sha256((directory / entry["file"]).read_bytes()).hexdigest()
-            )
+            assert entry.sha256 == hashlib.sha256(path.read_bytes()).hexdigest() == hashlib.sha256((directory / entry.file).read_bytes()).hexdigest()
 
 
 def test_on_several_nodes_the_work_spreads_and_the_dataset_is_the_same(multinode, tiny_dataset):
     """The same corpus prepared on the shared multi-node cluster (tests/multinode_scenarios.py):
     more than one node packed it, and every shard is the one-node dataset's, byte for byte."""
     results, _ = multinode
-    manifest, single = results["prepare"], read_manifest(tiny_dataset)
-    assert manifest["nodes"] > 1
+    manifest, single = DatasetManifest.model_validate(results["prepare"]), read_manifest(tiny_dataset)
+    assert manifest.nodes and manifest.nodes > 1
     for key in ("num_samples", "corpus_tokens", "skipped_documents"):
-        assert manifest[key] == single[key], key
-    assert [s["sha256"] for s in manifest["shards"]] == [s["sha256"] for s in single["shards"]]
-    assert [s["sha256"] for s in manifest["eval"]["shards"]] == [s["sha256"] for s in single["eval"]["shards"]]
+        assert getattr(manifest, key) == getattr(single, key), key
+    assert [s.sha256 for s in manifest.shards] == [s.sha256 for s in single.shards]
+    assert manifest.eval and single.eval and [s.sha256 for s in manifest.eval.shards] == [s.sha256 for s in single.eval.shards]
 
 
 def test_a_failed_write_to_an_object_store_removes_only_its_own_files(s3_bucket):

@@ -17,8 +17,8 @@ from mlflow.tracking import MlflowClient
 from conftest import DISTILL_STEPS, reference_job, tiny_job, with_sections
 from conftest import REFERENCE_STEPS as STEPS
 from lmforge import sdk
+from lmforge.data.manifest import read_manifest
 from lmforge.data.order import GlobalOrder
-from lmforge.data.prepare import read_manifest
 from lmforge.errors import UserError
 from lmforge.spec import spec_from_dict
 
@@ -94,8 +94,8 @@ def test_mlflow_run_has_params_metrics_and_spec(uninterrupted):
     # The prepared dataset is the run's input; its digest is the identity of its contents.
     (data_input,) = run.inputs.dataset_inputs
     data_path = Path(run.data.params["data.path"])
-    manifest = json.loads((data_path / "manifest.json").read_text())
-    identity = "\n".join([manifest["tokenizer"]["sha256"], str(manifest["num_samples"])] + [shard["sha256"] for shard in manifest["shards"]])
+    manifest = read_manifest(data_path)
+    identity = "\n".join([manifest.tokenizer.sha256, str(manifest.num_samples)] + [shard.sha256 or "" for shard in manifest.shards])
     assert data_input.dataset.digest == hashlib.sha256(identity.encode()).hexdigest()[:16] == run.data.params["data.digest"]
     assert (data_input.dataset.name, json.loads(data_input.dataset.source)["uri"]) == (data_path.name, str(data_path))
     assert [(tag.key, tag.value) for tag in data_input.tags] == [("mlflow.data.context", "train")]
@@ -122,7 +122,7 @@ def test_resume_continues_with_identical_losses(uninterrupted, ray_session, s3_d
     reference = _losses(uninterrupted[0])
     checkpoints = f"{s3_bucket}/resume-checkpoints"
     job = reference_job(tmp_path, s3_dataset, train={"max_steps": 20}, checkpoint={"dir": checkpoints})
-    assert read_manifest(s3_dataset)["shards"] == read_manifest(tiny_dataset)["shards"]  # byte for byte, by sha256
+    assert read_manifest(s3_dataset).shards == read_manifest(tiny_dataset).shards  # byte for byte, by sha256
     first = sdk.train(spec_from_dict(job, ["train.max_steps=10"]), show_progress=False)
     assert first["final_step"] == 10
     second = sdk.train(spec_from_dict(job), show_progress=False)
@@ -188,10 +188,10 @@ def test_3d_run_through_the_controller_matches_data_parallel(uninterrupted, ray_
     # One reader for the job: the 8 ranks (and the reference's 2) read each shard of the
     # first window (all their steps lie in it) once between them.
     manifest = read_manifest(tiny_dataset)
-    first_window = GlobalOrder(manifest["num_samples"], spec.train.seed, block=manifest["shard_samples"], window=spec.data.shuffle_window).blocks(0)[
+    first_window = GlobalOrder(manifest.num_samples, spec.train.seed, block=manifest.shard_samples, window=spec.data.shuffle_window).blocks(0)[
         : spec.data.shuffle_window
     ]
-    assert summary["data_bytes_read"] == uninterrupted[1]["data_bytes_read"] == sum(manifest["shards"][int(b)]["bytes"] for b in first_window)
+    assert summary["data_bytes_read"] == uninterrupted[1]["data_bytes_read"] == sum(manifest.shards[int(b)].bytes or 0 for b in first_window)
     assert {(r["pp"], r["dp"], r["tp"]) for r in summary["ranks"]} == {(p, d, t) for p in (0, 1) for d in (0, 1) for t in (0, 1)}
     losses = _losses(tmp_path / "runs" / "tiny")
     for step in (1, 2, 3):
@@ -313,21 +313,22 @@ def test_training_from_the_teacher_cache_matches_the_online_teachers(distill_run
     trained from it on one rank gives the two-rank online run's losses, terms and top-1
     agreement (the cache keeps log-probabilities in fp16: within 2e-3)."""
     job, manifest = distill_cache
-    cache, dataset = Path(job["distill"]["cache"]), json.loads((tiny_dataset / "manifest.json").read_text())
-    for split, shards in (("", dataset["shards"]), ("eval", dataset["eval"]["shards"])):
+    cache, dataset = Path(job["distill"]["cache"]), read_manifest(tiny_dataset)
+    assert dataset.eval is not None
+    for split, shards in (("", dataset.shards), ("eval", dataset.eval.shards)):
         for shard in shards:
-            ids = pq.read_table(cache / split / shard["file"], columns=["sample_id"]).column("sample_id").to_pylist()
-            assert ids == list(range(shard["first_sample_id"], shard["first_sample_id"] + shard["num_samples"]))
-    first = pq.read_table(cache / dataset["shards"][0]["file"]).slice(0, 1).to_pylist()[0]
-    tokens = torch.tensor(pq.read_table(tiny_dataset / dataset["shards"][0]["file"]).slice(0, 1).column("tokens")[0].as_py())
+            ids = pq.read_table(cache / split / shard.file, columns=["sample_id"]).column("sample_id").to_pylist()
+            assert ids == list(range(shard.first_sample_id, shard.first_sample_id + shard.num_samples))
+    first = pq.read_table(cache / dataset.shards[0].file).slice(0, 1).to_pylist()[0]
+    tokens = torch.tensor(pq.read_table(tiny_dataset / dataset.shards[0].file).slice(0, 1).column("tokens")[0].as_py())
     values, top = _teacher_top_k(job, tokens)
-    got_ids = torch.tensor(first["topk_ids"]).view(dataset["seq_len"], -1)
+    got_ids = torch.tensor(first["topk_ids"]).view(dataset.seq_len, -1)
     assert (got_ids == top).float().mean() > 0.99  # fp32 against float64: a near-tie may swap neighbours
     assert torch.tensor(first["topk_logprobs"]).view_as(values).double() == pytest.approx(values, abs=2e-2)
-    size = sum((cache / s["file"]).stat().st_size for s in dataset["shards"])
-    assert manifest["bytes"] == size and manifest["bytes_per_token"] == round(size / (dataset["num_samples"] * dataset["seq_len"]), 2)
-    assert manifest["bytes_per_token"] < manifest["dense_bf16_bytes_per_token"] / 4
-    assert manifest["k"] == 32 and [t["weight"] for t in manifest["teachers"]] == [0.75, 0.25]
+    size = sum((cache / s.file).stat().st_size for s in dataset.shards)
+    assert manifest.bytes == size and manifest.bytes_per_token == round(size / (dataset.num_samples * dataset.seq_len), 2)
+    assert manifest.bytes_per_token < manifest.dense_bf16_bytes_per_token / 4
+    assert manifest.k == 32 and [t.weight for t in manifest.teachers] == [0.75, 0.25]
 
     online_job, online = distill_run
     cached = sdk.train(spec_from_dict(with_sections(copy.deepcopy(job), {"parallel": {"dp": 1}})), show_progress=False)
@@ -338,11 +339,11 @@ def test_training_from_the_teacher_cache_matches_the_online_teachers(distill_run
     assert cached["eval_top1"] == pytest.approx(online["eval_top1"], abs=1e-9) and cached["eval_kl"] > 0
     client = MlflowClient(tracking_uri=cached["mlflow_tracking_uri"])
     params = client.get_run(cached["mlflow_run_id"]).data.params
-    assert params["distill.cache.k"] == "32" and float(params["distill.cache.bytes_per_token"]) == manifest["bytes_per_token"]
-    assert json.loads(params["distill.cache.teachers"]) == manifest["teachers"]
+    assert params["distill.cache.k"] == "32" and float(params["distill.cache.bytes_per_token"]) == manifest.bytes_per_token
+    assert json.loads(params["distill.cache.teachers"]) == [t.model_dump() for t in manifest.teachers]
     # The cache's build is a child run of the same job as the training from it.
     _, children = _job_runs(client, cached)
     assert sorted(children) == ["cache", "evaluation", "train"]
     build = children["cache"]
-    assert build.info.status == "FINISHED" and build.data.metrics["bytes_per_token"] == manifest["bytes_per_token"]
+    assert build.info.status == "FINISHED" and build.data.metrics["bytes_per_token"] == manifest.bytes_per_token
     assert build.data.params["distill.cache.k"] == "32" and build.data.metrics["tokens_per_s"] > 0

@@ -199,6 +199,7 @@ def test_export_options_are_checked_before_anything_is_written(hf_llama, tmp_pat
 def test_a_job_started_from_a_hugging_face_directory_takes_its_shape_and_tokenizer(hf_llama, tmp_path, hf_tokenizer):
     """No preset: the directory's shape. Its tokenizer prepares the dataset, and a
     dataset tokenized with another vocabulary is refused naming both."""
+    from lmforge.data.manifest import DatasetManifest, TokenizerRecord
     from lmforge.data.prepare import PrepareOptions
     from lmforge.data.tokenizer import train_bpe
     from lmforge.errors import UserError
@@ -214,7 +215,7 @@ def test_a_job_started_from_a_hugging_face_directory_takes_its_shape_and_tokeniz
     (tmp_path / "data").mkdir()
     train_bpe(["another corpus, another vocabulary"], 300).save(str(tmp_path / "data" / "tokenizer.json"))
     with pytest.raises(UserError, match="data.path: .* was tokenized with another vocabulary than model.init_from's"):
-        check_init_from(spec, {"tokenizer": {"file": "tokenizer.json"}})
+        check_init_from(spec, DatasetManifest.model_construct(tokenizer=TokenizerRecord.model_construct(file="tokenizer.json")))
     spec_from_dict(job | {"model": {"init_from": str(path), "preset": "tiny"}})  # a preset given: its shape, checked at pre-flight
     with pytest.raises(UserError, match="model.init_from: .* holds a model of a different shape"):
         check_init_from(spec_from_dict(job | {"model": {"init_from": str(path), "preset": "tiny"}}), None)

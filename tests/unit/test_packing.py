@@ -55,6 +55,7 @@ def test_held_out_batches_split_over_ranks_like_a_step(tmp_path, masked):
     a batch may straddle two shards. An instruction dataset's loss masks come with
     their samples."""
     from lmforge.data.heldout import HeldOutBatches
+    from lmforge.data.manifest import DatasetManifest, HeldOutSplit, InstructRecord, Shard
     from lmforge.data.order import BatchLayout
 
     writer = ShardWriter(tmp_path / "eval", seq_len=3, shard_samples=5)
@@ -63,9 +64,9 @@ def test_held_out_batches_split_over_ranks_like_a_step(tmp_path, masked):
     masks = (np.arange(23 * 3).reshape(23, 3) % 4 != 0).astype(np.uint8)
     writer.add(rows, **({"loss_mask": masks} if masked else {}))
     writer.close()
-    manifest = {"shard_samples": 5, "seq_len": 3, "eval": {"dir": "eval", "shards": writer.shards, "num_samples": 23}}
-    if masked:
-        manifest["instruct"] = {}
+    # Only what held-out reading uses; an instruction dataset's record marks its samples masked.
+    held = HeldOutSplit.model_construct(dir="eval", shards=[Shard(**s) for s in writer.shards], num_samples=23)
+    manifest = DatasetManifest.model_construct(shard_samples=5, seq_len=3, eval=held, instruct=InstructRecord.model_construct() if masked else None)
     for dp in (1, 2, 4):
         layout = BatchLayout(global_batch=8, micro_batch=2 if dp < 4 else 1, dp=dp)
         read = [list(HeldOutBatches(str(tmp_path), manifest, layout, rank, batches=2)) for rank in range(dp)]

@@ -8,6 +8,7 @@ import pytest
 from lmforge.checkpoint.state import TrainerState
 from lmforge.checkpoint.store import CommittedCheckpoint
 from lmforge.data.identity import order_inputs
+from lmforge.data.manifest import DatasetManifest, Shard, TokenizerRecord
 from lmforge.errors import UserError
 from lmforge.preflight import check_resume_order
 from lmforge.spec import spec_from_dict
@@ -15,13 +16,20 @@ from lmforge.spec import spec_from_dict
 BASE = {"name": "t", "data": {"path": "d"}, "train": {"seed": 3}}
 
 
-def manifest(num_samples=512, shard_samples=256, tokenizer="aa", shards=("s0", "s1")):
-    return {
-        "num_samples": num_samples,
-        "shard_samples": shard_samples,
-        "tokenizer": {"sha256": tokenizer},
-        "shards": [{"sha256": sha} for sha in shards],
-    }
+def manifest(num_samples=512, shard_samples=256, tokenizer="aa", shards=("s0", "s1")) -> DatasetManifest:
+    return DatasetManifest(
+        seq_len=8,
+        num_samples=num_samples,
+        num_tokens=num_samples * 9,
+        shard_samples=shard_samples,
+        corpus_tokens=num_samples * 9,
+        documents=1,
+        skipped_documents=0,
+        tokenizer=TokenizerRecord(file="tokenizer.json", sha256=tokenizer, vocab_size=64, eos_id=0),
+        shards=[
+            Shard(file=f"shard-{i}.parquet", first_sample_id=i * shard_samples, num_samples=shard_samples, sha256=sha) for i, sha in enumerate(shards)
+        ],
+    )
 
 
 def checkpoint_of(overrides=(), **dataset) -> CommittedCheckpoint:

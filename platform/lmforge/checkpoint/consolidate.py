@@ -10,7 +10,6 @@ metadata and DeepSpeed's files are pickles.
 from __future__ import annotations
 
 import os
-import re
 import warnings
 from pathlib import Path
 
@@ -41,12 +40,6 @@ def read_checkpoint(step_dir: str | os.PathLike) -> tuple[ModelConfig, dict[str,
     if missing:
         raise UserError(f"{step_dir}: the checkpoint lacks {', '.join(missing[:3])} for its model")
     return cfg, {name: tensors[name] for name in names}, state
-
-
-def is_checkpoint(path: str | os.PathLike) -> bool:
-    """A step directory, committed or not (a model directory is none)."""
-    path = Path(path)
-    return (path / COMMIT).is_file() or (path / STATE).is_file() or re.fullmatch(r"step_\d+", path.name) is not None
 
 
 def committed_state(step_dir: Path) -> TrainerState:

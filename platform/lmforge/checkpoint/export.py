@@ -7,7 +7,6 @@ lmforge's format (the default) or Hugging Face's, with its tokenizer.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -16,8 +15,10 @@ from typing import Callable, Optional
 
 import torch
 
-from lmforge.checkpoint.consolidate import committed_state, is_checkpoint, read_checkpoint
+from lmforge.checkpoint.consolidate import committed_state, read_checkpoint
+from lmforge.checkpoint.store import is_checkpoint
 from lmforge.data import storage
+from lmforge.data.manifest import MANIFEST, has_manifest, read_manifest
 from lmforge.data.tokenizer import end_of_text_token, tokenizer_files
 from lmforge.errors import UserError
 from lmforge.models import ModelConfig
@@ -103,14 +104,15 @@ def _checkpoint_source(step_dir: Path) -> ModelSource:
         },
     )
     dataset = state.data_path or "."
-    manifest = storage.join(dataset, "manifest.json")
-    if storage.exists(manifest, "data_path"):  # the tokenizer of the dataset it was trained on (a directory or a URI)
+    if has_manifest(dataset, "data_path"):  # the tokenizer of the dataset it was trained on (a directory or a URI)
         try:
-            entry = json.loads(storage.read_text(manifest, "data_path"))["tokenizer"]
-            source.tokenizer_json = storage.read_text(storage.join(dataset, entry["file"]), "data_path")
-        except (UserError, ValueError, KeyError) as err:
-            raise UserError(f"{manifest}: the dataset the checkpoint was trained on has no readable tokenizer ({err})") from None
-        source.eos_token = source.tokenizer().id_to_token(entry["eos_id"])
+            entry = read_manifest(dataset, "data_path", check_shards=False).tokenizer
+            source.tokenizer_json = storage.read_text(storage.join(dataset, entry.file), "data_path")
+        except UserError as err:
+            raise UserError(
+                f"{storage.join(dataset, MANIFEST)}: the dataset the checkpoint was trained on has no readable tokenizer ({err})"
+            ) from None
+        source.eos_token = source.tokenizer().id_to_token(entry.eos_id)
     return source
 
 

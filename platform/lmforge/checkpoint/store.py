@@ -17,6 +17,7 @@ import logging
 import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 import fsspec
@@ -35,6 +36,12 @@ SET_ASIDE = "corrupt_"  # + the step directory's name: a checkpoint that failed 
 
 class CheckpointUnreadable(Exception):
     """A checkpoint's files could not be read (storage down, permissions): not corruption."""
+
+
+def is_checkpoint(path: str | os.PathLike) -> bool:
+    """A step directory, committed or not (a model directory is none)."""
+    path = Path(path)
+    return (path / COMMIT).is_file() or (path / STATE).is_file() or re.fullmatch(r"step_\d+", path.name) is not None
 
 
 @dataclass(frozen=True)

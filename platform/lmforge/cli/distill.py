@@ -30,11 +30,11 @@ def add_parsers(sub) -> None:
 def cache_command(args) -> int:
     spec = load_spec(args.job, args.overrides)
     manifest = common.sdk().build_cache(spec, address=args.address, show_progress=not args.no_progress)
-    tokens = manifest["dataset"]["num_samples"] * manifest["dataset"]["seq_len"]
+    tokens = manifest.dataset.num_samples * manifest.dataset.seq_len
     common.say(
-        f"cached the teacher's top {manifest['k']} at temperature {manifest['temperature']:g} for {tokens:,} tokens "
-        f"({manifest['dataset']['eval_samples']:,} held-out samples too): {manifest['bytes_per_token']:g} bytes per token, "
-        f"dense bf16 logits {manifest['dense_bf16_bytes_per_token']:,}; {manifest['seconds']} s -> {spec.with_absolute_paths().distill.cache}"
+        f"cached the teacher's top {manifest.k} at temperature {manifest.temperature:g} for {tokens:,} tokens "
+        f"({manifest.dataset.eval_samples:,} held-out samples too): {manifest.bytes_per_token:g} bytes per token, "
+        f"dense bf16 logits {manifest.dense_bf16_bytes_per_token:,}; {manifest.seconds} s -> {spec.with_absolute_paths().distill.cache}"
     )
     return 0
 
@@ -42,12 +42,12 @@ def cache_command(args) -> int:
 def answers_command(args) -> int:
     spec = load_spec(args.job, args.overrides)
     manifest = common.sdk().generate_answers(spec, address=args.address, show_progress=not args.no_progress)
-    counts = manifest["instruct"]["counts"]
-    dropped = ", ".join(f"{n} {rule.replace('_', ' ')}" for rule, n in counts["dropped"].items() if n) or "none"
+    counts = manifest.instruct.counts
+    dropped = ", ".join(f"{n} {rule.replace('_', ' ')}" for rule, n in counts.dropped.items() if n) or "none"
     common.say(
-        f"{counts['prompts']:,} prompts ({counts['prompt_too_long']:,} too long), {counts['answers']:,} answers, kept {counts['kept']:,} "
-        f"(dropped: {dropped}); {manifest['num_samples']:,} training samples, {manifest.get('eval', {}).get('num_samples', 0):,} held out; "
-        f"{manifest['seconds']} s -> {spec.with_absolute_paths().data.path}"
+        f"{counts.prompts:,} prompts ({counts.prompt_too_long:,} too long), {counts.answers:,} answers, kept {counts.kept:,} "
+        f"(dropped: {dropped}); {manifest.num_samples:,} training samples, {manifest.eval_samples:,} held out; "
+        f"{manifest.seconds} s -> {spec.with_absolute_paths().data.path}"
     )
     return 0
 

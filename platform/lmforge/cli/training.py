@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from lmforge.cli import common
+from lmforge.data.manifest import has_manifest, read_manifest
 from lmforge.data.precheck import FLAGS
 from lmforge.errors import UserError
 from lmforge.spec import load_spec
@@ -82,19 +83,17 @@ def train_command(args) -> int:
 
 
 def prepare_command(args) -> int:
-    from lmforge.data.prepare import has_manifest, read_manifest
-
     opts = _prepare_options(args)
     if has_manifest(opts.out):
         manifest = read_manifest(opts.out)
-        common.say(f"{opts.out}: already prepared ({manifest['num_samples']} samples); nothing to do")
+        common.say(f"{opts.out}: already prepared ({manifest.num_samples} samples); nothing to do")
         return 0
     manifest = common.sdk().prepare(opts, address=args.address)
-    held = manifest.get("eval")
+    held = manifest.eval
     common.say(
-        f"prepared {manifest['num_samples']:,} samples of {manifest['seq_len']}+1 tokens "
-        f"({manifest['documents']} documents, {manifest['skipped_documents']} skipped) in {manifest['seconds']}s -> {opts.out}"
-        + (f"; held out: {held['num_samples']:,} samples of {held['documents']} documents" if held else "")
+        f"prepared {manifest.num_samples:,} samples of {manifest.seq_len}+1 tokens "
+        f"({manifest.documents} documents, {manifest.skipped_documents} skipped) in {manifest.seconds}s -> {opts.out}"
+        + (f"; held out: {held.num_samples:,} samples of {held.documents} documents" if held else "")
     )
     return 0
 

@@ -26,8 +26,9 @@ from lmforge.cluster.capacity import Capacity
 from lmforge.cluster.keepers import Keepers
 from lmforge.cluster.worker import Worker
 from lmforge.data.feed import datasets_of, start_reader
+from lmforge.data.manifest import Manifest
 from lmforge.data.order import BatchLayout
-from lmforge.distill.teacher_cache import teacher_cache
+from lmforge.distill.cache_manifest import teacher_cache
 from lmforge.errors import CheckpointWritesFailing, Diverged, OutOfMemory, TrainingFailed, UserError, first_line
 from lmforge.events import Event, Failure, Layout, OutOfMemoryEvent, Reader, Recovered, Resized, Rollback, Start, Step
 from lmforge.guards.oom import with_smaller_micro_batch
@@ -45,7 +46,7 @@ class RankHung(RuntimeError):
 
 @ray.remote(num_cpus=0, max_concurrency=8)
 class Controller:
-    def __init__(self, spec_dict: dict, manifest: dict, placement_timeout_s: float = 120.0, after_failure: dict | None = None):
+    def __init__(self, spec_dict: dict, manifest: Manifest, placement_timeout_s: float = 120.0, after_failure: dict | None = None):
         """`after_failure` ({"failures", "rollbacks", "step", "time"}): this controller
         replaces one that died; it continues the failure and rollback counts and
         reports the recovery. `spec_dict` is then the job as the guards left it."""

@@ -19,7 +19,8 @@ from lmforge.checkpoint.store import CheckpointStore
 from lmforge.cluster import placement
 from lmforge.cluster.controller import Controller
 from lmforge.credentials import redact_uri
-from lmforge.data.prepare import PrepareOptions, prepare_dataset, read_manifest
+from lmforge.data.manifest import Manifest, read_manifest
+from lmforge.data.prepare import PrepareOptions, prepare_dataset
 from lmforge.distill.instruct.evaluate import after_training
 from lmforge.errors import TrainingFailed, UserError, first_line
 from lmforge.events import (
@@ -115,7 +116,7 @@ def _check_capacity(spec: JobSpec, total: Optional[dict] = None) -> None:
     )
 
 
-def _ensure_dataset(plan: Plan, console: Console, show_progress: bool) -> dict:
+def _ensure_dataset(plan: Plan, console: Console, show_progress: bool) -> Manifest:
     if plan.manifest is not None:
         return plan.manifest
     spec = plan.spec
@@ -128,7 +129,7 @@ def _ensure_dataset(plan: Plan, console: Console, show_progress: bool) -> dict:
     return manifest
 
 
-def _run(plan: Plan, manifest: dict, console: Console, show_progress: bool, lease: JobLease, publish: Optional[Callable[[dict], None]]) -> dict:
+def _run(plan: Plan, manifest: Manifest, console: Console, show_progress: bool, lease: JobLease, publish: Optional[Callable[[dict], None]]) -> dict:
     spec = plan.spec
     run_dir = RunDir(spec.run_dir)
     run_dir.rewind(plan.start_step)
@@ -292,7 +293,7 @@ class Seen:
         return {"failures": self.failures + 1, "rollbacks": self.rollbacks, "step": step, "time": time.time()}
 
 
-def _start_controller(spec: JobSpec, manifest: dict, after_failure: Optional[dict]):
+def _start_controller(spec: JobSpec, manifest: Manifest, after_failure: Optional[dict]):
     # The controller lives next to the driver, so losing a worker node never takes it along.
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     return Controller.options(scheduling_strategy=here).remote(

@@ -15,6 +15,7 @@ from datetime import timedelta
 
 import ray
 
+from lmforge.data.manifest import Manifest
 from lmforge.ray_runtime import WORKER_ENV, tune_process
 
 
@@ -56,7 +57,7 @@ class Worker:
         )
 
     def train(
-        self, spec_dict: dict, manifest: dict, controller, attempt: int = 0, watch_node: bool = False, reader=None, snapshots: tuple | None = None
+        self, spec_dict: dict, manifest: Manifest, controller, attempt: int = 0, watch_node: bool = False, reader=None, snapshots: tuple | None = None
     ) -> dict:
         """`watch_node`: this rank also samples its node's system metrics into the run;
         `reader`: the job's shared data reader; `snapshots`: (this rank's keepers, the

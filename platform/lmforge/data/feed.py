@@ -26,8 +26,9 @@ import pyarrow.parquet as pq
 import ray
 
 from lmforge.data import storage
-from lmforge.data.columns import sample_columns, target_columns
-from lmforge.data.mixture import ID_STRIDE, Mixture, is_mixture
+from lmforge.data.columns import TopKTargets, sample_columns, target_columns
+from lmforge.data.manifest import DatasetManifest, Manifest, MixtureManifest
+from lmforge.data.mixture import ID_STRIDE, Mixture
 from lmforge.data.order import BatchLayout, GlobalOrder
 from lmforge.errors import UserError
 
@@ -181,20 +182,20 @@ class Dataset:
     """One prepared dataset a feed reads, in its own order."""
 
     path: str
-    manifest: dict
+    manifest: DatasetManifest
     order: GlobalOrder
 
 
-def datasets_of(spec, manifest: dict) -> tuple[list[Dataset], Optional[Mixture]]:
+def datasets_of(spec, manifest: Manifest) -> tuple[list[Dataset], Optional[Mixture]]:
     """The datasets a job reads (`data.path`, or each of a mixture's) and the mixture."""
 
-    def order(m: dict) -> GlobalOrder:
-        return GlobalOrder(m["num_samples"], spec.train.seed, block=m["shard_samples"], window=spec.data.shuffle_window)
+    def order(m: DatasetManifest) -> GlobalOrder:
+        return GlobalOrder(m.num_samples, spec.train.seed, block=m.shard_samples, window=spec.data.shuffle_window)
 
-    if not is_mixture(manifest):
+    if not isinstance(manifest, MixtureManifest):
         return [Dataset(spec.data.path, manifest, order(manifest))], None
-    datasets = [Dataset(source["path"], source["manifest"], order(source["manifest"])) for source in manifest["sources"]]
-    return datasets, Mixture([source["weight"] for source in manifest["sources"]], spec.train.seed)
+    datasets = [Dataset(source.path, source.manifest, order(source.manifest)) for source in manifest.sources]
+    return datasets, Mixture([source.weight for source in manifest.sources], spec.train.seed)
 
 
 @ray.remote(num_cpus=0)
@@ -211,25 +212,26 @@ class FeedReader:
         layout: BatchLayout,
         serves: list[int],
         sharers: int = 1,
-        cache: Optional[tuple[str, dict]] = None,
+        cache: Optional[TopKTargets] = None,
     ):
-        """`cache`: (its directory, its manifest) of top-k targets in shards named as the
-        dataset's, read beside them; the dataset's own directory when its samples carry them."""
+        """`cache`: top-k targets in shards named as the dataset's, read beside them (the
+        dataset's own directory when its samples carry them)."""
         self.datasets, self.mixture = datasets, mixture
         self.sources = [self._sources(d, cache) for d in datasets]  # per dataset: its tokens, and a cache's targets
         self.layout, self.serves, self.sharers = layout, list(serves), sharers
         self._chunks: dict[tuple[int, int], list] = {}  # (first step, steps) -> per served rank: (ids, columns, takers left)
 
-    def _sources(self, dataset: Dataset, cache: Optional[tuple[str, dict]]) -> list[Source]:
-        files = [s["file"] for s in dataset.manifest["shards"]]
-        sizes = [s.get("bytes", 0) for s in dataset.manifest["shards"]]
-        own = cache is not None and storage.join(cache[0]) == storage.join(dataset.path)
-        columns = sample_columns(dataset.manifest, cache[1]["k"] if own else None)
-        digests = {s["file"]: s["sha256"] for s in dataset.manifest["shards"] if s.get("sha256")}
+    def _sources(self, dataset: Dataset, cache: Optional[TopKTargets]) -> list[Source]:
+        shards = dataset.manifest.shards
+        files = [s.file for s in shards]
+        sizes = [s.bytes or 0 for s in shards]
+        own = cache is not None and storage.join(cache.directory) == storage.join(dataset.path)
+        columns = sample_columns(dataset.manifest, cache.k if own else None)
+        digests = {s.file: s.sha256 for s in shards if s.sha256}
         sources = [Source([storage.join(dataset.path, f) for f in files], dataset.order, decoder(columns), sizes, digests)]
         if cache is not None and not own:
-            targets = target_columns(dataset.manifest["seq_len"], cache[1]["k"])
-            sources.append(Source([storage.join(cache[0], f) for f in files], dataset.order, decoder(targets), [0] * len(files)))
+            targets = target_columns(dataset.manifest.seq_len, cache.k)
+            sources.append(Source([storage.join(cache.directory, f) for f in files], dataset.order, decoder(targets), [0] * len(files)))
             columns = {**columns, **targets}  # a new dict: the first source decodes its own columns
         self.columns = list(columns)
         return sources
@@ -301,7 +303,7 @@ def start_reader(
     layout: BatchLayout,
     serves: list[int],
     sharers: int,
-    cache: Optional[tuple[str, dict]],
+    cache: Optional[TopKTargets],
     node: str,
 ):
     """A `FeedReader` on `node`, strictly: a soft affinity lets Ray move it to a node it
@@ -335,7 +337,7 @@ class BatchFeed:
         dp_rank: int,
         start_step: int,
         prefetch_steps: int,
-        cache: Optional[tuple[str, dict]] = None,
+        cache: Optional[TopKTargets] = None,
         reader=None,
         end_step: Optional[int] = None,
     ):

@@ -13,28 +13,29 @@ from typing import Optional
 import numpy as np
 
 from lmforge.data import storage
-from lmforge.data.columns import sample_columns, target_columns
+from lmforge.data.columns import TopKTargets, sample_columns, target_columns
+from lmforge.data.manifest import DatasetManifest, HeldOutSplit
 from lmforge.data.order import BatchLayout
 from lmforge.errors import UserError
 
 
-def eval_batches(spec, manifest: dict) -> int:
+def eval_batches(spec, manifest: DatasetManifest) -> int:
     """Global batches per evaluation: `eval.batches`, or all whole ones the split holds."""
-    held, batch = manifest["eval"]["num_samples"], spec.train.global_batch
+    held, batch = manifest.eval_samples, spec.train.global_batch
     return spec.eval.batches or held // batch
 
 
-def check_held_out(spec, manifest: dict, path: str) -> None:
+def check_held_out(spec, manifest: DatasetManifest, path: str) -> None:
     """Refuse an evaluation the dataset at `path` cannot serve, or a held-out split
     asked for that it was not prepared with (it would be silently missing)."""
-    held = manifest.get("eval")
+    held = manifest.eval
     asked = spec.eval.source if spec.eval else None
-    if spec.data.eval_fraction and (held or {}).get("fraction") != spec.data.eval_fraction:
+    if spec.data.eval_fraction and (held.fraction if held else None) != spec.data.eval_fraction:
         raise UserError(
             f"data.eval_fraction: {spec.data.eval_fraction}, but {path} was prepared with {_made_with(held)}; "
             "prepare it again (remove it, or choose another data.path)"
         )
-    if asked and (held or {}).get("source") != asked:
+    if asked and (held.source if held else None) != asked:
         raise UserError(
             f"eval.source: {asked}, but {path} was prepared with {_made_with(held)}; prepare it again (remove it, or choose another data.path)"
         )
@@ -43,35 +44,39 @@ def check_held_out(spec, manifest: dict, path: str) -> None:
     if held is None:
         raise UserError(f"eval: {path} holds no held-out split; prepare it with data.eval_fraction or eval.source")
     size = spec.train.global_batch
-    if held["num_samples"] < size:
+    if held.num_samples < size:
         raise UserError(
-            f"eval: the held-out split of {path} holds {held['num_samples']} samples, fewer than one global batch "
+            f"eval: the held-out split of {path} holds {held.num_samples} samples, fewer than one global batch "
             f"(train.global_batch {size}); hold out more (data.eval_fraction, eval.source)"
         )
-    if spec.eval.batches and spec.eval.batches * size > held["num_samples"]:
+    if spec.eval.batches and spec.eval.batches * size > held.num_samples:
         raise UserError(
             f"eval.batches: {spec.eval.batches} batches of {size} samples need {spec.eval.batches * size} held-out samples; "
-            f"{path} holds {held['num_samples']} (at most {held['num_samples'] // size} batches)"
+            f"{path} holds {held.num_samples} (at most {held.num_samples // size} batches)"
         )
 
 
-def _made_with(held: dict | None) -> str:
+def _made_with(held: Optional[HeldOutSplit]) -> str:
     if held is None:
         return "no held-out split"
-    return f"data.eval_fraction {held['fraction']}" if held.get("fraction") else f"eval.source {held['source']}"
+    return f"data.eval_fraction {held.fraction}" if held.fraction else f"eval.source {held.source}"
 
 
 class HeldOutBatches:
     """One rank's micro-batches of each held-out global batch: read at the first
     evaluation and kept (this rank's share of a few batches), not read again at every
-    one. With a teacher cache (its held-out directory and k), each sample's top-k
+    one. With top-k targets (a teacher cache's, or the dataset's own), each sample's
     targets too."""
 
-    def __init__(self, data_path: str, manifest: dict, layout: BatchLayout, dp_rank: int, batches: int, cache: Optional[tuple[str, int]] = None):
-        held = manifest["eval"]
-        self.directory = storage.join(data_path, held["dir"])
-        self.shards = held["shards"]
-        self.shard_samples, self.seq_len, self.manifest = manifest["shard_samples"], manifest["seq_len"], manifest
+    def __init__(
+        self, data_path: str, manifest: DatasetManifest, layout: BatchLayout, dp_rank: int, batches: int, cache: Optional[TopKTargets] = None
+    ):
+        held = manifest.eval
+        if held is None:
+            raise ValueError(f"{data_path} holds no held-out split")  # refused before launch (check_held_out)
+        self.directory = storage.join(data_path, held.dir)
+        self.shards = held.shards
+        self.shard_samples, self.seq_len, self.manifest = manifest.shard_samples, manifest.seq_len, manifest
         self.layout, self.dp_rank, self.batches, self.cache = layout, dp_rank, batches, cache
         self._read: list[tuple] | None = None
 
@@ -84,14 +89,15 @@ class HeldOutBatches:
 
     def _read_batches(self):
         # The batches are the split's first samples: read those shards, keep this rank's rows.
-        files = [shard["file"] for shard in self.shards[: -(-self.batches * self.layout.global_batch // self.shard_samples)]]
-        own = self.cache is not None and storage.join(self.cache[0]) == self.directory  # an instruction dataset's own top-k
-        columns = {
-            name: _rows(self.directory, files, name, shape) for name, shape in sample_columns(self.manifest, self.cache[1] if own else None).items()
-        }
-        if self.cache is not None and not own:
-            directory, k = self.cache
-            columns |= {name: _rows(directory, files, name, shape) for name, shape in target_columns(self.seq_len, k).items()}
+        files = [shard.file for shard in self.shards[: -(-self.batches * self.layout.global_batch // self.shard_samples)]]
+        targets = self.cache.eval_directory if self.cache else None
+        if self.cache is not None and targets is None:
+            raise ValueError(f"{self.cache.directory} holds no held-out targets")  # refused before launch (read_cache)
+        own = targets is not None and storage.join(targets) == self.directory  # an instruction dataset's own top-k
+        k = self.cache.k if self.cache else None
+        columns = {name: _rows(self.directory, files, name, shape) for name, shape in sample_columns(self.manifest, k if own else None).items()}
+        if targets is not None and k and not own:
+            columns |= {name: _rows(targets, files, name, shape) for name, shape in target_columns(self.seq_len, k).items()}
         shape = (self.layout.accum, self.layout.micro_batch)
         for batch in range(self.batches):
             first, count = self.layout.rank_positions(batch, self.dp_rank)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 
-from lmforge.data.mixture import is_mixture
+from lmforge.data.manifest import Manifest, MixtureManifest
 
 # Each input, the job field a user changes to change it.
 FIELDS = {
@@ -21,21 +21,21 @@ FIELDS = {
 }
 
 
-def order_inputs(spec, manifest: dict) -> dict:
+def order_inputs(spec, manifest: Manifest) -> dict:
     """For a mixture: its weights, and each source's inputs (listed in source order)."""
-    one = not is_mixture(manifest)
-    parts = [manifest] if one else [source["manifest"] for source in manifest["sources"]]
-    shards = "\n--\n".join("\n".join(shard["sha256"] for shard in part["shards"]) for part in parts)
+    one = not isinstance(manifest, MixtureManifest)
+    parts = [source.manifest for source in manifest.sources] if isinstance(manifest, MixtureManifest) else [manifest]
+    shards = "\n--\n".join("\n".join(shard.sha256 or "" for shard in part.shards) for part in parts)
     inputs = {
         "seed": spec.train.seed,
         "shuffle_window": spec.data.shuffle_window,
-        "shard_samples": parts[0]["shard_samples"] if one else [part["shard_samples"] for part in parts],
-        "tokenizer_sha256": manifest["tokenizer"]["sha256"],
-        "num_samples": manifest["num_samples"] if one else [part["num_samples"] for part in parts],
+        "shard_samples": parts[0].shard_samples if one else [part.shard_samples for part in parts],
+        "tokenizer_sha256": manifest.tokenizer.sha256,
+        "num_samples": manifest.num_samples if one else [part.num_samples for part in parts],
         "shards_sha256": hashlib.sha256(shards.encode()).hexdigest(),
     }
-    if not one:
-        inputs["mixture_weights"] = [source["weight"] for source in manifest["sources"]]
+    if isinstance(manifest, MixtureManifest):
+        inputs["mixture_weights"] = [source.weight for source in manifest.sources]
     return inputs
 
 

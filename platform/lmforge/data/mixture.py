@@ -12,10 +12,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from lmforge.data import storage
-from lmforge.data.columns import is_masked
-from lmforge.errors import UserError
-
 CHUNK = 256  # positions per chunk: the realised mixture equals the rounded weights over each
 ID_STRIDE = 1 << 40  # a mixture's sample id: source index x ID_STRIDE + the sample's id in its source
 _MIX_STREAM = 7_000_003  # keeps the mixing stream apart from the sources' orders
@@ -68,35 +64,3 @@ class Mixture:
     def taken(self, start: int, count: int) -> np.ndarray:
         """Samples of each source among global positions start..start+count-1."""
         return np.bincount(self.locate(start, count)[0], minlength=len(self.counts))
-
-
-def check_sources(sources: list, manifests: list[dict]) -> None:
-    """One line naming the source for a mixture that cannot be read as one stream."""
-    first = manifests[0]
-    for i, (source, manifest) in enumerate(zip(sources, manifests)):
-        where = f"data.sources[{i}].path: {source.path}"
-        if is_masked(manifest):
-            raise UserError(f"{where} is an instruction dataset; a mixture blends prepared pretraining datasets")
-        if manifest["seq_len"] != first["seq_len"]:
-            raise UserError(f"{where} has seq_len {manifest['seq_len']}, data.sources[0] {first['seq_len']}; a mixture needs one")
-        if manifest["tokenizer"]["sha256"] != first["tokenizer"]["sha256"]:
-            raise UserError(f"{where} was tokenized with another tokenizer than data.sources[0] ({sources[0].path}); a mixture needs one")
-
-
-def mixture_manifest(sources: list, manifests: list[dict]) -> dict:
-    """What the trainer reads of a mixture: the shared seq_len and tokenizer, and each
-    source's path, weight and manifest."""
-    check_sources(sources, manifests)
-    first = manifests[0]
-    return {
-        "format": "lmforge.mixture.v1",
-        "seq_len": first["seq_len"],
-        "tokenizer": first["tokenizer"] | {"file": storage.join(sources[0].path, first["tokenizer"]["file"])},
-        "num_samples": sum(m["num_samples"] for m in manifests),
-        "num_tokens": sum(m["num_tokens"] for m in manifests),
-        "sources": [{"path": s.path, "weight": s.weight, "manifest": m} for s, m in zip(sources, manifests)],
-    }
-
-
-def is_mixture(manifest: dict) -> bool:
-    return manifest.get("format") == "lmforge.mixture.v1"

@@ -14,13 +14,11 @@ from typing import Optional
 import ray
 from rich.progress import Progress, TimeElapsedColumn
 
-from lmforge.data import storage
+from lmforge.data.manifest import DatasetManifest
 from lmforge.data.precheck import JOB_FIELDS, check_before_ray
-from lmforge.data.prepare_task import EVAL_DIR, MANIFEST, run_pipeline
+from lmforge.data.prepare_task import Prepared, run_pipeline
 from lmforge.errors import UserError
 from lmforge.tracking.console import text_column
-
-__all__ = ["EVAL_DIR", "MANIFEST", "PrepareOptions", "has_manifest", "prepare_dataset", "read_manifest"]
 
 
 @dataclass
@@ -78,7 +76,7 @@ def _model_tokenizer(spec) -> Optional[str]:
     return None
 
 
-def prepare_dataset(opts: PrepareOptions) -> dict:
+def prepare_dataset(opts: PrepareOptions) -> DatasetManifest:
     """Check the input, then run the pipeline on the cluster, beside this process (the
     same filesystem), showing its progress; returns the manifest. Requires an
     initialized Ray session."""
@@ -90,18 +88,18 @@ def prepare_dataset(opts: PrepareOptions) -> dict:
         with _progress(opts.show_progress) as progress:
             for ref in run:
                 update = ray.get(ref)
-                if "manifest" in update:
-                    manifest = update["manifest"]
+                if isinstance(update, Prepared):
+                    manifest = update.manifest
                 elif progress is not None:
-                    if update["phase"] not in tasks:
-                        tasks[update["phase"]] = progress.add_task(update["phase"], total=None, tokens=0, mb_per_s=0.0)
-                    progress.update(tasks[update["phase"]], advance=update["documents"], tokens=update["tokens"], mb_per_s=update["mb_per_s"])
+                    if update.phase not in tasks:
+                        tasks[update.phase] = progress.add_task(update.phase, total=None, tokens=0, mb_per_s=0.0)
+                    progress.update(tasks[update.phase], advance=update.documents, tokens=update.tokens, mb_per_s=update.mb_per_s)
     except ray.exceptions.RayTaskError as err:
         raise (err.cause if isinstance(err.cause, UserError) else err) from None
     except KeyboardInterrupt:
         ray.cancel(run)  # the pipeline removes what it wrote
         raise
-    opts.skipped = manifest["skipped_documents"]
+    opts.skipped = manifest.skipped_documents
     return manifest
 
 
@@ -115,37 +113,3 @@ def _progress(enabled: bool):
         text_column("{task.fields[mb_per_s]:.1f} MB/s of text"),
         TimeElapsedColumn(),
     )
-
-
-def has_manifest(path: str | Path, field: str = "data.path") -> bool:
-    """Whether a prepared dataset is complete at `path` (a directory or a URI)."""
-    return storage.exists(storage.join(path, MANIFEST), field)
-
-
-def read_manifest(path: str | Path, field: str = "data.path") -> dict:
-    """Load and sanity-check a prepared dataset's manifest; `UserError` names the file."""
-    manifest_path = storage.join(path, MANIFEST)
-    if not storage.exists(manifest_path, field):
-        raise UserError(f"{field}: {path} holds no prepared dataset ({MANIFEST} missing); set data.source to prepare one")
-    manifest = storage.read_json(manifest_path, field)
-    if manifest.get("format") != "lmforge.packed.v1" or not manifest.get("shards"):
-        raise UserError(f"{manifest_path}: not an lmforge dataset manifest")
-    _check_shards(str(path), manifest_path, manifest["shards"], manifest["shard_samples"], field)
-    if "eval" in manifest:
-        _check_shards(storage.join(path, manifest["eval"]["dir"]), manifest_path, manifest["eval"]["shards"], manifest["shard_samples"], field)
-    return manifest
-
-
-def _check_shards(directory: str, manifest_path: str, shards: list[dict], size: int, field: str) -> None:
-    present = storage.file_sizes(directory, field)
-    for index, shard in enumerate(shards):
-        if shard["file"] not in present:
-            raise UserError(f"{manifest_path}: shard {storage.join(directory, shard['file'])} is missing")
-        if shard.get("bytes") is not None and present[shard["file"]] != shard["bytes"]:
-            raise UserError(
-                f"{manifest_path}: shard {storage.join(directory, shard['file'])} has {present[shard['file']]} bytes, the manifest "
-                f"says {shard['bytes']}: it was replaced or damaged since it was prepared; prepare the dataset again"
-            )
-        # The feed shuffles whole shards, so every shard but the last is full.
-        if shard["first_sample_id"] != index * size or (shard["num_samples"] != size and index < len(shards) - 1):
-            raise UserError(f"{manifest_path}: shard {shard['file']} does not hold samples {index * size}..{(index + 1) * size - 1}")

@@ -14,28 +14,42 @@ that looks like a dataset.
 from __future__ import annotations
 
 import hashlib
-import json
 import time
 from collections import deque
-from typing import Iterator
+from typing import Iterator, Union
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import ray
+from pydantic import BaseModel
 from tokenizers import Tokenizer
 
 from lmforge.data import storage
 from lmforge.data.corpus import read_documents
+from lmforge.data.manifest import EVAL_DIR, DatasetManifest, HeldOutSplit, TokenizerRecord, write_manifest
 from lmforge.data.packing import held_out
 from lmforge.data.staging import staged
 from lmforge.data.streams import SplitStream, block_streams, settled
 from lmforge.data.tokenizer import end_of_text_token, eos_id, load_tokenizer, tokenizer_sha256, train_bpe
 from lmforge.errors import UserError
 
-MANIFEST = "manifest.json"
-EVAL_DIR = "eval"  # the held-out split's shards, inside the dataset directory
 _TOKENIZERS: dict[str, Tokenizer] = {}
+
+
+class PrepareProgress(BaseModel):
+    """What the pipeline has done so far in one phase, sent to the driver's progress bar."""
+
+    phase: str
+    documents: int
+    tokens: int
+    mb_per_s: float
+
+
+class Prepared(BaseModel):
+    """The pipeline's last message: the manifest it wrote."""
+
+    manifest: DatasetManifest
 
 
 def _tokenize_batch(batch: pa.Table, tokenizer_json: str) -> pa.Table:
@@ -59,7 +73,9 @@ def _tokenize_batch(batch: pa.Table, tokenizer_json: str) -> pa.Table:
     )
 
 
-def _stream_blocks(ds: ray.data.Dataset, splits: list, fraction: float, all_held_out: bool, eos: int, phase: str, totals: dict) -> Iterator[dict]:
+def _stream_blocks(
+    ds: ray.data.Dataset, splits: list, fraction: float, all_held_out: bool, eos: int, phase: str, totals: dict
+) -> Iterator[PrepareProgress]:
     """Each tokenized block's stream pieces, computed by a Ray task per block (spread
     over the nodes) as the blocks come, added to the splits in document order. Yields
     progress as blocks finish; adds the documents skipped and the nodes that did the
@@ -67,7 +83,7 @@ def _stream_blocks(ds: ray.data.Dataset, splits: list, fraction: float, all_held
     first_doc, pending = 0, deque()
     chars, began = 0, time.time()
 
-    def take(wait: bool) -> Iterator[dict]:
+    def take(wait: bool) -> Iterator[PrepareProgress]:
         """Add the finished blocks at the head of the queue (all of them, if `wait`)."""
         nonlocal chars
         while pending and (wait or ray.wait([pending[0][0]], timeout=0)[0]):
@@ -79,12 +95,12 @@ def _stream_blocks(ds: ray.data.Dataset, splits: list, fraction: float, all_held
             totals["skipped"] += counts["skipped"]
             totals["nodes"].add(counts["node"])
             chars += counts["chars"]
-            yield {
-                "phase": phase,
-                "documents": sum(counts["documents"]) + counts["skipped"],
-                "tokens": sum(split.tokens for split in splits if split),
-                "mb_per_s": chars / 1e6 / max(time.time() - began, 1e-9),
-            }
+            yield PrepareProgress(
+                phase=phase,
+                documents=sum(counts["documents"]) + counts["skipped"],
+                tokens=sum(split.tokens for split in splits if split),
+                mb_per_s=chars / 1e6 / max(time.time() - began, 1e-9),
+            )
 
     for bundle in ds.iter_internal_ref_bundles():
         for entry in bundle.blocks:
@@ -111,9 +127,9 @@ def _training_texts(ds: ray.data.Dataset, eval_fraction: float):
 
 
 @ray.remote(num_cpus=0)
-def run_pipeline(opts, files: list[str], eval_files: list[str]) -> Iterator[dict]:
-    """Prepares `opts.out` (`PrepareOptions`, checked already): yields progress
-    ({phase, documents, tokens, mb_per_s}), then {"manifest": the manifest}."""
+def run_pipeline(opts, files: list[str], eval_files: list[str]) -> Iterator[Union[PrepareProgress, Prepared]]:
+    """Prepares `opts.out` (`PrepareOptions`, checked already): yields its progress,
+    then what it prepared."""
     started, cpu = time.time(), time.process_time()
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True
@@ -144,36 +160,30 @@ def run_pipeline(opts, files: list[str], eval_files: list[str]) -> Iterator[dict
                 )
             shards, writers = zip(*[written for group in ray.get(train.write()) for written in group])
             storage.write_bytes(storage.join(staging, "tokenizer.json"), tokenizer.to_str(pretty=True).encode())
-            manifest = _manifest(opts, files, train, tokenizer, eos, list(shards), totals["skipped"]) | {
-                "seconds": round(time.time() - started, 2),
-                "nodes": len(totals["nodes"] | set(writers)),  # that packed and wrote it
+            manifest = DatasetManifest(
+                source=opts.source,
+                seq_len=opts.seq_len,
+                num_samples=train.num_samples,
+                num_tokens=train.num_samples * (opts.seq_len + 1),
+                shard_samples=opts.shard_samples,
+                corpus_tokens=train.tokens,
+                documents=len(files),
+                skipped_documents=totals["skipped"],
+                tokenizer=TokenizerRecord(
+                    file="tokenizer.json", sha256=tokenizer_sha256(tokenizer), vocab_size=tokenizer.get_vocab_size(), eos_id=eos
+                ),
+                shards=list(shards),
+                seconds=round(time.time() - started, 2),
+                nodes=len(totals["nodes"] | set(writers)),
                 # This coordinator's own (Ray Data's executor, the stream's bookkeeping): work that does not spread over nodes.
-                "coordinator_cpu_seconds": round(time.process_time() - cpu, 2),
-            }
-            if held is not None:
-                manifest["eval"] = _held_out_entry(held, opts)
-            # Last: on an object store its presence is what marks the dataset complete.
-            storage.write_bytes(storage.join(staging, MANIFEST), json.dumps(manifest, indent=2).encode())
-    yield {"manifest": manifest}
+                coordinator_cpu_seconds=round(time.process_time() - cpu, 2),
+                eval=_held_out_entry(held, opts) if held is not None else None,
+            )
+            write_manifest(staging, manifest)
+    yield Prepared(manifest=manifest)
 
 
-def _manifest(opts, files: list[str], train: SplitStream, tokenizer: Tokenizer, eos: int, shards: list[dict], skipped: int) -> dict:
-    return {
-        "format": "lmforge.packed.v1",
-        "source": opts.source,
-        "seq_len": opts.seq_len,
-        "num_samples": train.num_samples,
-        "num_tokens": train.num_samples * (opts.seq_len + 1),
-        "shard_samples": opts.shard_samples,
-        "corpus_tokens": train.tokens,
-        "documents": len(files),
-        "skipped_documents": skipped,
-        "tokenizer": {"file": "tokenizer.json", "sha256": tokenizer_sha256(tokenizer), "vocab_size": tokenizer.get_vocab_size(), "eos_id": eos},
-        "shards": shards,
-    }
-
-
-def _held_out_entry(held: SplitStream, opts) -> dict:
+def _held_out_entry(held: SplitStream, opts) -> HeldOutSplit:
     """The manifest's `eval`: where the held-out split is and what it was made of."""
     if held.num_samples == 0:
         made_of = (
@@ -185,12 +195,11 @@ def _held_out_entry(held: SplitStream, opts) -> dict:
             f"{made_of} {held.tokens} tokens, fewer than one held-out sample of seq_len+1 = {opts.seq_len + 1}; "
             + ("give a larger corpus" if opts.eval_source else "raise it, or give eval.source")
         )
-    return {
-        "dir": EVAL_DIR,
-        "source": opts.eval_source or opts.source,
-        "fraction": opts.eval_fraction or None,
-        "documents": held.documents,
-        "num_samples": held.num_samples,
-        "corpus_tokens": held.tokens,
-        "shards": [entry for group in ray.get(held.write()) for entry, _ in group],
-    }
+    return HeldOutSplit(
+        source=opts.eval_source or opts.source,
+        fraction=opts.eval_fraction or None,
+        documents=held.documents,
+        num_samples=held.num_samples,
+        corpus_tokens=held.tokens,
+        shards=[entry for group in ray.get(held.write()) for entry, _ in group],
+    )

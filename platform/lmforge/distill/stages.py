@@ -28,6 +28,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from rich.console import Console
 
 from lmforge.credentials import redact_uri
+from lmforge.data.manifest import has_manifest
+from lmforge.distill.cache_manifest import is_built
 from lmforge.errors import UserError
 from lmforge.spec import JobSpec, TrackingSpec, _format_error, load_spec
 from lmforge.tracking.console import plain, text_console
@@ -255,18 +257,14 @@ def run_pipeline(
 
 
 def _train(stage: Stage, job: JobSpec, calls: StageCalls, show_progress: bool, console: Console, tracker) -> dict:
-    from lmforge.data.prepare import MANIFEST
-
-    if job.distill and job.distill.cache and not (Path(job.distill.cache) / MANIFEST).is_file():
+    if job.distill and job.distill.cache and not is_built(job.distill.cache):
         calls.build_cache(job, show_progress=show_progress)
     summary = calls.train(job, show_progress=show_progress, console=console)
     return _with_student(stage, summary)
 
 
 def _instruct(stage: Stage, job: JobSpec, calls: StageCalls, show_progress: bool, console: Console, tracker) -> dict:
-    from lmforge.data.prepare import MANIFEST
-
-    if not (Path(job.data.path) / MANIFEST).is_file():
+    if not has_manifest(job.data.path):
         calls.generate_answers(job, show_progress=show_progress)
     summary = calls.train(job, show_progress=show_progress, console=console)
     return _with_student(stage, summary)

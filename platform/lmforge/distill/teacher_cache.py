@@ -11,9 +11,6 @@ nothing: shards are written into a staging directory renamed into place at the e
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -25,51 +22,13 @@ import pyarrow.parquet as pq
 import ray
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
-from lmforge.data.prepare import EVAL_DIR, read_manifest
+from lmforge.data.manifest import EVAL_DIR, DatasetManifest, Shard, read_manifest
 from lmforge.data.staging import staged
+from lmforge.distill.cache_manifest import CachedHeldOut, CacheIdentity, CacheManifest, is_built, made_from, write_cache_manifest
 from lmforge.errors import UserError
-from lmforge.jsonfile import read_object
 from lmforge.tracking.console import text_column
 
-FORMAT = "lmforge.teacher-topk.v1"
-MANIFEST = "manifest.json"
 COLUMNS = ("sample_id", "topk_ids", "topk_logprobs")
-
-
-def weights_sha256(path: str | os.PathLike) -> str:
-    """A model directory's weight files, or a checkpoint's commit record (which holds
-    the checksum of every file it committed), hashed."""
-    from lmforge.checkpoint.consolidate import is_checkpoint
-    from lmforge.checkpoint.store import COMMIT
-
-    path = Path(path)
-    files = [path / COMMIT] if is_checkpoint(path) else sorted(path.glob("*.safetensors"))
-    digest = hashlib.sha256()
-    for file in files:
-        with open(file, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                digest.update(block)
-    return digest.hexdigest()
-
-
-def made_from(spec, dataset: dict) -> dict:
-    """What a cache for this job is made from: the dataset, its tokenizer, each teacher
-    (its path and weight hash), k and the temperature. A cache whose manifest says
-    otherwise is not this job's."""
-    d = spec.distill
-    return {
-        "dataset": {
-            "path": str(spec.data.path),
-            "num_samples": dataset["num_samples"],
-            "seq_len": dataset["seq_len"],
-            "shard_samples": dataset["shard_samples"],
-            "eval_samples": (dataset.get("eval") or {}).get("num_samples", 0),
-        },
-        "tokenizer_sha256": dataset["tokenizer"]["sha256"],
-        "teachers": [{"path": str(s.path), "weight": s.weight, "sha256": weights_sha256(s.path)} for s in d.sources],
-        "k": d.top_k,
-        "temperature": d.temperature,
-    }
 
 
 class TeacherTopK:
@@ -116,7 +75,7 @@ def actor_pool(cluster: dict, actors: Optional[int] = None) -> dict:
     return {"concurrency": actors or max(1, min(2, int(cluster.get("CPU", 1)) // 2)), "num_cpus": 1, "threads": 1}
 
 
-def _write_split(scored, shards: list[dict], out: Path, progress, task) -> None:
+def _write_split(scored, shards: list[Shard], out: Path, progress, task) -> None:
     """Stream the scored rows, in sample order, into one cache shard per dataset shard
     (the same file name and sample ids)."""
     out.mkdir(parents=True, exist_ok=True)
@@ -126,10 +85,10 @@ def _write_split(scored, shards: list[dict], out: Path, progress, task) -> None:
         for name in COLUMNS:
             held[name].append(batch[name])
         count += len(batch["sample_id"])
-        while shard < len(shards) and count >= shards[shard]["num_samples"]:
+        while shard < len(shards) and count >= shards[shard].num_samples:
             joined = {name: np.concatenate(held[name]) for name in COLUMNS}
-            size = shards[shard]["num_samples"]
-            write_shard(out / shards[shard]["file"], {name: values[:size] for name, values in joined.items()}, shards[shard])
+            size = shards[shard].num_samples
+            write_shard(out / shards[shard].file, {name: values[:size] for name, values in joined.items()}, shards[shard])
             held = {name: [values[size:]] for name, values in joined.items()}
             count, shard = count - size, shard + 1
             if progress is not None:
@@ -138,10 +97,10 @@ def _write_split(scored, shards: list[dict], out: Path, progress, task) -> None:
         raise RuntimeError(f"the teacher scored {count} samples past the dataset's shards, or too few: {shard} of {len(shards)} written")
 
 
-def write_shard(path: Path, rows: dict, shard: dict) -> None:
-    expected = np.arange(shard["first_sample_id"], shard["first_sample_id"] + shard["num_samples"])
+def write_shard(path: Path, rows: dict, shard: Shard) -> None:
+    expected = np.arange(shard.first_sample_id, shard.first_sample_id + shard.num_samples)
     if not np.array_equal(rows["sample_id"], expected):
-        raise RuntimeError(f"{shard['file']}: scored rows arrived out of order")  # Ray Data keeps the order asked for
+        raise RuntimeError(f"{shard.file}: scored rows arrived out of order")  # Ray Data keeps the order asked for
     table = pa.table(
         {
             "sample_id": pa.array(rows["sample_id"].astype(np.int64)),
@@ -152,11 +111,11 @@ def write_shard(path: Path, rows: dict, shard: dict) -> None:
     pq.write_table(table, path, compression="zstd", compression_level=9)
 
 
-def _splits(data_path: Path, dataset: dict, staging: Path) -> list[tuple[str, Path, list[dict], Path]]:
+def _splits(data_path: Path, dataset: DatasetManifest, staging: Path) -> list[tuple[str, Path, list[Shard], Path]]:
     """(name, dataset directory, shards, cache directory) of the training and held-out splits."""
-    splits = [("train", data_path, dataset["shards"], staging)]
-    if "eval" in dataset:
-        splits.append(("held-out", data_path / dataset["eval"]["dir"], dataset["eval"]["shards"], staging / EVAL_DIR))
+    splits = [("train", data_path, dataset.shards, staging)]
+    if dataset.eval is not None:
+        splits.append(("held-out", data_path / dataset.eval.dir, dataset.eval.shards, staging / EVAL_DIR))
     return splits
 
 
@@ -166,11 +125,11 @@ def check_can_build(spec) -> None:
         raise UserError("distill: the job has no distill section, so no teacher to cache")
     if not spec.distill.cache:
         raise UserError("distill.cache: not set; name the directory the teacher cache goes to")
-    if (Path(spec.distill.cache) / MANIFEST).exists():
+    if is_built(spec.distill.cache):
         raise UserError(f"distill.cache: {spec.distill.cache} already holds a teacher cache; remove it or choose another path")
 
 
-def build_cache(spec, show_progress: bool = True) -> dict:
+def build_cache(spec, show_progress: bool = True) -> CacheManifest:
     """Score the job's dataset with its teachers into `distill.cache`; returns the
     manifest. Requires an initialized Ray session."""
     check_can_build(spec)
@@ -179,7 +138,7 @@ def build_cache(spec, show_progress: bool = True) -> dict:
     dataset = read_manifest(data_path)
     identity = made_from(spec, dataset)
     began = time.time()
-    vocab = min(dataset["tokenizer"]["vocab_size"], *(_teacher_vocab(s.path) for s in d.sources))
+    vocab = min(dataset.tokenizer.vocab_size, *(_teacher_vocab(s.path) for s in d.sources))
     pool = actor_pool(ray.cluster_resources())
     actor = {
         "compute": ray.data.ActorPoolStrategy(size=pool["concurrency"]),
@@ -202,11 +161,11 @@ def build_cache(spec, show_progress: bool = True) -> dict:
         with _progress(show_progress) as progress:
             for name, directory, shards, target in splits:
                 task = progress.add_task(f"teacher top-{d.top_k}, {name}", total=len(shards)) if progress else None
-                ds = ray.data.read_parquet([str(directory / s["file"]) for s in shards], columns=["sample_id", "tokens"])
+                ds = ray.data.read_parquet([str(directory / s.file) for s in shards], columns=["sample_id", "tokens"])
                 scored = ds.map_batches(TeacherTopK, fn_constructor_kwargs=scorer, batch_size=spec.train.micro_batch, batch_format="numpy", **actor)
                 _write_split(scored, shards, target, progress, task)
         manifest = _manifest(identity, dataset, staging, vocab, time.time() - began)
-        (staging / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        write_cache_manifest(staging, manifest)
         return manifest
 
 
@@ -216,98 +175,21 @@ def _teacher_vocab(path: str) -> int:
     return open_source(path, name="distill.teacher").cfg.vocab_size
 
 
-def _manifest(identity: dict, dataset: dict, staging: Path, vocab: int, seconds: float) -> dict:
-    size = sum((staging / s["file"]).stat().st_size for s in dataset["shards"])
-    tokens = dataset["num_samples"] * dataset["seq_len"]
-    manifest = {
-        "format": FORMAT,
-        **identity,
-        "vocab": vocab,
-        "shards": [s["file"] for s in dataset["shards"]],
-        "bytes": size,
-        "bytes_per_token": round(size / tokens, 2),
-        "dense_bf16_bytes_per_token": 2 * vocab,
-        "seconds": round(seconds, 2),
-    }
-    if "eval" in dataset:
-        manifest["eval"] = {"dir": EVAL_DIR, "shards": [s["file"] for s in dataset["eval"]["shards"]]}
-    return manifest
+def _manifest(identity: CacheIdentity, dataset: DatasetManifest, staging: Path, vocab: int, seconds: float) -> CacheManifest:
+    size = sum((staging / s.file).stat().st_size for s in dataset.shards)
+    return CacheManifest(
+        **dict(identity),
+        vocab=vocab,
+        shards=[s.file for s in dataset.shards],
+        bytes=size,
+        bytes_per_token=round(size / (dataset.num_samples * dataset.seq_len), 2),
+        dense_bf16_bytes_per_token=2 * vocab,
+        seconds=round(seconds, 2),
+        eval=CachedHeldOut(shards=[s.file for s in dataset.eval.shards]) if dataset.eval else None,
+    )
 
 
 def _progress(enabled: bool):
     if not enabled:
         return nullcontext()  # enters as None: no bar
     return Progress(text_column("{task.description}", bold=True), BarColumn(), MofNCompleteColumn(), text_column("shards"), TimeElapsedColumn())
-
-
-def tracking_params(spec) -> dict[str, str]:
-    """What MLflow records of a distillation beyond its spec: each teacher's weight hash
-    and, training from a cache, what its manifest says it holds and was made from."""
-    if not spec.distill:
-        return {}
-    params = {"distill.teachers_sha256": ",".join(weights_sha256(s.path) for s in spec.distill.sources)}
-    built = spec.distill.cache and (Path(spec.distill.cache) / MANIFEST).is_file()  # not while it is being built
-    return params | (cache_params(teacher_cache(spec)[1]) if built else {})
-
-
-def cache_params(manifest: dict) -> dict[str, str]:
-    """A teacher cache's manifest as MLflow params: what it holds and was made from."""
-    params = {f"distill.cache.{key}": str(manifest[key]) for key in ("k", "temperature", "vocab", "bytes_per_token", "tokenizer_sha256")}
-    return params | {"distill.cache.teachers": json.dumps(manifest["teachers"])}
-
-
-def teacher_cache(spec) -> Optional[tuple[str, dict]]:
-    """(directory, manifest) of the job's teacher cache, as checked before launch; for an
-    instruction distillation with stored soft targets, the dataset itself (its samples
-    carry their teachers' top-k); None without either."""
-    d = spec.distill
-    if d is not None and d.instruct is not None and d.top_k:
-        manifest = json.loads((Path(spec.data.path) / MANIFEST).read_text())
-        return spec.data.path, {"k": d.top_k, **({"eval": manifest["eval"]} if "eval" in manifest else {})}
-    if not (d and d.cache):
-        return None
-    return d.cache, json.loads((Path(d.cache) / MANIFEST).read_text())
-
-
-def read_cache(spec, dataset: dict) -> dict:
-    """The manifest of `distill.cache`, refused (naming the field and what differs)
-    unless it was made from this job's dataset, tokenizer, teachers, k and temperature."""
-    path = Path(spec.distill.cache)
-    file = path / MANIFEST
-    if not file.is_file():
-        raise UserError(f"distill.cache: {path} holds no teacher cache ({MANIFEST} missing); build it with `lmforge distill cache JOB`")
-    try:
-        manifest = read_object(file)
-    except ValueError as err:
-        raise UserError(f"distill.cache: {err}") from None
-    if manifest.get("format") != FORMAT:
-        raise UserError(f"{file}: not an lmforge teacher cache")
-    want = made_from(spec, dataset)
-    for problem in _differences(manifest, want, spec):
-        raise UserError(f"distill.cache: {path} {problem}; build it again for this job (`lmforge distill cache JOB`)")
-    for directory, shards in [(path, manifest["shards"]), *([(path / EVAL_DIR, manifest["eval"]["shards"])] if "eval" in manifest else [])]:
-        missing = [name for name in shards if not (directory / name).is_file()]
-        if missing:
-            raise UserError(f"distill.cache: shard {directory / missing[0]} is missing")
-    return manifest
-
-
-def _differences(have: dict, want: dict, spec):
-    if have["dataset"] != want["dataset"]:
-        yield f"was built for another dataset ({_describe(have['dataset'])}, not {_describe(want['dataset'])})"
-    if have["tokenizer_sha256"] != want["tokenizer_sha256"]:
-        yield "was built with another tokenizer (its sha256 differs from the dataset's)"
-    have_teachers = [(t["path"], t["weight"]) for t in have["teachers"]]
-    if have_teachers != [(t["path"], t["weight"]) for t in want["teachers"]]:
-        yield f"was built from other teachers ({', '.join(f'{p} x {w:g}' for p, w in have_teachers)})"
-    for had, wanted in zip(have["teachers"], want["teachers"]):
-        if had["sha256"] != wanted["sha256"]:
-            yield f"was built from other weights of {had['path']} (their sha256 differs)"
-    if have["k"] != want["k"]:
-        yield f"holds the top {have['k']}, not distill.top_k {want['k']}"
-    if have["temperature"] != want["temperature"]:
-        yield f"was built at temperature {have['temperature']}, not distill.temperature {want['temperature']}"
-
-
-def _describe(dataset: dict) -> str:
-    return f"{dataset['path']}: {dataset['num_samples']} samples of {dataset['seq_len']}+1"

@@ -11,26 +11,21 @@ import pyarrow.parquet as pq
 import torch
 import torch.nn.functional as F
 
-from lmforge.data.columns import is_masked
+from lmforge.data.manifest import has_manifest, read_manifest
 from lmforge.errors import UserError
-from lmforge.jsonfile import read_object
 
 
 def held_out_samples(dataset: str | Path, limit: int, name: str = "--eval-data") -> tuple[torch.Tensor, torch.Tensor | None]:
     """The first `limit` held-out samples: tokens [n, seq_len+1] and the loss mask [n, seq_len] or None."""
     dataset = Path(dataset)
-    manifest_file = dataset / "manifest.json"
-    if not manifest_file.is_file():
+    if not has_manifest(dataset, name):
         raise UserError(f"{name}: {dataset} is not a prepared dataset (no manifest.json)")
-    try:
-        manifest = read_object(manifest_file)
-    except ValueError as err:
-        raise UserError(f"{name}: {err}") from None
-    held = manifest.get("eval")
-    if not held:
+    manifest = read_manifest(dataset, name)
+    held = manifest.eval
+    if held is None:
         raise UserError(f"{name}: {dataset} has no held-out split; prepare it with --eval-fraction or --eval-source")
-    columns = ["tokens"] + (["loss_mask"] if is_masked(manifest) else [])
-    files = [str(dataset / held["dir"] / shard["file"]) for shard in held["shards"]]
+    columns = ["tokens"] + (["loss_mask"] if manifest.masked else [])
+    files = [str(dataset / held.dir / shard.file) for shard in held.shards]
     table = pq.read_table(files, columns=columns).slice(0, limit)
     tokens = torch.tensor(table.column("tokens").to_pylist())
     mask = torch.tensor(table.column("loss_mask").to_pylist(), dtype=torch.bool) if "loss_mask" in columns else None

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from lmforge.checkpoint.consolidate import committed_state, is_checkpoint
+from lmforge.checkpoint.consolidate import committed_state
 from lmforge.checkpoint.export import open_source
+from lmforge.checkpoint.store import is_checkpoint
 from lmforge.credentials import redact_uri
 from lmforge.errors import UserError
 from lmforge.inference.perplexity import held_out_samples, mean_nll, perplexity

@@ -19,7 +19,7 @@ from functools import cached_property
 import yaml
 
 from lmforge.credentials import redact
-from lmforge.data.mixture import is_mixture
+from lmforge.data.manifest import Manifest, MixtureManifest
 from lmforge.events import Eval, Step
 from lmforge.spec import JobSpec, flatten
 
@@ -115,7 +115,7 @@ class MlflowRun:
     def _spec_params(self) -> dict:
         """The job's params, computed once: a distillation's parent and child runs all
         log them, and they include hashes of the teachers' weights (read in full)."""
-        from lmforge.distill.teacher_cache import tracking_params
+        from lmforge.distill.cache_manifest import tracking_params
 
         return flatten(redact(self.spec.model_dump(mode="json"))) | tracking_params(self.spec)
 
@@ -127,7 +127,7 @@ class MlflowRun:
                 yaml.safe_dump(redact(self.spec.model_dump(mode="json")), f, sort_keys=False)
             self.client.log_artifact(run_id, path)
 
-    def log_dataset(self, manifest: dict) -> None:
+    def log_dataset(self, manifest: Manifest) -> None:
         """The prepared dataset as the run's training input: its path, and as digest the
         identity that decides the data order (tokenizer, samples, shard contents), so
         two runs on the same data show the same dataset. Once per run."""
@@ -138,14 +138,14 @@ class MlflowRun:
             return
         # A mixture: each source is an input of its own, its weight as a tag.
         parts = (
-            [(s["path"], s["manifest"], s["weight"]) for s in manifest["sources"]]
-            if is_mixture(manifest)
+            [(s.path, s.manifest, s.weight) for s in manifest.sources]
+            if isinstance(manifest, MixtureManifest)
             else [(self.spec.data.path, manifest, None)]
         )
         inputs, digests = [], []
         for path, part, weight in parts:
             digest = hashlib.sha256(
-                "\n".join([part["tokenizer"]["sha256"], str(part["num_samples"])] + [shard["sha256"] for shard in part["shards"]]).encode()
+                "\n".join([part.tokenizer.sha256, str(part.num_samples)] + [shard.sha256 or "" for shard in part.shards]).encode()
             ).hexdigest()[:16]
             dataset = MetaDataset(_dataset_source(path), name=os.path.basename(path.rstrip("/")), digest=digest)
             tags = [InputTag("mlflow.data.context", "train")] + ([InputTag("lmforge.mixture.weight", str(weight))] if weight is not None else [])
@@ -154,7 +154,7 @@ class MlflowRun:
         self.client.log_inputs(self.run_id, datasets=inputs)
         self._log_params(
             self.run_id,
-            {"data.num_samples": manifest["num_samples"], "data.num_tokens": manifest.get("num_tokens"), "data.digest": ",".join(digests)},
+            {"data.num_samples": manifest.num_samples, "data.num_tokens": manifest.num_tokens, "data.digest": ",".join(digests)},
         )
 
     def log_step(self, event: dict) -> None:

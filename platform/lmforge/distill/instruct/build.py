@@ -26,15 +26,28 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedCo
 
 from lmforge.chat import chat_template_of
 from lmforge.checkpoint.export import open_source
+from lmforge.data.manifest import (
+    EVAL_DIR,
+    DatasetManifest,
+    HeldOutSplit,
+    InstructCounts,
+    InstructIdentity,
+    InstructRecord,
+    PromptsRecord,
+    SoftTargets,
+    TokenizerRecord,
+    has_manifest,
+    write_manifest,
+)
 from lmforge.data.packing import ShardWriter
-from lmforge.data.prepare import EVAL_DIR, MANIFEST
 from lmforge.data.staging import staged
 from lmforge.data.tokenizer import end_of_text_token, eos_id, load_tokenizer, tokenizer_sha256
+from lmforge.distill.cache_manifest import teacher_records
 from lmforge.distill.instruct.answers import TeacherAnswers, read_answers, unit_file
 from lmforge.distill.instruct.prompts import read_prompts
 from lmforge.distill.instruct.samples import write_samples
 from lmforge.distill.instruct.selection import RULES, select
-from lmforge.distill.teacher_cache import actor_pool, weights_sha256
+from lmforge.distill.teacher_cache import actor_pool
 from lmforge.errors import UserError
 from lmforge.preflight import check_teachers
 from lmforge.tracking.console import text_column
@@ -53,7 +66,7 @@ class Plan:
     too_long: int
     tokenizer: object
     eos: int
-    identity: dict  # everything the answers depend on: a rerun keeps units only when it is equal
+    identity: InstructIdentity  # a rerun keeps units only when it is equal
 
 
 def answers_dir(spec) -> Path:
@@ -64,7 +77,7 @@ def answers_dir(spec) -> Path:
 def check_can_generate(spec) -> None:
     if spec.distill is None or spec.distill.instruct is None:
         raise UserError("distill.instruct: the job names no prompts to answer; add a distill.instruct section (prompts, generate, select)")
-    if (Path(spec.data.path) / MANIFEST).exists():
+    if has_manifest(spec.data.path):
         raise UserError(f"data.path: {spec.data.path} already holds a dataset; remove it or choose another data.path")
 
 
@@ -94,16 +107,16 @@ def plan_generation(spec) -> Plan:
         )
     size = instruct.prompts_per_shard
     units = [fitting[i : i + size] for i in range(0, len(fitting), size)]
-    identity = {
-        "prompts": {"uri": instruct.prompts, "sha256": hashlib.sha256(json.dumps([p.text for p in prompts]).encode()).hexdigest()},
-        "teachers": [{"path": str(s.path), "weight": s.weight, "sha256": weights_sha256(s.path)} for s in d.sources],
-        "tokenizer_sha256": tokenizer_sha256(tokenizer),
-        "generate": instruct.generate.model_dump(),
-        "eval_fraction": instruct.eval_fraction,
-        "prompts_per_shard": size,
-        "seq_len": spec.train.seq_len,
-        "soft_targets": {"k": d.top_k, "temperature": d.temperature} if d.top_k else None,
-    }
+    identity = InstructIdentity(
+        prompts=PromptsRecord(uri=instruct.prompts, sha256=hashlib.sha256(json.dumps([p.text for p in prompts]).encode()).hexdigest()),
+        teachers=teacher_records(spec),
+        tokenizer_sha256=tokenizer_sha256(tokenizer),
+        generate=instruct.generate.model_dump(),
+        eval_fraction=instruct.eval_fraction,
+        prompts_per_shard=size,
+        seq_len=spec.train.seq_len,
+        soft_targets=SoftTargets(k=d.top_k, temperature=d.temperature) if d.top_k else None,
+    )
     return Plan(units, len(prompts), sum(p.held_out for p in prompts), len(prompts) - len(fitting), tokenizer, eos_id(tokenizer, eos_token), identity)
 
 
@@ -116,7 +129,7 @@ def _tokenizer(spec, teacher, name: str):
     return teacher.tokenizer(), teacher.eos_token
 
 
-def generate_dataset(spec, plan: Plan, show_progress: bool = True) -> dict:
+def generate_dataset(spec, plan: Plan, show_progress: bool = True) -> DatasetManifest:
     """Answer the job's prompts (as `plan_generation` checked them) into an SFT dataset at
     `data.path`; returns its manifest. Requires an initialized Ray session."""
     began = time.time()
@@ -131,7 +144,7 @@ def _work_dir(spec, plan: Plan, show_progress: bool) -> Path:
     """The answers of an interrupted run with the same settings, or a fresh directory."""
     work = answers_dir(spec)
     settings = work / SETTINGS
-    if settings.is_file() and json.loads(settings.read_text()) == plan.identity:
+    if settings.is_file() and json.loads(settings.read_text()) == plan.identity.model_dump(mode="json"):
         done = sum(unit_file(work, u).is_file() for u in range(len(plan.units)))
         if done and show_progress:
             print(f"resuming: {done} of {len(plan.units)} units of prompts already answered in {work}")
@@ -141,7 +154,7 @@ def _work_dir(spec, plan: Plan, show_progress: bool) -> Path:
             print(f"{work} holds answers made with other settings: starting over")
         shutil.rmtree(work)
     work.mkdir(parents=True)
-    settings.write_text(json.dumps(plan.identity, indent=2))
+    settings.write_text(plan.identity.model_dump_json(indent=2))
     return work
 
 
@@ -195,7 +208,7 @@ def _progress(enabled: bool):
     )
 
 
-def _write_dataset(spec, plan: Plan, work: Path, seconds: float) -> dict:
+def _write_dataset(spec, plan: Plan, work: Path, seconds: float) -> DatasetManifest:
     """The kept answers as the dataset's samples, and every answer (what selection
     dropped too) in its `answers/` directory, for audit and evaluation."""
     d = spec.distill
@@ -224,55 +237,48 @@ def _write_dataset(spec, plan: Plan, work: Path, seconds: float) -> dict:
             )
         manifest = _manifest(spec, plan, answers, dropped, splits, seconds)
         plan.tokenizer.save(str(staging / "tokenizer.json"))
-        (staging / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        write_manifest(staging, manifest)
         work.rename(staging / ANSWERS_DIR)
         return manifest
 
 
-def _manifest(spec, plan: Plan, answers: pa.Table, dropped: dict, splits: dict, seconds: float) -> dict:
+def _manifest(spec, plan: Plan, answers: pa.Table, dropped: dict, splits: dict, seconds: float) -> DatasetManifest:
     instruct, seq_len = spec.distill.instruct, spec.train.seq_len
     writer, learnt = splits["train"]
-    manifest = {
-        "format": "lmforge.packed.v1",
-        "source": instruct.prompts,
-        "seq_len": seq_len,
-        "num_samples": writer.next_id,
-        "num_tokens": writer.next_id * (seq_len + 1),
-        "shard_samples": spec.data.shard_samples,
-        "corpus_tokens": learnt,
-        "documents": plan.prompts,
-        "skipped_documents": plan.too_long,
-        "tokenizer": {
-            "file": "tokenizer.json",
-            "sha256": tokenizer_sha256(plan.tokenizer),
-            "vocab_size": plan.tokenizer.get_vocab_size(),
-            "eos_id": plan.eos,
-        },
-        "shards": writer.shards,
-        "instruct": {
-            **plan.identity,
-            "select": instruct.select.model_dump(),
-            "counts": {
-                "prompts": plan.prompts,
-                "held_out_prompts": plan.held_out,
-                "prompt_too_long": plan.too_long,
-                "answers": answers.num_rows,
-                "dropped": {rule: dropped[rule] for rule in RULES},
-                "kept": sum(s[0].next_id for s in splits.values()),
-                "answer_tokens": learnt,
-            },
-        },
-        "seconds": round(seconds, 2),
-    }
+    counts = InstructCounts(
+        prompts=plan.prompts,
+        held_out_prompts=plan.held_out,
+        prompt_too_long=plan.too_long,
+        answers=answers.num_rows,
+        dropped={rule: dropped[rule] for rule in RULES},
+        kept=sum(s[0].next_id for s in splits.values()),
+        answer_tokens=learnt,
+    )
+    held = None
     if "eval" in splits:
-        held, held_learnt = splits["eval"]
-        manifest["eval"] = {
-            "dir": EVAL_DIR,
-            "source": instruct.prompts,
-            "fraction": instruct.eval_fraction,
-            "documents": plan.held_out,
-            "num_samples": held.next_id,
-            "corpus_tokens": held_learnt,
-            "shards": held.shards,
-        }
-    return manifest
+        held_writer, held_learnt = splits["eval"]
+        held = HeldOutSplit(
+            source=instruct.prompts,
+            fraction=instruct.eval_fraction,
+            documents=plan.held_out,
+            num_samples=held_writer.next_id,
+            corpus_tokens=held_learnt,
+            shards=held_writer.shards,
+        )
+    return DatasetManifest(
+        source=instruct.prompts,
+        seq_len=seq_len,
+        num_samples=writer.next_id,
+        num_tokens=writer.next_id * (seq_len + 1),
+        shard_samples=spec.data.shard_samples,
+        corpus_tokens=learnt,
+        documents=plan.prompts,
+        skipped_documents=plan.too_long,
+        tokenizer=TokenizerRecord(
+            file="tokenizer.json", sha256=tokenizer_sha256(plan.tokenizer), vocab_size=plan.tokenizer.get_vocab_size(), eos_id=plan.eos
+        ),
+        shards=writer.shards,
+        instruct=InstructRecord(**dict(plan.identity), select=instruct.select.model_dump(), counts=counts),
+        seconds=round(seconds, 2),
+        eval=held,
+    )

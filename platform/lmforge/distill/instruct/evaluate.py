@@ -13,11 +13,10 @@ import numpy as np
 import pyarrow.parquet as pq
 import ray
 
-from lmforge.data.prepare import EVAL_DIR, MANIFEST
+from lmforge.data.manifest import read_manifest
 from lmforge.errors import UserError
 from lmforge.inference.generate import Generator, generate_ids
 from lmforge.inference.sampling import SamplingParams
-from lmforge.jsonfile import read_object
 from lmforge.ray_runtime import tune_process
 
 TABLE = "student_answers.json"  # the MLflow table artifact
@@ -28,15 +27,12 @@ NLL_BATCH = 16  # held-out samples scored per forward
 def held_out_samples(dataset: Path) -> dict:
     """The held-out split's samples: tokens, loss mask, which prompt each answers and
     its teacher's mean log-probability."""
-    try:
-        manifest = read_object(dataset / MANIFEST)
-    except ValueError as err:
-        raise UserError(f"data.path: {err}") from None
-    if "instruct" not in manifest:
+    manifest = read_manifest(dataset)
+    if manifest.instruct is None:
         raise UserError(f"data.path: {dataset} is not an instruction distillation's dataset (`lmforge distill generate` writes one)")
-    if "eval" not in manifest:
+    if manifest.eval is None:
         raise UserError(f"data.path: {dataset} holds no held-out answers to evaluate on; generate it with distill.instruct.eval_fraction > 0")
-    files = [str(dataset / EVAL_DIR / shard["file"]) for shard in manifest["eval"]["shards"]]
+    files = [str(dataset / manifest.eval.dir / shard.file) for shard in manifest.eval.shards]
     return pq.read_table(files, columns=["tokens", "loss_mask", "prompt_index", "mean_logprob"]).to_pydict()
 
 
@@ -133,7 +129,7 @@ def after_training(spec, checkpoint: str, run_dir: Path) -> dict | None:
     any, and `distill.instruct.eval_answers`): the table as `student_answers.jsonl` in the
     run directory; returns {"metrics", "table"}, or None."""
     instruct = spec.distill.instruct if spec.distill else None
-    if instruct is None or not instruct.eval_answers or "eval" not in json.loads((Path(spec.data.path) / MANIFEST).read_text()):
+    if instruct is None or not instruct.eval_answers or read_manifest(spec.data.path).eval is None:
         return None
     result = evaluate_student(spec, checkpoint, instruct.eval_answers)
     with open(Path(run_dir) / ANSWERS_FILE, "w") as out:
