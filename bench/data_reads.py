@@ -69,9 +69,9 @@ def main() -> None:
         )
         for name, parallel in LAYOUTS.items():
             summary = sdk.train(spec_from_dict(job(workdir, data, name, parallel)), show_progress=False)
-            per_token = summary["data_bytes_read"] / summary["tokens"]
+            per_token = (summary.data_bytes_read or 0) / summary.tokens
             print(
-                f"{name:12s}: {summary['data_bytes_read']:>10,} bytes read, {per_token:6.2f} bytes per trained token, "
+                f"{name:12s}: {summary.data_bytes_read or 0:>10,} bytes read, {per_token:6.2f} bytes per trained token, "
                 f"{per_token / ideal:.3f}x the ideal (target <= 1.2)"
             )
         ray.shutdown()

@@ -257,7 +257,7 @@ def distill_run(reference_run, tiny_dataset, tmp_path_factory) -> tuple[dict, di
     from lmforge import sdk
     from lmforge.spec import spec_from_dict
 
-    job = distill_job(tmp_path_factory.mktemp("distill"), tiny_dataset, Path(reference_run["run_dir"]))
+    job = distill_job(tmp_path_factory.mktemp("distill"), tiny_dataset, Path(reference_run.run_dir))
     return job, sdk.train(spec_from_dict(job), show_progress=False)
 
 
@@ -269,7 +269,7 @@ def distill_cache(reference_run, tiny_dataset, tmp_path_factory) -> tuple[dict, 
     from lmforge.spec import spec_from_dict
 
     tmp = tmp_path_factory.mktemp("distill-cache")
-    job = distill_job(tmp, tiny_dataset, Path(reference_run["run_dir"]), name="distill-cached", distill={"cache": str(tmp / "cache")})
+    job = distill_job(tmp, tiny_dataset, Path(reference_run.run_dir), name="distill-cached", distill={"cache": str(tmp / "cache")})
     return job, sdk.build_cache(spec_from_dict(job), show_progress=False)
 
 
@@ -324,7 +324,7 @@ def instruct_dataset(reference_run, tiny_corpus, ray_session, tmp_path_factory) 
     from lmforge.spec import spec_from_dict
 
     tmp = tmp_path_factory.mktemp("instruct")
-    job = instruct_job(tmp, Path(reference_run["run_dir"]), write_prompts(tmp / "prompts.jsonl", tiny_corpus))
+    job = instruct_job(tmp, Path(reference_run.run_dir), write_prompts(tmp / "prompts.jsonl", tiny_corpus))
     return job, sdk.generate_answers(spec_from_dict(job), show_progress=False)
 
 

@@ -41,7 +41,7 @@ from multinode import start_cluster  # noqa: E402
 def in_background(job: dict) -> tuple[threading.Thread, dict]:
     """Train in a thread: Ray adds and removes nodes only from the main thread."""
     outcome: dict = {}
-    thread = threading.Thread(target=lambda: outcome.update(summary=sdk.train(spec_from_dict(job), show_progress=False)))
+    thread = threading.Thread(target=lambda: outcome.update(summary=sdk.train(spec_from_dict(job), show_progress=False).as_json()))
     thread.start()
     return thread, outcome
 
@@ -76,8 +76,7 @@ def through_cli(job: dict, address: str) -> tuple[threading.Thread, dict]:
 
 def placement(job: dict) -> dict:
     summary = sdk.train(spec_from_dict(job), show_progress=False)
-    summary["nodes"] = sorted(n["NodeID"][:12] for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU") == 2)
-    return summary
+    return summary.as_json() | {"nodes": sorted(n["NodeID"][:12] for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU") == 2)}
 
 
 def shrink_then_grow(cluster, job: dict) -> dict:

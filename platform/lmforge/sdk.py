@@ -48,6 +48,7 @@ from lmforge.serve.backend import ServerOptions
 from lmforge.spec import JobSpec, load_spec
 from lmforge.tracking.mlflow_run import MlflowRun
 from lmforge.tracking.model_registry import register_export
+from lmforge.tracking.summary import RunSummary
 
 load = load_spec
 T = TypeVar("T")
@@ -283,7 +284,7 @@ def judge(
 
 def train(
     spec: JobSpec, address: Optional[str] = None, show_progress: bool = True, console: Optional[Console] = None, stream_events: bool = False
-) -> dict:
+) -> RunSummary:
     """Run a job to `train.max_steps` (resuming from its latest checkpoint) with this
     process as its driver; returns the summary. `submit` runs it on a cluster instead,
     so that it outlives this process (`stream_events` is how its driver reports back)."""

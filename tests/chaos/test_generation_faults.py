@@ -23,7 +23,7 @@ def test_a_killed_generation_rerun_answers_the_rest_and_writes_the_same_bytes(in
     from lmforge.distill.instruct.build import answers_dir
     from lmforge.spec import spec_from_dict
 
-    job = instruct_job(tmp_path, Path(reference_run["run_dir"]), write_prompts(tmp_path / "prompts.jsonl", tiny_corpus))
+    job = instruct_job(tmp_path, Path(reference_run.run_dir), write_prompts(tmp_path / "prompts.jsonl", tiny_corpus))
     job_file = tmp_path / "job.yaml"
     job_file.write_text(yaml.safe_dump(job))
     work = answers_dir(spec_from_dict(job).with_absolute_paths())

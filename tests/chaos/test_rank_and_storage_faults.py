@@ -6,7 +6,6 @@ share a run (each run is seconds of start-up for a second of training).
 Each run must end as if nothing had happened: the same losses and every sample
 exactly once, in the uninterrupted order."""
 
-import json
 import os
 import subprocess
 import sys
@@ -37,6 +36,7 @@ from lmforge.data.manifest import read_manifest
 from lmforge.data.order import GlobalOrder
 from lmforge.errors import TrainingFailed
 from lmforge.spec import spec_from_dict
+from lmforge.tracking.summary import RunSummary
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 STEPS = REFERENCE_STEPS
@@ -49,7 +49,7 @@ def chaos_job(tmp_path, tiny_dataset, **checkpoint):
 @pytest.fixture(scope="module")
 def uninterrupted(reference_run):
     """(losses by step, sample ids by step) of the job run straight through."""
-    run_dir = Path(reference_run["run_dir"])
+    run_dir = Path(reference_run.run_dir)
     return step_rows(run_dir), step_rows(run_dir, "samples.jsonl")
 
 
@@ -74,7 +74,7 @@ def test_refused_writes_are_logged_then_a_hung_rank_is_detected_and_the_run_rest
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-    assert stopped and summary["final_step"] == STEPS and summary["failures"] == 1
+    assert stopped and summary.final_step == STEPS and summary.failures == 1
     failed = _events(run_dir, "checkpoint_failed")
     assert [(event["step"], event["failed_in_a_row"]) for event in failed] == [(10, 1), (20, 2)]
     assert "step_00000010" in failed[0]["error"]
@@ -115,7 +115,7 @@ def test_rank_killed_while_a_checkpoint_is_written_restores_the_one_before(unint
     summary = sdk.train(spec_from_dict(chaos_job(tmp_path, tiny_dataset, resume=False)), show_progress=False)
     for watcher in watchers:
         watcher.join(timeout=5)
-    assert killed and summary["final_step"] == STEPS and summary["failures"] == 1
+    assert killed and summary.final_step == STEPS and summary.failures == 1
     (failure,), (recovered,) = _events(run_dir, "failure"), _events(run_dir, "recovered")
     assert failure["step"] >= 24 and "ActorDiedError" in failure["cause"]
     assert recovered["seconds"] > 0 and recovered["steps_redone"] >= 14
@@ -142,7 +142,7 @@ def test_a_restart_restores_the_in_memory_snapshot_and_keeps_the_surviving_rank(
     watcher = when_step_reached(run_dir, 24, spoil_storage_then_kill)
     summary = sdk.train(spec_from_dict(chaos_job(tmp_path, tiny_dataset, in_memory=True, memory_interval=1)), show_progress=False)
     watcher.join(timeout=5)
-    assert killed and summary["final_step"] == STEPS and summary["failures"] == 1
+    assert killed and summary.final_step == STEPS and summary.failures == 1
     (failure,), (restored,), (recovered,) = _events(run_dir, "failure"), _events(run_dir, "restored"), _events(run_dir, "recovered")
     assert restored["from_memory"] and restored["step"] >= 23 and not _events(run_dir, "checkpoint_corrupt")
     assert restored["step"] == failure["step"] - recovered["steps_redone"] and recovered["steps_redone"] <= 2
@@ -195,7 +195,7 @@ def test_killed_controller_is_replaced_and_a_corrupt_latest_checkpoint_is_passed
     job = with_sections(chaos_job(tmp_path, tiny_dataset), {"debug": {"oom_at_step": 15, "oom_above_micro_batch": 1}})
     summary = sdk.train(spec_from_dict(job), show_progress=False)
     watcher.join(timeout=5)
-    assert corrupted and summary["final_step"] == STEPS and summary["failures"] == 1
+    assert corrupted and summary.final_step == STEPS and summary.failures == 1
     assert [(e["step"], e["micro_batch"], e["retry_micro_batch"]) for e in _events(run_dir, "out_of_memory")] == [(15, 2, 1)]
     oom_retry, restored = _restored_steps(run_dir)
     assert oom_retry == 10 and restored == corrupted[0] - 10
@@ -241,12 +241,12 @@ def test_resubmitted_job_resumes_after_its_driver_was_killed(uninterrupted, ray_
     )
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["start_step"] >= 10 and summary["start_step"] % 10 == 0 and summary["final_step"] == STEPS
+    summary = RunSummary.model_validate_json((run_dir / "summary.json").read_text())
+    assert summary.start_step >= 10 and summary.start_step % 10 == 0 and summary.final_step == STEPS
     same_as_uninterrupted(run_dir, uninterrupted)
-    client = MlflowClient(summary["mlflow_tracking_uri"])
+    client = MlflowClient(summary.mlflow_tracking_uri)
     (run,) = client.search_runs([client.get_experiment_by_name("resubmitted").experiment_id])
-    assert run.info.run_id == summary["mlflow_run_id"] and run.info.status == "FINISHED"
+    assert run.info.run_id == summary.mlflow_run_id and run.info.status == "FINISHED"
     assert {m.step for m in client.get_metric_history(run.info.run_id, "loss")} == set(range(1, STEPS + 1))
 
 
@@ -258,12 +258,12 @@ def test_a_rank_killed_mid_distillation_resumes_with_identical_losses(distill_ru
     run_dir = tmp_path / "runs" / "distill"
     killed = []
     watcher = when(committed(run_dir, 4), lambda: killed.append(kill_one_rank_process()))
-    summary = sdk.train(spec_from_dict(distill_job(tmp_path, tiny_dataset, Path(reference_run["run_dir"]))), show_progress=False)
+    summary = sdk.train(spec_from_dict(distill_job(tmp_path, tiny_dataset, Path(reference_run.run_dir))), show_progress=False)
     watcher.join(timeout=5)
-    assert killed and summary["failures"] == 1 and summary["final_step"] == DISTILL_STEPS
+    assert killed and summary.failures == 1 and summary.final_step == DISTILL_STEPS
     assert _restored_steps(run_dir) == [4]
-    want, got = step_rows(Path(straight["run_dir"])), step_rows(run_dir)
+    want, got = step_rows(Path(straight.run_dir)), step_rows(run_dir)
     assert sorted(got) == sorted(want)
     for term in ("loss", "ce_loss", "kd_loss"):
         assert {step: row[term] for step, row in got.items()} == pytest.approx({step: row[term] for step, row in want.items()}, rel=1e-6)
-    assert summary["eval_kl"] == pytest.approx(straight["eval_kl"], rel=1e-6)
+    assert summary.eval_kl == pytest.approx(straight.eval_kl, rel=1e-6)

@@ -47,7 +47,7 @@ def test_one_nan_step_skips_its_update_and_training_goes_on(one_nan_and_a_leak):
     assert nonfinite["step"] == 5 and nonfinite["loss"] == "nan" and nonfinite["update_skipped"] and nonfinite["in_a_row"] == 1
     got = losses(run_dir)
     assert sorted(got) == [1, 2, 3, 4, 6, 7, 8, 9, 10] and all(math.isfinite(v) for v in got.values())
-    assert summary["final_step"] == 10 and not events(run_dir, "rollback")
+    assert summary.final_step == 10 and not events(run_dir, "rollback")
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +66,7 @@ def test_nan_steps_in_a_row_roll_back_and_skip_their_batches(skipped_by_hand, ti
     assert sorted(e["step"] for e in events(run_dir, "batch_skipped")) == [5, 6, 7]  # the controller takes reports concurrently
     assert [e["step"] for e in events(run_dir, "restored")] == [4]  # the checkpoint before the trouble
     assert json.loads((run_dir / "skip_batches.json").read_text()) == [5, 6, 7]
-    assert summary["final_step"] == 10 and summary["failures"] == 0
+    assert summary.final_step == 10 and summary.failures == 0
     # The rolled-back run trained exactly what skipping those batches from the start trains.
     assert losses(run_dir) == pytest.approx(losses(skipped_by_hand), rel=1e-6, abs=0)
     assert sorted(losses(run_dir)) == [1, 2, 3, 4, 8, 9, 10]
@@ -98,14 +98,14 @@ def test_out_of_memory_retries_with_half_the_micro_batch_then_a_spike_rolls_back
     assert [(e["micro_batch"], e["retry_micro_batch"]) for e in ooms] == [(4, 2), (2, 1)]
     report = (run_dir / "memory-oom-step6-rank0.txt").read_text()
     assert "micro-batch 2 x 2 accumulation" in report and "activations" in report and "injected by debug.oom_at_step" in report
-    assert summary["final_step"] == 12 and summary["failures"] == 0
+    assert summary.final_step == 12 and summary.failures == 0
     [rollback] = events(run_dir, "rollback")
     assert rollback["steps"] == [11] and rollback["skip_batches"] == [11] and rollback["cause"].startswith("loss spike at step 11:")
     assert [e["step"] for e in events(run_dir, "restored")][-1] == 8 and [e["step"] for e in events(run_dir, "batch_skipped")] == [11]
     assert sorted(losses(run_dir)) == [*range(1, 11), 12] and losses(run_dir)[12] < 2 * losses(run_dir)[10]
     assert all(row["samples_consumed"] == row["step"] * 8 for row in rows(run_dir) if "event" not in row)  # same global batch
-    client = MlflowClient(summary["mlflow_tracking_uri"])
-    assert "memory-oom-step6-rank0.txt" in {a.path for a in client.list_artifacts(summary["mlflow_run_id"])}
+    client = MlflowClient(summary.mlflow_tracking_uri)
+    assert "memory-oom-step6-rank0.txt" in {a.path for a in client.list_artifacts(summary.mlflow_run_id)}
 
 
 def test_out_of_memory_at_the_floor_fails_with_the_report(ray_session, tiny_dataset, tmp_path):

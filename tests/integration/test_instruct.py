@@ -105,14 +105,14 @@ def test_a_student_learns_its_teachers_answers(instruct_dataset, tiny_dataset, t
     job, _ = instruct_dataset
     spec = spec_from_dict(dict(job, output_dir=str(tmp_path / "runs")))
     summary = sdk.train(spec, show_progress=False)
-    rows = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (Path(summary.run_dir) / "metrics.jsonl").read_text().splitlines()]
     evals = {r["step"]: r for r in rows if r.get("event") == "eval"}
     steps = [r for r in rows if "ce_loss" in r and r.get("event") is None]
     assert sorted(evals) == [6, 12] and len(steps) == 12 and all("kd_loss" in r for r in steps)
     assert evals[12]["eval_kl"] < evals[6]["eval_kl"]
 
     def trained(run: dict):
-        cfg, weights, _ = read_checkpoint(Path(run["run_dir"]) / "checkpoints" / "step_00000012")
+        cfg, weights, _ = read_checkpoint(Path(run.run_dir) / "checkpoints" / "step_00000012")
         return build_model(cfg, "cpu", weights=weights)
 
     assert held_out_nll(trained(summary), job) == pytest.approx(evals[12]["eval_loss"], rel=1e-4)

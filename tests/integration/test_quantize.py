@@ -22,7 +22,7 @@ from lmforge.models.build import build_model
 
 
 def last_step(reference_run) -> Path:
-    return Path(reference_run["run_dir"]) / "checkpoints" / f"step_{REFERENCE_STEPS:08d}"
+    return Path(reference_run.run_dir) / "checkpoints" / f"step_{REFERENCE_STEPS:08d}"
 
 
 @pytest.fixture(scope="module")

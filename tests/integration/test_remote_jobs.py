@@ -17,6 +17,7 @@ from nbclient import NotebookClient
 
 from cli import assert_clean_error, run_cli
 from conftest import REPO
+from lmforge.tracking.summary import RunSummary
 from ray_head import BIN, ray_head
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -67,9 +68,9 @@ def test_quickstart_through_ray_job_submit(head, tiny_dataset, tmp_path):
     result = subprocess.run(cmd, cwd=REPO, env=head.env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert "succeeded" in result.stdout + result.stderr
-    summary = json.loads((out / "quickstart" / "summary.json").read_text())
-    assert summary["final_step"] == 4 and summary["world_size"] == 2
-    assert summary["eval_step"] == 4 and summary["eval_loss"] > 0  # the quickstart's held-out loss
+    summary = RunSummary.model_validate_json((out / "quickstart" / "summary.json").read_text())
+    assert summary.final_step == 4 and summary.world_size == 2
+    assert summary.eval_step == 4 and summary.eval_loss > 0  # the quickstart's held-out loss
     assert (out / "quickstart" / "checkpoints" / "step_00000004" / "commit.json").exists()
     assert "MLflow run" in result.stdout
     check_hf_export(out / "quickstart" / "checkpoints" / "step_00000004", tmp_path)
@@ -151,7 +152,7 @@ def test_notebook_submits_follows_plots_exports_and_generates(notebook_job, head
     frame = handle.metrics()
     assert frame[frame.event == "step"]["loss"].tolist() == [row["loss"] for row in steps if "event" not in row]
     assert frame[frame.event == "eval"]["step"].tolist() == [2, 4, 6]
-    assert handle.summary() == json.loads((out / "quickstart" / "summary.json").read_text())
+    assert handle.summary() == RunSummary.model_validate_json((out / "quickstart" / "summary.json").read_text())
     assert (out / "quickstart-export" / "model.safetensors").exists()
 
 
@@ -165,8 +166,8 @@ def test_notebook_run_in_mlflow_has_system_metrics_and_its_registered_export(not
 
     _, job_id, _ = notebook_job
     summary = sdk.job(job_id, head.address, head.token).summary()
-    client = MlflowClient(tracking_uri=summary["mlflow_tracking_uri"])
-    run = client.get_run(summary["mlflow_run_id"])
+    client = MlflowClient(tracking_uri=summary.mlflow_tracking_uri)
+    run = client.get_run(summary.mlflow_run_id)
     (host,) = {key.split("/")[1] for key in run.data.metrics if key.startswith("system/")}  # one node: one monitor
     for name in ("cpu_utilization_percentage", "system_memory_usage_megabytes"):
         assert client.get_metric_history(run.info.run_id, f"system/{host}/{name}"), name

@@ -57,7 +57,7 @@ class Serving:
 
 
 def step_dir(reference_run, step: int) -> Path:
-    return Path(reference_run["run_dir"]) / "checkpoints" / f"step_{step:08d}"
+    return Path(reference_run.run_dir) / "checkpoints" / f"step_{step:08d}"
 
 
 def wait_healthy(url: str, process=None, log: Path | None = None, timeout_s: float = 180) -> None:

@@ -21,6 +21,7 @@ from lmforge.data.manifest import read_manifest
 from lmforge.data.order import GlobalOrder
 from lmforge.errors import UserError
 from lmforge.spec import spec_from_dict
+from lmforge.tracking.summary import RunSummary
 
 pytestmark = pytest.mark.ray
 
@@ -47,7 +48,7 @@ def _eval_losses(run_dir):
 @pytest.fixture(scope="module")
 def uninterrupted(reference_run):
     """(run directory, summary) of the reference job run straight through."""
-    return Path(reference_run["run_dir"]), reference_run
+    return Path(reference_run.run_dir), reference_run
 
 
 def test_two_workers_train_and_loss_decreases(uninterrupted):
@@ -55,18 +56,18 @@ def test_two_workers_train_and_loss_decreases(uninterrupted):
     losses = _losses(run_dir)
     assert sorted(losses) == list(range(1, STEPS + 1))
     assert (losses[STEPS - 1] + losses[STEPS]) / 2 < losses[1] - 0.3, losses
-    assert summary["final_step"] == STEPS and summary["world_size"] == 2
-    assert summary["final_loss"] == pytest.approx(losses[STEPS])
-    assert 0 <= summary["data_wait_fraction"] < 0.5
+    assert summary.final_step == STEPS and summary.world_size == 2
+    assert summary.final_loss == pytest.approx(losses[STEPS])
+    assert 0 <= summary.data_wait_fraction < 0.5
 
 
 def test_run_dir_files_and_checkpoints(uninterrupted):
     run_dir, summary = uninterrupted
     on_disk = json.loads((run_dir / "summary.json").read_text())
-    assert on_disk == summary
-    assert summary["tokens"] == STEPS * 8 * 32
+    assert RunSummary.model_validate(on_disk) == summary and on_disk == summary.as_json()
+    assert summary.tokens == STEPS * 8 * 32
     ckpt = run_dir / "checkpoints" / f"step_{STEPS:08d}"
-    assert summary["latest_checkpoint"] == str(ckpt)
+    assert summary.latest_checkpoint == str(ckpt)
     files = json.loads((ckpt / "commit.json").read_text())["files"]
     assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "state.json"} <= set(files)
     state = json.loads((ckpt / "state.json").read_text())
@@ -78,8 +79,8 @@ def test_run_dir_files_and_checkpoints(uninterrupted):
 
 def test_mlflow_run_has_params_metrics_and_spec(uninterrupted):
     _, summary = uninterrupted
-    client = MlflowClient(tracking_uri=summary["mlflow_tracking_uri"])
-    run = client.get_run(summary["mlflow_run_id"])
+    client = MlflowClient(tracking_uri=summary.mlflow_tracking_uri)
+    run = client.get_run(summary.mlflow_run_id)
     assert run.info.status == "FINISHED"
     assert run.data.params["train.global_batch"] == "8"
     assert run.data.params["parallel.dp"] == "2"
@@ -89,7 +90,7 @@ def test_mlflow_run_has_params_metrics_and_spec(uninterrupted):
         assert len(client.get_metric_history(run.info.run_id, key)) == STEPS
     assert "job.yaml" in [a.path for a in client.list_artifacts(run.info.run_id)]
     # Artifacts beside the SQLite store, not in the driver's working directory.
-    store_dir = Path(summary["mlflow_tracking_uri"].removeprefix("sqlite:///")).parent
+    store_dir = Path(summary.mlflow_tracking_uri.removeprefix("sqlite:///")).parent
     assert run.info.artifact_uri.removeprefix("file://").startswith(str(store_dir / "mlartifacts"))
     # The prepared dataset is the run's input; its digest is the identity of its contents.
     (data_input,) = run.inputs.dataset_inputs
@@ -109,11 +110,11 @@ def test_held_out_loss_every_interval(uninterrupted):
     assert [row["step"] for row in rows] == list(range(3, STEPS + 1, 3))
     assert all(row["batches"] == 2 and row["eval_ppl"] == pytest.approx(math.exp(row["eval_loss"])) for row in rows)
     assert rows[-1]["eval_loss"] < rows[0]["eval_loss"] - 0.3
-    assert (summary["eval_step"], summary["eval_loss"], summary["eval_ppl"]) == (STEPS, rows[-1]["eval_loss"], rows[-1]["eval_ppl"])
-    client = MlflowClient(tracking_uri=summary["mlflow_tracking_uri"])
-    history = client.get_metric_history(summary["mlflow_run_id"], "eval_loss")
+    assert (summary.eval_step, summary.eval_loss, summary.eval_ppl) == (STEPS, rows[-1]["eval_loss"], rows[-1]["eval_ppl"])
+    client = MlflowClient(tracking_uri=summary.mlflow_tracking_uri)
+    history = client.get_metric_history(summary.mlflow_run_id, "eval_loss")
     assert {m.step: m.value for m in history} == pytest.approx({row["step"]: row["eval_loss"] for row in rows})
-    assert len(client.get_metric_history(summary["mlflow_run_id"], "eval_ppl")) == len(rows)
+    assert len(client.get_metric_history(summary.mlflow_run_id, "eval_ppl")) == len(rows)
 
 
 def test_resume_continues_with_identical_losses(uninterrupted, ray_session, s3_dataset, s3_bucket, tiny_dataset, tmp_path):
@@ -126,11 +127,11 @@ def test_resume_continues_with_identical_losses(uninterrupted, ray_session, s3_d
     first = sdk.train(spec_from_dict(job, ["train.max_steps=10"]), show_progress=False)
     assert first["final_step"] == 10
     second = sdk.train(spec_from_dict(job), show_progress=False)
-    assert second["start_step"] == 10 and second["final_step"] == 20
+    assert second.start_step == 10 and second.final_step == 20
     assert {"step_00000010", "step_00000020"} <= {p.rsplit("/", 1)[-1] for p in fsspec.filesystem("s3").ls(checkpoints, refresh=True)}
     secret = os.environ["AWS_SECRET_ACCESS_KEY"].encode()
     assert not [p for p in (tmp_path / "runs").rglob("*") if p.is_file() and secret in p.read_bytes()]
-    assert second["mlflow_run_id"] == first["mlflow_run_id"]
+    assert second.mlflow_run_id == first["mlflow_run_id"]
     resumed = _losses(tmp_path / "runs" / "tiny")
     assert sorted(resumed) == list(range(1, 21))
     for step in range(1, 21):
@@ -140,8 +141,8 @@ def test_resume_continues_with_identical_losses(uninterrupted, ray_session, s3_d
     assert sorted(evals) == [3, 6, 9, 10, 12, 15, 18, 20]
     for step in (3, 6, 9, 12, 15, 18):
         assert evals[step] == pytest.approx(reference_evals[step], rel=1e-6), step
-    client = MlflowClient(tracking_uri=second["mlflow_tracking_uri"])
-    assert sorted(m.step for m in client.get_metric_history(second["mlflow_run_id"], "loss")) == list(range(1, 21))
+    client = MlflowClient(tracking_uri=second.mlflow_tracking_uri)
+    assert sorted(m.step for m in client.get_metric_history(second.mlflow_run_id, "loss")) == list(range(1, 21))
 
     # Another seed would continue on another order: refused before anything starts,
     # unless the job says so, and then it is on the record.
@@ -149,10 +150,10 @@ def test_resume_continues_with_identical_losses(uninterrupted, ray_session, s3_d
     with pytest.raises(UserError, match=r"^train.seed: \d+ differs from the \d+ the checkpoint was trained with .*checkpoint.allow_data_change"):
         sdk.train(spec_from_dict(job, reseeded), show_progress=False)
     third = sdk.train(spec_from_dict(job, [*reseeded, "checkpoint.allow_data_change=true"]), show_progress=False)
-    assert third["start_step"] == 20 and third["final_step"] == 21
+    assert third.start_step == 20 and third.final_step == 21
     [changed] = [row for row in _rows(tmp_path / "runs" / "tiny") if row.get("event") == "data_changed"]
     assert changed["step"] == 20 and changed["changes"] == {"seed": [job["train"]["seed"], job["train"]["seed"] + 1]}
-    assert "seed" in client.get_run(third["mlflow_run_id"]).data.tags["lmforge.data_changed.step_20"]
+    assert "seed" in client.get_run(third.mlflow_run_id).data.tags["lmforge.data_changed.step_20"]
 
 
 def test_a_failing_rank_tears_the_group_down_with_one_message(ray_session, tiny_dataset, tmp_path):
@@ -184,15 +185,15 @@ def test_3d_run_through_the_controller_matches_data_parallel(uninterrupted, ray_
     )
     spec = spec_from_dict(job)
     summary = sdk.train(spec, show_progress=False)
-    assert summary["world_size"] == 8
+    assert summary.world_size == 8
     # One reader for the job: the 8 ranks (and the reference's 2) read each shard of the
     # first window (all their steps lie in it) once between them.
     manifest = read_manifest(tiny_dataset)
     first_window = GlobalOrder(manifest.num_samples, spec.train.seed, block=manifest.shard_samples, window=spec.data.shuffle_window).blocks(0)[
         : spec.data.shuffle_window
     ]
-    assert summary["data_bytes_read"] == uninterrupted[1]["data_bytes_read"] == sum(manifest.shards[int(b)].bytes or 0 for b in first_window)
-    assert {(r["pp"], r["dp"], r["tp"]) for r in summary["ranks"]} == {(p, d, t) for p in (0, 1) for d in (0, 1) for t in (0, 1)}
+    assert summary.data_bytes_read == uninterrupted[1].data_bytes_read == sum(manifest.shards[int(b)].bytes or 0 for b in first_window)
+    assert {(r["pp"], r["dp"], r["tp"]) for r in summary.ranks} == {(p, d, t) for p in (0, 1) for d in (0, 1) for t in (0, 1)}
     losses = _losses(tmp_path / "runs" / "tiny")
     for step in (1, 2, 3):
         assert losses[step] == pytest.approx(reference[step], rel=1e-4), step
@@ -219,9 +220,9 @@ def test_deepspeed_documentation_config_trains_resumes_and_matches_native(uninte
     overrides = ["deepspeed.config.train_batch_size=8", "deepspeed.config.optimizer.params.lr=0.003"]
     first = sdk.train(spec_from_dict(job, [*overrides, "train.max_steps=4"]), show_progress=False)
     second = sdk.train(spec_from_dict(job, [*overrides, "debug.oom_at_step=6", "debug.oom_above_micro_batch=1"]), show_progress=False)
-    assert first["final_step"] == 4 and second["start_step"] == 4 and second["final_step"] == 8
+    assert first["final_step"] == 4 and second.start_step == 4 and second.final_step == 8
     ooms = [row for row in _rows(tmp_path / "runs" / "tiny") if row.get("event") == "out_of_memory"]
-    assert [(e["micro_batch"], e["retry_micro_batch"]) for e in ooms] == [(2, 1)] and second["failures"] == 0
+    assert [(e["micro_batch"], e["retry_micro_batch"]) for e in ooms] == [(2, 1)] and second.failures == 0
     losses = _losses(tmp_path / "runs" / "tiny")
     for step in range(1, 9):
         assert losses[step] == pytest.approx(reference[step], rel=1e-4), step
@@ -233,7 +234,7 @@ def test_deepspeed_documentation_config_trains_resumes_and_matches_native(uninte
     assert json.loads((ckpt / "state.json").read_text())["format"] == "deepspeed"
     files = json.loads((ckpt / "commit.json").read_text())["files"]
     assert any(name.startswith("deepspeed/") and "optim_states" in name for name in files), files
-    params = MlflowClient(tracking_uri=second["mlflow_tracking_uri"]).get_run(second["mlflow_run_id"]).data.params
+    params = MlflowClient(tracking_uri=second.mlflow_tracking_uri).get_run(second.mlflow_run_id).data.params
     assert params["engine"] == "deepspeed"
     assert params["deepspeed.config.zero_optimization.stage"] == "3"
     assert params["deepspeed.config.zero_optimization.offload_optimizer.device"] == "cpu"
@@ -246,17 +247,17 @@ def test_a_distillation_job_trains_through_the_controller(distill_run, tmp_path)
     towards the teachers; the held-out KL to them and top-1 agreement every 6 steps,
     the KL lower than the same student's on cross-entropy alone."""
     job, summary = distill_run
-    rows = _step_rows(Path(summary["run_dir"]))
+    rows = _step_rows(Path(summary.run_dir))
     assert [row["step"] for row in rows] == list(range(1, DISTILL_STEPS + 1))
     for row in rows:
         assert row["loss"] == pytest.approx(0.5 * row["ce_loss"] + row["kd_loss"], rel=1e-6)
     assert rows[-1]["kd_loss"] < rows[0]["kd_loss"]
-    evals = [row for row in _rows(Path(summary["run_dir"])) if row.get("event") == "eval"]
+    evals = [row for row in _rows(Path(summary.run_dir)) if row.get("event") == "eval"]
     assert [row["step"] for row in evals] == [6, 12] and all(0 <= row["eval_top1"] <= 1 for row in evals)
     assert evals[-1]["eval_kl"] < evals[0]["eval_kl"]  # closer to the teachers on text it never trained on
-    assert (summary["eval_kl"], summary["eval_top1"]) == (evals[-1]["eval_kl"], evals[-1]["eval_top1"])
-    client = MlflowClient(tracking_uri=summary["mlflow_tracking_uri"])
-    run = client.get_run(summary["mlflow_run_id"])
+    assert (summary.eval_kl, summary.eval_top1) == (evals[-1]["eval_kl"], evals[-1]["eval_top1"])
+    client = MlflowClient(tracking_uri=summary.mlflow_tracking_uri)
+    run = client.get_run(summary.mlflow_run_id)
     assert run.data.params["distill.loss"] == "reverse_kl" and job["distill"]["teachers"][0]["path"] in run.data.params["distill.teachers"]
     commits = [hashlib.sha256((Path(t["path"]) / "commit.json").read_bytes()).hexdigest() for t in job["distill"]["teachers"]]
     assert run.data.params["distill.teachers_sha256"] == ",".join(commits)  # a checkpoint's weights: its commit record
@@ -272,7 +273,7 @@ def test_a_distillation_job_trains_through_the_controller(distill_run, tmp_path)
     assert {k: final.data.metrics[k] for k in ("eval_kl", "eval_top1")} == {k: summary[k] for k in ("eval_kl", "eval_top1")}
     assert "summary.json" in {a.path for a in client.list_artifacts(final.info.run_id)}
     # Exported, the student is logged to its training run and registered under the job's name, its teachers in a tag.
-    registered = sdk.export(summary["latest_checkpoint"], tmp_path / "student", register=True)["registered"]
+    registered = sdk.export(summary.latest_checkpoint, tmp_path / "student", register=True)["registered"]
     version = client.get_model_version(job["name"], str(registered["version"]))
     assert (version.run_id, version.source) == (run.info.run_id, f"runs:/{run.info.run_id}/model")
     assert job["distill"]["teachers"][0]["path"] in version.tags["lmforge.teacher"] and version.tags["lmforge.step"] == str(DISTILL_STEPS)
@@ -281,12 +282,12 @@ def test_a_distillation_job_trains_through_the_controller(distill_run, tmp_path)
     alone = sdk.train(
         spec_from_dict(with_sections(copy.deepcopy(job), {"name": "ce-only", "distill": {"kd_weight": 0.0, "ce_weight": 1.0}})), show_progress=False
     )
-    assert summary["eval_kl"] < alone["eval_kl"]
+    assert summary.eval_kl < alone.eval_kl
 
 
-def _job_runs(client, summary: dict):
+def _job_runs(client, summary: RunSummary):
     """A distillation job's parent run, and its child runs by role."""
-    parent = client.get_run(summary["mlflow_parent_run_id"])
+    parent = client.get_run(summary.mlflow_parent_run_id)
     children = client.search_runs([parent.info.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
     return parent, {child.data.tags["lmforge.role"]: child for child in children}
 
@@ -332,13 +333,13 @@ def test_training_from_the_teacher_cache_matches_the_online_teachers(distill_run
 
     online_job, online = distill_run
     cached = sdk.train(spec_from_dict(with_sections(copy.deepcopy(job), {"parallel": {"dp": 1}})), show_progress=False)
-    want, got = _step_rows(Path(online["run_dir"])), _step_rows(Path(cached["run_dir"]))
+    want, got = _step_rows(Path(online.run_dir)), _step_rows(Path(cached.run_dir))
     assert [row["step"] for row in got] == list(range(1, DISTILL_STEPS + 1))
     for term in ("loss", "ce_loss", "kd_loss"):
         assert [row[term] for row in got] == pytest.approx([row[term] for row in want], rel=2e-3)
-    assert cached["eval_top1"] == pytest.approx(online["eval_top1"], abs=1e-9) and cached["eval_kl"] > 0
-    client = MlflowClient(tracking_uri=cached["mlflow_tracking_uri"])
-    params = client.get_run(cached["mlflow_run_id"]).data.params
+    assert cached.eval_top1 == pytest.approx(online.eval_top1, abs=1e-9) and cached.eval_kl > 0
+    client = MlflowClient(tracking_uri=cached.mlflow_tracking_uri)
+    params = client.get_run(cached.mlflow_run_id).data.params
     assert params["distill.cache.k"] == "32" and float(params["distill.cache.bytes_per_token"]) == manifest.bytes_per_token
     assert json.loads(params["distill.cache.teachers"]) == [t.model_dump() for t in manifest.teachers]
     # The cache's build is a child run of the same job as the training from it.

@@ -59,7 +59,8 @@ def run(args) -> int:
     handle = jobs.job(args.id, args.address, args.token)
     if args.command == "status":
         status = handle.status()
-        print(json.dumps({"id": handle.id, "status": status, "summary": handle.summary()}, indent=2) if args.json else status)
+        summary = handle.summary()
+        print(json.dumps({"id": handle.id, "status": status, "summary": summary and summary.as_json()}, indent=2) if args.json else status)
         return 0
     if args.command == "logs":
         if args.follow:

@@ -60,23 +60,23 @@ def train_command(args) -> int:
         spec = load_spec(args.job, args.overrides)  # a bad job file fails before torch and Ray load
     summary = common.sdk().train(spec, address=args.address, show_progress=not args.no_progress, stream_events=args.submitted)
     if args.json:
-        return common.print_json(summary)
+        return common.print_json(summary.as_json())
     lines = [
-        f"done: {spec.name} reached step {summary['final_step']}, loss {summary['final_loss']:.4f}"
-        if summary["final_loss"] is not None
-        else f"done: {spec.name} already at step {summary['final_step']}",
-        f"  run directory : {summary['run_dir']}",
-        f"  checkpoints   : {summary['latest_checkpoint']}",
+        f"done: {spec.name} reached step {summary.final_step}, loss {summary.final_loss:.4f}"
+        if summary.final_loss is not None
+        else f"done: {spec.name} already at step {summary.final_step}",
+        f"  run directory : {summary.run_dir}",
+        f"  checkpoints   : {summary.latest_checkpoint}",
     ]
-    if summary["mlflow_run_id"]:
+    if summary.mlflow_run_id:
         lines += [
-            f"  MLflow run    : {summary['mlflow_run_id']} ({summary['mlflow_tracking_uri']})",
+            f"  MLflow run    : {summary.mlflow_run_id} ({summary.mlflow_tracking_uri})",
             *(
-                [f"  MLflow job run: {summary['mlflow_parent_run_id']} (its stages' runs nested: cache or generate, train, evaluation)"]
-                if summary.get("mlflow_parent_run_id")
+                [f"  MLflow job run: {summary.mlflow_parent_run_id} (its stages' runs nested: cache or generate, train, evaluation)"]
+                if summary.mlflow_parent_run_id
                 else []
             ),
-            f"  open the UI   : mlflow ui --backend-store-uri {summary['mlflow_tracking_uri']}",
+            f"  open the UI   : mlflow ui --backend-store-uri {summary.mlflow_tracking_uri}",
         ]
     print("\n".join(lines))
     return 0

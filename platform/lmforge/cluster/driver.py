@@ -45,11 +45,12 @@ from lmforge.tracking.console import plain, text_console
 from lmforge.tracking.mlflow_run import MlflowRun
 from lmforge.tracking.progress import ProgressView
 from lmforge.tracking.run_dir import STEP_FIELDS, RunDir
+from lmforge.tracking.summary import RunSummary
 
 
 def drive(
     plan: Plan, address: Optional[str] = None, show_progress: bool = True, console: Optional[Console] = None, stream_events: bool = False
-) -> dict:
+) -> RunSummary:
     """Run a preflighted job to `train.max_steps`; returns the summary. `stream_events`:
     also print each step, recorded event and the summary on stdout as an event line,
     for a client following the job through its logs (`lmforge.jobs`)."""
@@ -72,7 +73,7 @@ def drive(
             if started_ray:
                 ray.shutdown()
     if publish:
-        publish({"event": "summary", **summary})
+        publish({"event": "summary", **summary.as_json()})
     return summary
 
 
@@ -129,7 +130,9 @@ def _ensure_dataset(plan: Plan, console: Console, show_progress: bool) -> Manife
     return manifest
 
 
-def _run(plan: Plan, manifest: Manifest, console: Console, show_progress: bool, lease: JobLease, publish: Optional[Callable[[dict], None]]) -> dict:
+def _run(
+    plan: Plan, manifest: Manifest, console: Console, show_progress: bool, lease: JobLease, publish: Optional[Callable[[dict], None]]
+) -> RunSummary:
     spec = plan.spec
     run_dir = RunDir(spec.run_dir)
     run_dir.rewind(plan.start_step)
@@ -192,32 +195,35 @@ def _run(plan: Plan, manifest: Manifest, console: Console, show_progress: bool, 
     finally:
         if tracker and lease.taken_by is None:  # else the MLflow run is the other driver's now
             tracker.finish(status)
-    summary = {
-        "job": spec.name,
-        "final_step": result["step"],
-        "final_loss": seen.last.loss if seen.last else None,
-        "eval_loss": seen.last_eval.eval_loss if seen.last_eval else None,
-        "eval_ppl": seen.last_eval.eval_ppl if seen.last_eval else None,
-        "eval_step": seen.last_eval.step if seen.last_eval else None,
-        **({k: v for k, v in seen.last_eval.metrics().items() if k in ("eval_kl", "eval_top1")} if seen.last_eval else {}),
-        "start_step": plan.start_step,
-        "tokens": result["step"] * spec.train.global_batch * spec.train.seq_len,
-        "wall_seconds": round(time.time() - began, 2),
-        **seen.waits.summary(),
-        "world_size": result["world_size"],
-        "dp": result["dp"],
-        "data_bytes_read": result.get("data_bytes_read"),  # by the job's readers that lasted to its end
-        "failures": seen.failures,
-        "ranks": seen.ranks,
-        "run_dir": os.path.abspath(spec.run_dir),
-        "latest_checkpoint": seen.latest_checkpoint,
-        "mlflow_tracking_uri": redact_uri(spec.tracking_uri) if tracker else None,
-        "mlflow_run_id": tracker.run_id if tracker else None,
-        **({"mlflow_parent_run_id": tracker.parent_id} if tracker and tracker.parent_id else {}),
-    }
+    last_eval = seen.last_eval
+    summary = RunSummary(
+        job=spec.name,
+        final_step=result["step"],
+        final_loss=seen.last.loss if seen.last else None,
+        eval_loss=last_eval.eval_loss if last_eval else None,
+        eval_ppl=last_eval.eval_ppl if last_eval else None,
+        eval_step=last_eval.step if last_eval else None,
+        eval_kl=last_eval.eval_kl if last_eval else None,
+        eval_top1=last_eval.eval_top1 if last_eval else None,
+        start_step=plan.start_step,
+        tokens=result["step"] * spec.train.global_batch * spec.train.seq_len,
+        wall_seconds=round(time.time() - began, 2),
+        first_step_data_wait_seconds=seen.waits.first_seconds,
+        data_wait_fraction=seen.waits.fraction,
+        world_size=result["world_size"],
+        dp=result["dp"],
+        data_bytes_read=result.get("data_bytes_read"),
+        failures=seen.failures,
+        ranks=seen.ranks,
+        run_dir=os.path.abspath(spec.run_dir),
+        latest_checkpoint=seen.latest_checkpoint,
+        mlflow_tracking_uri=redact_uri(spec.tracking_uri) if tracker else None,
+        mlflow_run_id=tracker.run_id if tracker else None,
+        mlflow_parent_run_id=tracker.parent_id if tracker else None,
+    )
     answered = _student_answers(spec, seen.latest_checkpoint, run_dir, view)
     if answered:
-        summary["student_answers"] = answered["metrics"]
+        summary.student_answers = answered["metrics"]
     run_dir.write_summary(summary)
     if tracker and seen.last_eval and seen.last_eval.step == result["step"]:
         tracker.log_evaluation(seen.last_eval, run_dir.summary_path, answered)  # a distillation's: its own child run
@@ -335,11 +341,13 @@ class WaitTally:
         self.step_time += event.step_time
         self.steps += 1
 
-    def summary(self) -> dict:
-        return {
-            "first_step_data_wait_seconds": round(self.first_wait or 0.0, 3),
-            "data_wait_fraction": round(self.wait / self.step_time, 5) if self.step_time else None,
-        }
+    @property
+    def first_seconds(self) -> float:
+        return round(self.first_wait or 0.0, 3)
+
+    @property
+    def fraction(self) -> Optional[float]:
+        return round(self.wait / self.step_time, 5) if self.step_time else None
 
 
 def _handle(event: Event, view: ProgressView, run_dir: RunDir, tracker, publish: Optional[Callable[[dict], None]]) -> Optional[str]:

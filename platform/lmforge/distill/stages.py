@@ -33,6 +33,7 @@ from lmforge.distill.cache_manifest import is_built
 from lmforge.errors import UserError
 from lmforge.spec import JobSpec, TrackingSpec, _format_error, load_spec
 from lmforge.tracking.console import plain, text_console
+from lmforge.tracking.summary import RunSummary
 
 STATE = "pipeline.json"
 NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
@@ -193,7 +194,7 @@ class PipelineState:
 class StageCalls:
     """The SDK calls a stage makes: the pipeline sits under the SDK, which hands them in."""
 
-    train: Callable[..., dict]
+    train: Callable[..., RunSummary]
     build_cache: Callable[..., object]
     generate_answers: Callable[..., object]
 
@@ -256,6 +257,23 @@ def run_pipeline(
     }
 
 
+# What a stage's result keeps of its training's summary (pipeline.json, the pipeline's MLflow run).
+STAGE_SUMMARY = {
+    "start_step",
+    "final_step",
+    "final_loss",
+    "eval_loss",
+    "eval_ppl",
+    "eval_kl",
+    "eval_top1",
+    "run_dir",
+    "latest_checkpoint",
+    "mlflow_run_id",
+    "mlflow_parent_run_id",
+    "student_answers",
+}
+
+
 def _train(stage: Stage, job: JobSpec, calls: StageCalls, show_progress: bool, console: Console, tracker) -> dict:
     if job.distill and job.distill.cache and not is_built(job.distill.cache):
         calls.build_cache(job, show_progress=show_progress)
@@ -270,29 +288,17 @@ def _instruct(stage: Stage, job: JobSpec, calls: StageCalls, show_progress: bool
     return _with_student(stage, summary)
 
 
-def _with_student(stage: Stage, summary: dict) -> dict:
+def _with_student(stage: Stage, summary: RunSummary) -> dict:
     """The stage's final checkpoint exported as the next stage's starting model."""
     from lmforge.checkpoint.export import export_model
 
     if stage.student.exists():  # an export an interruption left unfinished
         shutil.rmtree(stage.student)
     stage.student.parent.mkdir(parents=True, exist_ok=True)
-    export_model(summary["latest_checkpoint"], str(stage.student))
-    keys = (
-        "start_step",
-        "final_step",
-        "final_loss",
-        "eval_loss",
-        "eval_ppl",
-        "eval_kl",
-        "eval_top1",
-        "run_dir",
-        "latest_checkpoint",
-        "mlflow_run_id",
-        "mlflow_parent_run_id",
-        "student_answers",
-    )
-    return {"student": str(stage.student), "summary": {k: summary[k] for k in keys if summary.get(k) is not None}}
+    if summary.latest_checkpoint is None:
+        raise UserError(f"{stage.label}: its training wrote no checkpoint to export as the next stage's student")
+    export_model(summary.latest_checkpoint, str(stage.student))
+    return {"student": str(stage.student), "summary": summary.model_dump(mode="json", include=STAGE_SUMMARY, exclude_none=True)}
 
 
 def _evaluate(stage: Stage, job: JobSpec, calls: StageCalls, show_progress: bool, console: Console, tracker) -> dict:

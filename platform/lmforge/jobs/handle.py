@@ -14,6 +14,7 @@ from typing import Iterator, Optional
 from lmforge.errors import TrainingFailed
 from lmforge.events import EVENT_PREFIX
 from lmforge.jobs.connection import TERMINAL, translated
+from lmforge.tracking.summary import RunSummary
 
 
 class JobTimeout(TimeoutError):
@@ -95,10 +96,10 @@ class JobHandle:
         frame = pd.DataFrame([{"event": "step", **row} if "event" not in row else row for row in rows])
         return frame if len(frame) else pd.DataFrame(columns=["event", "step"])
 
-    def summary(self) -> Optional[dict]:
+    def summary(self) -> Optional[RunSummary]:
         """What `lmforge train` returns, once the job has finished; else None."""
         done = [row for row in self.rows() if row.get("event") == "summary"]
-        return {k: v for k, v in done[-1].items() if k != "event"} if done else None
+        return RunSummary.model_validate(done[-1]) if done else None
 
     def plot(self, path: Optional[str] = None):
         """Loss, held-out loss and tokens/s by step on one figure, with failures,

@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 from lmforge.events import Step
+from lmforge.tracking.summary import RunSummary
 
 STEP_FIELDS = ("step", *Step.METRICS, "tokens", "samples_consumed", "mixture", "time")  # a step's line in metrics.jsonl
 
@@ -81,9 +82,9 @@ class RunDir:
         tmp.write_text(json.dumps(sorted(set(steps))) + "\n")
         os.replace(tmp, self.skip_path)
 
-    def write_summary(self, summary: dict) -> None:
+    def write_summary(self, summary: RunSummary) -> None:
         tmp = self.summary_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(summary, indent=2) + "\n")
+        tmp.write_text(json.dumps(summary.as_json(), indent=2) + "\n")
         os.replace(tmp, self.summary_path)
 
 
