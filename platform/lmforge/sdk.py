@@ -37,9 +37,7 @@ from lmforge.evaluation.judge import JudgeOptions, run_judge
 from lmforge.inference.generate import Generator, default_device
 from lmforge.inference.sampling import SamplingParams
 from lmforge.jobs import JobHandle, job, jobs, runs, submit
-from lmforge.memory.estimate import worst_rank
-from lmforge.planner.cluster import parse_cluster
-from lmforge.planner.report import fits
+from lmforge.planner.command import LayoutSearch, MemoryPlan, layout_search, memory_plan
 from lmforge.preflight import check_teachers, preflight
 from lmforge.quantization.command import QuantizeOptions, quantize_model
 from lmforge.ray_runtime import connect, embedded_resources
@@ -57,6 +55,7 @@ __all__ = [
     "load",
     "prepare",
     "plan",
+    "search_layouts",
     "train",
     "submit",
     "JobHandle",
@@ -173,14 +172,17 @@ def _required(value: Optional[T], field: str, why: str) -> T:
     return value
 
 
-def plan(spec: JobSpec, cluster: Optional[str] = None) -> dict:
-    """`lmforge plan` for a notebook: the job's largest rank's memory by part (bytes),
-    and with `cluster` ("nodes=4,gpus_per_node=8,gpu_mem=80GB") whether it fits."""
-    breakdown = worst_rank(spec)
-    result = {"job": spec.name, "world_size": spec.world_size, "worst_rank": breakdown.as_dict()}
-    if cluster:
-        result["fits"] = fits(breakdown, parse_cluster(cluster))
-    return result
+def plan(spec: JobSpec, cluster: Optional[str] = None, chart: Optional[Union[str, Path]] = None) -> MemoryPlan:
+    """`lmforge plan`: the job's largest rank's memory by part (`worst_rank`, bytes), and
+    with `cluster` ("nodes=4,gpus_per_node=8,gpu_mem=80GB") whether it `fits`; `chart`:
+    a PNG of each pipeline stage's largest rank too. `.show(console)` prints it."""
+    return memory_plan(spec, cluster, chart)
+
+
+def search_layouts(spec: JobSpec, cluster: Optional[str] = None, top: int = 5, chart: Optional[Union[str, Path]] = None) -> LayoutSearch:
+    """`lmforge plan --search`: the layouts of the job's model and batch that fit `cluster`
+    (default: its world size in 8 x 80 GB nodes), fastest first by the step-time model."""
+    return layout_search(spec, cluster, top, chart)
 
 
 def export(checkpoint, out, format: str = "lmforge", dtype: str = "fp32", tokenizer: Optional[str] = None, register: bool = False) -> dict:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from lmforge.cli import common
 from lmforge.data.manifest import has_manifest, read_manifest
 from lmforge.data.precheck import FLAGS
 from lmforge.errors import UserError
 from lmforge.spec import load_spec
+from lmforge.tracking.console import text_console
 
 
 def add_parsers(sub) -> None:
@@ -144,6 +146,15 @@ def _typed_flags(args, every: bool = False) -> dict:
 
 
 def plan_command(args) -> int:
-    from lmforge.planner.command import plan
-
-    return plan(args)
+    spec = load_spec(args.job, args.overrides)
+    chart = None if args.no_chart else (args.chart or Path(spec.run_dir) / ("memory-search.png" if args.search else "memory-plan.png"))
+    if args.search:
+        result = common.sdk().search_layouts(spec, args.cluster, args.top, chart)
+    else:
+        result = common.sdk().plan(spec, args.cluster, chart)
+    if args.json:
+        if args.search:
+            result.show_assumption(text_console(stderr=True))
+        return common.print_json(result.as_json())
+    result.show(text_console(stderr=False))
+    return 0

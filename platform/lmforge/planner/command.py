@@ -1,103 +1,168 @@
-"""`lmforge plan JOB`: the job's per-rank memory (table, chart, JSON) and, with
-`--search`, the layouts that fit a cluster ranked by the step-time model."""
+"""`sdk.plan` and `sdk.search_layouts` (what `lmforge plan` calls): the job's per-rank
+memory (`MemoryPlan`) and the layouts that fit a cluster ranked by the step-time
+model (`LayoutSearch`), each shown as `lmforge plan` prints it or as its JSON."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+from typing import Any, Optional
+
+from pydantic import BaseModel, ConfigDict
+from rich.console import Console
 
 from lmforge.errors import UserError
 from lmforge.memory.chart import bar_chart
-from lmforge.memory.estimate import stage_peaks, worst_rank
+from lmforge.memory.estimate import Breakdown, stage_peaks, worst_rank
 from lmforge.memory.snapshots import COPIES, snapshot_bytes
 from lmforge.planner.cluster import Cluster, assumed_cluster, parse_cluster
 from lmforge.planner.report import fits, gib, render, search_reasons, search_table
 from lmforge.planner.search import Candidate, search
 from lmforge.planner.throughput import step_time
-from lmforge.spec import JobSpec, load_spec
-from lmforge.tracking.console import text_console
+from lmforge.spec import JobSpec
 
 
-def plan(args) -> int:
-    if args.top < 1:
-        raise UserError(f"--top: must be at least 1, got {args.top}")
-    cluster = parse_cluster(args.cluster) if args.cluster else None
-    spec = load_spec(args.job, args.overrides)
-    if args.search:
-        return _search(spec, cluster or assumed_cluster(spec.world_size), args, assumed=cluster is None)
-    breakdown = worst_rank(spec)
-    chart = None if args.no_chart else _chart_path(args, spec)
-    if chart:
-        limits = {} if cluster is None else {"device memory": cluster.gpu_mem, "usable": cluster.usable}
-        bars = [(f"stage {i} (rank {b.rank})", b) for i, b in enumerate(stage_peaks(spec))]
-        bar_chart(chart, f"{spec.name}: largest rank of each pipeline stage", bars, limits)
-    if args.json:
-        out = {"job": spec.name, "world_size": spec.world_size, "worst_rank": breakdown.as_dict(), "chart": str(chart) if chart else None}
-        if spec.checkpoint.in_memory:
-            out["in_memory_host_bytes_per_rank"] = COPIES * snapshot_bytes(breakdown)
-        if cluster is not None:
-            out["cluster"] = _cluster_dict(cluster) | {"fits": fits(breakdown, cluster)}
-        print(json.dumps(out, indent=2))
-        return 0
-    console = text_console(stderr=False)
-    render(spec.name, breakdown, spec.world_size, cluster, console)
-    if spec.checkpoint.in_memory:
+class MemoryPlan(BaseModel):
+    """The job's fullest rank, by part, and whether it fits the cluster asked about."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    job: str
+    world_size: int
+    breakdown: Breakdown
+    cluster: Optional[Cluster] = None
+    chart: Optional[str] = None
+    in_memory_host_bytes_per_rank: Optional[int] = None  # with checkpoint.in_memory: the snapshots' host memory
+
+    @property
+    def worst_rank(self) -> dict[str, int]:
+        return self.breakdown.as_dict()
+
+    @property
+    def fits(self) -> Optional[bool]:
+        return fits(self.breakdown, self.cluster) if self.cluster else None
+
+    def show(self, console: Console) -> None:
+        """As `lmforge plan` prints it: the table, the verdict, the snapshots' host memory."""
+        render(self.job, self.breakdown, self.world_size, self.cluster, console)
+        if self.in_memory_host_bytes_per_rank is not None:
+            console.print(
+                f"in-memory checkpoints (checkpoint.in_memory): {gib(snapshot_bytes(self.breakdown))} per snapshot of this rank, "
+                f"kept {COPIES} times (its node and a replica, the last snapshot and the one being taken): "
+                f"{gib(self.in_memory_host_bytes_per_rank)} of host memory per rank"
+            )
+        if self.chart:
+            console.print(f"chart: {self.chart}")
+
+    def as_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"job": self.job, "world_size": self.world_size, "worst_rank": self.worst_rank, "chart": self.chart}
+        if self.in_memory_host_bytes_per_rank is not None:
+            out["in_memory_host_bytes_per_rank"] = self.in_memory_host_bytes_per_rank
+        if self.cluster is not None:
+            out["cluster"] = _cluster_dict(self.cluster) | {"fits": self.fits}
+        return out
+
+
+class LayoutSearch(BaseModel):
+    """The layouts of a job that fit a cluster, fastest first, and where its own stands."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    job: str
+    cluster: Cluster
+    candidates: list[Candidate]
+    top: int
+    job_layout: dict[str, Any]
+    assumed: bool  # no cluster was given: the job's world size in 8 x 80 GB nodes
+    chart: Optional[str] = None
+
+    @property
+    def best(self) -> list[Candidate]:
+        return self.candidates[: self.top]
+
+    def show_assumption(self, console: Console) -> None:
+        if self.assumed:
+            console.print(f"cluster: {self.cluster.describe()}, assumed from the job's {self.cluster.gpus} ranks (give --cluster to change)")
+
+    def show(self, console: Console) -> None:
+        """As `lmforge plan --search` prints it: the best layouts, why, and the job's own."""
+        self.show_assumption(console)
+        console.print(search_table(self.candidates, self.cluster, self.top))
+        for line in search_reasons(self.candidates, self.cluster, self.top):
+            console.print(line)
+        best = self.candidates[0]
         console.print(
-            f"in-memory checkpoints (checkpoint.in_memory): {gib(snapshot_bytes(breakdown))} per snapshot of this rank, "
-            f"kept {COPIES} times (its node and a replica, the last snapshot and the one being taken): "
-            f"{gib(COPIES * snapshot_bytes(breakdown))} of host memory per rank"
-        )
+            f"best: {best.layout}; to train with it: " + " ".join(f"--set {item}" for item in best.overrides()), soft_wrap=True
+        )  # one line, to copy whole
+        console.print(_own_line(self.job_layout))
+        if self.chart:
+            console.print(f"chart: {self.chart}")
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "job": self.job,
+            "cluster": _cluster_dict(self.cluster),
+            "layouts_that_fit": len(self.candidates),
+            "best": [c.as_dict() for c in self.best],
+            "job_layout": self.job_layout,
+            "chart": self.chart,
+        }
+
+
+def cluster_of(spec: JobSpec, cluster: Optional[str], searching: bool) -> Optional[Cluster]:
+    """The cluster asked about ("nodes=4,gpus_per_node=8,gpu_mem=80GB"); a search without
+    one assumes the job's world size in 8 x 80 GB nodes."""
+    if cluster:
+        return parse_cluster(cluster)
+    return assumed_cluster(spec.world_size) if searching else None
+
+
+def memory_plan(spec: JobSpec, cluster: Optional[str] = None, chart: Optional[str | Path] = None) -> MemoryPlan:
+    """The job's largest rank's memory by part; with `chart`, a PNG of each pipeline stage's largest rank."""
+    devices = cluster_of(spec, cluster, searching=False)
+    breakdown = worst_rank(spec)
     if chart:
-        console.print(f"chart: {chart}")
-    return 0
+        limits = {} if devices is None else {"device memory": devices.gpu_mem, "usable": devices.usable}
+        bars = [(f"stage {i} (rank {b.rank})", b) for i, b in enumerate(stage_peaks(spec))]
+        bar_chart(Path(chart), f"{spec.name}: largest rank of each pipeline stage", bars, limits)
+    return MemoryPlan(
+        job=spec.name,
+        world_size=spec.world_size,
+        breakdown=breakdown,
+        cluster=devices,
+        chart=str(chart) if chart else None,
+        in_memory_host_bytes_per_rank=COPIES * snapshot_bytes(breakdown) if spec.checkpoint.in_memory else None,
+    )
 
 
-def _search(spec: JobSpec, cluster: Cluster, args, assumed: bool) -> int:
-    console = text_console(stderr=args.json)
-    if assumed:
-        console.print(f"cluster: {cluster.describe()}, assumed from the job's {spec.world_size} ranks (give --cluster to change)")
-    console.print(f"weighing the layouts of {spec.name} on {cluster.gpus} GPUs ...")
-    candidates = search(spec, cluster)
+def layout_search(spec: JobSpec, cluster: Optional[str] = None, top: int = 5, chart: Optional[str | Path] = None) -> LayoutSearch:
+    """The layouts of the job's model and batch that fit `cluster`, ranked by the step-time model."""
+    if top < 1:
+        raise UserError(f"--top: must be at least 1, got {top}")
+    devices = cluster_of(spec, cluster, searching=True)
+    assert devices is not None  # a search always has one
+    candidates = search(spec, devices)
     if not candidates:
         raise UserError(
-            f"--cluster: no layout of {spec.name} fits {cluster.describe()} "
-            f"({cluster.usable / 2**30:.1f} GiB usable per device); add devices or shrink train.seq_len or the model"
+            f"--cluster: no layout of {spec.name} fits {devices.describe()} "
+            f"({devices.usable / 2**30:.1f} GiB usable per device); add devices or shrink train.seq_len or the model"
         )
-    own = _own_layout(spec, cluster, candidates)
-    chart = None if args.no_chart else _chart_path(args, spec, "memory-search.png")
     if chart:
-        bars = [(f"#{i} {c.short}", c.memory) for i, c in enumerate(candidates[: args.top], 1)]
+        bars = [(f"#{i} {c.short}", c.memory) for i, c in enumerate(candidates[:top], 1)]
         bar_chart(
-            chart,
-            f"{spec.name}: largest rank of the best layouts on {cluster.describe()}",
+            Path(chart),
+            f"{spec.name}: largest rank of the best layouts on {devices.describe()}",
             bars,
-            {"device memory": cluster.gpu_mem, "usable": cluster.usable},
+            {"device memory": devices.gpu_mem, "usable": devices.usable},
         )
-    if args.json:
-        print(
-            json.dumps(
-                {
-                    "job": spec.name,
-                    "cluster": _cluster_dict(cluster),
-                    "layouts_that_fit": len(candidates),
-                    "best": [c.as_dict() for c in candidates[: args.top]],
-                    "job_layout": own,
-                    "chart": str(chart) if chart else None,
-                },
-                indent=2,
-            )
-        )
-        return 0
-    console.print(search_table(candidates, cluster, args.top))
-    for line in search_reasons(candidates, cluster, args.top):
-        console.print(line)
-    console.print(
-        f"best: {candidates[0].layout}; to train with it: " + " ".join(f"--set {item}" for item in candidates[0].overrides()), soft_wrap=True
-    )  # one line, to copy whole
-    console.print(_own_line(own))
-    if chart:
-        console.print(f"chart: {chart}")
-    return 0
+    return LayoutSearch(
+        job=spec.name,
+        cluster=devices,
+        candidates=candidates,
+        top=top,
+        job_layout=_own_layout(spec, devices, candidates),
+        assumed=not cluster,
+        chart=str(chart) if chart else None,
+    )
 
 
 def _own_layout(spec: JobSpec, cluster: Cluster, candidates: list[Candidate]) -> dict:
@@ -121,10 +186,6 @@ def _own_line(own: dict) -> str:
     else:
         line += f" (it uses {own['uses_gpus']} GPUs, so it is not ranked)"
     return line
-
-
-def _chart_path(args, spec: JobSpec, name: str = "memory-plan.png") -> Path:
-    return Path(args.chart) if args.chart else Path(spec.run_dir) / name
 
 
 def _cluster_dict(cluster: Cluster) -> dict:
