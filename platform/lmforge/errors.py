@@ -4,6 +4,8 @@ Anything raised as a `UserError` is the user's input being wrong (a field, a
 file, a cluster too small); the CLI prints it without a traceback.
 """
 
+from pydantic import ValidationError
+
 
 class UserError(Exception):
     """Bad input: printed as one line, exit code 2, nothing started."""
@@ -51,3 +53,17 @@ class OutOfMemory(RuntimeError):
 def first_line(err: BaseException) -> str:
     """An exception's message as one line fit for a one-line error (its first, capped)."""
     return (str(err).strip().splitlines() or [""])[0][:300]
+
+
+def first_error(err: ValidationError) -> str:
+    """A pydantic validation error as one line: the first problem, at its field."""
+    first = err.errors()[0]
+    loc = ".".join(str(part) for part in first["loc"])
+    msg = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "extra_forbidden":
+        msg = "unknown field"
+    if not loc:
+        return msg
+    if msg.startswith((loc.split(".")[0] + ".", loc + ":")):
+        return msg
+    return f"{loc}: {msg}"

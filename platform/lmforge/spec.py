@@ -20,7 +20,7 @@ from lmforge.checkpoint.config import CheckpointSpec
 from lmforge.data.config import DataSpec
 from lmforge.deepspeed_config import inline_config_file
 from lmforge.distill.config import DistillSpec
-from lmforge.errors import UserError
+from lmforge.errors import UserError, first_error
 from lmforge.guards.config import DebugSpec, GuardSpec
 from lmforge.models.config import PRESETS, ModelConfig
 from lmforge.models.model_dir import read_model_config
@@ -336,19 +336,6 @@ class JobSpec(Section):
         return self.optim.decay_steps or self.train.max_steps
 
 
-def _format_error(err: ValidationError) -> str:
-    first = err.errors()[0]
-    loc = ".".join(str(part) for part in first["loc"])
-    msg = first["msg"].removeprefix("Value error, ")
-    if first["type"] == "extra_forbidden":
-        msg = "unknown field"
-    if not loc:
-        return msg
-    if msg.startswith((loc.split(".")[0] + ".", loc + ":")):
-        return msg
-    return f"{loc}: {msg}"
-
-
 def apply_override(tree: dict, assignment: str) -> None:
     """Apply one `a.b=c` override; the value is parsed as YAML (numbers, bools, lists)."""
     key, sep, raw = assignment.partition("=")
@@ -385,7 +372,7 @@ def spec_from_dict(tree: dict[str, Any], overrides: list[str] = (), base_dir: st
         inline_config_file(tree, ".")  # an override may name another file
         return JobSpec.model_validate(tree)
     except ValidationError as err:
-        raise UserError(_format_error(err)) from None
+        raise UserError(first_error(err)) from None
     except ValueError as err:
         raise UserError(str(err)) from None
 

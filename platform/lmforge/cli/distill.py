@@ -30,11 +30,12 @@ def add_parsers(sub) -> None:
 def cache_command(args) -> int:
     spec = load_spec(args.job, args.overrides)
     manifest = common.sdk().build_cache(spec, address=args.address, show_progress=not args.no_progress)
+    where = spec.with_absolute_paths().distill
     tokens = manifest.dataset.num_samples * manifest.dataset.seq_len
     common.say(
         f"cached the teacher's top {manifest.k} at temperature {manifest.temperature:g} for {tokens:,} tokens "
         f"({manifest.dataset.eval_samples:,} held-out samples too): {manifest.bytes_per_token:g} bytes per token, "
-        f"dense bf16 logits {manifest.dense_bf16_bytes_per_token:,}; {manifest.seconds} s -> {spec.with_absolute_paths().distill.cache}"
+        f"dense bf16 logits {manifest.dense_bf16_bytes_per_token:,}; {manifest.seconds} s -> {where.cache if where else ''}"
     )
     return 0
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from lmforge.data import storage
-from lmforge.errors import UserError
+from lmforge.errors import UserError, first_error
 
 MANIFEST = "manifest.json"
 EVAL_DIR = "eval"  # the held-out split's shards, inside the dataset directory
@@ -163,22 +163,14 @@ def read_manifest(path: str | Path, field: str = "data.path", check_shards: bool
         raise UserError(f"{manifest_path}: not an lmforge dataset manifest")
     try:
         manifest = DatasetManifest.model_validate(raw)
-    except ValueError as err:
-        raise UserError(f"{manifest_path}: not a readable lmforge dataset manifest ({_first_error(err)})") from None
+    except ValidationError as err:
+        raise UserError(f"{manifest_path}: not a readable lmforge dataset manifest ({first_error(err)})") from None
     if not check_shards:
         return manifest
     _check_shards(str(path), manifest_path, manifest.shards, manifest.shard_samples, field)
     if manifest.eval is not None:
         _check_shards(storage.join(path, manifest.eval.dir), manifest_path, manifest.eval.shards, manifest.shard_samples, field)
     return manifest
-
-
-def _first_error(err: ValueError) -> str:
-    errors = getattr(err, "errors", None)
-    if not callable(errors):
-        return str(err)
-    first = errors()[0]
-    return f"{'.'.join(str(part) for part in first['loc'])}: {first['msg']}"
 
 
 def _check_shards(directory: str, manifest_path: str, shards: list[Shard], size: int, field: str) -> None:

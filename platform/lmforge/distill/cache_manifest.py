@@ -10,12 +10,12 @@ import os
 from pathlib import Path
 from typing import Literal, Optional
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from lmforge.checkpoint.store import COMMIT, is_checkpoint
 from lmforge.data.columns import TopKTargets
 from lmforge.data.manifest import EVAL_DIR, MANIFEST, DatasetManifest, Record, TeacherRecord, read_manifest
-from lmforge.errors import UserError
+from lmforge.errors import UserError, first_error
 from lmforge.jsonfile import read_object
 
 FORMAT = "lmforge.teacher-topk.v1"
@@ -119,8 +119,8 @@ def read_cache(spec, dataset: DatasetManifest) -> CacheManifest:
         raise UserError(f"{file}: not an lmforge teacher cache")
     try:
         manifest = CacheManifest.model_validate(raw)
-    except ValueError as err:
-        raise UserError(f"{file}: not a readable lmforge teacher cache ({str(err).splitlines()[0]})") from None
+    except ValidationError as err:
+        raise UserError(f"{file}: not a readable lmforge teacher cache ({first_error(err)})") from None
     for problem in _differences(manifest, made_from(spec, dataset)):
         raise UserError(f"distill.cache: {path} {problem}; build it again for this job (`lmforge distill cache JOB`)")
     for directory, shards in [(path, manifest.shards), *([(path / manifest.eval.dir, manifest.eval.shards)] if manifest.eval else [])]:

@@ -30,8 +30,8 @@ from rich.console import Console
 from lmforge.credentials import redact_uri
 from lmforge.data.manifest import has_manifest
 from lmforge.distill.cache_manifest import is_built
-from lmforge.errors import UserError
-from lmforge.spec import JobSpec, TrackingSpec, _format_error, load_spec
+from lmforge.errors import UserError, first_error
+from lmforge.spec import JobSpec, TrackingSpec, load_spec
 from lmforge.tracking.console import plain, text_console
 from lmforge.tracking.summary import RunSummary
 
@@ -117,7 +117,7 @@ def _read(path: Path) -> PipelineSpec:
     try:
         return PipelineSpec.model_validate(tree)
     except ValidationError as err:
-        raise UserError(f"{path}: {_format_error(err)}") from None
+        raise UserError(f"{path}: {first_error(err)}") from None
 
 
 def _stage_job(path: Path, pipeline: PipelineSpec, index: int, entry: StageSpec) -> JobSpec:
