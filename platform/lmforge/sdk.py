@@ -28,7 +28,7 @@ from lmforge.data.manifest import MANIFEST, DatasetManifest, has_manifest, read_
 from lmforge.data.precheck import check_before_ray
 from lmforge.data.prepare import PrepareOptions, prepare_dataset
 from lmforge.distill import stages
-from lmforge.distill.cache_manifest import CacheManifest, cache_params
+from lmforge.distill.cache_manifest import CacheManifest, cache_params, tracking_params
 from lmforge.distill.instruct.build import generate_dataset, plan_generation
 from lmforge.distill.teacher_cache import build_cache as build_teacher_cache
 from lmforge.distill.teacher_cache import check_can_build
@@ -129,7 +129,7 @@ def _distill_stage(spec: JobSpec, role: str, address: Optional[str]):
     tracker, status = None, "FAILED"
     try:
         if spec.tracking.enabled:
-            tracker = MlflowRun(spec, role=role)
+            tracker = MlflowRun(spec, role=role, more_params=lambda: tracking_params(spec))
         yield tracker
         status = "FINISHED"
     finally:

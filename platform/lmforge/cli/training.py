@@ -9,6 +9,7 @@ from lmforge.cli import common
 from lmforge.data.manifest import has_manifest, read_manifest
 from lmforge.data.precheck import FLAGS
 from lmforge.errors import UserError
+from lmforge.jobs.client import submitted_spec
 from lmforge.spec import load_spec
 from lmforge.tracking.console import text_console
 
@@ -53,8 +54,6 @@ def add_parsers(sub) -> None:
 
 def train_command(args) -> int:
     if args.submitted:
-        from lmforge.jobs.client import submitted_spec
-
         spec = submitted_spec(args.overrides)
     elif args.job is None:
         raise UserError("train: give a job file")

@@ -21,6 +21,7 @@ from lmforge.cluster.controller import Controller
 from lmforge.credentials import redact_uri
 from lmforge.data.manifest import Manifest, read_manifest
 from lmforge.data.prepare import PrepareOptions, prepare_dataset
+from lmforge.distill.cache_manifest import tracking_params
 from lmforge.distill.instruct.evaluate import after_training
 from lmforge.errors import TrainingFailed, UserError, first_line
 from lmforge.events import (
@@ -143,7 +144,7 @@ def _run(
         spec = spec.with_changes("guards", skip_batches=skipped)  # what earlier rollbacks of this run skipped
     tracker = None
     if spec.tracking.enabled:
-        tracker = MlflowRun(spec)
+        tracker = MlflowRun(spec, more_params=lambda: tracking_params(spec))
         tracker.catch_up(run_dir.steps())
         tracker.log_dataset(manifest)
         spec = spec.with_changes("tracking", run_id=tracker.run_id)  # for the ranks' system metrics and checkpoints

@@ -15,8 +15,12 @@ from datetime import timedelta
 
 import ray
 
+from lmforge.cluster.keepers import SnapshotShipper
 from lmforge.data.manifest import Manifest
 from lmforge.ray_runtime import WORKER_ENV, tune_process
+from lmforge.spec import JobSpec
+from lmforge.tracking.prometheus import RankMetrics
+from lmforge.tracking.system_metrics import start_monitor, stop_monitor
 
 
 @ray.remote(num_cpus=0)
@@ -62,11 +66,7 @@ class Worker:
         """`watch_node`: this rank also samples its node's system metrics into the run;
         `reader`: the job's shared data reader; `snapshots`: (this rank's keepers, the
         snapshot to restore or None) with `checkpoint.in_memory`."""
-        from lmforge.cluster.keepers import SnapshotShipper
-        from lmforge.spec import JobSpec
-        from lmforge.tracking.prometheus import RankMetrics
-        from lmforge.tracking.system_metrics import start_monitor, stop_monitor
-        from lmforge.trainer import Trainer
+        from lmforge.trainer import Trainer  # torch, after this process's environment is set (__init__)
 
         spec = JobSpec.model_validate(spec_dict)
         monitor = None

@@ -14,152 +14,30 @@ and resumes the stage that stopped.
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import json
 import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Literal, Optional
+from typing import Callable, Optional
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+import ray
 from rich.console import Console
 
+from lmforge.checkpoint.export import export_model
 from lmforge.credentials import redact_uri
 from lmforge.data.manifest import has_manifest
 from lmforge.distill.cache_manifest import is_built
-from lmforge.errors import UserError, first_error
-from lmforge.spec import JobSpec, TrackingSpec, load_spec
+from lmforge.distill.instruct.evaluate import ANSWERS_FILE, evaluate_student
+from lmforge.distill.pipeline_file import Stage, load_pipeline
+from lmforge.errors import UserError
+from lmforge.ray_runtime import connect
+from lmforge.spec import JobSpec
 from lmforge.tracking.console import plain, text_console
+from lmforge.tracking.pipeline_run import PipelineRun
 from lmforge.tracking.summary import RunSummary
 
 STATE = "pipeline.json"
-NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
-MAKES_STUDENT = ("train", "instruct")
-
-
-class StageSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    name: str = Field(..., pattern=NAME)
-    kind: Literal["train", "instruct", "evaluate"] = Field(
-        ...,
-        description="train: train the job (building its teacher cache first if it names one); instruct: its teachers' "
-        "answers (unless its dataset exists), then train on them; evaluate: the previous student on the job's held-out prompts",
-    )
-    job: str = Field(..., description="a job file, relative to the pipeline file")
-    set: list[str] = Field(default_factory=list, description="overrides of the job's fields, KEY=VALUE")
-
-
-class PipelineSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    name: str = Field(..., pattern=NAME)
-    output_dir: str = Field("runs", description="every stage's runs go here: <output_dir>/<name>-<stage>")
-    tracking: TrackingSpec = Field(default_factory=TrackingSpec, description="replaces every stage job's tracking section")
-    stages: list[StageSpec] = Field(..., min_length=1)
-
-    @model_validator(mode="after")
-    def _distinct_names(self) -> "PipelineSpec":
-        names = [s.name for s in self.stages]
-        again = next((n for i, n in enumerate(names) if n in names[:i]), None)
-        if again:
-            raise ValueError(f"stages: two stages are named {again!r}; a stage's name names its runs and its student")
-        return self
-
-
-@dataclass
-class Stage:
-    index: int
-    entry: StageSpec
-    job: JobSpec  # with absolute paths and, after the first stage, the previous student as model.init_from
-    identity: str  # a finished stage is skipped on a rerun only while this is unchanged
-    student: Optional[Path]  # where this stage's student is written (evaluate: none)
-    previous_student: Optional[Path]
-
-    @property
-    def label(self) -> str:
-        return f"stages[{self.index}] ({self.entry.name})"
-
-
-def load_pipeline(path: str | os.PathLike) -> tuple[PipelineSpec, list[Stage]]:
-    """The pipeline and its stages' jobs, every refusal made before anything runs."""
-    path = Path(path)
-    pipeline = _read(path)
-    out = Path(pipeline.output_dir).absolute() / pipeline.name
-    stages: list[Stage] = []
-    student: Optional[Stage] = None  # the latest stage that makes one
-    for index, entry in enumerate(pipeline.stages):
-        job = _stage_job(path, pipeline, index, entry)
-        stage = Stage(
-            index, entry, job, "", out / "students" / entry.name if entry.kind in MAKES_STUDENT else None, student.student if student else None
-        )
-        _check_stage(path, stage, student)
-        if stage.previous_student and entry.kind in MAKES_STUDENT:
-            stage.job = stage.job.model_copy(update={"model": stage.job.model.model_copy(update={"init_from": str(stage.previous_student)})})
-        stage.identity = hashlib.sha256(json.dumps(stage.job.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
-        stages.append(stage)
-        student = stage if entry.kind in MAKES_STUDENT else student
-    return pipeline, stages
-
-
-def _read(path: Path) -> PipelineSpec:
-    try:
-        tree = yaml.safe_load(path.read_text())
-    except OSError as err:
-        raise UserError(f"{path}: cannot read the pipeline file ({err.strerror})") from None
-    except yaml.YAMLError as err:
-        raise UserError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
-    if not isinstance(tree, dict):
-        raise UserError(f"{path}: a pipeline file is a YAML mapping with `name` and `stages`")
-    try:
-        return PipelineSpec.model_validate(tree)
-    except ValidationError as err:
-        raise UserError(f"{path}: {first_error(err)}") from None
-
-
-def _stage_job(path: Path, pipeline: PipelineSpec, index: int, entry: StageSpec) -> JobSpec:
-    """The stage's job, named and placed by the pipeline, its tracking the pipeline's."""
-    tracking = pipeline.tracking.model_dump()
-    given = [
-        f"name={pipeline.name}-{entry.name}",
-        f"output_dir={pipeline.output_dir}",
-        *(f"tracking.{key}={json.dumps(value)}" for key, value in tracking.items()),
-    ]
-    try:
-        return load_spec(path.parent / entry.job, [*entry.set, *given]).with_absolute_paths()
-    except UserError as err:
-        raise UserError(f"{path}: stages[{index}] ({entry.name}): {err}") from None
-
-
-def _check_stage(path: Path, stage: Stage, previous: Optional[Stage]) -> None:
-    kind, job = stage.entry.kind, stage.job
-    instruct = job.distill.instruct if job.distill else None
-
-    def refuse(message: str):
-        raise UserError(f"{path}: {stage.label}: {message}")
-
-    if kind == "instruct" and instruct is None:
-        refuse(f"kind instruct: its job ({stage.entry.job}) has no distill.instruct section (prompts, generate, select)")
-    if kind == "train" and instruct is not None:
-        refuse(f"its job ({stage.entry.job}) is an instruction distillation; give the stage kind: instruct")
-    if kind == "evaluate":
-        if previous is None:
-            refuse("kind evaluate: judges the previous stage's student, and no stage before it trains one")
-        if instruct is None:
-            refuse(f"kind evaluate: its job ({stage.entry.job}) names no held-out prompts (distill.instruct with eval_fraction > 0)")
-        return
-    if previous is not None and job.model.init_from:
-        refuse("model.init_from: a stage starts from the previous stage's student; remove it from the job or its overrides")
-    if previous is not None:
-        differ = [f.name for f in dataclasses.fields(job.model_arch) if getattr(job.model_arch, f.name) != getattr(previous.job.model_arch, f.name)]
-        if differ:
-            refuse(
-                f"its student is not the previous stage's ({previous.entry.name}): model differs in "
-                + ", ".join(f"{name} ({getattr(job.model_arch, name)} vs {getattr(previous.job.model_arch, name)})" for name in differ)
-            )
 
 
 class PipelineState:
@@ -204,11 +82,6 @@ def run_pipeline(
 ) -> dict:
     """Run the pipeline's stages that have not finished; returns each stage's result and
     the pipeline's MLflow run."""
-    import ray
-
-    from lmforge.ray_runtime import connect
-    from lmforge.tracking.pipeline_run import PipelineRun
-
     console = console or text_console()
     pipeline, stages = load_pipeline(path)
     directory = Path(pipeline.output_dir).absolute() / pipeline.name
@@ -290,8 +163,6 @@ def _instruct(stage: Stage, job: JobSpec, calls: StageCalls, show_progress: bool
 
 def _with_student(stage: Stage, summary: RunSummary) -> dict:
     """The stage's final checkpoint exported as the next stage's starting model."""
-    from lmforge.checkpoint.export import export_model
-
     if stage.student.exists():  # an export an interruption left unfinished
         shutil.rmtree(stage.student)
     stage.student.parent.mkdir(parents=True, exist_ok=True)
@@ -302,8 +173,6 @@ def _with_student(stage: Stage, summary: RunSummary) -> dict:
 
 
 def _evaluate(stage: Stage, job: JobSpec, calls: StageCalls, show_progress: bool, console: Console, tracker) -> dict:
-    from lmforge.distill.instruct.evaluate import ANSWERS_FILE, evaluate_student
-
     answered = evaluate_student(job, str(stage.previous_student), job.distill.instruct.eval_answers or 32)
     out = Path(job.run_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -20,12 +20,17 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import ray
+import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
+from lmforge.checkpoint.export import open_source
 from lmforge.data.manifest import EVAL_DIR, DatasetManifest, Shard, read_manifest
 from lmforge.data.staging import staged
 from lmforge.distill.cache_manifest import CachedHeldOut, CacheIdentity, CacheManifest, is_built, made_from, write_cache_manifest
+from lmforge.distill.losses import Mixture, teacher_log_probs
+from lmforge.distill.teacher import load_whole
 from lmforge.errors import UserError
+from lmforge.ray_runtime import tune_process
 from lmforge.tracking.console import text_column
 
 COLUMNS = ("sample_id", "topk_ids", "topk_logprobs")
@@ -36,21 +41,12 @@ class TeacherTopK:
     into their top-k targets."""
 
     def __init__(self, paths: list[str], weights: list[float], k: int, temperature: float, vocab: int, threads: int):
-        import torch
-
-        from lmforge.distill.teacher import load_whole
-        from lmforge.ray_runtime import tune_process
-
         tune_process(threads)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.teachers = load_whole(paths, self.device)
         self.weights, self.k, self.temperature, self.vocab = weights, k, temperature, vocab
 
     def __call__(self, batch: dict) -> dict:
-        import torch
-
-        from lmforge.distill.losses import Mixture, teacher_log_probs
-
         tokens = batch["tokens"]
         tokens = torch.from_numpy((np.stack(tokens) if tokens.dtype == object else tokens).astype(np.int64))
         with torch.no_grad():
@@ -170,8 +166,6 @@ def build_cache(spec, show_progress: bool = True) -> CacheManifest:
 
 
 def _teacher_vocab(path: str) -> int:
-    from lmforge.checkpoint.export import open_source
-
     return open_source(path, name="distill.teacher").cfg.vocab_size
 
 

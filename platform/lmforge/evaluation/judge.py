@@ -18,6 +18,7 @@ from typing import Optional
 from lmforge.chat import chat_renderer, chat_template_of
 from lmforge.credentials import redact_uri
 from lmforge.errors import UserError
+from lmforge.tracking.command_run import log_command_run, tracking_uri
 
 JUDGE_SYSTEM = (
     "Please act as an impartial judge and evaluate the quality of the responses provided by two AI assistants to the "
@@ -258,8 +259,6 @@ async def _judge_all(opts: JudgeOptions, prompts: list[dict], say) -> tuple[list
 
 
 def _log(opts: JudgeOptions, report: dict) -> str:
-    from lmforge.tracking.command_run import log_command_run, tracking_uri
-
     uri = tracking_uri(opts.tracking_uri)
     report["mlflow_tracking_uri"] = redact_uri(uri)
     metrics = {f"{name}_rate": rate for name, rate in report["rates"].items()} | {

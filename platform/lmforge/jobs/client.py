@@ -12,7 +12,8 @@ from lmforge.credentials import redact_uri, secret_fields
 from lmforge.errors import UserError
 from lmforge.jobs.connection import TERMINAL, connect, translated
 from lmforge.jobs.handle import JobHandle
-from lmforge.spec import JobSpec, load_spec
+from lmforge.spec import JobSpec, load_spec, spec_from_dict
+from lmforge.tracking.command_run import DEFAULT_TRACKING_URI
 
 SPEC_ENV = "LMFORGE_JOB_SPEC"  # the validated job, as JSON, in the submitted job's environment
 ENTRYPOINT = "lmforge train --submitted"
@@ -103,8 +104,6 @@ def runs(experiment: str = "lmforge", tracking_uri: Optional[str] = None):
     one row per run with its params, latest metrics and tags."""
     import mlflow
 
-    from lmforge.tracking.command_run import DEFAULT_TRACKING_URI
-
     uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
     if uri.startswith("sqlite:///") and not os.path.exists(uri.removeprefix("sqlite:///")):
         raise UserError(
@@ -129,8 +128,6 @@ def _time(ms: Optional[int]):
 
 def submitted_spec(overrides: list[str] = ()) -> JobSpec:
     """On the cluster: the job `submit` validated, from the job's environment."""
-    from lmforge.spec import spec_from_dict
-
     text = os.environ.get(SPEC_ENV)
     if not text:
         raise UserError(f"train --submitted: {SPEC_ENV} is not set (this flag is for jobs that `lmforge submit` started)")

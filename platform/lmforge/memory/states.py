@@ -27,6 +27,7 @@ import torch
 
 from lmforge.distill.hidden import ADAPTERS
 from lmforge.models.config import ModelConfig
+from lmforge.models.llama import Transformer
 from lmforge.parallel.fsdp import needs_wrapping
 from lmforge.parallel.pipeline import in_stage, split_layers, stage_indices
 from lmforge.parallel.shape import MeshShape
@@ -72,8 +73,6 @@ def local_numel(name: str, shape: tuple[int, ...], tp: int, tp_rank: int, dp_sha
 def model_parameters(cfg: ModelConfig) -> tuple[tuple[str, int, tuple[int, ...]], ...]:
     """(name, identity, shape) of every parameter name of the model built on the meta
     device; a tied weight appears under each of its names with one identity."""
-    from lmforge.models.llama import Transformer
-
     with torch.device("meta"):
         whole = Transformer(cfg)
     identity: dict[int, int] = {}
@@ -192,8 +191,6 @@ def _largest_block_numel(params, tp: int, tp_rank: int) -> int:
 def largest_module_params(cfg: ModelConfig) -> int:
     """Parameters of the largest single module (its own, not its children's): the
     unit DeepSpeed ZeRO-3 gathers whole (its estimator's `largest_layer_params`)."""
-    from lmforge.models.llama import Transformer
-
     with torch.device("meta"):
         model = Transformer(cfg)
     return max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())

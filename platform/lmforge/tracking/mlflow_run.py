@@ -15,6 +15,7 @@ import tempfile
 import time
 import warnings
 from functools import cached_property
+from typing import Callable
 
 import yaml
 
@@ -26,6 +27,7 @@ from lmforge.spec import JobSpec, flatten
 JOB_TAG = "lmforge.job"
 ROLE_TAG = "lmforge.role"  # "train", "cache", "generate" and "evaluation"; "job" for a distillation's parent; "pipeline"
 PARENT_TAG = "mlflow.parentRunId"  # MLflow's own: its UI nests a run under that one
+ANSWERS_TABLE = "student_answers.json"  # a student's answers to held-out prompts: MLflow's table artifact, which its UI shows
 
 for _noisy in ("alembic", "mlflow"):
     logging.getLogger(_noisy).setLevel(logging.WARNING)
@@ -54,10 +56,12 @@ class MlflowRun:
     """The run of one part of a job (`role`: its training, or a distillation's cache
     build), under the job's parent run when it is a distillation."""
 
-    def __init__(self, spec: JobSpec, flush_every_s: float = 2.0, role: str = "train"):
+    def __init__(self, spec: JobSpec, flush_every_s: float = 2.0, role: str = "train", more_params: Callable[[], dict[str, str]] = dict):
+        """`more_params`: what the job's params leave out (a distillation's teachers' weight
+        hashes, its cache's identity), computed only when a new run logs its params."""
         from mlflow.tracking import MlflowClient
 
-        self.spec, self.flush_every_s, self.role = spec, flush_every_s, role
+        self.spec, self.flush_every_s, self.role, self.more_params = spec, flush_every_s, role, more_params
         self.client = MlflowClient(tracking_uri=spec.tracking_uri)
         self._pending: list = []
         self._last_flush = time.time()
@@ -115,9 +119,7 @@ class MlflowRun:
     def _spec_params(self) -> dict:
         """The job's params, computed once: a distillation's parent and child runs all
         log them, and they include hashes of the teachers' weights (read in full)."""
-        from lmforge.distill.cache_manifest import tracking_params
-
-        return flatten(redact(self.spec.model_dump(mode="json"))) | tracking_params(self.spec)
+        return flatten(redact(self.spec.model_dump(mode="json"))) | self.more_params()
 
     def _log_spec(self, run_id: str) -> None:
         self._log_params(run_id, self._spec_params)
@@ -245,10 +247,8 @@ def log_answers(client, run_id: str, answered: dict, step: int, more: dict | Non
     (MLflow's table artifact, which its UI shows and a judge reads)."""
     from mlflow.entities import Metric
 
-    from lmforge.distill.instruct.evaluate import TABLE
-
     stamp = int(time.time() * 1000)
     values = (more or {}) | answered["metrics"]
     client.log_batch(run_id, metrics=[Metric(k, float(v), stamp, step) for k, v in values.items()])
     if answered.get("table"):
-        client.log_table(run_id, {column: [row[column] for row in answered["table"]] for column in answered["table"][0]}, TABLE)
+        client.log_table(run_id, {column: [row[column] for row in answered["table"]] for column in answered["table"][0]}, ANSWERS_TABLE)

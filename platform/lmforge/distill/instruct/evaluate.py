@@ -19,7 +19,6 @@ from lmforge.inference.generate import Generator, generate_ids
 from lmforge.inference.sampling import SamplingParams
 from lmforge.ray_runtime import tune_process
 
-TABLE = "student_answers.json"  # the MLflow table artifact
 ANSWERS_FILE = "student_answers.jsonl"  # the same rows, in the run directory
 NLL_BATCH = 16  # held-out samples scored per forward
 
