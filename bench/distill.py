@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from lmforge.data.manifest import Shard
 from lmforge.distill.losses import teacher_log_probs
-from lmforge.distill.teacher_cache import write_shard
+from lmforge.distill_jobs.teacher_cache import write_shard
 from lmforge.engines import create_engine
 from lmforge.models import PRESETS
 from lmforge.models.build import build_model

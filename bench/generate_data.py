@@ -35,7 +35,7 @@ import torch
 
 from lmforge.data.corpus import stdlib_files
 from lmforge.data.tokenizer import EOS_TOKEN, train_bpe
-from lmforge.distill.instruct.build import answered_units, plan_generation
+from lmforge.distill_jobs.instruct.build import answered_units, plan_generation
 from lmforge.inference.generate import generate_ids
 from lmforge.inference.sampling import SamplingParams
 from lmforge.models import PRESETS

@@ -65,7 +65,7 @@ def model_dir(args, tmp: Path) -> Path:
 def int8_dir(source_dir: Path, tmp: Path) -> Path:
     from lmforge.checkpoint.export import open_source
     from lmforge.models.build import build_model
-    from lmforge.quantization.quantize import quantize_blocks, write_quantized
+    from lmforge.models.quantized import quantize_blocks, write_quantized
 
     source = open_source(source_dir)
     model = build_model(source.cfg, weights=source.read_tensors())

@@ -27,11 +27,11 @@ from lmforge.cluster import driver
 from lmforge.data.manifest import MANIFEST, DatasetManifest, has_manifest, read_manifest
 from lmforge.data.precheck import check_before_ray
 from lmforge.data.prepare import PrepareOptions, prepare_dataset
-from lmforge.distill import stages
 from lmforge.distill.cache_manifest import CacheManifest, cache_params, tracking_params
-from lmforge.distill.instruct.build import generate_dataset, plan_generation
-from lmforge.distill.teacher_cache import build_cache as build_teacher_cache
-from lmforge.distill.teacher_cache import check_can_build
+from lmforge.distill_jobs import stages
+from lmforge.distill_jobs.instruct.build import generate_dataset, plan_generation
+from lmforge.distill_jobs.teacher_cache import build_cache as build_teacher_cache
+from lmforge.distill_jobs.teacher_cache import check_can_build
 from lmforge.errors import UserError
 from lmforge.evaluation.judge import JudgeOptions, run_judge
 from lmforge.inference.generate import Generator, default_device
@@ -117,7 +117,7 @@ def generate_answers(spec: JobSpec, address: Optional[str] = None, show_progress
 
 def run_pipeline(path, address: Optional[str] = None, show_progress: bool = True) -> dict:
     """Run a distillation pipeline file's stages in order, each from the previous stage's
-    student (`lmforge.distill.stages`); rerun, it resumes at the stage that stopped."""
+    student (`lmforge.distill_jobs.stages`); rerun, it resumes at the stage that stopped."""
     return stages.run_pipeline(path, stages.StageCalls(train, build_cache, generate_answers), address, show_progress)
 
 

@@ -20,7 +20,7 @@ def test_a_killed_generation_rerun_answers_the_rest_and_writes_the_same_bytes(in
     again, it keeps those (their files untouched) and answers only the rest, and the
     dataset is byte for byte the one an uninterrupted run with the same seed wrote."""
     from lmforge import sdk
-    from lmforge.distill.instruct.build import answers_dir
+    from lmforge.distill_jobs.instruct.build import answers_dir
     from lmforge.spec import spec_from_dict
 
     job = instruct_job(tmp_path, Path(reference_run.run_dir), write_prompts(tmp_path / "prompts.jsonl", tiny_corpus))

@@ -100,7 +100,7 @@ class CachedTargets:
     trainer passes it: a distillation from `distill.cache` without a dataset."""
 
     def __init__(self, spec):
-        from lmforge.distill.teacher_cache import TeacherTopK
+        from lmforge.distill_jobs.teacher_cache import TeacherTopK
 
         d = spec.distill
         self.score = TeacherTopK(

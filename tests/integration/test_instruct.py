@@ -131,7 +131,7 @@ def test_a_student_learns_its_teachers_answers(instruct_dataset, tiny_dataset, t
 def test_prompts_too_long_for_a_sample_are_dropped_and_counted(instruct_dataset, tmp_path):
     """A prompt that leaves no room for max_new_tokens in train.seq_len + 1 is not
     answered: counted under prompt_too_long, the others planned in order (no Ray needed)."""
-    from lmforge.distill.instruct.build import plan_generation
+    from lmforge.distill_jobs.instruct.build import plan_generation
     from lmforge.spec import spec_from_dict
 
     job = json.loads(json.dumps(instruct_dataset[0]))

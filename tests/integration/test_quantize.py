@@ -16,8 +16,8 @@ from cli import assert_clean_error, run_cli
 from conftest import REFERENCE_STEPS, SESSION_MLFLOW
 from lmforge import sdk
 from lmforge.checkpoint.export import open_source
+from lmforge.evaluation.perplexity import held_out_samples, mean_nll
 from lmforge.inference.generate import Generator
-from lmforge.inference.perplexity import held_out_samples, mean_nll
 from lmforge.models.build import build_model
 
 

@@ -138,8 +138,8 @@ def test_a_fresh_start_discards_checkpoints_only_when_told(tmp_path):
     nothing else)."""
     from conftest import tiny_job
     from lmforge.cluster.driver import _start_over
+    from lmforge.console import text_console
     from lmforge.spec import spec_from_dict
-    from lmforge.tracking.console import text_console
 
     checkpoints = tmp_path / "runs" / "tiny" / "checkpoints"
     store = CheckpointStore(str(checkpoints))

@@ -12,10 +12,10 @@ import torch
 
 from lmforge.data.packing import ShardWriter
 from lmforge.distill.config import InstructSpec, SelectSpec
-from lmforge.distill.instruct.answers import ANSWER_SCHEMA
-from lmforge.distill.instruct.prompts import read_prompts
-from lmforge.distill.instruct.samples import write_samples
-from lmforge.distill.instruct.selection import select
+from lmforge.distill_jobs.instruct.answers import ANSWER_SCHEMA
+from lmforge.distill_jobs.instruct.prompts import read_prompts
+from lmforge.distill_jobs.instruct.samples import write_samples
+from lmforge.distill_jobs.instruct.selection import select
 from lmforge.errors import UserError
 
 

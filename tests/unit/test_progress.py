@@ -66,7 +66,7 @@ def test_every_event_prints_outside_text_as_text_even_on_a_console_that_reads_ma
 
 
 def test_the_live_bar_and_lmforge_consoles_print_markup_as_text():
-    from lmforge.tracking.console import text_console
+    from lmforge.console import text_console
 
     console = text_console()
     console.file = io.StringIO()

@@ -4,7 +4,7 @@ import pytest
 import yaml
 
 from conftest import REPO
-from lmforge.distill.pipeline_file import load_pipeline
+from lmforge.distill_jobs.pipeline_file import load_pipeline
 from lmforge.errors import UserError
 from lmforge.spec import flatten, load_spec, spec_from_dict
 

@@ -4,7 +4,7 @@ teachers' answers, and pipelines of stages."""
 from __future__ import annotations
 
 from lmforge.cli import common
-from lmforge.distill.pipeline_file import load_pipeline
+from lmforge.distill_jobs.pipeline_file import load_pipeline
 from lmforge.spec import load_spec
 
 

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from lmforge import jobs
 from lmforge.cli import common
-from lmforge.tracking.console import text_console
+from lmforge.console import text_console
 
 
 def add_parsers(sub) -> None:

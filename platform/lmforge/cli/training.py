@@ -6,12 +6,12 @@ import argparse
 from pathlib import Path
 
 from lmforge.cli import common
+from lmforge.console import text_console
 from lmforge.data.manifest import has_manifest, read_manifest
 from lmforge.data.precheck import FLAGS
 from lmforge.errors import UserError
 from lmforge.jobs.client import submitted_spec
 from lmforge.spec import load_spec
-from lmforge.tracking.console import text_console
 
 
 def add_parsers(sub) -> None:

@@ -18,11 +18,12 @@ from rich.console import Console
 from lmforge.checkpoint.store import CheckpointStore
 from lmforge.cluster import placement
 from lmforge.cluster.controller import Controller
+from lmforge.console import plain, text_console
 from lmforge.credentials import redact_uri
 from lmforge.data.manifest import Manifest, read_manifest
 from lmforge.data.prepare import PrepareOptions, prepare_dataset
 from lmforge.distill.cache_manifest import tracking_params
-from lmforge.distill.instruct.evaluate import after_training
+from lmforge.distill_jobs.instruct.evaluate import after_training
 from lmforge.errors import TrainingFailed, UserError, first_line
 from lmforge.events import (
     EVENT_PREFIX,
@@ -42,7 +43,6 @@ from lmforge.memory.snapshots import check_host_memory
 from lmforge.preflight import Plan, check_dataset, check_fresh_start, check_resume_order
 from lmforge.ray_runtime import check_capacity, connect, embedded_resources
 from lmforge.spec import JobSpec
-from lmforge.tracking.console import plain, text_console
 from lmforge.tracking.mlflow_run import MlflowRun
 from lmforge.tracking.progress import ProgressView
 from lmforge.tracking.run_dir import STEP_FIELDS, RunDir

@@ -14,11 +14,11 @@ from typing import Optional
 import ray
 from rich.progress import Progress, TimeElapsedColumn
 
+from lmforge.console import text_column
 from lmforge.data.manifest import DatasetManifest
 from lmforge.data.precheck import JOB_FIELDS, check_before_ray
 from lmforge.data.prepare_task import Prepared, run_pipeline
 from lmforge.errors import UserError
-from lmforge.tracking.console import text_column
 
 
 @dataclass

@@ -4,10 +4,13 @@ above a size, one tensor leaked per step."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from lmforge.engines.base import Engine
-from lmforge.spec import JobSpec
+if TYPE_CHECKING:
+    from lmforge.engines.base import Engine
+    from lmforge.spec import JobSpec
 
 SPIKE_FACTOR = 30.0  # logits this much larger: a loss far above any recent one
 

@@ -3,10 +3,14 @@ estimator's breakdown for this rank and, on a GPU, the allocator's own summary."
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from lmforge.memory.estimate import estimate
-from lmforge.spec import JobSpec
+
+if TYPE_CHECKING:
+    from lmforge.spec import JobSpec
 
 
 def memory_report(spec: JobSpec, rank: int, step: int, device: torch.device, error: BaseException) -> str:

@@ -4,7 +4,10 @@ memory went is in `guards.memory_report`; this side needs no torch."""
 
 from __future__ import annotations
 
-from lmforge.spec import JobSpec
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lmforge.spec import JobSpec
 
 
 def with_smaller_micro_batch(spec: JobSpec) -> JobSpec | None:

@@ -23,7 +23,7 @@ from lmforge.inference.sampling import SamplingParams, next_tokens
 from lmforge.models.build import build_model
 from lmforge.models.hf import DTYPES
 from lmforge.models.llama import Transformer
-from lmforge.quantization.quantize import is_quantized, load_quantized
+from lmforge.models.quantized import is_quantized, load_quantized
 
 
 @dataclass

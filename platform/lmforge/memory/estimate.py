@@ -19,6 +19,7 @@ teacher's logits for one micro-batch.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING
 
 from lmforge.distill.teacher import teacher_shapes
 from lmforge.memory import activations as act
@@ -26,7 +27,9 @@ from lmforge.memory.states import FP32, StateBytes, deepspeed_states, native_sta
 from lmforge.parallel.fsdp import needs_wrapping
 from lmforge.parallel.pipeline import split_layers, stage_indices
 from lmforge.parallel.shape import MeshShape
-from lmforge.spec import JobSpec
+
+if TYPE_CHECKING:
+    from lmforge.spec import JobSpec
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,13 @@ last complete one is kept too: up to four copies of each rank's state in the clu
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from lmforge.errors import UserError
 from lmforge.memory.estimate import Breakdown, worst_rank
-from lmforge.spec import JobSpec
+
+if TYPE_CHECKING:
+    from lmforge.spec import JobSpec
 
 COPIES = 4  # (its node + a replica) x (the last complete snapshot + the one being taken)
 

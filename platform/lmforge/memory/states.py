@@ -22,17 +22,20 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import torch
 
 from lmforge.distill.hidden import ADAPTERS
-from lmforge.models.config import ModelConfig
 from lmforge.models.llama import Transformer
 from lmforge.parallel.fsdp import needs_wrapping
 from lmforge.parallel.pipeline import in_stage, split_layers, stage_indices
 from lmforge.parallel.shape import MeshShape
 from lmforge.parallel.tensor import shard_dim
-from lmforge.spec import JobSpec
+
+if TYPE_CHECKING:
+    from lmforge.models.config import ModelConfig
+    from lmforge.spec import JobSpec
 
 FP32 = 4
 

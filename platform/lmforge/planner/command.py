@@ -5,7 +5,7 @@ model (`LayoutSearch`), each shown as `lmforge plan` prints it or as its JSON.""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from pydantic import BaseModel, ConfigDict
 from rich.console import Console
@@ -18,7 +18,9 @@ from lmforge.planner.cluster import Cluster, assumed_cluster, parse_cluster
 from lmforge.planner.report import fits, gib, render, search_reasons, search_table
 from lmforge.planner.search import Candidate, search
 from lmforge.planner.throughput import step_time
-from lmforge.spec import JobSpec
+
+if TYPE_CHECKING:
+    from lmforge.spec import JobSpec
 
 
 class MemoryPlan(BaseModel):

@@ -4,11 +4,15 @@ breakdown and the best layout that does fit in the message."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from lmforge.errors import UserError
 from lmforge.memory.estimate import Breakdown, worst_rank
 from lmforge.planner.cluster import assumed_cluster
 from lmforge.planner.search import search
-from lmforge.spec import JobSpec
+
+if TYPE_CHECKING:
+    from lmforge.spec import JobSpec
 
 
 def check_fits(spec: JobSpec, device_bytes: int, source: str) -> None:

@@ -28,9 +28,11 @@ step, m micro-batches of b x s tokens, t/p/d the tp/pp/dp sizes:
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
-from lmforge.planner.cluster import Cluster
-from lmforge.spec import JobSpec
+if TYPE_CHECKING:
+    from lmforge.planner.cluster import Cluster
+    from lmforge.spec import JobSpec
 
 OP_RECOMPUTE = 0.02
 COSTS = ("compute", "recompute", "bubble", "tp_comm", "dp_comm", "pp_comm")

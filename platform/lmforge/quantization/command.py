@@ -14,9 +14,9 @@ from lmforge.checkpoint.export import open_source
 from lmforge.checkpoint.store import is_checkpoint
 from lmforge.credentials import redact_uri
 from lmforge.errors import UserError
-from lmforge.inference.perplexity import held_out_samples, mean_nll, perplexity
+from lmforge.evaluation.perplexity import held_out_samples, mean_nll, perplexity
 from lmforge.models.build import build_model
-from lmforge.quantization.quantize import (
+from lmforge.models.quantized import (
     GROUP_SIZES,
     METHODS,
     byte_counts,

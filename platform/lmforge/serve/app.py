@@ -17,7 +17,7 @@ from ray import serve
 
 from lmforge.checkpoint.export import open_source
 from lmforge.errors import UserError
-from lmforge.quantization.quantize import QUANTIZATION, is_quantized
+from lmforge.models.quantized import QUANTIZATION, is_quantized
 from lmforge.ray_runtime import connect, embedded_resources
 from lmforge.serve.api import build_api
 from lmforge.serve.backend import Backend, ServerOptions

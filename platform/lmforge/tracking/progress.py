@@ -9,8 +9,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from lmforge.console import plain, text_column, text_console
 from lmforge.events import Eval, Step
-from lmforge.tracking.console import plain, text_column, text_console
 
 
 class ProgressView:

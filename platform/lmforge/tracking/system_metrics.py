@@ -5,9 +5,10 @@ it) so that every machine the job trains on is seen, and none twice."""
 from __future__ import annotations
 
 import socket
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-from lmforge.spec import JobSpec
+if TYPE_CHECKING:
+    from lmforge.spec import JobSpec
 
 
 def start_monitor(spec: JobSpec, on_this_node: bool):

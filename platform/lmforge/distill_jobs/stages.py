@@ -19,23 +19,25 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import ray
 from rich.console import Console
 
 from lmforge.checkpoint.export import export_model
+from lmforge.console import plain, text_console
 from lmforge.credentials import redact_uri
 from lmforge.data.manifest import has_manifest
 from lmforge.distill.cache_manifest import is_built
-from lmforge.distill.instruct.evaluate import ANSWERS_FILE, evaluate_student
-from lmforge.distill.pipeline_file import Stage, load_pipeline
+from lmforge.distill_jobs.instruct.evaluate import ANSWERS_FILE, evaluate_student
+from lmforge.distill_jobs.pipeline_file import Stage, load_pipeline
 from lmforge.errors import UserError
 from lmforge.ray_runtime import connect
-from lmforge.spec import JobSpec
-from lmforge.tracking.console import plain, text_console
 from lmforge.tracking.pipeline_run import PipelineRun
-from lmforge.tracking.summary import RunSummary
+
+if TYPE_CHECKING:
+    from lmforge.spec import JobSpec
+    from lmforge.tracking.summary import RunSummary
 
 STATE = "pipeline.json"
 

@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow as pa
 
 from lmforge.data.packing import ShardWriter
-from lmforge.distill.instruct.selection import mean_logprobs
+from lmforge.distill_jobs.instruct.selection import mean_logprobs
 
 ORIGIN = ("prompt_index", "teacher", "sample")  # where each sample's answer came from, beside its mean log-probability
 

@@ -24,6 +24,7 @@ import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
 from lmforge.checkpoint.export import open_source
+from lmforge.console import text_column
 from lmforge.data.manifest import EVAL_DIR, DatasetManifest, Shard, read_manifest
 from lmforge.data.staging import staged
 from lmforge.distill.cache_manifest import CachedHeldOut, CacheIdentity, CacheManifest, is_built, made_from, write_cache_manifest
@@ -31,7 +32,6 @@ from lmforge.distill.losses import Mixture, teacher_log_probs
 from lmforge.distill.teacher import load_whole
 from lmforge.errors import UserError
 from lmforge.ray_runtime import tune_process
-from lmforge.tracking.console import text_column
 
 COLUMNS = ("sample_id", "topk_ids", "topk_logprobs")
 

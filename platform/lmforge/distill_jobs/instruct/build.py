@@ -26,6 +26,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedCo
 
 from lmforge.chat import chat_template_of
 from lmforge.checkpoint.export import open_source
+from lmforge.console import text_column
 from lmforge.data.manifest import (
     EVAL_DIR,
     DatasetManifest,
@@ -43,14 +44,13 @@ from lmforge.data.packing import ShardWriter
 from lmforge.data.staging import staged
 from lmforge.data.tokenizer import end_of_text_token, eos_id, load_tokenizer, tokenizer_sha256
 from lmforge.distill.cache_manifest import teacher_records
-from lmforge.distill.instruct.answers import TeacherAnswers, read_answers, unit_file
-from lmforge.distill.instruct.prompts import read_prompts
-from lmforge.distill.instruct.samples import write_samples
-from lmforge.distill.instruct.selection import RULES, select
-from lmforge.distill.teacher_cache import actor_pool
+from lmforge.distill_jobs.instruct.answers import TeacherAnswers, read_answers, unit_file
+from lmforge.distill_jobs.instruct.prompts import read_prompts
+from lmforge.distill_jobs.instruct.samples import write_samples
+from lmforge.distill_jobs.instruct.selection import RULES, select
+from lmforge.distill_jobs.teacher_cache import actor_pool
 from lmforge.errors import UserError
 from lmforge.preflight import check_teachers
-from lmforge.tracking.console import text_column
 
 SETTINGS = "settings.json"
 ANSWERS_DIR = "answers"  # inside the dataset: every answer generated, kept or not
