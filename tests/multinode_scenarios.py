@@ -144,7 +144,7 @@ def main() -> None:
         }
         results["placement"] = timed("placement", lambda: placement(jobs["placement"]))
         elastic = jobs["elastic"]
-        results["whole"] = timed("whole", lambda: sdk.train(spec_from_dict(elastic | {"name": "whole"}), show_progress=False))
+        results["whole"] = timed("whole", lambda: sdk.train(spec_from_dict(elastic | {"name": "whole"}), show_progress=False).as_json())
         results["shrunk"] = timed("shrunk", lambda: shrink_then_grow(cluster, elastic))
         results["spared"] = timed("spared", lambda: spared(cluster, elastic, jobs["spared_steps"]))
         Path(sys.argv[2]).write_text(json.dumps(results | {"seconds": seconds}))
