@@ -24,6 +24,7 @@ import ray
 from lmforge.cluster import placement
 from lmforge.cluster.capacity import Capacity
 from lmforge.cluster.keepers import Keepers
+from lmforge.cluster.supervision import FailureBudget, Handoff
 from lmforge.cluster.worker import Worker
 from lmforge.data.feed import datasets_of, start_reader
 from lmforge.data.manifest import Manifest
@@ -46,10 +47,10 @@ class RankHung(RuntimeError):
 
 @ray.remote(num_cpus=0, max_concurrency=8)
 class Controller:
-    def __init__(self, spec_dict: dict, manifest: Manifest, placement_timeout_s: float = 120.0, after_failure: dict | None = None):
-        """`after_failure` ({"failures", "rollbacks", "step", "time"}): this controller
-        replaces one that died; it continues the failure and rollback counts and
-        reports the recovery. `spec_dict` is then the job as the guards left it."""
+    def __init__(self, spec_dict: dict, manifest: Manifest, placement_timeout_s: float = 120.0, handoff: Handoff | None = None):
+        """`handoff`: this controller replaces one that died; it continues the failure
+        and rollback counts and reports the recovery. `spec_dict` is then the job as
+        the guards left it."""
         self.spec_dict, self.manifest = spec_dict, manifest
         self.placement_timeout_s = placement_timeout_s
         self._events: list[Event] = []
@@ -79,10 +80,10 @@ class Controller:
         self._resize_from: tuple[int, float] | None = None  # (dp, when) of a planned resize
         self._failures = 0
         self._rollbacks = 0
-        if after_failure:
-            self._failures = self._attempt = after_failure["failures"]
-            self._rollbacks = after_failure.get("rollbacks", 0)
-            self._last_step, self._failed_at = after_failure["step"], after_failure["time"]
+        if handoff:
+            self._failures = self._attempt = handoff.failures
+            self._rollbacks = handoff.rollbacks
+            self._last_step, self._failed_at = handoff.step, handoff.failed_at
 
     def drain(self) -> list[Event]:
         with self._lock:
@@ -126,13 +127,12 @@ class Controller:
 
     def run(self) -> dict:
         spec = JobSpec.model_validate(self.spec_dict)
-        budget = spec.fault_tolerance
-        failures = self._failures
+        budget = FailureBudget.of(spec.fault_tolerance, self._failures)
         capacity = self._capacity = Capacity(
             spec, self._pg_name("slot/"), lambda event: self.report(event.model_copy(update={"step": self._last_step})), self.placement_timeout_s
         )
         try:
-            current = capacity.initial(spares_optional=bool(failures))
+            current = capacity.initial(spares_optional=bool(budget.failures))
             while True:
                 try:
                     result = self._run_once(current)
@@ -142,15 +142,15 @@ class Controller:
                         self._new_attempt(failed=False)
                         current = self._roll_back(current, cause) if isinstance(cause, Diverged) else self._shrink_micro_batch(current, cause)
                         continue
-                    if isinstance(cause, (UserError, CheckpointWritesFailing)) or failures >= budget.max_failures:
+                    if isinstance(cause, (UserError, CheckpointWritesFailing)) or budget.used_up:
                         raise
-                    failures += 1
+                    attempt = budget.spend()
                     noticed = time.time()
                     self._new_attempt(failed=True)
                     capacity.find_lost(self._rank_nodes, since=self._raised_at or noticed)
                     self.report(
                         Failure(
-                            attempt=failures,
+                            attempt=attempt,
                             max_failures=budget.max_failures,
                             step=self._last_step,
                             cause=f"{type(cause).__name__}: {first_line(cause)}",
@@ -160,7 +160,7 @@ class Controller:
                             raised=self._raised_at,
                         )
                     )
-                    time.sleep(min(60.0, budget.backoff_s * 2 ** (failures - 1)))
+                    budget.wait()
                     current = capacity.fit(current)
                     continue
                 if not result.get("stopped"):

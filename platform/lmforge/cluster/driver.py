@@ -18,6 +18,7 @@ from rich.console import Console
 from lmforge.checkpoint.store import CheckpointStore
 from lmforge.cluster import placement
 from lmforge.cluster.controller import Controller
+from lmforge.cluster.supervision import FailureBudget, Handoff
 from lmforge.console import plain, text_console
 from lmforge.credentials import redact_uri
 from lmforge.data.manifest import Manifest, read_manifest
@@ -156,27 +157,28 @@ def _run(
     handle = lambda event: seen.add(event, _handle(event, view, run_dir, tracker, publish))
     if plan.order_changes:
         handle(DataChanged(step=plan.start_step, path=plan.resume_from.path, changes=plan.order_changes))
-    budget = spec.fault_tolerance
-    status, after_failure = "FAILED", None
+    status, handoff = "FAILED", None
     try:
         with view:
             while True:
-                controller = _start_controller(seen.spec, manifest, after_failure)
+                controller = _start_controller(seen.spec, manifest, handoff)
                 try:
                     result = _follow(controller, handle, lease)
                     break
                 except ray.exceptions.RayActorError as err:
                     # The controller itself died: its ranks went with it (Ray's owner
                     # fate-sharing); a new one resumes from the latest checkpoint.
-                    if seen.failures >= budget.max_failures:
+                    budget = FailureBudget.of(spec.fault_tolerance, seen.failures)  # the controller's failures too
+                    if budget.used_up:
                         raise TrainingFailed(
                             f"the controller died ({first_line(err)}); fault_tolerance.max_failures {budget.max_failures} is used up"
                         ) from None
                     step = seen.last.step if seen.last else plan.start_step
-                    after_failure = seen.after_failure(step)
+                    handoff = seen.handoff(step)
+                    attempt = budget.spend()
                     handle(
                         Failure(
-                            attempt=seen.failures + 1,
+                            attempt=attempt,
                             max_failures=budget.max_failures,
                             step=step,
                             cause=f"the controller died ({type(err).__name__})",
@@ -184,7 +186,7 @@ def _run(
                             nodes_lost=[],
                         )
                     )
-                    time.sleep(min(60.0, budget.backoff_s * 2 ** (seen.failures - 1)))
+                    budget.wait()
                 finally:
                     ray.kill(controller)
                     # Its placement groups belong to the job, not to it: whatever it
@@ -295,17 +297,15 @@ class Seen:
         elif isinstance(event, OutOfMemoryEvent) and event.retry_micro_batch:
             self.spec = self.spec.with_micro_batch(event.retry_micro_batch)
 
-    def after_failure(self, step: int) -> dict:
-        """What a replacement controller continues from."""
-        return {"failures": self.failures + 1, "rollbacks": self.rollbacks, "step": step, "time": time.time()}
+    def handoff(self, step: int) -> Handoff:
+        """What a replacement controller continues from, the death of the one before counted."""
+        return Handoff(failures=self.failures + 1, rollbacks=self.rollbacks, step=step, failed_at=time.time())
 
 
-def _start_controller(spec: JobSpec, manifest: Manifest, after_failure: Optional[dict]):
+def _start_controller(spec: JobSpec, manifest: Manifest, handoff: Optional[Handoff]):
     # The controller lives next to the driver, so losing a worker node never takes it along.
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    return Controller.options(scheduling_strategy=here).remote(
-        spec.model_dump(mode="json", exclude_unset=True), manifest, after_failure=after_failure
-    )
+    return Controller.options(scheduling_strategy=here).remote(spec.model_dump(mode="json", exclude_unset=True), manifest, handoff=handoff)
 
 
 def _drain(controller) -> list[Event]:
