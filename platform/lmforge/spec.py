@@ -24,6 +24,7 @@ from lmforge.errors import UserError, first_error
 from lmforge.guards.config import DebugSpec, GuardSpec
 from lmforge.models.config import PRESETS, ModelConfig
 from lmforge.models.model_dir import read_model_config
+from lmforge.paths import CorpusPath, LocalPath, resolve_paths
 from lmforge.section import Section
 from lmforge.sizes import parse_size
 
@@ -38,7 +39,7 @@ class ModelSpec(Section):
     ffn_hidden: Optional[int] = Field(None, gt=0)
     max_seq_len: Optional[int] = Field(None, gt=0)
     tie_embeddings: Optional[bool] = None
-    init_from: Optional[str] = Field(
+    init_from: Optional[LocalPath] = Field(
         None,
         description="start from a model directory (an `lmforge export`, or a Hugging Face Llama); unless resuming. "
         "Without a preset, the model's shape is the directory's",
@@ -160,7 +161,7 @@ class FaultToleranceSpec(Section):
 class EvalSpec(Section):
     """A held-out loss measured while training; the split is made by `data prepare`."""
 
-    source: Optional[str] = Field(None, description="prepare: a separate corpus as the held-out split (instead of data.eval_fraction)")
+    source: Optional[CorpusPath] = Field(None, description="prepare: a separate corpus as the held-out split (instead of data.eval_fraction)")
     interval: Optional[int] = Field(None, gt=0, description="evaluate every N optimizer steps (and at the last step); default checkpoint.interval")
     batches: Optional[int] = Field(
         None, gt=0, description="global batches of held-out samples per evaluation; default all whole batches the split holds"
@@ -179,7 +180,7 @@ class DeepSpeedSpec(Section):
 
 class JobSpec(Section):
     name: str = Field(..., pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-    output_dir: str = "runs"
+    output_dir: LocalPath = "runs"
     engine: Literal["native", "deepspeed"] = "native"
     deepspeed: Optional[DeepSpeedSpec] = None
     model: ModelSpec = ModelSpec()
@@ -282,47 +283,15 @@ class JobSpec(Section):
         return self.tracking.uri or f"sqlite:///{os.path.abspath(os.path.join(self.output_dir, 'mlflow.db'))}"
 
     def with_absolute_paths(self) -> "JobSpec":
-        """Local paths resolved against the driver's working directory, so that rank
-        actors (whose working directory may differ) see the same files."""
-
-        def local(path: str) -> str:
-            return path if "://" in path else os.path.abspath(path)
-
-        def source(path: Optional[str]) -> Optional[str]:
-            return path if path is None or path.startswith("builtin:") else local(path)
-
-        return self.model_copy(
+        """Every path field (typed `LocalPath` or `CorpusPath`) resolved against the
+        driver's working directory, so that rank actors (whose working directory may
+        differ) see the same files; the checkpoint directory and tracking URI, which
+        default to places under the run directory, fixed too."""
+        resolved = resolve_paths(self)
+        return resolved.model_copy(
             update={
-                "output_dir": local(self.output_dir),
-                "model": self.model.model_copy(update={"init_from": local(self.model.init_from) if self.model.init_from else None}),
-                "data": self.data.model_copy(
-                    update={
-                        "path": local(self.data.path) if self.data.path else None,
-                        "sources": [m.model_copy(update={"path": local(m.path)}) for m in self.data.sources] if self.data.sources else None,
-                        "source": source(self.data.source),
-                        "tokenizer": local(self.data.tokenizer) if self.data.tokenizer else None,
-                    }
-                ),
-                "eval": self.eval.model_copy(update={"source": source(self.eval.source)}) if self.eval else None,
-                "distill": self.distill.model_copy(
-                    update={
-                        "teacher": local(self.distill.teacher) if self.distill.teacher else None,
-                        "teachers": [t.model_copy(update={"path": local(t.path)}) for t in self.distill.teachers] if self.distill.teachers else None,
-                        "cache": local(self.distill.cache) if self.distill.cache else None,
-                        "instruct": self.distill.instruct.model_copy(
-                            update={
-                                "prompts": local(self.distill.instruct.prompts),
-                                "chat_template": local(self.distill.instruct.chat_template) if self.distill.instruct.chat_template else None,
-                            }
-                        )
-                        if self.distill.instruct
-                        else None,
-                    }
-                )
-                if self.distill
-                else None,
-                "checkpoint": self.checkpoint.model_copy(update={"dir": local(self.checkpoint_dir)}),
-                "tracking": self.tracking.model_copy(update={"uri": self.tracking_uri}),
+                "checkpoint": resolved.checkpoint.model_copy(update={"dir": resolved.checkpoint_dir}),
+                "tracking": resolved.tracking.model_copy(update={"uri": resolved.tracking_uri}),
             }
         )
 

@@ -192,6 +192,36 @@ def test_absolute_paths_resolve_against_cwd(tmp_path, monkeypatch):
     assert spec.tracking_uri == f"sqlite:///{tmp_path}/runs/mlflow.db"
 
 
+def test_every_path_field_resolves_and_a_uri_stays(tmp_path, monkeypatch):
+    """Fields typed as paths in any section (lists of teachers and sources included)
+    resolve, whatever section they sit in; a URI is left as it is."""
+    monkeypatch.chdir(tmp_path)
+    teachers = [{"path": "a"}, {"path": "s3://bucket/b"}]
+    cached = spec_from_dict(
+        {
+            "name": "t",
+            "data": {"path": "d", "tokenizer": "tok.json"},
+            "distill": {"teachers": teachers, "cache": "c", "top_k": 4},
+            "output_dir": "out",
+        }
+    ).with_absolute_paths()
+    assert [t.path for t in cached.distill.teachers] == [str(tmp_path / "a"), "s3://bucket/b"]
+    assert (cached.distill.cache, cached.data.tokenizer, cached.output_dir) == (
+        str(tmp_path / "c"),
+        str(tmp_path / "tok.json"),
+        str(tmp_path / "out"),
+    )
+    instruct = {"prompts": "p.jsonl", "chat_template": "chat.jinja"}
+    answered = spec_from_dict({"name": "t", "data": {"path": "sft"}, "distill": {"teacher": "a", "instruct": instruct, "top_k": 4}}).with_absolute_paths()
+    assert (answered.distill.teacher, answered.distill.instruct.prompts, answered.distill.instruct.chat_template) == (
+        str(tmp_path / "a"),
+        str(tmp_path / "p.jsonl"),
+        str(tmp_path / "chat.jinja"),
+    )
+    mixture = spec_from_dict({"name": "t", "data": {"sources": [{"path": "x", "weight": 1}, {"path": "gs://b/y", "weight": 1}]}})
+    assert [m.path for m in mixture.with_absolute_paths().data.sources] == [str(tmp_path / "x"), "gs://b/y"]
+
+
 def test_evaluation_defaults_to_the_checkpoint_interval():
     assert spec_from_dict(BASE).eval_interval is None
     assert spec_from_dict(BASE, ["eval.batches=2", "checkpoint.interval=7"]).eval_interval == 7

@@ -7,11 +7,12 @@ from typing import Optional
 
 from pydantic import Field
 
+from lmforge.paths import LocalPath
 from lmforge.section import Section
 
 
 class CheckpointSpec(Section):
-    dir: Optional[str] = Field(None, description="directory or fsspec URI; default <run_dir>/checkpoints")
+    dir: Optional[LocalPath] = Field(None, description="directory or fsspec URI; default <run_dir>/checkpoints")
     interval: int = Field(50, gt=0, description="save every N optimizer steps (and at the last step)")
     keep: int = Field(3, gt=0, description="newest committed checkpoints kept")
     keep_every: Optional[int] = Field(None, gt=0, description="also keep every checkpoint whose step is a multiple of this")

@@ -8,23 +8,25 @@ from typing import Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from lmforge.paths import CorpusPath, LocalPath
+
 
 class MixtureSource(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    path: str = Field(..., description="a prepared dataset (directory or URI)")
+    path: LocalPath = Field(..., description="a prepared dataset (directory or URI)")
     weight: float = Field(..., ge=0, allow_inf_nan=False, description="its share of the samples, relative to the others' weights")
 
 
 class DataSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    path: Optional[str] = Field(None, description="prepared dataset directory or URI (holds manifest.json); or give `sources`")
+    path: Optional[LocalPath] = Field(None, description="prepared dataset directory or URI (holds manifest.json); or give `sources`")
     sources: Optional[list[MixtureSource]] = Field(
         None, min_length=1, description="a mixture instead of `path`: prepared datasets blended by weight in one deterministic order"
     )
-    source: Optional[str] = Field(None, description="raw corpus to prepare into `path` when it is missing")
-    tokenizer: Optional[str] = Field(None, description="tokenizer.json to use; default: train a byte-level BPE")
+    source: Optional[CorpusPath] = Field(None, description="raw corpus to prepare into `path` when it is missing")
+    tokenizer: Optional[LocalPath] = Field(None, description="tokenizer.json to use; default: train a byte-level BPE")
     vocab_size: int = Field(8192, ge=256, description="vocabulary of the BPE trained when no tokenizer is given")
     text_column: str = "text"
     shard_samples: int = Field(256, gt=0, description="samples per Parquet shard: the unit the feed shuffles and reads")

@@ -11,6 +11,8 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from lmforge.paths import LocalPath
+
 Loss = Literal["forward_kl", "reverse_kl", "jsd", "tvd", "skew_kl", "skew_reverse_kl"]
 HiddenLoss = Literal["mse", "cosine"]
 
@@ -18,7 +20,7 @@ HiddenLoss = Literal["mse", "cosine"]
 class TeacherSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    path: str = Field(..., description="a committed checkpoint, an lmforge export or a Hugging Face Llama directory")
+    path: LocalPath = Field(..., description="a committed checkpoint, an lmforge export or a Hugging Face Llama directory")
     weight: float = Field(1.0, gt=0, description="its share of the mixture (weights are normalized to sum to 1)")
 
 
@@ -64,10 +66,12 @@ class SelectSpec(BaseModel):
 class InstructSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    prompts: str = Field(..., description="JSONL or Parquet of prompts (a local path or an fsspec URI)")
+    prompts: LocalPath = Field(..., description="JSONL or Parquet of prompts (a local path or an fsspec URI)")
     prompt_column: str = Field("prompt", description="the column holding a prompt's text")
     messages_column: str = Field("messages", description="or the column holding a chat: a list of {role, content}")
-    chat_template: Optional[str] = Field(None, description="a Jinja chat template file; default: the teacher's tokenizer_config.json, else lmforge's")
+    chat_template: Optional[LocalPath] = Field(
+        None, description="a Jinja chat template file; default: the teacher's tokenizer_config.json, else lmforge's"
+    )
     eval_fraction: float = Field(0.0, ge=0, lt=1, description="share of the prompts held out: their answers are the dataset's held-out split")
     prompts_per_shard: int = Field(32, gt=0, description="prompts per unit of work: each unit's answers are written once, and kept across a rerun")
     actors: Optional[int] = Field(None, gt=0, description="teacher actors answering at once; default: a GPU each, else up to two single-CPU ones")
@@ -98,7 +102,7 @@ class OnPolicySpec(BaseModel):
 class DistillSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    teacher: Optional[str] = Field(None, description="the teacher: a committed checkpoint, an lmforge export or a Hugging Face Llama directory")
+    teacher: Optional[LocalPath] = Field(None, description="the teacher: a committed checkpoint, an lmforge export or a Hugging Face Llama directory")
     teachers: Optional[list[TeacherSpec]] = Field(
         None, min_length=1, description="several teachers instead, their distributions mixed in probability space by weight"
     )
@@ -111,7 +115,9 @@ class DistillSpec(BaseModel):
     hidden_weight: float = Field(1.0, ge=0, description="weight of the intermediate-layer loss (with `hidden`)")
     hidden: Optional[HiddenSpec] = Field(None, description="match student blocks' outputs, through learned adapters, to teacher blocks'")
     top_k: Optional[int] = Field(None, gt=0, description="sparse targets: the teacher's k most likely tokens, the rest of its mass as one bucket")
-    cache: Optional[str] = Field(None, description="an offline teacher cache (`lmforge distill cache JOB` builds it) instead of online teachers")
+    cache: Optional[LocalPath] = Field(
+        None, description="an offline teacher cache (`lmforge distill cache JOB` builds it) instead of online teachers"
+    )
     chunk_tokens: int = Field(1024, gt=0, description="tokens whose fp32 log-probabilities are alive at once in the loss")
     instruct: Optional[InstructSpec] = Field(
         None, description="instruction distillation: the teachers answer these prompts (`lmforge distill generate JOB`) into data.path"
