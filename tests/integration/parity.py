@@ -29,7 +29,7 @@ def check_state_bytes(result: dict) -> None:
         return  # DeepSpeed: compared with its own estimators in tests/unit
     spec = JobSpec.model_validate(result["spec"])
     for rank, measured in enumerate(result["states"]):
-        estimated = native_states(spec, rank, teacher_shapes(spec))
+        estimated = native_states(spec, rank, teacher_shapes(spec.distill))
         if spec.parallel.cpu_offload:
             assert estimated.host == sum(measured.values()), (rank, measured, estimated)
         else:

@@ -212,7 +212,9 @@ def test_every_path_field_resolves_and_a_uri_stays(tmp_path, monkeypatch):
         str(tmp_path / "out"),
     )
     instruct = {"prompts": "p.jsonl", "chat_template": "chat.jinja"}
-    answered = spec_from_dict({"name": "t", "data": {"path": "sft"}, "distill": {"teacher": "a", "instruct": instruct, "top_k": 4}}).with_absolute_paths()
+    answered = spec_from_dict(
+        {"name": "t", "data": {"path": "sft"}, "distill": {"teacher": "a", "instruct": instruct, "top_k": 4}}
+    ).with_absolute_paths()
     assert (answered.distill.teacher, answered.distill.instruct.prompts, answered.distill.instruct.chat_template) == (
         str(tmp_path / "a"),
         str(tmp_path / "p.jsonl"),

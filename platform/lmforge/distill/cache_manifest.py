@@ -15,6 +15,7 @@ from pydantic import BaseModel, ValidationError
 from lmforge.checkpoint.store import COMMIT, is_checkpoint
 from lmforge.data.columns import TopKTargets
 from lmforge.data.manifest import EVAL_DIR, MANIFEST, DatasetManifest, Record, TeacherRecord, read_manifest
+from lmforge.distill.config import DistillSpec
 from lmforge.errors import UserError, first_error
 from lmforge.jsonfile import read_object
 
@@ -72,9 +73,9 @@ def weights_sha256(path: str | os.PathLike) -> str:
     return digest.hexdigest()
 
 
-def teacher_records(spec) -> list[TeacherRecord]:
-    """Each of the job's teachers: its path, weight and weight hash."""
-    return [TeacherRecord(path=str(s.path), weight=s.weight, sha256=weights_sha256(s.path)) for s in spec.distill.sources]
+def teacher_records(distill: DistillSpec) -> list[TeacherRecord]:
+    """Each of the job's teachers (its `distill` section's): path, weight and weight hash."""
+    return [TeacherRecord(path=str(s.path), weight=s.weight, sha256=weights_sha256(s.path)) for s in distill.sources]
 
 
 def made_from(spec, dataset: DatasetManifest) -> CacheIdentity:
@@ -89,7 +90,7 @@ def made_from(spec, dataset: DatasetManifest) -> CacheIdentity:
             eval_samples=dataset.eval_samples,
         ),
         tokenizer_sha256=dataset.tokenizer.sha256,
-        teachers=teacher_records(spec),
+        teachers=teacher_records(d),
         k=d.top_k,
         temperature=d.temperature,
     )

@@ -74,7 +74,7 @@ class DistillLoss(Loss):
         hidden = self.settings.hidden
         if hidden is None:
             return {}
-        teacher_width = teacher_shapes(self.spec)[0].dim  # the spec allows hidden states with one teacher
+        teacher_width = teacher_shapes(self.settings)[0].dim  # the spec allows hidden states with one teacher
         adapters = HiddenAdapters(hidden.layers, self.spec.model_arch.dim, teacher_width, seed=self.spec.train.seed)
         return {ADAPTERS: adapters.to(self.device)}
 

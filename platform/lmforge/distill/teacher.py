@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from lmforge.checkpoint.export import open_source
+from lmforge.distill.config import DistillSpec
 from lmforge.distill.losses import TopK
 from lmforge.models import ModelConfig, Transformer, materialize
 from lmforge.models.build import build_model
@@ -58,13 +59,13 @@ def teacher_targets(teachers: list[nn.Module], inputs: torch.Tensor, cached: Cac
         return [teacher(inputs) for teacher in teachers]
 
 
-def teacher_shapes(spec) -> tuple[ModelConfig, ...]:
-    """The shapes of a distillation job's online teachers, in `distill.sources` order
-    (none for another job, or one from the offline cache): what memory estimates count
-    beside the student."""
-    if not spec.distill or not spec.distill.online:
+def teacher_shapes(distill: Optional[DistillSpec]) -> tuple[ModelConfig, ...]:
+    """The shapes of a job's online teachers (its `distill` section), in `sources`
+    order (none for another job, or one from the offline cache): what memory
+    estimates count beside the student."""
+    if not distill or not distill.online:
         return ()
-    return _shapes(tuple(source.path for source in spec.distill.sources), spec.distill.teacher is not None)
+    return _shapes(tuple(source.path for source in distill.sources), distill.teacher is not None)
 
 
 @lru_cache(maxsize=32)  # a planner search estimates hundreds of layouts of one job

@@ -55,7 +55,7 @@ def estimate(spec: JobSpec, rank: int) -> Breakdown:
     """What global `rank` holds at its peak (every term at once: an upper bound)."""
     p = spec.parallel
     coords = MeshShape.for_spec(p).coordinates(rank)
-    teachers = teacher_shapes(spec)
+    teachers = teacher_shapes(spec.distill)
     states = _states(spec, rank, teachers)
     stages = _stages(spec, coords["pp"])
     shape = act.Shape(

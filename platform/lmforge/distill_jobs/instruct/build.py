@@ -109,7 +109,7 @@ def plan_generation(spec) -> Plan:
     units = [fitting[i : i + size] for i in range(0, len(fitting), size)]
     identity = InstructIdentity(
         prompts=PromptsRecord(uri=instruct.prompts, sha256=hashlib.sha256(json.dumps([p.text for p in prompts]).encode()).hexdigest()),
-        teachers=teacher_records(spec),
+        teachers=teacher_records(d),
         tokenizer_sha256=tokenizer_sha256(tokenizer),
         generate=instruct.generate.model_dump(),
         eval_fraction=instruct.eval_fraction,
