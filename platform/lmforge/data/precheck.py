@@ -16,6 +16,7 @@ import pyarrow.parquet as pq
 
 from lmforge.data import storage
 from lmforge.data.corpus import list_files, source_kind
+from lmforge.data.manifest import has_manifest
 from lmforge.data.tokenizer import end_of_text_token, eos_id, load_tokenizer
 from lmforge.errors import UserError
 
@@ -63,7 +64,7 @@ def check_before_ray(opts) -> tuple[list[str], list[str]]:
             f"{name('vocab_size')}: the BPE trained here needs at least {MIN_VOCAB} tokens (256 bytes and end-of-document), got {opts.vocab_size}"
         )
     storage.check_bucket(opts.out, name("out"))
-    if storage.exists(storage.join(opts.out, "manifest.json"), name("out")):
+    if has_manifest(opts.out, name("out")):
         raise UserError(f"{name('out')}: {opts.out} already holds a prepared dataset; remove it or choose another")
     storage.require_empty(opts.out, name("out"))
     files = _check_source(opts.source, opts, name("source"), name("text_column"))
