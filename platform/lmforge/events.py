@@ -394,3 +394,23 @@ def parse_event(value: dict[str, Any]) -> Event:
     """An event as written (metrics.jsonl, an event line) back as its model; a
     ValidationError names what does not fit."""
     return _ANY_EVENT.validate_python(value)
+
+
+class RankResult(BaseModel):
+    """What a rank's trainer returns when its run ends: the step it reached, the loss
+    of its last finite step, where it started, and whether it stopped early at a
+    committed checkpoint (to grow)."""
+
+    step: int
+    loss: Optional[float]
+    start_step: int
+    stopped: bool = False
+
+
+class JobResult(RankResult):
+    """What the controller returns to the driver: rank 0's result, and the layout and
+    data read of the attempt that finished."""
+
+    world_size: int
+    dp: int
+    data_bytes_read: Optional[int] = None  # by the job's readers that lasted to its end

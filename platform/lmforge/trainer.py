@@ -30,7 +30,7 @@ from lmforge.distill.cache_manifest import teacher_cache
 from lmforge.distill.loss import DistillLoss
 from lmforge.engines import CrossEntropy, Loss, create_engine
 from lmforge.errors import OutOfMemory
-from lmforge.events import BatchSkipped, Eval, Event, Restored, Start, Step
+from lmforge.events import BatchSkipped, Eval, Event, RankResult, Restored, Start, Step
 from lmforge.guards.divergence import DivergenceGuard
 from lmforge.guards.inject import FaultInjector
 from lmforge.guards.leaks import LeakCheck
@@ -153,7 +153,7 @@ class Trainer:
             mlflow=MlflowRef(tracking_uri=without_credentials(self.spec.tracking_uri), run_id=run_id) if run_id else None,
         )
 
-    def run(self) -> dict:
+    def run(self) -> RankResult:
         train = self.spec.train
         step = self.start_step
         last = None
@@ -184,7 +184,7 @@ class Trainer:
             self.writer.close()  # the last checkpoint is committed before the run counts as done
         finally:
             self.feed.close()
-        return {"step": step, "loss": last.loss if last else None, "start_step": self.start_step, "stopped": stopped}
+        return RankResult(step=step, loss=last.loss if last else None, start_step=self.start_step, stopped=stopped)
 
     def _train_step(self, step: int, fed: FedStep, began: float) -> Step | None:
         """One optimizer step; its metrics (None when the step was not finite)."""

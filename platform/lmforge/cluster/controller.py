@@ -31,7 +31,7 @@ from lmforge.data.manifest import Manifest
 from lmforge.data.order import BatchLayout
 from lmforge.distill.cache_manifest import teacher_cache
 from lmforge.errors import CheckpointWritesFailing, Diverged, OutOfMemory, TrainingFailed, UserError, first_line
-from lmforge.events import Event, Failure, Layout, OutOfMemoryEvent, Reader, Recovered, Resized, Rollback, Start, Step
+from lmforge.events import Event, Failure, JobResult, Layout, OutOfMemoryEvent, Reader, Recovered, Resized, Rollback, Start, Step
 from lmforge.guards.oom import with_smaller_micro_batch
 from lmforge.parallel.shape import MeshShape
 from lmforge.spec import JobSpec
@@ -125,7 +125,7 @@ class Controller:
             if attempt == self._attempt:
                 self._keepers.taken(step, world)
 
-    def run(self) -> dict:
+    def run(self) -> JobResult:
         spec = JobSpec.model_validate(self.spec_dict)
         budget = FailureBudget.of(spec.fault_tolerance, self._failures)
         capacity = self._capacity = Capacity(
@@ -163,7 +163,7 @@ class Controller:
                     budget.wait()
                     current = capacity.fit(current)
                     continue
-                if not result.get("stopped"):
+                if not result.stopped:
                     return result
                 # Stopped at a committed checkpoint because more ranks fit now: grow.
                 self._new_attempt(failed=False)
@@ -234,7 +234,7 @@ class Controller:
         """Asked by rank 0 at each checkpoint: stop there, so the job can grow?"""
         return self._capacity is not None and self._capacity.growth_pending
 
-    def _run_once(self, spec: JobSpec) -> dict:
+    def _run_once(self, spec: JobSpec) -> JobResult:
         controller_handle = ray.get_runtime_context().current_actor
         world, tp, res = spec.world_size, spec.parallel.tp, spec.resources
         self._dp = spec.parallel.dp
@@ -258,9 +258,9 @@ class Controller:
                 ray.get([w.shutdown.remote() for w in self._workers], timeout=60)
             except ray.exceptions.RayError:
                 pass  # training finished and was reported; the actors are killed next anyway
-            if not results[0].get("stopped"):  # the job is done; a stop to grow keeps its reader
+            if not results[0].stopped:  # the job is done; a stop to grow keeps its reader
                 self._stop_reader(count=True)
-            return results[0] | {"world_size": world, "dp": spec.parallel.dp, "data_bytes_read": self._bytes_read}
+            return JobResult(**dict(results[0]), world_size=world, dp=spec.parallel.dp, data_bytes_read=self._bytes_read)
         finally:
             # DeepSpeed keeps state of its own per process: its ranks always start afresh.
             self._teardown(reuse=spec.engine == "native" and spec.fault_tolerance.keep_survivors)

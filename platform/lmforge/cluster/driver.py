@@ -33,6 +33,7 @@ from lmforge.events import (
     Eval,
     Event,
     Failure,
+    JobResult,
     Layout,
     OutOfMemoryEvent,
     Rollback,
@@ -201,7 +202,7 @@ def _run(
     last_eval = seen.last_eval
     summary = RunSummary(
         job=spec.name,
-        final_step=result["step"],
+        final_step=result.step,
         final_loss=seen.last.loss if seen.last else None,
         eval_loss=last_eval.eval_loss if last_eval else None,
         eval_ppl=last_eval.eval_ppl if last_eval else None,
@@ -209,13 +210,13 @@ def _run(
         eval_kl=last_eval.eval_kl if last_eval else None,
         eval_top1=last_eval.eval_top1 if last_eval else None,
         start_step=plan.start_step,
-        tokens=result["step"] * spec.train.global_batch * spec.train.seq_len,
+        tokens=result.step * spec.train.global_batch * spec.train.seq_len,
         wall_seconds=round(time.time() - began, 2),
         first_step_data_wait_seconds=seen.waits.first_seconds,
         data_wait_fraction=seen.waits.fraction,
-        world_size=result["world_size"],
-        dp=result["dp"],
-        data_bytes_read=result.get("data_bytes_read"),
+        world_size=result.world_size,
+        dp=result.dp,
+        data_bytes_read=result.data_bytes_read,
         failures=seen.failures,
         ranks=seen.ranks,
         run_dir=os.path.abspath(spec.run_dir),
@@ -228,7 +229,7 @@ def _run(
     if answered:
         summary.student_answers = answered["metrics"]
     run_dir.write_summary(summary)
-    if tracker and seen.last_eval and seen.last_eval.step == result["step"]:
+    if tracker and seen.last_eval and seen.last_eval.step == result.step:
         tracker.log_evaluation(seen.last_eval, run_dir.summary_path, answered)  # a distillation's: its own child run
     return summary
 
@@ -249,7 +250,7 @@ def _student_answers(spec: JobSpec, checkpoint: Optional[str], run_dir: RunDir, 
     return answered
 
 
-def _follow(controller, handle, lease: JobLease) -> dict:
+def _follow(controller, handle, lease: JobLease) -> JobResult:
     """Run the job on this controller, passing each of its events to `handle`; stop
     (the controller goes with the caller's cleanup) if another driver took the job."""
     done = controller.run.remote()

@@ -17,6 +17,7 @@ import ray
 
 from lmforge.cluster.keepers import SnapshotShipper
 from lmforge.data.manifest import Manifest
+from lmforge.events import RankResult
 from lmforge.ray_runtime import WORKER_ENV, tune_process
 from lmforge.spec import JobSpec
 from lmforge.tracking.prometheus import RankMetrics
@@ -62,7 +63,7 @@ class Worker:
 
     def train(
         self, spec_dict: dict, manifest: Manifest, controller, attempt: int = 0, watch_node: bool = False, reader=None, snapshots: tuple | None = None
-    ) -> dict:
+    ) -> RankResult:
         """`watch_node`: this rank also samples its node's system metrics into the run;
         `reader`: the job's shared data reader; `snapshots`: (this rank's keepers, the
         snapshot to restore or None) with `checkpoint.in_memory`."""
