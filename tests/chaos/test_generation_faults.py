@@ -13,6 +13,7 @@ import yaml
 
 from chaos import Condition, actor_processes, committed, wait_until
 from conftest import INSTRUCT_OPTIM, INSTRUCT_PROMPTS, instruct_job, tiny_job, with_sections, write_prompts
+from lmforge.distill_jobs.stages import PipelineRecord
 
 
 def test_a_killed_generation_rerun_answers_the_rest_and_writes_the_same_bytes(instruct_dataset, reference_run, tiny_corpus, ray_session, tmp_path):
@@ -131,8 +132,8 @@ def test_a_pipeline_killed_in_its_second_stage_resumes_there(instruct_dataset, t
     finally:
         driver.kill()
         _, stderr = driver.communicate()
-    state = json.loads((runs / "progressive" / "pipeline.json").read_text())
-    assert list(state["stages"]) == ["general"], stderr[-3000:]
+    state = PipelineRecord.model_validate_json((runs / "progressive" / "pipeline.json").read_text())
+    assert list(state.stages) == ["general"], stderr[-3000:]
     saved = json.loads((runs / "progressive-task" / "checkpoints" / "step_00000004" / "state.json").read_text())
     assert [(row["event"], row["step"]) for row in saved["records"]] == [("step", 1), ("step", 2), ("step", 3), ("step", 4), ("eval", 4)]
     wait_until(
@@ -142,8 +143,8 @@ def test_a_pipeline_killed_in_its_second_stage_resumes_there(instruct_dataset, t
 
     result = sdk.run_pipeline(pipeline, show_progress=False)
     assert (runs / "progressive-general" / "metrics.jsonl").read_text() == first  # not run again
-    stages = result["stages"]
-    assert stages["task"]["summary"]["start_step"] == 4 and stages["task"]["summary"]["final_step"] == 8
+    stages = result.stages
+    assert stages["task"] and stages["task"].summary and (stages["task"].summary["start_step"], stages["task"].summary["final_step"]) == (4, 8)
     steps = {
         row["step"]: row
         for row in map(json.loads, (runs / "progressive-task" / "metrics.jsonl").read_text().splitlines())
@@ -155,17 +156,18 @@ def test_a_pipeline_killed_in_its_second_stage_resumes_there(instruct_dataset, t
     } == set(range(1, 7))
     assert all(("ce_loss" in row) != bool(row["on_policy"]) and row["kd_loss"] > 0 for row in steps.values())
     student = runs / "progressive" / "students"
-    check = stages["check"]["metrics"]
-    assert stages["check"]["model"] == str(student / "task")
+    assert stages["check"] and stages["check"].metrics and stages["check"].answers
+    check = stages["check"].metrics
+    assert stages["check"].model == str(student / "task")
     assert check["answers_nll"] == pytest.approx(_answers_nll(student / "task", Path(task["data"]["path"])), rel=1e-5)
     assert check["answers_nll"] < _answers_nll(student / "general", Path(task["data"]["path"]))
-    table = [json.loads(line) for line in Path(stages["check"]["answers"]).read_text().splitlines()]
+    table = [json.loads(line) for line in Path(stages["check"].answers).read_text().splitlines()]
     held = {i for i in range(INSTRUCT_PROMPTS) if i % 4 == 3}
     assert len(table) == check["held_out_prompts"] and {row["prompt_index"] for row in table} <= held and table[0]["teacher_answer"]
 
-    client = MlflowClient(result["mlflow_tracking_uri"])
+    client = MlflowClient(result.mlflow_tracking_uri)
     runs_of = {r.info.run_id: r for r in client.search_runs([client.get_experiment_by_name("pipeline").experiment_id])}
-    top = runs_of[result["mlflow_run_id"]]
+    top = runs_of[result.mlflow_run_id]
     assert top.info.status == "FINISHED" and top.data.tags[ROLE_TAG] == "pipeline"
     nested = {(r.data.tags[ROLE_TAG], r.info.run_name) for r in runs_of.values() if r.data.tags.get(PARENT_TAG) == top.info.run_id}
     assert nested == {("train", "progressive-general"), ("job", "progressive-task"), ("evaluation", "progressive-check evaluation")}, nested

@@ -57,13 +57,15 @@ def pipeline_command(args) -> int:
     load_pipeline(args.pipeline)  # a bad pipeline or stage job fails before torch and Ray load
     result = common.sdk().run_pipeline(args.pipeline, address=args.address, show_progress=not args.no_progress)
     if args.json:
-        return common.print_json(result)
-    lines = [f"done: pipeline {result['pipeline']} ({result['directory']})"]
-    for name, done in result["stages"].items():
-        numbers = done.get("summary", {}) | done.get("metrics", {})
+        return common.print_json(result.as_json())
+    lines = [f"done: pipeline {result.pipeline} ({result.directory})"]
+    for name, done in result.stages.items():
+        if done is None:
+            continue
+        numbers = done.numbers
         shown = ", ".join(f"{key} {numbers[key]:.4f}" for key in ("final_loss", "eval_loss", "answers_nll") if numbers.get(key) is not None)
-        lines.append(f"  {name:<14}: {done['kind']}, {shown}" + (f" -> {done['student']}" if done.get("student") else ""))
-    if result["mlflow_run_id"]:
-        lines.append(f"  MLflow run    : {result['mlflow_run_id']} ({result['mlflow_tracking_uri']}), the stages' runs nested under it")
+        lines.append(f"  {name:<14}: {done.kind}, {shown}" + (f" -> {done.student}" if done.student else ""))
+    if result.mlflow_run_id:
+        lines.append(f"  MLflow run    : {result.mlflow_run_id} ({result.mlflow_tracking_uri}), the stages' runs nested under it")
     print("\n".join(lines))
     return 0

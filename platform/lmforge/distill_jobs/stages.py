@@ -19,9 +19,10 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import ray
+from pydantic import BaseModel, ConfigDict, Field
 from rich.console import Console
 
 from lmforge.checkpoint.export import export_model
@@ -32,6 +33,7 @@ from lmforge.distill.cache_manifest import is_built
 from lmforge.distill_jobs.instruct.evaluate import ANSWERS_FILE, evaluate_student
 from lmforge.distill_jobs.pipeline_file import Stage, load_pipeline
 from lmforge.errors import UserError
+from lmforge.jsonfile import read_object
 from lmforge.ray_runtime import connect
 from lmforge.tracking.pipeline_run import PipelineRun
 
@@ -42,31 +44,77 @@ if TYPE_CHECKING:
 STATE = "pipeline.json"
 
 
+class StageResult(BaseModel):
+    """A finished stage, as pipeline.json keeps it: a train or instruct stage's student
+    and its training's summary (the fields `STAGE_SUMMARY` names); an evaluate stage's
+    model, metrics and answers file."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    identity: str  # the stage as it ran (its job and overrides): a changed stage is refused
+    kind: str
+    student: Optional[str] = None
+    summary: Optional[dict[str, Any]] = None
+    model: Optional[str] = None
+    metrics: Optional[dict[str, float]] = None
+    answers: Optional[str] = None
+
+    @property
+    def numbers(self) -> dict[str, Any]:
+        """Its headline numbers: the training's summary and the evaluation's metrics."""
+        return (self.summary or {}) | (self.metrics or {})
+
+
+class PipelineRecord(BaseModel):
+    """pipeline.json: the pipeline's MLflow run and each finished stage's result."""
+
+    mlflow_run_id: Optional[str] = None
+    stages: dict[str, StageResult] = Field(default_factory=dict)
+
+
+class PipelineResult(BaseModel):
+    """What `sdk.run_pipeline` returns: each stage's result (None: not run), the
+    pipeline's directory and MLflow run."""
+
+    pipeline: str
+    directory: str
+    stages: dict[str, Optional[StageResult]]
+    mlflow_run_id: Optional[str] = None
+    mlflow_tracking_uri: Optional[str] = None
+
+    def as_json(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", exclude_none=True) | {
+            "stages": {n: r and r.model_dump(mode="json", exclude_none=True) for n, r in self.stages.items()}
+        }
+
+
 class PipelineState:
-    """`pipeline.json`: the pipeline's MLflow run and each finished stage's result."""
+    """pipeline.json, read and written here only."""
 
     def __init__(self, directory: Path, source: Path, stages: list[Stage]):
         self.path = directory / STATE
-        self.data = json.loads(self.path.read_text()) if self.path.is_file() else {"stages": {}}
+        self.record = PipelineRecord.model_validate(read_object(self.path)) if self.path.is_file() else PipelineRecord()
         for stage in stages:
-            done = self.data["stages"].get(stage.entry.name)
-            if done and done["identity"] != stage.identity:
+            done = self.record.stages.get(stage.entry.name)
+            if done and done.identity != stage.identity:
                 raise UserError(
                     f"{source}: {stage.label} changed since it finished ({self.path}); a stage is run once per pipeline: "
                     f"give the pipeline another name, or remove {directory} to run it all again"
                 )
 
-    def done(self, stage: Stage) -> Optional[dict]:
-        return self.data["stages"].get(stage.entry.name)
+    def done(self, stage: Stage) -> Optional[StageResult]:
+        return self.record.stages.get(stage.entry.name)
 
-    def finish(self, stage: Stage, result: dict) -> None:
-        self.data["stages"][stage.entry.name] = {"identity": stage.identity, "kind": stage.entry.kind, **result}
+    def finish(self, stage: Stage, result: dict[str, Any]) -> StageResult:
+        finished = StageResult(identity=stage.identity, kind=stage.entry.kind, **result)
+        self.record.stages[stage.entry.name] = finished
         self.save()
+        return finished
 
     def save(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         partial = self.path.with_suffix(".partial")
-        partial.write_text(json.dumps(self.data, indent=2))
+        partial.write_text(self.record.model_dump_json(indent=2, exclude_none=True))
         os.replace(partial, self.path)
 
 
@@ -81,7 +129,7 @@ class StageCalls:
 
 def run_pipeline(
     path: str | os.PathLike, calls: StageCalls, address: Optional[str] = None, show_progress: bool = True, console: Optional[Console] = None
-) -> dict:
+) -> PipelineResult:
     """Run the pipeline's stages that have not finished; returns each stage's result and
     the pipeline's MLflow run."""
     console = console or text_console()
@@ -89,9 +137,9 @@ def run_pipeline(
     directory = Path(pipeline.output_dir).absolute() / pipeline.name
     state = PipelineState(directory, Path(path), stages)
     started = any(not state.done(stage) for stage in stages) and connect(address)  # nothing left to run: no Ray
-    tracker = PipelineRun(pipeline, stages[0].job, state.data.get("mlflow_run_id"), Path(path)) if pipeline.tracking.enabled else None
+    tracker = PipelineRun(pipeline, stages[0].job, state.record.mlflow_run_id, Path(path)) if pipeline.tracking.enabled else None
     if tracker:
-        state.data["mlflow_run_id"] = tracker.run_id
+        state.record.mlflow_run_id = tracker.run_id
         state.save()
     status = "FAILED"
     try:
@@ -101,7 +149,7 @@ def run_pipeline(
                 console.print(
                     plain(
                         f"stage {stage.index + 1}/{len(stages)} {stage.entry.name}: finished before"
-                        + (f"; its student: {done['student']}" if done.get("student") else "")
+                        + (f"; its student: {done.student}" if done.student else "")
                     ),
                     highlight=False,
                     soft_wrap=True,
@@ -113,23 +161,22 @@ def run_pipeline(
                 soft_wrap=True,
             )
             job = stage.job.with_changes("tracking", parent_run_id=tracker.run_id) if tracker else stage.job
-            result = RUNNERS[stage.entry.kind](stage, job, calls, show_progress, console, tracker)
-            state.finish(stage, result)
+            finished = state.finish(stage, RUNNERS[stage.entry.kind](stage, job, calls, show_progress, console, tracker))
             if tracker:
-                tracker.log_stage(stage, result)
+                tracker.log_stage(stage, finished.numbers, finished.model_dump(mode="json", exclude={"summary"}, exclude_none=True))
         status = "FINISHED"
     finally:
         if tracker:
             tracker.finish(status)
         if started:
             ray.shutdown()
-    return {
-        "pipeline": pipeline.name,
-        "directory": str(directory),
-        "stages": {s.entry.name: state.done(s) for s in stages},
-        "mlflow_run_id": tracker.run_id if tracker else None,
-        "mlflow_tracking_uri": redact_uri(stages[0].job.tracking_uri) if tracker else None,
-    }
+    return PipelineResult(
+        pipeline=pipeline.name,
+        directory=str(directory),
+        stages={s.entry.name: state.done(s) for s in stages},
+        mlflow_run_id=tracker.run_id if tracker else None,
+        mlflow_tracking_uri=redact_uri(stages[0].job.tracking_uri) if tracker else None,
+    )
 
 
 # What a stage's result keeps of its training's summary (pipeline.json, the pipeline's MLflow run).

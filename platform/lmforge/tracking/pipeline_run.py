@@ -28,18 +28,18 @@ class PipelineRun:
         self.run_id = run.info.run_id
         self.client.log_artifact(self.run_id, str(source))
 
-    def log_stage(self, stage, result: dict) -> None:
-        """A finished stage's headline numbers, as `<stage>.<metric>` at its index."""
+    def log_stage(self, stage, numbers: dict, record: dict) -> None:
+        """A finished stage's headline numbers, as `<stage>.<metric>` at its index, and
+        its record (what pipeline.json keeps of it but the summary) as a tag."""
         from mlflow.entities import Metric
 
-        numbers = result.get("summary", {}) | result.get("metrics", {})
         metrics = [
             Metric(f"{stage.entry.name}.{key}", float(numbers[key]), 0, stage.index)
             for key in (*STAGE_METRICS, "answers_nll")
             if numbers.get(key) is not None
         ]
         self.client.log_batch(self.run_id, metrics=metrics)
-        self.client.set_tag(self.run_id, f"lmforge.stage.{stage.entry.name}", json.dumps({k: v for k, v in result.items() if k != "summary"})[:5000])
+        self.client.set_tag(self.run_id, f"lmforge.stage.{stage.entry.name}", json.dumps(record)[:5000])
 
     def log_evaluation(self, stage, answered: dict) -> str:
         """An evaluate stage's run: the student's held-out metrics and its answers' table."""
