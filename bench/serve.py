@@ -141,7 +141,7 @@ def deploy(model: Path, int8: Path, max_running: int) -> int:
     from ray import serve
 
     from lmforge.serve.app import application
-    from lmforge.serve.backend import ServerOptions
+    from lmforge.serve.options import ServerOptions
 
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     with __import__("socket").socket() as sock:

@@ -42,7 +42,7 @@ from lmforge.preflight import check_teachers, preflight
 from lmforge.quantization.command import QuantizeOptions, quantize_model
 from lmforge.ray_runtime import connect, embedded_resources
 from lmforge.serve.app import check_cpus, check_model, check_port, serve_model
-from lmforge.serve.backend import ServerOptions
+from lmforge.serve.options import Deployment, ServerOptions
 from lmforge.spec import JobSpec, load_spec
 from lmforge.tracking.mlflow_run import MlflowRun
 from lmforge.tracking.model_registry import register_export
@@ -255,6 +255,10 @@ def serve(
     """`lmforge serve`: the model behind an OpenAI-compatible API on Ray Serve, until
     SIGINT or SIGTERM. `replicas`: a number, or "auto" (1..`max_replicas` on load).
     `model_as_given`: the model path as the user wrote it, for messages."""
+    options.check()
+    Deployment(host, port, replicas, max_replicas, cpus_per_replica, route_prefix).check()
+    if not Path(model_as_given or options.model).exists():
+        raise UserError(f"MODEL: {model_as_given or options.model} does not exist")
     check_port(host, port, address)
     embedded = embedded_resources(address)  # what a cluster this call starts would have
     check_cpus(cpus_per_replica, embedded["CPU"] if embedded else None)

@@ -79,7 +79,7 @@ def serving(ray_session, reference_run, tiny_dataset, tmp_path_factory):
     from ray import serve
 
     from lmforge.serve.app import application
-    from lmforge.serve.backend import ServerOptions
+    from lmforge.serve.options import ServerOptions
 
     tmp = tmp_path_factory.mktemp("serve")
     teacher, earlier, student = tmp / "teacher", tmp / "earlier", tmp / "student"
@@ -269,7 +269,7 @@ def test_bad_requests_get_openai_errors_and_serving_goes_on(serving):
 def test_replicas_fixed_or_autoscaled_and_a_gpu_each_on_gpu_clusters(tmp_path):
     """The deployment `lmforge serve` asks Serve for (its config only: no GPU here)."""
     from lmforge.serve.app import application
-    from lmforge.serve.backend import ServerOptions
+    from lmforge.serve.options import ServerOptions
 
     options = ServerOptions(model=str(tmp_path), name="m", max_running=4, max_waiting=12)
     fixed = application(options, 2, 1.0, 1.0)._bound_deployment

@@ -16,8 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lmforge.inference.sampling import SamplingParams
-from lmforge.serve.api import build_api, key_digest
-from lmforge.serve.backend import Backend, ResponseCache, ServerOptions
+from lmforge.serve.api import build_api
+from lmforge.serve.backend import Backend, ResponseCache
+from lmforge.serve.options import ServerOptions, key_digest
 from multinode import free_port
 
 KEY = "request-tests-key"

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from lmforge.cli import common
-from lmforge.errors import UserError
+from lmforge.serve.options import ServerOptions, key_digest
 
 
 def add_parsers(sub) -> None:
@@ -55,54 +55,11 @@ def add_parsers(sub) -> None:
 
 
 def serve_command(args) -> int:
-    options = _server_options(args)
-    common.sdk().serve(
-        options,
-        args.host,
-        args.port,
-        args.replicas if args.replicas == "auto" else int(args.replicas),
-        max_replicas=args.max_replicas,
-        cpus_per_replica=args.cpus_per_replica,
-        address=args.address,
-        route_prefix=args.route_prefix,
-        app_name=args.app_name or options.name,
-        say=common.say,
-        model_as_given=args.model,
-    )
-    return 0
-
-
-def _server_options(args):
-    """The flags checked, naming each, before Ray or the model loads."""
-    from lmforge.serve.api import key_digest  # the serving stack, and torch with it
-    from lmforge.serve.backend import ServerOptions
-    from lmforge.serve.engine import MODES
-
-    if args.batching not in MODES:
-        raise UserError(f"--batching: {args.batching!r} is not one of {', '.join(MODES)}")
-    if args.replicas != "auto" and not (args.replicas.isdigit() and int(args.replicas) >= 1):
-        raise UserError(f"--replicas: a number of at least 1 or auto, got {args.replicas!r}")
-    for flag in ("max_running", "max_waiting", "max_n", "threads", "max_replicas", "port"):
-        if getattr(args, flag) < 1:
-            raise UserError(f"--{flag.replace('_', '-')}: must be at least 1, got {getattr(args, flag)}")
-    if args.port > 65535:
-        raise UserError(f"--port: must be at most 65535, got {args.port}")
-    if not args.cpus_per_replica > 0:
-        raise UserError(f"--cpus-per-replica: must be > 0, got {args.cpus_per_replica}")
-    if args.route_prefix != "/" and (args.route_prefix.endswith("/") or "{" in args.route_prefix or "}" in args.route_prefix):
-        raise UserError(f"--route-prefix: a path like /name, not ending in / and without braces, got {args.route_prefix!r}")
-    if args.cache_size < 0:
-        raise UserError(f"--cache-size: must be >= 0, got {args.cache_size}")
-    if not args.route_prefix.startswith("/"):
-        raise UserError(f"--route-prefix: must start with /, got {args.route_prefix!r}")
-    if args.chat_template and not Path(args.chat_template).is_file():
-        raise UserError(f"--chat-template: {args.chat_template} does not exist")
-    if not Path(args.model).exists():
-        raise UserError(f"MODEL: {args.model} does not exist")
     key = args.api_key or os.environ.get("LMFORGE_API_KEY")
-    return ServerOptions(
-        model=str(Path(args.model).resolve()),
-        name=args.name or Path(args.model).resolve().name,
+    model = Path(args.model).resolve()
+    options = ServerOptions(
+        model=str(model),
+        name=args.name or model.name,
         batching=args.batching,
         max_running=args.max_running,
         max_waiting=args.max_waiting,
@@ -114,6 +71,20 @@ def _server_options(args):
         threads=args.threads,
         chat_template=str(Path(args.chat_template).resolve()) if args.chat_template else None,
     )
+    common.sdk().serve(
+        options,
+        args.host,
+        args.port,
+        args.replicas if args.replicas == "auto" or not args.replicas.isdigit() else int(args.replicas),
+        max_replicas=args.max_replicas,
+        cpus_per_replica=args.cpus_per_replica,
+        address=args.address,
+        route_prefix=args.route_prefix,
+        app_name=args.app_name or options.name,
+        say=common.say,
+        model_as_given=args.model,
+    )
+    return 0
 
 
 def judge_command(args) -> int:

@@ -6,7 +6,6 @@ internals in it: what went wrong inside is logged on the replica."""
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import json
 import logging
@@ -15,15 +14,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from lmforge.serve.backend import Backend
+from lmforge.serve.options import key_digest
 from lmforge.serve.protocol import APIError, ChatRequest, CompletionRequest, parse
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 OPEN_ROUTES = ("/health",)  # probes (a load balancer, Kubernetes) carry no key; it says only "ok" and the model's name
 log = logging.getLogger(__name__)
-
-
-def key_digest(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
 
 
 def build_api(backend: Backend) -> FastAPI:

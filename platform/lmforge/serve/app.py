@@ -20,7 +20,8 @@ from lmforge.errors import UserError
 from lmforge.models.quantized import QUANTIZATION, is_quantized
 from lmforge.ray_runtime import connect, embedded_resources
 from lmforge.serve.api import build_api
-from lmforge.serve.backend import Backend, ServerOptions
+from lmforge.serve.backend import Backend
+from lmforge.serve.options import ServerOptions
 
 
 @serve.ingress()

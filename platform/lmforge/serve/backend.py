@@ -12,7 +12,6 @@ import random
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import AsyncIterator, Optional
 
 from lmforge.chat import chat_renderer, chat_template_of
@@ -21,30 +20,13 @@ from lmforge.inference.generate import Generator
 from lmforge.inference.sampling import SamplingParams
 from lmforge.serve.engine import Sequence, Token, make_engine
 from lmforge.serve.metrics import ServerMetrics
+from lmforge.serve.options import ServerOptions
 from lmforge.serve.protocol import APIError, ChatRequest, CompletionRequest, Shape, logprobs_object, new_id, sse, usage
 
 log = logging.getLogger(__name__)
 # A token of these byte-level BPE vocabularies covers this many characters at most in
 # practice: a prompt longer than context x this cannot fit, and is refused untokenized.
 CHARS_PER_TOKEN = 32
-
-
-@dataclass
-class ServerOptions:
-    model: str  # a model directory, quantized directory or committed checkpoint
-    name: str  # what clients call it (`model` in requests)
-    batching: str = "continuous"  # continuous | request | off
-    max_running: int = 16  # sequences decoding together
-    max_waiting: int = 256  # sequences queued for a slot; more are refused (503)
-    max_n: int = 8
-    cache_size: int = 256  # responses kept for identical temperature-0 requests (0: none) ...
-    cache_bytes: int = 64 << 20  # ... and at most this much of their JSON
-    max_body_bytes: int = 8 << 20  # a request body larger is refused (413) before it is read whole
-    api_key_sha256: Optional[str] = None  # the key's digest: the key itself never enters Serve's config
-    device: Optional[str] = None  # cpu or cuda; None: decided when the cluster is known
-    tokenizer: Optional[str] = None
-    chat_template: Optional[str] = None  # a Jinja file; default: the model's tokenizer_config.json, else lmforge's
-    threads: int = 1
 
 
 class ResponseCache:

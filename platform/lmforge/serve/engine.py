@@ -27,8 +27,6 @@ from lmforge.inference.generate import generate_ids
 from lmforge.inference.sampling import SamplingParams, next_tokens
 from lmforge.inference.slots import SlotCache
 
-MODES = ("continuous", "request", "off")
-
 
 @dataclass
 class Token:
