@@ -22,7 +22,7 @@ from lmforge.data.manifest import MANIFEST, DatasetManifest, Manifest, MixtureMa
 from lmforge.data.precheck import check_before_ray
 from lmforge.data.prepare import PrepareOptions
 from lmforge.data.tokenizer import load_tokenizer
-from lmforge.distill.cache_manifest import read_cache
+from lmforge.distill.cache_manifest import is_built, read_cache
 from lmforge.errors import UserError
 from lmforge.models.weights import open_model_dir
 from lmforge.planner.fit import check_fits
@@ -298,3 +298,23 @@ def preflight(spec: JobSpec) -> Plan:
         if manifest is not None:
             changes = check_resume_order(spec, manifest, ckpt)
     return Plan(spec=spec, manifest=manifest, resume_from=ckpt, order_changes=changes)
+
+
+def check_cache_build(spec: JobSpec) -> None:
+    """`lmforge distill cache`, before anything starts: the job names where the cache
+    goes, and nothing is there yet."""
+    if spec.distill is None:
+        raise UserError("distill: the job has no distill section, so no teacher to cache")
+    if not spec.distill.cache:
+        raise UserError("distill.cache: not set; name the directory the teacher cache goes to")
+    if is_built(spec.distill.cache):
+        raise UserError(f"distill.cache: {spec.distill.cache} already holds a teacher cache; remove it or choose another path")
+
+
+def check_generation(spec: JobSpec) -> None:
+    """`lmforge distill generate`, before anything starts: the job names prompts, and
+    its data.path holds no dataset yet."""
+    if spec.distill is None or spec.distill.instruct is None:
+        raise UserError("distill.instruct: the job names no prompts to answer; add a distill.instruct section (prompts, generate, select)")
+    if has_manifest(spec.data.path):
+        raise UserError(f"data.path: {spec.data.path} already holds a dataset; remove it or choose another data.path")

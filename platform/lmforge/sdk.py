@@ -31,14 +31,13 @@ from lmforge.distill.cache_manifest import CacheManifest, cache_params, tracking
 from lmforge.distill_jobs import stages
 from lmforge.distill_jobs.instruct.build import generate_dataset, plan_generation
 from lmforge.distill_jobs.teacher_cache import build_cache as build_teacher_cache
-from lmforge.distill_jobs.teacher_cache import check_can_build
 from lmforge.errors import UserError
 from lmforge.evaluation.judge import JudgeOptions, run_judge
 from lmforge.inference.generate import Generator, default_device
 from lmforge.inference.sampling import SamplingParams
 from lmforge.jobs import JobHandle, job, jobs, runs, submit
 from lmforge.planner.command import LayoutSearch, MemoryPlan, layout_search, memory_plan
-from lmforge.preflight import check_teachers, preflight
+from lmforge.preflight import check_cache_build, check_teachers, preflight
 from lmforge.quantization.command import QuantizeOptions, quantize_model
 from lmforge.ray_runtime import connect, embedded_resources
 from lmforge.serve.app import check_cpus, check_model, check_port, serve_model
@@ -89,7 +88,7 @@ def build_cache(spec: JobSpec, address: Optional[str] = None, show_progress: boo
     top-k targets for every sample of its dataset (prepared first if need be); returns
     the cache's manifest."""
     spec = spec.with_absolute_paths()
-    check_can_build(spec)
+    check_cache_build(spec)
     data_path = _required(spec.data.path, "data.path", "a teacher cache scores one dataset")
     prepared = has_manifest(data_path)
     check_teachers(spec, read_manifest(data_path) if prepared else None)

@@ -27,10 +27,10 @@ from lmforge.checkpoint.export import open_source
 from lmforge.console import text_column
 from lmforge.data.manifest import EVAL_DIR, DatasetManifest, Shard, read_manifest
 from lmforge.data.staging import staged
-from lmforge.distill.cache_manifest import CachedHeldOut, CacheIdentity, CacheManifest, is_built, made_from, write_cache_manifest
+from lmforge.distill.cache_manifest import CachedHeldOut, CacheIdentity, CacheManifest, made_from, write_cache_manifest
 from lmforge.distill.losses import Mixture, teacher_log_probs
 from lmforge.distill.teacher import load_whole
-from lmforge.errors import UserError
+from lmforge.preflight import check_cache_build
 from lmforge.ray_runtime import tune_process
 
 COLUMNS = ("sample_id", "topk_ids", "topk_logprobs")
@@ -115,20 +115,10 @@ def _splits(data_path: Path, dataset: DatasetManifest, staging: Path) -> list[tu
     return splits
 
 
-def check_can_build(spec) -> None:
-    """Before anything starts: the job names where the cache goes, and nothing is there yet."""
-    if spec.distill is None:
-        raise UserError("distill: the job has no distill section, so no teacher to cache")
-    if not spec.distill.cache:
-        raise UserError("distill.cache: not set; name the directory the teacher cache goes to")
-    if is_built(spec.distill.cache):
-        raise UserError(f"distill.cache: {spec.distill.cache} already holds a teacher cache; remove it or choose another path")
-
-
 def build_cache(spec, show_progress: bool = True) -> CacheManifest:
     """Score the job's dataset with its teachers into `distill.cache`; returns the
     manifest. Requires an initialized Ray session."""
-    check_can_build(spec)
+    check_cache_build(spec)
     d = spec.distill
     out, data_path = Path(d.cache), Path(spec.data.path)
     dataset = read_manifest(data_path)

@@ -37,7 +37,6 @@ from lmforge.data.manifest import (
     PromptsRecord,
     SoftTargets,
     TokenizerRecord,
-    has_manifest,
     write_manifest,
 )
 from lmforge.data.packing import ShardWriter
@@ -50,7 +49,7 @@ from lmforge.distill_jobs.instruct.samples import write_samples
 from lmforge.distill_jobs.instruct.selection import RULES, select
 from lmforge.distill_jobs.teacher_cache import actor_pool
 from lmforge.errors import UserError
-from lmforge.preflight import check_teachers
+from lmforge.preflight import check_generation, check_teachers
 
 SETTINGS = "settings.json"
 ANSWERS_DIR = "answers"  # inside the dataset: every answer generated, kept or not
@@ -74,19 +73,12 @@ def answers_dir(spec) -> Path:
     return out.parent / f".{out.name}.answers"
 
 
-def check_can_generate(spec) -> None:
-    if spec.distill is None or spec.distill.instruct is None:
-        raise UserError("distill.instruct: the job names no prompts to answer; add a distill.instruct section (prompts, generate, select)")
-    if has_manifest(spec.data.path):
-        raise UserError(f"data.path: {spec.data.path} already holds a dataset; remove it or choose another data.path")
-
-
 def plan_generation(spec) -> Plan:
     """Teachers, tokenizer, chat template and prompts, checked; prompts that cannot fit the
     teachers' context or a training sample with max_new_tokens are dropped and counted,
     and when none fits that is refused."""
 
-    check_can_generate(spec)
+    check_generation(spec)
     d, instruct = spec.distill, spec.distill.instruct
     names = ["distill.teacher"] if d.teacher else [f"distill.teachers[{i}]" for i in range(len(d.sources))]
     teachers = [open_source(s.path, name=name) for s, name in zip(d.sources, names)]
