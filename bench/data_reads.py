@@ -24,7 +24,8 @@ import ray
 
 from lmforge import sdk
 from lmforge.data.corpus import stdlib_files
-from lmforge.data.prepare import PrepareOptions, prepare_dataset
+from lmforge.data.prepare import prepare_dataset
+from lmforge.data.prepare_options import PrepareOptions
 from lmforge.spec import spec_from_dict
 
 LAYOUTS = {"dp 1": {"dp": 1}, "dp 2": {"dp": 2}, "dp 2 x tp 2": {"dp": 2, "tp": 2}}

@@ -30,7 +30,8 @@ import torch.nn.functional as F
 
 from lmforge.data.corpus import stdlib_files
 from lmforge.data.order import BatchLayout, GlobalOrder
-from lmforge.data.prepare import PrepareOptions, prepare_dataset
+from lmforge.data.prepare import prepare_dataset
+from lmforge.data.prepare_options import PrepareOptions
 from lmforge.engines.base import warmup_cosine
 from lmforge.events import Event, Step
 from lmforge.models import build_model

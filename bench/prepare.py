@@ -26,7 +26,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import ray
 
 from lmforge.data.corpus import stdlib_files
-from lmforge.data.prepare import PrepareOptions, prepare_dataset
+from lmforge.data.prepare import prepare_dataset
+from lmforge.data.prepare_options import PrepareOptions
 from lmforge.data.tokenizer import load_tokenizer, train_bpe
 
 

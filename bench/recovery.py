@@ -43,7 +43,8 @@ from chaos import wait_until  # noqa: E402
 from lmforge import sdk  # noqa: E402
 from lmforge.checkpoint.state import TrainerState  # noqa: E402
 from lmforge.data.corpus import stdlib_files  # noqa: E402
-from lmforge.data.prepare import PrepareOptions, prepare_dataset  # noqa: E402
+from lmforge.data.prepare import prepare_dataset  # noqa: E402
+from lmforge.data.prepare_options import PrepareOptions  # noqa: E402
 from lmforge.models.build import build_model  # noqa: E402
 from lmforge.models.config import PRESETS  # noqa: E402
 from lmforge.spec import spec_from_dict  # noqa: E402

@@ -26,7 +26,8 @@ import ray
 
 from lmforge.data.corpus import stdlib_files
 from lmforge.data.feed import verified_shards
-from lmforge.data.prepare import PrepareOptions, prepare_dataset
+from lmforge.data.prepare import prepare_dataset
+from lmforge.data.prepare_options import PrepareOptions
 
 COLUMNS = ["sample_id", "tokens"]
 

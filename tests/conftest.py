@@ -101,7 +101,8 @@ def tiny_corpus(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_dataset(ray_session, tiny_corpus, tmp_path_factory) -> Path:
-    from lmforge.data.prepare import PrepareOptions, prepare_dataset
+    from lmforge.data.prepare import prepare_dataset
+    from lmforge.data.prepare_options import PrepareOptions
 
     out = tmp_path_factory.mktemp("data") / "tiny-32"
     # One document in ten held out: the held-out split that `eval` measures.
@@ -114,7 +115,8 @@ def second_dataset(ray_session, tiny_dataset, tmp_path_factory) -> Path:
     """A few small source files of other modules, with `tiny_dataset`'s tokenizer and
     seq_len (about 100 samples): the second, smaller source of the mixture tests."""
     from lmforge.data.corpus import stdlib_files
-    from lmforge.data.prepare import PrepareOptions, prepare_dataset
+    from lmforge.data.prepare import prepare_dataset
+    from lmforge.data.prepare_options import PrepareOptions
 
     corpus = tmp_path_factory.mktemp("corpus-b")
     small = [f for f in stdlib_files() if "/test" not in f and 2_000 < Path(f).stat().st_size < 5_000]
@@ -138,7 +140,8 @@ def s3_dataset(s3_bucket, tiny_corpus, tiny_dataset) -> str:
     into it (its tokenizer given): the same shards at an s3:// URI."""
     import fsspec
 
-    from lmforge.data.prepare import PrepareOptions, prepare_dataset
+    from lmforge.data.prepare import prepare_dataset
+    from lmforge.data.prepare_options import PrepareOptions
 
     fsspec.filesystem("s3").put(f"{tiny_corpus}/", f"{s3_bucket}/corpus/", recursive=True)
     out = f"{s3_bucket}/tiny-32"

@@ -33,7 +33,8 @@ TESTS = Path(__file__).parent
 sys.path[:0] = [str(TESTS), str(TESTS / "chaos")]
 from chaos import events, reached_step, recorded_event, wait_until  # noqa: E402
 from lmforge import sdk  # noqa: E402
-from lmforge.data.prepare import PrepareOptions, prepare_dataset  # noqa: E402
+from lmforge.data.prepare import prepare_dataset  # noqa: E402
+from lmforge.data.prepare_options import PrepareOptions  # noqa: E402
 from lmforge.spec import spec_from_dict  # noqa: E402
 from multinode import start_cluster  # noqa: E402
 

@@ -20,7 +20,7 @@ from lmforge.data.heldout import check_held_out
 from lmforge.data.identity import describe, order_changes, order_inputs
 from lmforge.data.manifest import MANIFEST, DatasetManifest, Manifest, MixtureManifest, has_manifest, mixture_manifest, read_manifest
 from lmforge.data.precheck import check_before_ray
-from lmforge.data.prepare import PrepareOptions
+from lmforge.data.prepare_options import PrepareOptions
 from lmforge.data.tokenizer import load_tokenizer
 from lmforge.distill.cache_manifest import is_built, read_cache
 from lmforge.errors import UserError

@@ -26,7 +26,8 @@ from lmforge.checkpoint.export import export_model
 from lmforge.cluster import driver
 from lmforge.data.manifest import MANIFEST, DatasetManifest, has_manifest, read_manifest
 from lmforge.data.precheck import check_before_ray
-from lmforge.data.prepare import PrepareOptions, prepare_dataset
+from lmforge.data.prepare import prepare_dataset
+from lmforge.data.prepare_options import PrepareOptions
 from lmforge.distill.cache_manifest import CacheManifest, cache_params, tracking_params
 from lmforge.distill_jobs import stages
 from lmforge.distill_jobs.instruct.build import generate_dataset, plan_generation

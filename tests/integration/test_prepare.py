@@ -10,7 +10,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from lmforge.data.manifest import DatasetManifest, read_manifest
-from lmforge.data.prepare import PrepareOptions, prepare_dataset
+from lmforge.data.prepare import prepare_dataset
+from lmforge.data.prepare_options import PrepareOptions
 
 pytestmark = pytest.mark.ray
 

@@ -200,7 +200,7 @@ def test_a_job_started_from_a_hugging_face_directory_takes_its_shape_and_tokeniz
     """No preset: the directory's shape. Its tokenizer prepares the dataset, and a
     dataset tokenized with another vocabulary is refused naming both."""
     from lmforge.data.manifest import DatasetManifest, TokenizerRecord
-    from lmforge.data.prepare import PrepareOptions
+    from lmforge.data.prepare_options import PrepareOptions
     from lmforge.data.tokenizer import train_bpe
     from lmforge.errors import UserError
     from lmforge.preflight import check_init_from

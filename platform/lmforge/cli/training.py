@@ -9,6 +9,7 @@ from lmforge.cli import common
 from lmforge.console import text_console
 from lmforge.data.manifest import has_manifest, read_manifest
 from lmforge.data.precheck import FLAGS
+from lmforge.data.prepare_options import PrepareOptions
 from lmforge.errors import UserError
 from lmforge.jobs.client import submitted_spec
 from lmforge.spec import load_spec
@@ -100,8 +101,6 @@ def prepare_command(args) -> int:
 
 
 def _prepare_options(args):
-    from lmforge.data.prepare import PrepareOptions
-
     if args.job:
         spec = load_spec(args.job, args.overrides)
         if not spec.data.source:

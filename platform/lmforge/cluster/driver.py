@@ -22,7 +22,8 @@ from lmforge.cluster.supervision import FailureBudget, Handoff
 from lmforge.console import plain, text_console
 from lmforge.credentials import redact_uri
 from lmforge.data.manifest import Manifest, read_manifest
-from lmforge.data.prepare import PrepareOptions, prepare_dataset
+from lmforge.data.prepare import prepare_dataset
+from lmforge.data.prepare_options import PrepareOptions
 from lmforge.distill.cache_manifest import tracking_params
 from lmforge.distill_jobs.instruct.evaluate import after_training
 from lmforge.errors import TrainingFailed, UserError, first_line
