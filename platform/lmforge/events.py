@@ -1,7 +1,8 @@
 """What ranks, the controller and the driver say about a run, declared once: each kind
 is a pydantic model that knows its console line, whether metrics.jsonl keeps it, and
-its MLflow metrics and tags. Sent as models between processes; JSON (`as_dict`) only
-where a file or a log line holds it. No torch here: the controller imports it.
+its MLflow metrics and tags; and what a rank and the controller return when a run
+ends (`RankResult`, `JobResult`). Sent as models between processes; JSON (`as_dict`)
+only where a file or a log line holds it. No torch here: the controller imports it.
 """
 
 # pyright: reportIncompatibleVariableOverride=false
