@@ -125,13 +125,13 @@ def test_resume_continues_with_identical_losses(uninterrupted, ray_session, s3_d
     job = reference_job(tmp_path, s3_dataset, train={"max_steps": 20}, checkpoint={"dir": checkpoints})
     assert read_manifest(s3_dataset).shards == read_manifest(tiny_dataset).shards  # byte for byte, by sha256
     first = sdk.train(spec_from_dict(job, ["train.max_steps=10"]), show_progress=False)
-    assert first["final_step"] == 10
+    assert first.final_step == 10
     second = sdk.train(spec_from_dict(job), show_progress=False)
     assert second.start_step == 10 and second.final_step == 20
     assert {"step_00000010", "step_00000020"} <= {p.rsplit("/", 1)[-1] for p in fsspec.filesystem("s3").ls(checkpoints, refresh=True)}
     secret = os.environ["AWS_SECRET_ACCESS_KEY"].encode()
     assert not [p for p in (tmp_path / "runs").rglob("*") if p.is_file() and secret in p.read_bytes()]
-    assert second.mlflow_run_id == first["mlflow_run_id"]
+    assert second.mlflow_run_id == first.mlflow_run_id
     resumed = _losses(tmp_path / "runs" / "tiny")
     assert sorted(resumed) == list(range(1, 21))
     for step in range(1, 21):
@@ -220,7 +220,7 @@ def test_deepspeed_documentation_config_trains_resumes_and_matches_native(uninte
     overrides = ["deepspeed.config.train_batch_size=8", "deepspeed.config.optimizer.params.lr=0.003"]
     first = sdk.train(spec_from_dict(job, [*overrides, "train.max_steps=4"]), show_progress=False)
     second = sdk.train(spec_from_dict(job, [*overrides, "debug.oom_at_step=6", "debug.oom_above_micro_batch=1"]), show_progress=False)
-    assert first["final_step"] == 4 and second.start_step == 4 and second.final_step == 8
+    assert first.final_step == 4 and second.start_step == 4 and second.final_step == 8
     ooms = [row for row in _rows(tmp_path / "runs" / "tiny") if row.get("event") == "out_of_memory"]
     assert [(e["micro_batch"], e["retry_micro_batch"]) for e in ooms] == [(2, 1)] and second.failures == 0
     losses = _losses(tmp_path / "runs" / "tiny")
@@ -270,7 +270,7 @@ def test_a_distillation_job_trains_through_the_controller(distill_run, tmp_path)
     assert parent.info.status == "FINISHED" and parent.data.params["distill.teachers_sha256"] == ",".join(commits)
     assert sorted(children) == ["evaluation", "train"] and children["train"].info.run_id == run.info.run_id
     final = children["evaluation"]
-    assert {k: final.data.metrics[k] for k in ("eval_kl", "eval_top1")} == {k: summary[k] for k in ("eval_kl", "eval_top1")}
+    assert {k: final.data.metrics[k] for k in ("eval_kl", "eval_top1")} == {"eval_kl": summary.eval_kl, "eval_top1": summary.eval_top1}
     assert "summary.json" in {a.path for a in client.list_artifacts(final.info.run_id)}
     # Exported, the student is logged to its training run and registered under the job's name, its teachers in a tag.
     registered = sdk.export(summary.latest_checkpoint, tmp_path / "student", register=True)["registered"]
