@@ -22,7 +22,7 @@ from typing import Callable, Optional, TypeVar, Union
 import ray
 from rich.console import Console
 
-from lmforge.checkpoint.export import export_model
+from lmforge.checkpoint.export import ExportResult, export_model
 from lmforge.cluster import driver
 from lmforge.data.manifest import MANIFEST, DatasetManifest, has_manifest, read_manifest
 from lmforge.data.precheck import check_before_ray
@@ -185,15 +185,15 @@ def search_layouts(spec: JobSpec, cluster: Optional[str] = None, top: int = 5, c
     return layout_search(spec, cluster, top, chart)
 
 
-def export(checkpoint, out, format: str = "lmforge", dtype: str = "fp32", tokenizer: Optional[str] = None, register: bool = False) -> dict:
+def export(checkpoint, out, format: str = "lmforge", dtype: str = "fp32", tokenizer: Optional[str] = None, register: bool = False) -> ExportResult:
     """`lmforge export`: a model directory from a committed checkpoint (`format` "hf":
     one transformers loads); returns what was written. `register` (only when asked: the
     MLflow store a checkpoint names may be another's, or unreachable from here): when
     the checkpoint belongs to an MLflow run, log the directory there and register it as
-    a new version of the model named after the job (result["registered"]: name, version, run_id)."""
+    a new version of the model named after the job (`registered`: name, version, run_id)."""
     result = export_model(checkpoint, out, fmt=format, dtype=dtype, tokenizer=tokenizer)
     if register:
-        result["registered"] = register_export(result["source"], out, format, result["step"])
+        result.registered = register_export(result.source, out, format, result.step)
     return result
 
 

@@ -273,8 +273,9 @@ def test_a_distillation_job_trains_through_the_controller(distill_run, tmp_path)
     assert {k: final.data.metrics[k] for k in ("eval_kl", "eval_top1")} == {"eval_kl": summary.eval_kl, "eval_top1": summary.eval_top1}
     assert "summary.json" in {a.path for a in client.list_artifacts(final.info.run_id)}
     # Exported, the student is logged to its training run and registered under the job's name, its teachers in a tag.
-    registered = sdk.export(summary.latest_checkpoint, tmp_path / "student", register=True)["registered"]
-    version = client.get_model_version(job["name"], str(registered["version"]))
+    registered = sdk.export(summary.latest_checkpoint, tmp_path / "student", register=True).registered
+    assert registered is not None
+    version = client.get_model_version(job["name"], str(registered.version))
     assert (version.run_id, version.source) == (run.info.run_id, f"runs:/{run.info.run_id}/model")
     assert job["distill"]["teachers"][0]["path"] in version.tags["lmforge.teacher"] and version.tags["lmforge.step"] == str(DISTILL_STEPS)
     assert {"model/model.safetensors", "model/config.json"} <= {a.path for a in client.list_artifacts(run.info.run_id, "model")}

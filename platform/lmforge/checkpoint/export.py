@@ -11,9 +11,10 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
+from pydantic import BaseModel
 
 from lmforge.checkpoint.consolidate import committed_state, read_checkpoint
 from lmforge.checkpoint.store import is_checkpoint
@@ -116,10 +117,31 @@ def _checkpoint_source(step_dir: Path) -> ModelSource:
     return source
 
 
+class RegisteredModel(BaseModel):
+    """A version of the MLflow registered model named after the job, and the run that holds its files."""
+
+    name: str
+    version: int
+    run_id: str
+
+
+class ExportResult(BaseModel):
+    """What an export wrote, and from what."""
+
+    out: str
+    format: str
+    source_kind: str  # checkpoint, lmforge or hf
+    step: Optional[int]  # a checkpoint's
+    parameters: int
+    tokenizer: bool  # whether it ships one
+    source: dict[str, Any]  # the source's record: its checkpoint, job and MLflow run
+    registered: Optional[RegisteredModel] = None  # `sdk.export(register=True)`: where MLflow keeps it
+
+
 def export_model(
     source_path: str | os.PathLike, out: str | os.PathLike, fmt: str = "lmforge", dtype: str = "fp32", tokenizer: Optional[str] = None
-) -> dict:
-    """Returns what was written: {'out', 'format', 'from', 'parameters', 'tokenizer', 'source'}."""
+) -> ExportResult:
+    """A model directory of `fmt` from any model source; returns what was written."""
     if fmt not in FORMATS:
         raise UserError(f"--format: {fmt!r} is not one of {', '.join(FORMATS)}")
     if dtype not in DTYPES:
@@ -137,12 +159,12 @@ def export_model(
         files = tokenizer_files(source.tokenizer_json, source.eos_token, source.cfg.max_seq_len)
         eos_id = source.tokenizer().token_to_id(source.eos_token)
     write_model_dir(out, fmt, source.cfg, tensors, dtype=DTYPES[dtype], eos_id=eos_id, source=source.record, files=files)
-    return {
-        "out": str(out),
-        "format": fmt,
-        "from": source.kind,
-        "step": source.record.get("step"),
-        "parameters": sum(t.numel() for t in tensors.values()),
-        "tokenizer": bool(files),
-        "source": source.record,
-    }
+    return ExportResult(
+        out=str(out),
+        format=fmt,
+        source_kind=source.kind,
+        step=source.record.get("step"),
+        parameters=sum(t.numel() for t in tensors.values()),
+        tokenizer=bool(files),
+        source=source.record,
+    )

@@ -63,14 +63,14 @@ def add_parsers(sub) -> None:
 
 def export_command(args) -> int:
     result = common.sdk().export(args.checkpoint, args.out, format=args.format, dtype=args.dtype, tokenizer=args.tokenizer, register=args.register)
-    what = f"step {result['step']}" if result["step"] is not None else f"a {result['from']} model"
+    what = f"step {result.step}" if result.step is not None else f"a {result.source_kind} model"
     common.say(
-        f"exported {what} as {result['format']} {args.dtype} ({result['parameters']:,} parameters"
-        f"{', with its tokenizer' if result['tokenizer'] else ', no tokenizer'}) -> {result['out']}"
+        f"exported {what} as {result.format} {args.dtype} ({result.parameters:,} parameters"
+        f"{', with its tokenizer' if result.tokenizer else ', no tokenizer'}) -> {result.out}"
     )
-    if result.get("registered"):
-        registered = result["registered"]
-        common.say(f"registered in MLflow as {registered['name']} version {registered['version']} (run {registered['run_id']})")
+    if result.registered:
+        registered = result.registered
+        common.say(f"registered in MLflow as {registered.name} version {registered.version} (run {registered.run_id})")
     return 0
 
 

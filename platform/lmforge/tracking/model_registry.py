@@ -7,13 +7,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
+from lmforge.checkpoint.export import RegisteredModel
+
 ARTIFACT_PATH = "model"
 
 
-def register_export(record: dict, out: str | Path, fmt: str, step: Optional[int]) -> Optional[dict]:
+def register_export(record: dict, out: str | Path, fmt: str, step: Optional[int]) -> Optional[RegisteredModel]:
     """Log and register an export of a checkpoint whose state names its run (`record`
     is the checkpoint's: job, mlflow); None when it names none (tracking was off, or
-    the source was not a checkpoint). Returns {'name', 'version', 'run_id'}."""
+    the source was not a checkpoint)."""
     tracking = record.get("mlflow")
     if not tracking or not tracking.get("run_id"):
         return None
@@ -32,4 +34,4 @@ def register_export(record: dict, out: str | Path, fmt: str, step: Optional[int]
     teacher = next((params[key] for key in ("distill.teacher", "distill.teachers") if params.get(key, "None") != "None"), None)
     tags = {"lmforge.step": str(step), "lmforge.format": fmt} | ({"lmforge.teacher": teacher} if teacher else {})
     version = client.create_model_version(name, source=f"runs:/{run_id}/{ARTIFACT_PATH}", run_id=run_id, tags=tags)
-    return {"name": name, "version": int(version.version), "run_id": run_id}
+    return RegisteredModel(name=name, version=int(version.version), run_id=run_id)
