@@ -10,6 +10,8 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+from contextlib import contextmanager
+from typing import Iterator
 
 import ray
 
@@ -75,6 +77,18 @@ def connect(address: str | None = None) -> bool:
         return False
     ray.init(address="local", num_cpus=int(embedded["CPU"]), num_gpus=int(embedded["GPU"]), include_dashboard=False, **quiet)
     return True
+
+
+@contextmanager
+def joined(address: str | None = None) -> Iterator[None]:
+    """Ray for the block: the cluster at `address` joined, or an embedded one started
+    (and stopped after)."""
+    started = connect(address)
+    try:
+        yield
+    finally:
+        if started:
+            ray.shutdown()
 
 
 def check_capacity(

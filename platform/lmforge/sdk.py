@@ -19,7 +19,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Optional, TypeVar, Union
 
-import ray
 from rich.console import Console
 
 from lmforge.checkpoint.export import ExportResult, export_model
@@ -40,7 +39,7 @@ from lmforge.jobs import JobHandle, job, jobs, runs, submit
 from lmforge.planner.command import LayoutSearch, MemoryPlan, layout_search, memory_plan
 from lmforge.preflight import check_cache_build, check_teachers, preflight
 from lmforge.quantization.command import QuantizeOptions, quantize_model
-from lmforge.ray_runtime import connect, embedded_resources
+from lmforge.ray_runtime import embedded_resources, joined
 from lmforge.serve.app import check_cpus, check_model, check_port, serve_model
 from lmforge.serve.options import Deployment, ServerOptions
 from lmforge.spec import JobSpec, load_spec
@@ -76,12 +75,8 @@ __all__ = [
 def prepare(opts: PrepareOptions, address: Optional[str] = None) -> DatasetManifest:
     """Tokenize and pack a corpus into Parquet shards; returns the manifest."""
     check_before_ray(opts)
-    started = connect(address)
-    try:
+    with joined(address):
         return prepare_dataset(opts)
-    finally:
-        if started:
-            ray.shutdown()
 
 
 def build_cache(spec: JobSpec, address: Optional[str] = None, show_progress: bool = True) -> CacheManifest:
@@ -125,18 +120,15 @@ def run_pipeline(path, address: Optional[str] = None, show_progress: bool = True
 def _distill_stage(spec: JobSpec, role: str, address: Optional[str]):
     """Ray joined (or started) and, when tracking, the stage's MLflow run as a child of
     the distillation job's; both closed after, the run marked by how the stage ended."""
-    started = connect(address)
-    tracker, status = None, "FAILED"
-    try:
-        if spec.tracking.enabled:
-            tracker = MlflowRun(spec, role=role, more_params=lambda: tracking_params(spec))
-        yield tracker
-        status = "FINISHED"
-    finally:
-        if tracker:
-            tracker.finish(status)
-        if started:
-            ray.shutdown()
+    with joined(address):
+        tracker = MlflowRun(spec, role=role, more_params=lambda: tracking_params(spec)) if spec.tracking.enabled else None
+        status = "FAILED"
+        try:
+            yield tracker
+            status = "FINISHED"
+        finally:
+            if tracker:
+                tracker.finish(status)
 
 
 def _track_generation(tracker, spec: JobSpec, manifest: DatasetManifest) -> None:

@@ -194,9 +194,9 @@ MIXTURE_REFUSALS = {
 
 @pytest.mark.parametrize("case", MIXTURE_REFUSALS)
 def test_a_mixture_that_cannot_be_one_stream_is_refused(case, tmp_path, tiny_dataset, monkeypatch):
-    from lmforge import sdk
+    import lmforge.ray_runtime
 
-    monkeypatch.setattr(sdk, "connect", lambda *a, **k: pytest.fail("Ray was started (or joined) before the refusal"))
+    monkeypatch.setattr(lmforge.ray_runtime, "connect", lambda *a, **k: pytest.fail("Ray was started (or joined) before the refusal"))
     second, fragments = MIXTURE_REFUSALS[case]
     sources = [{"path": str(tiny_dataset), "weight": 3}, {"path": str(second(tmp_path, tiny_dataset)), "weight": 1}]
     write_job(tmp_path, tiny_job(tmp_path, tiny_dataset, data={"path": None, "sources": sources}))
@@ -226,9 +226,9 @@ def test_checkpoints_on_object_storage_are_guarded_as_on_disk(s3_bucket, tmp_pat
     """On the S3 server: a fresh start over committed checkpoints and another job's
     checkpoints are refused, naming checkpoint.dir, and a corrupt step is set aside
     (copied under another name, its files kept), not deleted."""
-    from lmforge import sdk
+    import lmforge.ray_runtime
 
-    monkeypatch.setattr(sdk, "connect", lambda *a, **k: pytest.fail("Ray was started (or joined) before the refusal"))
+    monkeypatch.setattr(lmforge.ray_runtime, "connect", lambda *a, **k: pytest.fail("Ray was started (or joined) before the refusal"))
     where = f"{s3_bucket}/guarded-checkpoints"
     store = job_over_checkpoints(tmp_path, dir=where, resume=False)
     assert_clean_error(run_cli("train", "job.yaml", cwd=tmp_path), f"checkpoint.dir: {where} holds 1 committed checkpoints")
@@ -243,9 +243,9 @@ def test_checkpoints_on_object_storage_are_guarded_as_on_disk(s3_bucket, tmp_pat
 def test_object_store_uris_that_cannot_serve_are_named(case, s3_bucket, tmp_path, monkeypatch):
     import fsspec
 
-    from lmforge import sdk
+    import lmforge.ray_runtime
 
-    monkeypatch.setattr(sdk, "connect", lambda *a, **k: pytest.fail("Ray was started (or joined) before the refusal"))
+    monkeypatch.setattr(lmforge.ray_runtime, "connect", lambda *a, **k: pytest.fail("Ray was started (or joined) before the refusal"))
     corpus(tmp_path, a_txt="x " * 100)
     write_job(tmp_path, tiny_job(tmp_path, f"{s3_bucket}/nothing-here"))
     s3 = fsspec.filesystem("s3")
@@ -377,12 +377,12 @@ EARLY_REFUSALS = {
 
 @pytest.mark.parametrize("case", EARLY_REFUSALS)
 def test_refused_before_ray_starts(case, tmp_path, monkeypatch):
-    from lmforge import sdk
+    import lmforge.ray_runtime
 
     def no_cluster(*args, **kwargs):
         raise AssertionError("Ray was started (or joined) before the refusal")
 
-    monkeypatch.setattr(sdk, "connect", no_cluster)
+    monkeypatch.setattr(lmforge.ray_runtime, "connect", no_cluster)
     set_up, command, fragments = EARLY_REFUSALS[case]
     set_up(tmp_path)
     before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))

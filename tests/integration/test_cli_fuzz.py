@@ -27,13 +27,11 @@ class ReachedRay(BaseException):
 @pytest.fixture(autouse=True)
 def no_cluster(monkeypatch):
     import lmforge.ray_runtime
-    from lmforge import sdk
 
     def reached(*args, **kwargs):
         raise ReachedRay()
 
-    monkeypatch.setattr(sdk, "connect", reached)
-    monkeypatch.setattr(lmforge.ray_runtime, "connect", reached)
+    monkeypatch.setattr(lmforge.ray_runtime, "connect", reached)  # what every command joins or starts Ray through
 
 
 def answered(*args: str, cwd: Path) -> None:

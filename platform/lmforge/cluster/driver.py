@@ -44,7 +44,7 @@ from lmforge.events import (
 from lmforge.lease import JobLease
 from lmforge.memory.snapshots import check_host_memory
 from lmforge.preflight import Plan, check_dataset, check_fresh_start, check_resume_order
-from lmforge.ray_runtime import check_capacity, connect, embedded_resources
+from lmforge.ray_runtime import check_capacity, embedded_resources, joined
 from lmforge.spec import JobSpec
 from lmforge.tracking.mlflow_run import MlflowRun
 from lmforge.tracking.progress import ProgressView
@@ -66,16 +66,12 @@ def drive(
         _check_capacity(spec, embedded)  # before starting a cluster it would not fit
     with JobLease(spec.checkpoint_dir, spec.name) as lease:  # a second driver of this job, or of its checkpoints, is refused here
         _start_over(spec, console)
-        started_ray = connect(address)
-        try:
+        with joined(address):
             _check_capacity(spec)
             if spec.checkpoint.in_memory:
                 check_host_memory(spec, ray.nodes())
             manifest = _ensure_dataset(plan, console, show_progress)
             summary = _run(plan, manifest, console, show_progress, lease, publish)
-        finally:
-            if started_ray:
-                ray.shutdown()
     if publish:
         publish({"event": "summary", **summary.as_json()})
     return summary

@@ -17,11 +17,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-import ray
 from pydantic import BaseModel, ConfigDict, Field
 from rich.console import Console
 
@@ -34,7 +34,7 @@ from lmforge.distill_jobs.instruct.evaluate import ANSWERS_FILE, evaluate_studen
 from lmforge.distill_jobs.pipeline_file import Stage, load_pipeline
 from lmforge.errors import UserError
 from lmforge.jsonfile import read_object
-from lmforge.ray_runtime import connect
+from lmforge.ray_runtime import joined
 from lmforge.tracking.pipeline_run import PipelineRun
 
 if TYPE_CHECKING:
@@ -136,40 +136,20 @@ def run_pipeline(
     pipeline, stages = load_pipeline(path)
     directory = Path(pipeline.output_dir).absolute() / pipeline.name
     state = PipelineState(directory, Path(path), stages)
-    started = any(not state.done(stage) for stage in stages) and connect(address)  # nothing left to run: no Ray
-    tracker = PipelineRun(pipeline, stages[0].job, state.record.mlflow_run_id, Path(path)) if pipeline.tracking.enabled else None
-    if tracker:
-        state.record.mlflow_run_id = tracker.run_id
-        state.save()
-    status = "FAILED"
-    try:
-        for stage in stages:
-            done = state.done(stage)
-            if done:
-                console.print(
-                    plain(
-                        f"stage {stage.index + 1}/{len(stages)} {stage.entry.name}: finished before"
-                        + (f"; its student: {done.student}" if done.student else "")
-                    ),
-                    highlight=False,
-                    soft_wrap=True,
-                )
-                continue
-            console.print(
-                plain(f"stage {stage.index + 1}/{len(stages)} {stage.entry.name} ({stage.entry.kind}): {stage.entry.job}"),
-                highlight=False,
-                soft_wrap=True,
-            )
-            job = stage.job.with_changes("tracking", parent_run_id=tracker.run_id) if tracker else stage.job
-            finished = state.finish(stage, RUNNERS[stage.entry.kind](stage, job, calls, show_progress, console, tracker))
-            if tracker:
-                tracker.log_stage(stage, finished.numbers, finished.model_dump(mode="json", exclude={"summary"}, exclude_none=True))
-        status = "FINISHED"
-    finally:
+    pending = any(not state.done(stage) for stage in stages)
+    with joined(address) if pending else nullcontext():  # nothing left to run: no Ray
+        tracker = PipelineRun(pipeline, stages[0].job, state.record.mlflow_run_id, Path(path)) if pipeline.tracking.enabled else None
         if tracker:
-            tracker.finish(status)
-        if started:
-            ray.shutdown()
+            state.record.mlflow_run_id = tracker.run_id
+            state.save()
+        status = "FAILED"
+        try:
+            for stage in stages:
+                _run_stage(stage, len(stages), state, calls, show_progress, console, tracker)
+            status = "FINISHED"
+        finally:
+            if tracker:
+                tracker.finish(status)
     return PipelineResult(
         pipeline=pipeline.name,
         directory=str(directory),
@@ -177,6 +157,22 @@ def run_pipeline(
         mlflow_run_id=tracker.run_id if tracker else None,
         mlflow_tracking_uri=redact_uri(stages[0].job.tracking_uri) if tracker else None,
     )
+
+
+def _run_stage(stage: Stage, count: int, state: PipelineState, calls: StageCalls, show_progress: bool, console: Console, tracker) -> None:
+    """One stage, unless it finished before: run, recorded in pipeline.json, logged to the pipeline's run."""
+    done = state.done(stage)
+    if done:
+        line = f"stage {stage.index + 1}/{count} {stage.entry.name}: finished before" + (f"; its student: {done.student}" if done.student else "")
+        console.print(plain(line), highlight=False, soft_wrap=True)
+        return
+    console.print(
+        plain(f"stage {stage.index + 1}/{count} {stage.entry.name} ({stage.entry.kind}): {stage.entry.job}"), highlight=False, soft_wrap=True
+    )
+    job = stage.job.with_changes("tracking", parent_run_id=tracker.run_id) if tracker else stage.job
+    finished = state.finish(stage, RUNNERS[stage.entry.kind](stage, job, calls, show_progress, console, tracker))
+    if tracker:
+        tracker.log_stage(stage, finished.numbers, finished.model_dump(mode="json", exclude={"summary"}, exclude_none=True))
 
 
 # What a stage's result keeps of its training's summary (pipeline.json, the pipeline's MLflow run).
