@@ -154,7 +154,7 @@ def teacher_cache(spec) -> Optional[TopKTargets]:
     samples carry their teachers' top-k); None without either."""
     d = spec.distill
     if d is not None and d.instruct is not None and d.top_k:
-        held = read_manifest(spec.data.path).eval
+        held = read_manifest(spec.data.path, check_shards=False).eval  # every rank asks: its shards were checked at pre-flight
         return TopKTargets(directory=str(spec.data.path), k=d.top_k, eval_directory=str(Path(spec.data.path) / held.dir) if held else None)
     if not (d and d.cache):
         return None
