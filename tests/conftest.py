@@ -182,7 +182,9 @@ def tiny_job(tmp_path: Path, data_path: Path, **sections) -> dict:
         "train": {"global_batch": 8, "micro_batch": 2, "seq_len": 32, "max_steps": 8, "seed": 1},
         "data": {"path": str(data_path), "prefetch_steps": 4},
         "checkpoint": {"interval": 4, "keep": 3},
-        "tracking": {"experiment": "tests", "uri": SESSION_MLFLOW},
+        # No node sampler: it loads MLflow into a rank (2.5 CPU-seconds a job) to take one
+        # sample of a run this short; test_remote_jobs asks for one and checks what it logs.
+        "tracking": {"experiment": "tests", "uri": SESSION_MLFLOW, "system_metrics_s": 0},
         "resources": {"cpus_per_worker": 1},
     }
     return with_sections(job, sections)

@@ -173,8 +173,10 @@ def test_a_mixture_reads_each_source_in_its_own_order_in_the_weights_proportions
 def test_one_reader_serves_every_rank_reading_each_shard_once(ray_session, tiny_dataset):
     """dp 2 x tp 2: four ranks on one shared reader get their slices, and it reads the
     bytes one rank reading alone reads: each shard once per window (before, every rank
-    read every shard), and nothing past `end_step`."""
-    from lmforge.data.feed import start_reader
+    read every shard), and nothing past `end_step`. The reader first reads ahead the
+    chunks the feeds will ask for first, as a fresh job's controller has it do while
+    the ranks start: the feeds are handed those, nothing is read twice."""
+    from lmforge.data.feed import first_chunks, start_reader
 
     manifest = read_manifest(tiny_dataset)
     steps = manifest.num_samples // 8 + 3  # into the second epoch
@@ -182,12 +184,15 @@ def test_one_reader_serves_every_rank_reading_each_shard_once(ray_session, tiny_
     layout = BatchLayout(global_batch=8, micro_batch=2, dp=2)
     datasets = [Dataset(str(tiny_dataset), manifest, order)]
     reader = start_reader(datasets, None, layout, [0, 1], 2, None, ray.get_runtime_context().get_node_id())
+    ray.get(reader.prefetch.remote(first_chunks(0, 3, steps)))
+    assert ray.get(reader.shards_read.remote()) > 0  # read before any rank asked
     feeds = [BatchFeed(datasets, None, layout, dp_rank, 0, 3, reader=reader, end_step=steps) for dp_rank in (0, 0, 1, 1)]
     for step in range(steps):
         for feed in feeds:
             fed = feed.next()
             assert np.array_equal(fed.ids, order.ids(*layout.rank_positions(step, feed.dp_rank)))
     shared = ray.get(reader.bytes_read.remote())
+    assert ray.get(reader.chunks_held.remote()) == 0  # each chunk read ahead was one a feed asked for
     alone = BatchFeed(datasets, None, layout, 0, 0, 3, end_step=steps)
     for _ in range(steps):
         alone.next()

@@ -21,12 +21,13 @@ import time
 
 import ray
 
+from lmforge.checkpoint.store import CheckpointStore
 from lmforge.cluster import placement
 from lmforge.cluster.capacity import Capacity
 from lmforge.cluster.keepers import Keepers
 from lmforge.cluster.supervision import FailureBudget, Handoff
 from lmforge.cluster.worker import Worker
-from lmforge.data.feed import datasets_of, start_reader
+from lmforge.data.feed import datasets_of, first_chunks, start_reader
 from lmforge.data.manifest import Manifest
 from lmforge.data.order import BatchLayout
 from lmforge.distill.cache_manifest import teacher_cache
@@ -80,6 +81,7 @@ class Controller:
         self._resize_from: tuple[int, float] | None = None  # (dp, when) of a planned resize
         self._failures = 0
         self._rollbacks = 0
+        self._replacement = handoff is not None
         if handoff:
             self._failures = self._attempt = handoff.failures
             self._rollbacks = handoff.rollbacks
@@ -282,8 +284,20 @@ class Controller:
         datasets, mixture = datasets_of(spec, self.manifest)
         self._reader_node = self._capacity.slots.nodes()[0]
         self._reader = start_reader(datasets, mixture, layout, serves, sharers, teacher_cache(spec), self._reader_node)
+        if self._starts_at_step_0(spec):  # read the first steps while the ranks load torch
+            self._reader.prefetch.remote(first_chunks(0, spec.data.prefetch_steps, spec.train.max_steps))
         self.report(Reader(kept=False, node=self._reader_node[:12]))
         return self._reader
+
+    def _starts_at_step_0(self, spec: JobSpec) -> bool:
+        """The ranks will start at step 0: the job's first attempt under its first
+        controller, with no committed checkpoint to restore."""
+        if self._attempt or self._replacement:
+            return False
+        try:
+            return not CheckpointStore(spec.checkpoint_dir).committed()
+        except OSError:  # unreadable now: the ranks will say so; nothing is read ahead
+            return False
 
     def _snapshots(self) -> list:
         """Per rank, (its keepers, the snapshot to restore) with `checkpoint.in_memory`, else None."""

@@ -262,19 +262,37 @@ class FeedReader:
             rows = np.flatnonzero(which == d)
             yield int(d), int(positions[rows[0]]), len(rows), rows
 
+    def prefetch(self, chunks: list[tuple[int, int]]) -> None:
+        """Read the chunks (first step, steps) the ranks will ask for first, while they
+        are still starting (loading torch takes seconds): their requests find them held.
+        A read that fails here is left for those requests to meet and report."""
+        for key in chunks:
+            try:
+                self._held(key)
+            except Exception:  # noqa: BLE001 - the ranks' own requests read it again and fail with it
+                return
+
+    def chunks_held(self) -> int:
+        """Chunks read and not yet taken by every rank they serve."""
+        return len(self._chunks)
+
+    def _held(self, key: tuple[int, int]) -> list:
+        """Per served rank, [ids, columns, takers left] of chunk `key`, read on first ask."""
+        if key not in self._chunks:
+            try:
+                self._chunks[key] = [[ids, columns, self.sharers] for ids, columns in self._read(*key)]
+            except Exception:
+                for source in (source for sources in self.sources for source in sources):
+                    source.restart()  # a stream that failed (a read task lost with its node) is not asked again
+                raise
+        return self._chunks[key]
+
     def chunk(self, first_step: int, steps: int, dp_rank: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """(sample ids, {column: values}: tokens, and what the samples carry beside them)
         of DP rank `dp_rank` for `steps` steps, step-major. A mixture's ids are the
         source's index x `ID_STRIDE` + the sample's id in it."""
         key = (first_step, steps)
-        if key not in self._chunks:
-            try:
-                self._chunks[key] = [[ids, columns, self.sharers] for ids, columns in self._read(first_step, steps)]
-            except Exception:
-                for source in (source for sources in self.sources for source in sources):
-                    source.restart()  # a stream that failed (a read task lost with its node) is not asked again
-                raise
-        served = self._chunks[key][self.serves.index(dp_rank)]
+        served = self._held(key)[self.serves.index(dp_rank)]
         served[2] -= 1
         if all(taken[2] <= 0 for taken in self._chunks[key]):
             del self._chunks[key]  # every rank has its slice: never asked again
@@ -311,6 +329,27 @@ def start_reader(
     dead (seen after a node loss: the restarted rank failed again)."""
     affinity = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(node, soft=False)
     return FeedReader.options(scheduling_strategy=affinity).remote(datasets, mixture, layout, serves, sharers, cache)
+
+
+AHEAD = 2  # chunks a feed keeps requested
+
+
+def chunk_steps(first_step: int, prefetch_steps: int, end_step: Optional[int]) -> int:
+    """How many steps a feed asks for at `first_step`: nothing past the last step trained."""
+    return prefetch_steps if end_step is None else min(prefetch_steps, end_step - first_step)
+
+
+def first_chunks(start_step: int, prefetch_steps: int, end_step: Optional[int]) -> list[tuple[int, int]]:
+    """The (first step, steps) chunks a feed starting at `start_step` asks for first,
+    exactly as `BatchFeed` does: what a reader may read before the ranks ask."""
+    chunks, step = [], start_step
+    for _ in range(AHEAD):
+        steps = chunk_steps(step, prefetch_steps, end_step)
+        if steps <= 0:
+            break
+        chunks.append((step, steps))
+        step += steps
+    return chunks
 
 
 @dataclass
@@ -350,11 +389,11 @@ class BatchFeed:
         self._next_step = self._next_request = start_step
         self._in_flight: deque = deque()
         self._buffer: deque = deque()
-        for _ in range(2):
+        for _ in range(AHEAD):
             self._request()
 
     def _request(self) -> None:
-        steps = self.prefetch_steps if self.end_step is None else min(self.prefetch_steps, self.end_step - self._next_request)
+        steps = chunk_steps(self._next_request, self.prefetch_steps, self.end_step)
         if steps <= 0:
             return
         self._in_flight.append((self._next_request, steps, self.reader.chunk.remote(self._next_request, steps, self.dp_rank)))
