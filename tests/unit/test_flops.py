@@ -31,6 +31,21 @@ def test_cpu_peak_is_measured_in_the_jobs_precision_and_plausible():
     assert 1e6 < measure_matmul_flops(torch.device("cpu"), torch.bfloat16, size=128, seconds=0.05) < 1e14
 
 
+def test_a_processs_cpu_peak_is_measured_once_per_precision(monkeypatch):
+    """A worker kept for the next attempt does not time matmuls again."""
+    from lmforge.tracking import flops
+
+    timed = []
+    monkeypatch.setattr(flops, "measure_matmul_flops", lambda device, dtype: timed.append(dtype) or 1e9)
+    flops._measured_peak.cache_clear()
+    try:
+        for precision in ("fp32", "bf16", "fp32", "bf16"):
+            assert peak_flops(torch.device("cpu"), precision) == 1e9
+    finally:
+        flops._measured_peak.cache_clear()
+    assert timed == [torch.float32, torch.bfloat16]
+
+
 @pytest.fixture
 def an_h100(monkeypatch):
     """No GPU here: only the device's name is faked, which is all the datasheet lookup reads."""

@@ -7,6 +7,7 @@ a large matmul of that precision elsewhere (a CPU has no useful datasheet number
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -65,6 +66,13 @@ def peak_flops(device: torch.device, precision: str) -> float:
         for fragment, peaks in GPU_PEAK_TFLOPS.items():
             if fragment in name:
                 return peaks[datasheet_key(precision)] * 1e12
+    return _measured_peak(device, precision, torch.get_num_threads())
+
+
+@functools.lru_cache(maxsize=None)
+def _measured_peak(device: torch.device, precision: str, threads: int) -> float:
+    """Measured once per process and thread count (the figure counts every thread): a
+    worker kept across attempts does not spend its restart timing matmuls again."""
     return measure_matmul_flops(device, DTYPES[precision])
 
 
