@@ -143,19 +143,23 @@ class NodeWatch:
         return max(self._answered.get(node, 0.0), self._watched[node])
 
     def _beat(self) -> None:
-        pending: dict[ray.ObjectRef, str] = {}
+        """An answer counts from when its ping was sent, not when it was collected: the
+        collecting can come up to a beat later, after a failure, and a node that answered
+        just before it died must not pass for alive after it (seen: the restart placed
+        on the lost node, and failed again)."""
+        pending: dict[ray.ObjectRef, tuple[str, float]] = {}
         while not self._stopped.is_set():
             began = time.time()
-            waiting = set(pending.values())
+            waiting = {node for node, _ in pending.values()}
             for node, pinger in list(self._pingers.items()):
                 if node not in waiting:
-                    pending[pinger.ping.remote()] = node
+                    pending[pinger.ping.remote()] = (node, time.time())
             if pending:
                 done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=HEARTBEAT_S)
                 for ref in done:
-                    node = pending.pop(ref)
+                    node, sent = pending.pop(ref)
                     if _succeeded(ref):
-                        self._answered[node] = time.time()
+                        self._answered[node] = max(self._answered.get(node, 0.0), sent)
                     else:
                         self._failed.add(node)
             self._stopped.wait(max(0.0, HEARTBEAT_S - (time.time() - began)))
