@@ -26,6 +26,10 @@ from lmforge.spec import JobSpec
 
 RESIZE_PROBE_S = 5.0  # how long an elastic start tries each larger layout before a smaller one
 PROBE_EVERY_S = 2.0  # how often a running job looks for room to grow or for its spares
+# A worker outlives its node's raylet by up to Ray's raylet death check (1 s by default):
+# an answer from a node counts as life only from this long after the failure (seen: a
+# node's pinger answering 0.3 s after its ranks had died, and the restart placed there).
+NODE_SETTLE_S = 1.0
 
 
 class Capacity:
@@ -71,7 +75,7 @@ class Capacity:
         or missing heartbeats; their slots are released (the rest kept)."""
         nodes = (set(self.slots.nodes()) | set(rank_nodes)) - {""}
         alive = self.alive_nodes()
-        self.lost |= (nodes - alive) | self.watch.unresponsive(nodes & alive, since)
+        self.lost |= (nodes - alive) | self.watch.unresponsive(nodes & alive, since + NODE_SETTLE_S)
         self.slots.drop_lost(self.lost)
 
     def fit(self, current: JobSpec) -> JobSpec:
