@@ -186,6 +186,14 @@ class Trainer:
             self.feed.close()
         return RankResult(step=step, loss=last.loss if last else None, start_step=self.start_step, stopped=stopped)
 
+    def settle(self, timeout_s: float) -> None:
+        """After a failure: let the checkpoint and snapshot being written finish (they
+        commit, and their threads let go of the engine), within `timeout_s` in all."""
+        deadline = time.monotonic() + timeout_s
+        for saver in (self.writer, self.snapshots):
+            if saver is not None:
+                saver.settle(max(0.0, deadline - time.monotonic()))
+
     def _train_step(self, step: int, fed: FedStep, began: float) -> Step | None:
         """One optimizer step; its metrics (None when the step was not finite)."""
         train = self.spec.train

@@ -96,6 +96,10 @@ def test_out_of_memory_retries_with_half_the_micro_batch_then_a_spike_rolls_back
     )
     ooms = events(run_dir, "out_of_memory")
     assert [(e["micro_batch"], e["retry_micro_batch"]) for e in ooms] == [(4, 2), (2, 1)]
+    # The rank that ran out of memory lets go of its groups, so its peer, blocked in a
+    # collective with it, fails at once and both processes are kept: seen at the second
+    # retry, when no checkpoint is being written (at the first, step 4's may still be).
+    assert [e["reused"] for e in events(run_dir, "layout")][2:] == [2, 2]
     report = (run_dir / "memory-oom-step6-rank0.txt").read_text()
     assert "micro-batch 2 x 2 accumulation" in report and "activations" in report and "injected by debug.oom_at_step" in report
     assert summary.final_step == 12 and summary.failures == 0

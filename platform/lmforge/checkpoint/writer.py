@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from typing import Callable, Optional
 
 import torch
@@ -76,6 +77,12 @@ class BackgroundSaver:
 
     def wait(self) -> None:
         self._finished()
+
+    def settle(self, timeout_s: float) -> None:
+        """After a failure: give the save in flight up to `timeout_s` to finish, its
+        errors ignored (a dead peer's would only repeat the failure)."""
+        if self._pending is not None:
+            futures_wait([self._pending], timeout=timeout_s)
 
     def close(self) -> None:
         try:

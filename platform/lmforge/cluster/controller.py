@@ -39,7 +39,7 @@ from lmforge.spec import JobSpec
 from lmforge.tracking.prometheus import JobMetrics
 
 READER_ANSWER_S = 5.0  # a kept reader must answer its new layout within this, or a new one starts
-LEAVE_S = 1.0  # a rank must be done with a failed attempt, and leave its groups, within this to be kept
+LEAVE_S = 2.0  # a rank must be done with a failed attempt, and leave its groups, within this to be kept
 
 
 class RankHung(RuntimeError):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+import traceback
 from datetime import timedelta
 
 import ray
@@ -22,6 +23,8 @@ from lmforge.ray_runtime import WORKER_ENV, tune_process
 from lmforge.spec import JobSpec
 from lmforge.tracking.prometheus import RankMetrics
 from lmforge.tracking.system_metrics import start_monitor, stop_monitor
+
+SETTLE_S = 2.0  # after a failure, how long a checkpoint being written may take to finish (and commit)
 
 
 @ray.remote(num_cpus=0)
@@ -70,7 +73,7 @@ class Worker:
         from lmforge.trainer import Trainer  # torch, after this process's environment is set (__init__)
 
         spec = JobSpec.model_validate(spec_dict)
-        monitor = None
+        monitor = trainer = None
         try:
             # Tagged with the attempt: a report still in flight from a failed attempt is dropped.
             trainer = Trainer(
@@ -85,7 +88,15 @@ class Worker:
             )
             monitor = start_monitor(spec, watch_node)
             return trainer.run()
-        except BaseException:
+        except BaseException as error:
+            # Peers blocked in a collective with this rank fail only when its connections
+            # close, and they close only when nothing holds its process groups: not the
+            # trainer (nor a checkpoint thread still finishing), nor the frames the error
+            # carries. Then they fail at once and are kept for the next attempt too.
+            if trainer is not None:
+                trainer.settle(SETTLE_S)
+            trainer = None
+            _drop_locals(error)
             self.leave()  # before the error travels: peers still waiting on this rank fail now
             raise
         finally:
@@ -118,3 +129,13 @@ class Worker:
         redistribute._planner_cache.clear()
         gc.collect()
         return True
+
+
+def _drop_locals(error: BaseException) -> None:
+    """Clear the locals of the frames an error and the errors it came from carry
+    (the engine among them); the traceback's lines stay."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        error = error.__context__ or error.__cause__
