@@ -1,5 +1,5 @@
-"""Small random Llama models made by transformers itself (`LlamaConfig` and
-`save_pretrained`, no hub download), with a byte-level BPE tokenizer trained here:
+"""Small random models of each family lmforge represents, made by transformers itself
+(`AutoConfig.for_model` and `save_pretrained`, no hub download), with a byte-level BPE tokenizer trained here:
 the independent reference for Hugging Face interchange and generation."""
 
 from __future__ import annotations
@@ -8,11 +8,29 @@ import shutil
 from pathlib import Path
 
 VOCAB = 320
-# Tied and untied embeddings, grouped-query and multi-head attention.
+# Per family transformers supports and lmforge represents: tied and untied embeddings,
+# grouped-query and multi-head attention, Llama 3's RoPE scaling (its original context
+# shorter than the tests' prompts, so it applies), Qwen2's q/k/v biases, Qwen3's q/k
+# norms and a head_dim that is not hidden/heads, Mistral.
 LAYOUTS = {
-    "untied-gqa": {"tie_word_embeddings": False, "num_key_value_heads": 2},
-    "tied-gqa": {"tie_word_embeddings": True, "num_key_value_heads": 2},
-    "untied-mha": {"tie_word_embeddings": False, "num_key_value_heads": 4},
+    "untied-gqa": {"model_type": "llama", "tie_word_embeddings": False, "num_key_value_heads": 2},
+    "tied-gqa": {"model_type": "llama", "tie_word_embeddings": True, "num_key_value_heads": 2},
+    "untied-mha": {"model_type": "llama", "tie_word_embeddings": False, "num_key_value_heads": 4},
+    "llama3": {
+        "model_type": "llama",
+        "tie_word_embeddings": True,
+        "num_key_value_heads": 2,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+    },
+    "qwen2": {"model_type": "qwen2", "tie_word_embeddings": True, "num_key_value_heads": 2},
+    "qwen3": {"model_type": "qwen3", "tie_word_embeddings": False, "num_key_value_heads": 2, "head_dim": 24},
+    "mistral": {"model_type": "mistral", "tie_word_embeddings": False, "num_key_value_heads": 2, "head_dim": 32, "sliding_window": None},
 }
 
 
@@ -30,15 +48,19 @@ def make_tokenizer(out: Path) -> Path:
 
 
 def make_hf_model(out: Path, layout: str, tokenizer_dir: Path, seed: int = 0):
-    """A random LlamaForCausalLM saved to `out` with the tokenizer; returns the model."""
+    """A random model of `LAYOUTS[layout]`'s family saved to `out` with the tokenizer;
+    returns the model. Biases and norm weights are random too (transformers starts
+    them at 0 and 1, which would hide a misplaced one)."""
     import torch
     from tokenizers import Tokenizer
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from lmforge.data.tokenizer import EOS_TOKEN
 
     eos = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).token_to_id(EOS_TOKEN)
-    config = LlamaConfig(
+    settings = dict(LAYOUTS[layout])
+    config = AutoConfig.for_model(
+        settings.pop("model_type"),
         hidden_size=64,
         intermediate_size=160,
         num_hidden_layers=2,
@@ -50,10 +72,14 @@ def make_hf_model(out: Path, layout: str, tokenizer_dir: Path, seed: int = 0):
         bos_token_id=eos,
         eos_token_id=eos,
         initializer_range=0.1,  # wider than the default: logits that a rounding error cannot reorder
-        **LAYOUTS[layout],
+        **settings,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).eval()
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                param.add_(torch.randn_like(param) * 0.2)
     model.save_pretrained(out)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer_dir / name, out / name)

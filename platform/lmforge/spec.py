@@ -39,6 +39,10 @@ class ModelSpec(Section):
     ffn_hidden: Optional[int] = Field(None, gt=0)
     max_seq_len: Optional[int] = Field(None, gt=0)
     tie_embeddings: Optional[bool] = None
+    family: Optional[Literal["llama", "qwen2", "qwen3", "mistral"]] = Field(None, description="the Hugging Face architecture it exports as")
+    head_dim: Optional[int] = Field(None, gt=0, description="each attention head's width (default dim / n_heads)")
+    qkv_bias: Optional[bool] = Field(None, description="biases on the q, k and v projections (Qwen2)")
+    qk_norm: Optional[bool] = Field(None, description="an RMSNorm over each head's q and k before RoPE (Qwen3)")
     init_from: Optional[LocalPath] = Field(
         None,
         description="start from a model directory (an `lmforge export`, or a Hugging Face Llama); unless resuming. "

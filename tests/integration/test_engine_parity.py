@@ -38,6 +38,9 @@ DISTILL_TERMS = ["ce_loss", "hidden_loss", "kd_loss"]
 DISTILL_CACHE = [*DISTILL_LOGITS, *FROM_CACHE, "optim.lr=3e-3"]
 
 ON_POLICY = [*DISTILL_LOGITS, "distill.on_policy={fraction: 0.5, max_new_tokens: 6}"]
+# The families' parts in one model: Qwen2's q/k/v biases, Qwen3's per-head q/k norms
+# and a head_dim that is not dim / n_heads.
+QWEN = ["model.qkv_bias=true", "model.qk_norm=true", "model.head_dim=24"]
 
 # name: (ranks, --set items, options): see parity.Launches.
 CASES = {
@@ -103,13 +106,22 @@ CASES = {
             ("masked-tp2", 2, ["parallel.tp=2"], {"masked": True}),
         )
     },
+    **{
+        f"qwen-{name}": (n, [*QWEN, *layout], {})
+        for name, n, layout in (
+            ("one", 1, []),
+            ("dp2", 2, []),
+            ("tp2-sp", 2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+            ("pp2", 2, [*PP2, *SCHEDULES["1f1b"]]),
+        )
+    },
 }
-ONE_PROCESS = ("reference", "distill-one", "distill-cache-one", "sft-one", "sft-kd-one", "on-policy-one", "on-policy-masked-one")
+ONE_PROCESS = ("reference", "distill-one", "distill-cache-one", "sft-one", "sft-kd-one", "on-policy-one", "on-policy-masked-one", "qwen-one")
 
 
 def one_process(case: str) -> str:
     """The single-process run a case is compared with."""
-    for prefix in ("on-policy-masked", "on-policy", "sft-kd", "sft", "distill-cache", "distill"):
+    for prefix in ("on-policy-masked", "on-policy", "sft-kd", "sft", "distill-cache", "distill", "qwen"):
         if case.startswith(prefix + "-"):
             return f"{prefix}-one"
     return "reference"
@@ -269,6 +281,15 @@ def test_distillation_adapters_are_checkpointed_and_left_out_of_the_export(run):
     exported = run.export("distill-tp2", "lmforge")
     with safe_open(exported / "model.safetensors", "pt") as weights:
         assert sorted(weights.keys()) == sorted(weight_names(open_model_dir(exported).cfg))
+
+
+@pytest.mark.parametrize("case, tolerance", [("qwen-dp2", 1e-5), ("qwen-tp2-sp", 1e-4), ("qwen-pp2", 1e-5)])
+def test_the_qwen_families_parts_train_alike_on_every_layout(run, case, tolerance):
+    """q/k/v biases sharded with their columns under TP, q/k norms over each rank's
+    heads (their weight gradients summed over the TP ranks), a head_dim of its own."""
+    want = losses(run, "qwen-one")
+    assert want != losses(run, "reference")  # the switches made another model
+    assert losses(run, case) == pytest.approx(want, rel=tolerance)
 
 
 @pytest.mark.parametrize("case", [name for name in CASES if name not in ONE_PROCESS])

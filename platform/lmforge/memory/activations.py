@@ -53,16 +53,18 @@ class Shape:
 def block_bytes(cfg: ModelConfig, shape: Shape, checkpointed: str = "none") -> int:
     """One block, one micro-batch. `checkpointed`: "none", "full" (recomputed from
     its input) or "op" (matmul and attention outputs kept, the rest recomputed)."""
-    d, kv, f, a = cfg.dim, cfg.n_kv_heads * cfg.head_dim, cfg.ffn_hidden, cfg.n_heads
+    d, f, a = cfg.dim, cfg.ffn_hidden, cfg.n_heads
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     t, s, b = shape.tp, shape.seq_split, shape.dtype_bytes
     if checkpointed == "full":
         per_token = d * b / s
     elif checkpointed == "op":
-        per_token = (d / s + (2 * d + 2 * kv + 2 * f) / t + 2 * d / s) * b + a / t * FP32
+        per_token = (d / s + (2 * q + 2 * kv + 2 * f) / t + 2 * d / s) * b + a / t * FP32
     else:
         norms = 2 * (2 * d + 1) / s  # two RMSNorms: input, normalized input, 1/rms
         gathered = 2 * d  # the inputs of the attention and MLP projections
-        sharded = (2 * d + 2 * kv + 4 * f) / t  # q, attention output, k, v; four MLP tensors
+        # q, attention output, k, v (and the q/k norms' inputs); four MLP tensors
+        sharded = (2 * q + 2 * kv + (q + kv if cfg.qk_norm else 0) + 4 * f) / t
         per_token = (norms + gathered + sharded) * b + a / t * FP32
     return round(per_token * shape.tokens)
 

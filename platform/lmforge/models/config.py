@@ -1,12 +1,35 @@
 """Model shapes: a typed config and named presets (no torch import).
 
-`tiny` is for tests, `small` for the quickstart; the 1B-70B Llama shapes exist
-for planning and are never materialized on a CPU.
+One decoder covers the Llama-like families; what differs per family is a small set
+of switches here (`family`, `head_dim`, `qkv_bias`, `qk_norm`, `rope_scaling`), each
+documented in docs/job-file.md. `tiny` is for tests, `small` for the quickstart;
+the 1B-70B shapes exist for planning and are never materialized on a CPU.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Literal, Optional
+
+# The Hugging Face architectures one decoder with these switches represents exactly.
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.x's rotary scaling (`llama3`), or positions stretched by `factor` (`linear`)."""
+
+    kind: Literal["llama3", "linear"]
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_seq_len: int = 8192
+
+    def __post_init__(self):
+        if self.kind not in ("llama3", "linear"):
+            raise ValueError(f"rope_scaling kind is {self.kind!r}, not llama3 or linear")
+        if not self.factor > 0 or not 0 < self.low_freq_factor < self.high_freq_factor or self.original_max_seq_len < 1:
+            raise ValueError("rope_scaling needs factor > 0, 0 < low_freq_factor < high_freq_factor and original_max_seq_len >= 1")
 
 
 @dataclass(frozen=True)
@@ -21,6 +44,11 @@ class ModelConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     tie_embeddings: bool = False
+    family: str = "llama"  # the Hugging Face architecture it exports as
+    head_dim: int = 0  # 0: dim // n_heads (Qwen3 and Mistral ship others)
+    qkv_bias: bool = False  # q, k and v projections with biases (Qwen2)
+    qk_norm: bool = False  # an RMSNorm over each head's q and k before RoPE (Qwen3)
+    rope_scaling: Optional[RopeScaling] = field(default=None)
 
     def __post_init__(self):
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden", "max_seq_len"):
@@ -31,19 +59,26 @@ class ModelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
                 raise ValueError(f"{name} is {value!r}, not a positive number")
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        if self.family not in FAMILIES:
+            raise ValueError(f"family is {self.family!r}, not one of {', '.join(FAMILIES)}")
+        if isinstance(self.head_dim, bool) or not isinstance(self.head_dim, int) or self.head_dim < 0:
+            raise ValueError(f"head_dim is {self.head_dim!r}, not a whole number (0: dim // n_heads)")
+        if self.head_dim == 0:
+            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
+        if isinstance(self.rope_scaling, dict):
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
 
     def with_overrides(self, **overrides) -> "ModelConfig":
-        return replace(self, **{k: v for k, v in overrides.items() if v is not None})
+        overrides = {k: v for k, v in overrides.items() if v is not None}
+        if ("dim" in overrides or "n_heads" in overrides) and "head_dim" not in overrides and self.head_dim == self.dim // self.n_heads:
+            overrides["head_dim"] = 0  # still derived from the new shape
+        return replace(self, **overrides)
 
     def num_params(self) -> int:
         """Parameter count, computed from the shapes (matches the built module)."""
         d, h = self.dim, self.ffn_hidden
-        kv = self.n_kv_heads * self.head_dim
-        attn = d * d * 2 + d * kv * 2
+        q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        attn = 2 * d * q + 2 * d * kv + (q + 2 * kv if self.qkv_bias else 0) + (2 * self.head_dim if self.qk_norm else 0)
         block = attn + 3 * d * h + 2 * d
         embed = self.vocab_size * d
         head = 0 if self.tie_embeddings else self.vocab_size * d
@@ -53,10 +88,19 @@ class ModelConfig:
         """Training FLOPs per token: 6N plus attention (PaLM appendix B), N the weights
         that multiply: an untied input embedding is a lookup, not a matmul."""
         multiplying = self.num_params() - (0 if self.tie_embeddings else self.vocab_size * self.dim)
-        return 6 * multiplying + 12 * self.n_layers * self.dim * seq_len
+        return 6 * multiplying + 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        """The fields, without the switches left at their defaults (a plain Llama's
+        config reads as it always has)."""
+        values = asdict(self)
+        defaults = {f.name: f.default for f in fields(self)}
+        if values["head_dim"] == self.dim // self.n_heads:
+            values.pop("head_dim")
+        for name in ("family", "qkv_bias", "qk_norm", "rope_scaling"):
+            if values[name] == defaults[name]:
+                values.pop(name)
+        return values
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -79,6 +123,55 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
+def _llama3(dim, n_layers, n_heads, ffn_hidden, tied, factor) -> ModelConfig:
+    return ModelConfig(
+        dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=8, vocab_size=128256, ffn_hidden=ffn_hidden, max_seq_len=131072,
+        rope_theta=500000.0, tie_embeddings=tied, rope_scaling=RopeScaling("llama3", factor, 1.0, 4.0, 8192),
+    )  # fmt: skip
+
+
+def _qwen(family, dim, n_layers, n_heads, n_kv_heads, ffn_hidden, tied, vocab=151936, head_dim=0, max_seq_len=32768) -> ModelConfig:
+    return ModelConfig(
+        dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads, vocab_size=vocab, ffn_hidden=ffn_hidden, max_seq_len=max_seq_len,
+        norm_eps=1e-6, rope_theta=1000000.0, tie_embeddings=tied, family=family, head_dim=head_dim,
+        qkv_bias=family == "qwen2", qk_norm=family == "qwen3",
+    )  # fmt: skip
+
+
+# The released models' shapes (their config.json), for `lmforge plan` before any download;
+# tests/unit/test_model_families.py checks each count against the published one.
+PRESETS |= {
+    "llama-3.2-1b": _llama3(2048, 16, 32, 8192, tied=True, factor=32.0),
+    "llama-3.2-3b": _llama3(3072, 28, 24, 8192, tied=True, factor=32.0),
+    "llama-3.1-8b": _llama3(4096, 32, 32, 14336, tied=False, factor=8.0),
+    "llama-3.1-70b": _llama3(8192, 80, 64, 28672, tied=False, factor=8.0),
+    "qwen2.5-0.5b": _qwen("qwen2", 896, 24, 14, 2, 4864, tied=True),
+    "qwen2.5-1.5b": _qwen("qwen2", 1536, 28, 12, 2, 8960, tied=True),
+    "qwen2.5-3b": _qwen("qwen2", 2048, 36, 16, 2, 11008, tied=True),
+    "qwen2.5-7b": _qwen("qwen2", 3584, 28, 28, 4, 18944, tied=False, vocab=152064),
+    "qwen2.5-14b": _qwen("qwen2", 5120, 48, 40, 8, 13824, tied=False, vocab=152064),
+    "qwen2.5-32b": _qwen("qwen2", 5120, 64, 40, 8, 27648, tied=False, vocab=152064),
+    "qwen2.5-72b": _qwen("qwen2", 8192, 80, 64, 8, 29568, tied=False, vocab=152064),
+    "qwen3-0.6b": _qwen("qwen3", 1024, 28, 16, 8, 3072, tied=True, head_dim=128, max_seq_len=40960),
+    "qwen3-1.7b": _qwen("qwen3", 2048, 28, 16, 8, 6144, tied=True, head_dim=128, max_seq_len=40960),
+    "qwen3-4b": _qwen("qwen3", 2560, 36, 32, 8, 9728, tied=True, head_dim=128, max_seq_len=40960),
+    "qwen3-8b": _qwen("qwen3", 4096, 36, 32, 8, 12288, tied=False, head_dim=128, max_seq_len=40960),
+    "qwen3-14b": _qwen("qwen3", 5120, 40, 40, 8, 17408, tied=False, head_dim=128, max_seq_len=40960),
+    "qwen3-32b": _qwen("qwen3", 5120, 64, 64, 8, 25600, tied=False, head_dim=128, max_seq_len=40960),
+    "mistral-7b": ModelConfig(
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=32768,
+        ffn_hidden=14336,
+        max_seq_len=32768,
+        rope_theta=1000000.0,
+        family="mistral",
+    ),  # fmt: skip
+}
+
+
 def config_from_dict(values, where: str) -> ModelConfig:
     """A model section (lmforge's config.json, a checkpoint's state.json) as a shape;
     ValueError naming `where` for one that is not."""
@@ -86,10 +179,12 @@ def config_from_dict(values, where: str) -> ModelConfig:
         raise ValueError(f"{where}: the model section is not a JSON object")
     try:
         cfg = ModelConfig(**values)
-    except TypeError as err:  # an unknown or missing field
+    except TypeError as err:  # an unknown or missing field (of the model, or of its rope_scaling)
         raise ValueError(f"{where}: the model section {str(err).removeprefix('ModelConfig.__init__() ')}") from None
     except ValueError as err:
         raise ValueError(f"{where}: model {err}") from None
-    if cfg.dim % cfg.n_heads or cfg.n_heads % cfg.n_kv_heads:
-        raise ValueError(f"{where}: model dim {cfg.dim}, n_heads {cfg.n_heads} and n_kv_heads {cfg.n_kv_heads}: each must divide the one before")
+    if cfg.n_heads % cfg.n_kv_heads:
+        raise ValueError(f"{where}: model n_heads {cfg.n_heads} is not a multiple of n_kv_heads {cfg.n_kv_heads}")
+    if "head_dim" not in values and cfg.dim % cfg.n_heads:
+        raise ValueError(f"{where}: model dim {cfg.dim} is not a multiple of n_heads {cfg.n_heads} (or give head_dim)")
     return cfg

@@ -1,4 +1,4 @@
-"""Hugging Face Llama weights <-> lmforge: parameter names and the rotary convention
+"""Hugging Face weights (Llama, Qwen2, Qwen3, Mistral) <-> lmforge: parameter names and the rotary convention
 (HF rotates the two halves of a head, lmforge interleaved pairs, so q/k rows are
 permuted across the boundary). Read with safetensors only, never a pickle.
 """
@@ -32,6 +32,11 @@ _NAMES = {
     "layers.{i}.feed_forward.w1.weight": "model.layers.{i}.mlp.gate_proj.weight",
     "layers.{i}.feed_forward.w2.weight": "model.layers.{i}.mlp.down_proj.weight",
     "layers.{i}.feed_forward.w3.weight": "model.layers.{i}.mlp.up_proj.weight",
+    "layers.{i}.attention.wq.bias": "model.layers.{i}.self_attn.q_proj.bias",
+    "layers.{i}.attention.wk.bias": "model.layers.{i}.self_attn.k_proj.bias",
+    "layers.{i}.attention.wv.bias": "model.layers.{i}.self_attn.v_proj.bias",
+    "layers.{i}.attention.q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
+    "layers.{i}.attention.k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
 }
 
 
@@ -43,11 +48,14 @@ def hf_name(name: str) -> str:
 
 
 def _heads(name: str, cfg: ModelConfig) -> int | None:
-    """How many rotary heads a projection's rows hold (None: not rotated)."""
-    if name.endswith("attention.wq.weight"):
+    """How many rotary heads a tensor's rows hold (None: not rotated): q and k
+    projections and their biases, and the q/k norms' one head of weights."""
+    if name.endswith(("attention.wq.weight", "attention.wq.bias")):
         return cfg.n_heads
-    if name.endswith("attention.wk.weight"):
+    if name.endswith(("attention.wk.weight", "attention.wk.bias")):
         return cfg.n_kv_heads
+    if name.endswith(("attention.q_norm.weight", "attention.k_norm.weight")):
+        return 1
     return None
 
 

@@ -1,6 +1,6 @@
-"""Hugging Face Llama config.json <-> lmforge's ModelConfig (no torch import): the
-keys transformers' LlamaConfig reads, and a refusal naming the field for whatever
-lmforge cannot represent exactly.
+"""Hugging Face config.json (Llama, Qwen2, Qwen3, Mistral) <-> lmforge's ModelConfig
+(no torch import): the keys transformers' configs read, and a refusal naming the
+field for whatever lmforge cannot represent exactly.
 """
 
 from __future__ import annotations
@@ -23,11 +23,24 @@ def is_hf_dir(path: str | Path) -> bool:
     return isinstance(config, dict) and ("model_type" in config or "architectures" in config)
 
 
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
+
+
 def config_to_hf(cfg: ModelConfig, eos_id: int | None, dtype: str) -> dict:
     """`dtype`: the weights' torch dtype name, e.g. bfloat16."""
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling is not None:
+        scaling = cfg.rope_scaling
+        rope = {"rope_type": scaling.kind, "rope_theta": cfg.rope_theta, "factor": scaling.factor}
+        if scaling.kind == "llama3":
+            rope |= {
+                "low_freq_factor": scaling.low_freq_factor,
+                "high_freq_factor": scaling.high_freq_factor,
+                "original_max_position_embeddings": scaling.original_max_seq_len,
+            }
+    config = {
+        "architectures": [ARCHITECTURES[cfg.family]],
+        "model_type": cfg.family,
         "hidden_size": cfg.dim,
         "intermediate_size": cfg.ffn_hidden,
         "num_hidden_layers": cfg.n_layers,
@@ -38,18 +51,25 @@ def config_to_hf(cfg: ModelConfig, eos_id: int | None, dtype: str) -> dict:
         "rms_norm_eps": cfg.norm_eps,
         # rope_theta for transformers 4.x, rope_parameters for 5.x.
         "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_parameters": rope,
         "max_position_embeddings": cfg.max_seq_len,
         "vocab_size": cfg.vocab_size,
         "tie_word_embeddings": cfg.tie_embeddings,
         # Packed documents are separated by the end-of-text token, so it also begins one.
         "bos_token_id": eos_id,
         "eos_token_id": eos_id,
-        "attention_bias": False,
-        "mlp_bias": False,
         "torch_dtype": dtype,
         "use_cache": True,
     }
+    if cfg.family in ("llama", "qwen3"):
+        config["attention_bias"] = False
+    if cfg.family == "llama":
+        config["mlp_bias"] = False
+    if cfg.family in ("qwen2", "qwen3"):
+        config |= {"use_sliding_window": False, "sliding_window": None}
+    if cfg.family == "mistral":
+        config["sliding_window"] = None
+    return config
 
 
 def config_from_hf(config: dict, where: str) -> ModelConfig:
@@ -57,22 +77,24 @@ def config_from_hf(config: dict, where: str) -> ModelConfig:
     cannot represent exactly."""
 
     def refuse(field: str, why: str):
-        raise ValueError(f"{where}: {field} {why}; lmforge represents Llama models exactly or not at all")
+        raise ValueError(f"{where}: {field} {why}; lmforge represents a model exactly or not at all")
 
-    if config.get("model_type") != "llama" or config.get("architectures", ["LlamaForCausalLM"]) != ["LlamaForCausalLM"]:
-        refuse("model_type", f"is {config.get('model_type')!r} ({', '.join(config.get('architectures') or [])}), not a LlamaForCausalLM")
-    for field in ("attention_bias", "mlp_bias"):
-        if config.get(field):
-            refuse(field, "is true (lmforge's projections have no biases)")
+    family = config.get("model_type")
+    if family not in ARCHITECTURES or config.get("architectures", [ARCHITECTURES.get(family)]) != [ARCHITECTURES.get(family)]:
+        known = ", ".join(ARCHITECTURES.values())
+        refuse("model_type", f"is {family!r} ({', '.join(config.get('architectures') or [])}), not one of {known}")
+    if config.get("auto_map"):
+        refuse("auto_map", "asks for the model's own code (trust_remote_code), which lmforge never runs")
+    for name in ("attention_bias", "mlp_bias"):
+        if config.get(name):
+            refuse(name, f"is true ({family}'s projections in lmforge have no such biases)")
     if config.get("hidden_act", "silu") != "silu":
         refuse("hidden_act", f"is {config['hidden_act']!r}, not silu")
-    rope = config.get("rope_parameters") or {}
-    if config.get("rope_scaling") or rope.get("rope_type", "default") != "default":
-        refuse("rope_scaling", f"is {config.get('rope_scaling') or rope} (only plain RoPE is supported)")
+    _check_full_attention(config, refuse)
     missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size") if k not in config]
     if missing:
         refuse(missing[0], "is missing")
-    for field in (
+    for name in (
         "hidden_size",
         "intermediate_size",
         "num_hidden_layers",
@@ -82,25 +104,62 @@ def config_from_hf(config: dict, where: str) -> ModelConfig:
         "head_dim",
         "max_position_embeddings",
     ):
-        value = config.get(field)
+        value = config.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            refuse(field, f"is {value!r}, not a positive whole number")
+            refuse(name, f"is {value!r}, not a positive whole number")
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    if head_dim * heads != config["hidden_size"]:
-        refuse("head_dim", f"is {head_dim}, not hidden_size / num_attention_heads = {config['hidden_size'] / heads:g}")
-    return config_from_dict(
-        dict(
-            dim=config["hidden_size"],
-            n_layers=config["num_hidden_layers"],
-            n_heads=heads,
-            n_kv_heads=config.get("num_key_value_heads") or heads,
-            vocab_size=config["vocab_size"],
-            ffn_hidden=config["intermediate_size"],
-            max_seq_len=config.get("max_position_embeddings", 2048),
-            norm_eps=config.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
-            tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-        ),
-        where,
+    if head_dim % 2:
+        refuse("head_dim", f"is {head_dim}, not even (rotary embeddings turn pairs)")
+    rope = config.get("rope_parameters") or {}
+    shape = dict(
+        dim=config["hidden_size"],
+        n_layers=config["num_hidden_layers"],
+        n_heads=heads,
+        n_kv_heads=config.get("num_key_value_heads") or heads,
+        vocab_size=config["vocab_size"],
+        ffn_hidden=config["intermediate_size"],
+        max_seq_len=config.get("max_position_embeddings", 2048),
+        norm_eps=config.get("rms_norm_eps", 1e-6),
+        rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        family=family,
+        head_dim=head_dim,
+        qkv_bias=family == "qwen2",
+        qk_norm=family == "qwen3",
+        rope_scaling=_rope_scaling(config.get("rope_scaling") or rope, refuse),
     )
+    return config_from_dict(shape, where)
+
+
+def _check_full_attention(config: dict, refuse) -> None:
+    """Every layer attends to the whole sequence: a sliding window that could ever
+    apply (shorter than the positions the model takes) is not implemented."""
+    longest = config.get("max_position_embeddings", 2048)
+    window = config.get("sliding_window")
+    if config.get("model_type") in ("qwen2", "qwen3") and not config.get("use_sliding_window"):
+        window = None  # stated, but off: transformers ignores it too
+    if window is not None and window < longest:
+        refuse("sliding_window", f"is {window}, shorter than max_position_embeddings {longest} (sliding-window attention is not implemented yet)")
+
+
+def _rope_scaling(rope: dict, refuse) -> dict | None:
+    """Llama 3's and linear RoPE scaling as lmforge's `rope_scaling`; the rest refused."""
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind not in ("llama3", "linear"):
+        refuse("rope_scaling", f"is of type {kind!r} (lmforge implements default, llama3 and linear)")
+    if rope.get("attention_factor") not in (None, 1, 1.0):
+        refuse("rope_scaling", f"has attention_factor {rope['attention_factor']} (only 1 is implemented)")
+    scaling = {"kind": kind, "factor": rope.get("factor")}
+    if kind == "llama3":
+        scaling |= {
+            "low_freq_factor": rope.get("low_freq_factor"),
+            "high_freq_factor": rope.get("high_freq_factor"),
+            "original_max_seq_len": rope.get("original_max_position_embeddings"),
+        }
+    for name, value in scaling.items():
+        if name != "kind" and (value is None or isinstance(value, bool) or not isinstance(value, (int, float))):
+            refuse("rope_scaling", f"has {name} {value!r}, not a number")
+    return scaling

@@ -1,4 +1,6 @@
-"""Llama-style decoder: RMSNorm, rotary embeddings, SwiGLU, grouped-query attention.
+"""Llama-style decoder: RMSNorm, rotary embeddings, SwiGLU, grouped-query attention;
+Qwen2's q/k/v biases, Qwen3's per-head q/k norms and Llama 3's RoPE scaling as
+switches of its `ModelConfig`.
 
 A plain `nn.Module` in the nanoGPT/TorchTitan spirit: parallelism, checkpointing
 and compilation are applied from outside by `lmforge.parallel`; generation passes
@@ -14,13 +16,28 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmforge.models.config import ModelConfig
+from lmforge.models.config import ModelConfig, RopeScaling
 
 
-def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(head_dim: int, max_seq_len: int, theta: float, scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    if scaling is not None:
+        inv_freq = scaled_frequencies(inv_freq, scaling)
     angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)
     return angles.cos(), angles.sin()
+
+
+def scaled_frequencies(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
+    """`linear`: every frequency divided by the factor. `llama3` (Llama 3.1's release):
+    wavelengths longer than the original context / low_freq_factor are divided by
+    the factor, those shorter than it / high_freq_factor kept, and the band between
+    blended linearly in the context-to-wavelength ratio."""
+    if scaling.kind == "linear":
+        return inv_freq / scaling.factor
+    wavelength = 2 * math.pi / inv_freq
+    ratio = scaling.original_max_seq_len / wavelength
+    blend = ((ratio - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)).clamp(0.0, 1.0)
+    return (1 - blend) * inv_freq / scaling.factor + blend * inv_freq
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -36,10 +53,13 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        # Over each head's own features, so they hold under TP's split of the heads.
+        self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None) -> torch.Tensor:
         bsz, seq, _ = x.shape
@@ -47,6 +67,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)
         k = self.wk(x).view(bsz, seq, -1, self.head_dim)
         v = self.wv(x).view(bsz, seq, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if cache is None:
             # cos/sin cover max_seq_len; the sequence here may be longer than a
             # sequence-sharded block input, so slice at the attention itself.
@@ -98,7 +120,7 @@ class Transformer(nn.Module):
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
         # Not persistent: recomputed on materialization, never checkpointed.
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -132,6 +154,9 @@ class Transformer(nn.Module):
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
                 continue
+            if name.endswith(".bias"):
+                param.zero_()
+                continue
             scale = residual_std if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")) else std
             gen = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
             param.copy_(torch.randn(param.shape, generator=gen) * scale)
@@ -139,5 +164,5 @@ class Transformer(nn.Module):
 
     def reset_rope(self) -> None:
         """Fill the RoPE tables, in fp32 whatever the weights' dtype (model files do not hold them)."""
-        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta)
+        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, self.cfg.rope_scaling)
         self.rope_cos, self.rope_sin = cos.to(self.rope_cos.device), sin.to(self.rope_sin.device)

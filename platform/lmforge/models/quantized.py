@@ -60,15 +60,18 @@ INT4_TILE = 128  # inner_k_tiles (8) x 16
 
 class PaddedLinear(torch.nn.Module):
     """A Linear with zero rows and columns added: the input padded with zeros to its
-    width, the output cut back to the original's."""
+    width, the output cut back to the original's, then its bias (kept here: torchao's
+    int4 Linear has none) added."""
 
-    def __init__(self, linear: torch.nn.Linear, in_features: int, out_features: int):
+    def __init__(self, linear: torch.nn.Linear, in_features: int, out_features: int, bias: torch.Tensor | None = None):
         super().__init__()
         self.linear, self.in_features, self.out_features = linear, in_features, out_features
+        self.bias = torch.nn.Parameter(bias.detach().clone(), requires_grad=False) if bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = torch.nn.functional.pad(x, (0, self.linear.in_features - self.in_features))
-        return self.linear(x)[..., : self.out_features]
+        out = self.linear(x)[..., : self.out_features]
+        return out + self.bias if self.bias is not None else out
 
 
 def _pad_linears(module: torch.nn.Module, rows: int, columns: int) -> None:
@@ -77,13 +80,13 @@ def _pad_linears(module: torch.nn.Module, rows: int, columns: int) -> None:
             _pad_linears(child, rows, columns)
             continue
         out, in_ = -(-child.out_features // rows) * rows, -(-child.in_features // columns) * columns
-        if (out, in_) == (child.out_features, child.in_features):
+        if (out, in_) == (child.out_features, child.in_features) and child.bias is None:
             continue
         padded = torch.nn.Linear(in_, out, bias=False, device=child.weight.device, dtype=child.weight.dtype)
         with torch.no_grad():
             padded.weight.zero_()
             padded.weight[: child.out_features, : child.in_features] = child.weight
-        setattr(module, name, PaddedLinear(padded, child.in_features, child.out_features))
+        setattr(module, name, PaddedLinear(padded, child.in_features, child.out_features, child.bias))
 
 
 def _is_torchao(tensor: torch.Tensor) -> bool:

@@ -107,8 +107,8 @@ def theoretical_bubble(schedule: str, pp: int, virtual: int, microbatches: int) 
 
 def layer_costs(cfg: ModelConfig, seq_len: int) -> tuple[float, float]:
     """(FLOPs per token of one block, of the output head)."""
-    d, kv = cfg.dim, cfg.n_kv_heads * cfg.head_dim
-    block = 2 * (2 * d * d + 2 * d * kv + 3 * d * cfg.ffn_hidden) + 4 * seq_len * d
+    d, q, kv = cfg.dim, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    block = 2 * (2 * d * q + 2 * d * kv + 3 * d * cfg.ffn_hidden) + 4 * seq_len * q
     return block, 2 * d * cfg.vocab_size
 
 

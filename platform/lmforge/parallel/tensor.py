@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -27,23 +27,26 @@ ROWWISE = ("attention.wo", "feed_forward.w2")
 
 def shard_dim(param_name: str) -> int | None:
     """The dim of a parameter that tensor parallelism splits; None: replicated.
-    The embedding and the output head are both split over the vocabulary."""
-    module = param_name.removesuffix(".weight")
+    The embedding and the output head are both split over the vocabulary; a
+    column-parallel projection's bias with its columns."""
+    module, _, kind = param_name.rpartition(".")
     if module in ("tok_embeddings", "output"):
         return 0
     if module.endswith(COLWISE):
         return 0
     if module.endswith(ROWWISE):
-        return 1
+        return 1 if kind == "weight" else None
     return None
 
 
-def _replicate(module: nn.Module, mesh: DeviceMesh) -> None:
+def _replicate(module: nn.Module, mesh: DeviceMesh, inputs_are: Placement | None = None) -> None:
     """Parameters as replicated DTensors, plain tensors in and out: keeps every
-    parameter on the TP mesh (one mesh for grad clipping and FSDP) without SP."""
+    parameter on the TP mesh (one mesh for grad clipping and FSDP) without SP.
+    `inputs_are`: what each rank's plain input is of the whole: with Shard, weight
+    gradients add up over the TP ranks' parts."""
 
     def to_dtensor(_mod, inputs, device_mesh):
-        return tuple(DTensor.from_local(x, device_mesh, [Replicate()], run_check=False) for x in inputs)
+        return tuple(DTensor.from_local(x, device_mesh, [inputs_are or Replicate()], run_check=False) for x in inputs)
 
     def to_local(_mod, output, _device_mesh):
         return output.to_local()
@@ -91,3 +94,6 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
             _replicate(block.attention_norm, tp_mesh)
             _replicate(block.ffn_norm, tp_mesh)
         parallelize_module(block, tp_mesh, plan)
+        if block.attention.q_norm is not None:  # over each head's features: q and k hold this rank's heads (dim 2)
+            _replicate(block.attention.q_norm, tp_mesh, inputs_are=Shard(2))
+            _replicate(block.attention.k_norm, tp_mesh, inputs_are=Shard(2))
