@@ -4,6 +4,7 @@ with it in a sandbox. Serving, instruction distillation and the judge share it."
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -26,37 +27,58 @@ def is_message(message) -> bool:
     return isinstance(message, dict) and set(message) == {"role", "content"} and message["role"] in ROLES and isinstance(message["content"], str)
 
 
-def chat_template_of(model_dir: Optional[str | Path], template_file: Optional[str] = None, name: str = "chat_template") -> Optional[str]:
+@dataclass(frozen=True)
+class ChatTemplate:
+    """A Jinja chat template (None: lmforge's default) and the special tokens it may
+    write (`bos_token`, `eos_token`, from the model's tokenizer_config.json, as
+    transformers passes them). A rendered chat holds its special tokens already:
+    encode it without the tokenizer's own (`add_special_tokens=False`), as
+    transformers' `apply_chat_template` does."""
+
+    text: Optional[str] = None
+    bos_token: str = ""
+    eos_token: str = ""
+
+
+def chat_template_of(model_dir: Optional[str | Path], template_file: Optional[str] = None, name: str = "chat_template") -> ChatTemplate:
     """The template chats are rendered with: `template_file` (`name` is the setting that
     gave it), else the model directory's tokenizer_config.json `chat_template`, else
-    None (lmforge's default)."""
+    lmforge's default; with the directory's bos and eos tokens either way."""
+    config_file = Path(model_dir) / "tokenizer_config.json" if model_dir is not None else None
+    try:
+        config = read_object(config_file) if config_file is not None and config_file.is_file() else {}
+    except ValueError as err:
+        raise UserError(str(err)) from None
+    tokens = {key: _token_text(config.get(key)) for key in ("bos_token", "eos_token")}
     if template_file:
         path = Path(template_file)
         if not path.is_file():
             raise UserError(f"{name}: {path} does not exist")
-        return path.read_text()
-    config = Path(model_dir) / "tokenizer_config.json" if model_dir is not None else None
-    if config is None or not config.is_file():
-        return None
-    try:
-        template = read_object(config).get("chat_template")
-    except ValueError as err:
-        raise UserError(str(err)) from None
-    return template if isinstance(template, str) else None
+        return ChatTemplate(path.read_text(), **tokens)
+    template = config.get("chat_template")
+    return ChatTemplate(template if isinstance(template, str) else None, **tokens)
 
 
-def chat_renderer(template: Optional[str], name: str = "chat_template"):
+def _token_text(token) -> str:
+    """A special token as tokenizer_config.json holds it: a string, or transformers'
+    AddedToken as {"content": ...}."""
+    if isinstance(token, dict):
+        token = token.get("content")
+    return token if isinstance(token, str) else ""
+
+
+def chat_renderer(template: ChatTemplate, name: str = "chat_template"):
     """A chat as the model reads it, by a Jinja template in a sandbox (a template is
     code from a model directory or a user's file: it gets no Python objects); `name`:
     where the template came from, for messages."""
     try:
-        compiled = ImmutableSandboxedEnvironment(keep_trailing_newline=True).from_string(template or DEFAULT_CHAT_TEMPLATE)
+        compiled = ImmutableSandboxedEnvironment(keep_trailing_newline=True).from_string(template.text or DEFAULT_CHAT_TEMPLATE)
     except TemplateError as err:
         raise UserError(f"{name}: not a Jinja template ({err})") from None
 
     def render(messages: list[dict]) -> str:
         try:
-            return compiled.render(messages=messages, add_generation_prompt=True, bos_token="", eos_token="")
+            return compiled.render(messages=messages, add_generation_prompt=True, bos_token=template.bos_token, eos_token=template.eos_token)
         except TemplateError as err:
             raise UserError(f"{name}: rendering a chat failed ({err})") from None
 

@@ -10,6 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from lmforge.chat import ChatTemplate
 from lmforge.data.packing import ShardWriter
 from lmforge.distill.config import InstructSpec, SelectSpec
 from lmforge.distill_jobs.instruct.answers import ANSWER_SCHEMA
@@ -26,22 +27,23 @@ def write_jsonl(path, rows) -> str:
 
 def test_prompts_are_read_in_order_chats_rendered_and_a_share_held_out(tmp_path):
     rows = [{"prompt": f"p{i}"} for i in range(6)] + [{"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]}]
-    prompts = read_prompts(InstructSpec(prompts=write_jsonl(tmp_path / "p.jsonl", rows), eval_fraction=0.25), None)
+    prompts = read_prompts(InstructSpec(prompts=write_jsonl(tmp_path / "p.jsonl", rows), eval_fraction=0.25), ChatTemplate())
     assert [p.text for p in prompts[:6]] == [f"p{i}" for i in range(6)]
+    assert [p.chat for p in prompts] == [False] * 6 + [True]  # a rendered chat is tokenized without added special tokens
     assert prompts[6].text == "<|system|>\nbe brief\n<|user|>\nhi\n<|assistant|>\n"
     assert [p.index for p in prompts if p.held_out] == [3]
     template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }} {% endfor %}=>"
-    assert read_prompts(InstructSpec(prompts=str(tmp_path / "p.jsonl")), template)[6].text == "[system] be brief [user] hi =>"
+    assert read_prompts(InstructSpec(prompts=str(tmp_path / "p.jsonl")), ChatTemplate(template))[6].text == "[system] be brief [user] hi =>"
     pq.write_table(pa.table({"prompt": ["a", "b"]}), tmp_path / "p.parquet")
-    assert [p.text for p in read_prompts(InstructSpec(prompts=str(tmp_path / "p.parquet")), None)] == ["a", "b"]
-    assert [p.text for p in read_prompts(InstructSpec(prompts=f"file://{tmp_path}/p.parquet"), None)] == ["a", "b"]  # an fsspec URI
+    assert [p.text for p in read_prompts(InstructSpec(prompts=str(tmp_path / "p.parquet")), ChatTemplate())] == ["a", "b"]
+    assert [p.text for p in read_prompts(InstructSpec(prompts=f"file://{tmp_path}/p.parquet"), ChatTemplate())] == ["a", "b"]  # an fsspec URI
 
 
 def test_a_chat_template_gets_no_python_objects(tmp_path):
     """Templates come from model directories and users' files: rendered in Jinja's sandbox."""
     path = write_jsonl(tmp_path / "p.jsonl", [{"messages": [{"role": "user", "content": "x"}]}])
     with pytest.raises(UserError, match="distill.instruct.chat_template"):
-        read_prompts(InstructSpec(prompts=path), "{{ messages.__class__.__mro__[1].__subclasses__() }}")
+        read_prompts(InstructSpec(prompts=path), ChatTemplate("{{ messages.__class__.__mro__[1].__subclasses__() }}"))
 
 
 @pytest.mark.parametrize(
@@ -59,7 +61,7 @@ def test_a_chat_template_gets_no_python_objects(tmp_path):
 def test_bad_prompts_files_are_refused_naming_the_field(tmp_path, rows, fragment):
     path = str(tmp_path / "p.jsonl") if rows is None else write_jsonl(tmp_path / "p.jsonl", rows)
     with pytest.raises(UserError, match="distill.instruct") as err:
-        read_prompts(InstructSpec(prompts=path), None)
+        read_prompts(InstructSpec(prompts=path), ChatTemplate())
     assert fragment in str(err.value)
 
 

@@ -84,12 +84,12 @@ class LocalModel:
         from lmforge.inference.sampling import SamplingParams
 
         prompt = self.render(messages)
-        room = self.generator.model.cfg.max_seq_len - len(self.generator.tokenizer.encode(prompt).ids)
+        room = self.generator.model.cfg.max_seq_len - len(self.generator.tokenizer.encode(prompt, add_special_tokens=False).ids)
         if room < 1:
             raise ValueError(f"the prompt fills the model's context of {self.generator.model.cfg.max_seq_len} tokens")
         params = SamplingParams(max_new_tokens=min(max_tokens, room), temperature=0)
         async with self.lock:
-            return (await asyncio.to_thread(self.generator.generate, [prompt], params))[0].text
+            return (await asyncio.to_thread(self.generator.generate, [prompt], params, None, True))[0].text
 
 
 def parse_verdict(text: Optional[str]) -> Optional[str]:

@@ -169,8 +169,10 @@ class Generator:
         tok = Tokenizer.from_file(str(tokenizer_file))
         return cls(load_quantized(path, device), tok, frozenset({tok.token_to_id(end_of_text_token(tokenizer_file))}))
 
-    def encode(self, prompt: str, params: SamplingParams, name: str = "prompt") -> list[int]:
-        ids = self.tokenizer.encode(prompt).ids
+    def encode(self, prompt: str, params: SamplingParams, name: str = "prompt", special_tokens: bool = True) -> list[int]:
+        """`special_tokens`: add the tokenizer's own (a BOS, say); False for a rendered
+        chat, which holds those its template writes."""
+        ids = self.tokenizer.encode(prompt, add_special_tokens=special_tokens).ids
         context = self.model.cfg.max_seq_len
         if not ids:
             raise UserError(f"{name}: an empty prompt; give at least one token of text")
@@ -180,9 +182,10 @@ class Generator:
             )
         return ids
 
-    def generate(self, prompts: list[str], params: SamplingParams, names: Optional[dict] = None) -> list[Generation]:
+    def generate(self, prompts: list[str], params: SamplingParams, names: Optional[dict] = None, chats: bool = False) -> list[Generation]:
+        """`chats`: the prompts are rendered chats (see `lmforge.chat.ChatTemplate`)."""
         params.check(names)
-        prompt_ids = [self.encode(p, params, (names or {}).get("prompt", "prompt")) for p in prompts]
+        prompt_ids = [self.encode(p, params, (names or {}).get("prompt", "prompt"), special_tokens=not chats) for p in prompts]
         stopped = self.stop_checker(params.stop) if params.stop else None
         results = generate_ids(self.model, prompt_ids, params, self.eos_ids, self.tokenizer.get_vocab_size(), stopped=stopped)
         for result in results:

@@ -140,7 +140,9 @@ class Backend:
                 field,
                 "context_length_exceeded",
             )
-        prompts = [self.tokenizer.encode(text).ids for text in texts]
+        # A rendered chat holds the special tokens its template writes; a completion's
+        # prompt gets the tokenizer's own, as transformers' tokenizer(text) adds them.
+        prompts = [self.tokenizer.encode(text, add_special_tokens=kind != "chat").ids for text in texts]
         longest = max(map(len, prompts), default=0)
         if not prompts or min(map(len, prompts)) == 0:
             raise APIError(400, f"{field}: an empty prompt; give at least one token of text", field)

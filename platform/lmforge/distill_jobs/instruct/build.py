@@ -88,7 +88,7 @@ def plan_generation(spec) -> Plan:
     template = chat_template_of(teacher_dir, instruct.chat_template, "distill.instruct.chat_template")
     prompts = read_prompts(instruct, template)
     room = min(spec.train.seq_len + 1, *(t.cfg.max_seq_len for t in teachers)) - instruct.generate.max_new_tokens
-    encoded = tokenizer.encode_batch([p.text for p in prompts])
+    encoded = [tokenizer.encode(p.text, add_special_tokens=not p.chat) for p in prompts]
     fitting = [(p.index, p.held_out, e.ids) for p, e in zip(prompts, encoded) if 0 < len(e.ids) <= room]
     if not fitting:
         raise UserError(

@@ -9,12 +9,11 @@ import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import fsspec
 import pyarrow.parquet as pq
 
-from lmforge.chat import ROLES, chat_renderer, is_message
+from lmforge.chat import ROLES, ChatTemplate, chat_renderer, is_message
 from lmforge.data.packing import held_out
 from lmforge.errors import UserError
 
@@ -24,9 +23,10 @@ class Prompt:
     index: int  # in file order, from 0
     text: str  # as the teacher reads it (a chat rendered)
     held_out: bool
+    chat: bool = False  # rendered from messages: its special tokens are in the text already
 
 
-def read_prompts(instruct, template: Optional[str]) -> list[Prompt]:
+def read_prompts(instruct, template: ChatTemplate) -> list[Prompt]:
     """Every prompt of `distill.instruct.prompts`, in file order; `UserError` naming the
     file (and the line or row) for anything that is not a prompt."""
     rows = _rows(instruct.prompts)
@@ -35,8 +35,8 @@ def read_prompts(instruct, template: Optional[str]) -> list[Prompt]:
     render = functools.cache(lambda: chat_renderer(template, "distill.instruct.chat_template"))  # compiled at the first chat, if any
     prompts = []
     for index, row in enumerate(rows):
-        text = _text(row, index, instruct, render)
-        prompts.append(Prompt(index, text, held_out(index, instruct.eval_fraction)))
+        text, chat = _text(row, index, instruct, render)
+        prompts.append(Prompt(index, text, held_out(index, instruct.eval_fraction), chat))
     return prompts
 
 
@@ -69,13 +69,14 @@ def _json_line(line: str, number: int, uri: str) -> dict:
     return row
 
 
-def _text(row: dict, index: int, instruct, render) -> str:
+def _text(row: dict, index: int, instruct, render) -> tuple[str, bool]:
+    """The prompt's text, and whether it is a chat rendered by the template."""
     where = f"{instruct.prompts} prompt {index + 1}"
     if instruct.prompt_column in row:
         text = row[instruct.prompt_column]
         if not isinstance(text, str) or not text:
             raise UserError(f"distill.instruct.prompt_column: {where}: {instruct.prompt_column!r} is not a non-empty string")
-        return text
+        return text, False
     if instruct.messages_column not in row:
         raise UserError(
             f"distill.instruct.prompts: {where} has neither a {instruct.prompt_column!r} nor a {instruct.messages_column!r} "
@@ -87,4 +88,4 @@ def _text(row: dict, index: int, instruct, render) -> str:
             f"distill.instruct.messages_column: {where}: {instruct.messages_column!r} must be a non-empty list of "
             f"{{role, content}} pairs with role one of {', '.join(ROLES)}"
         )
-    return render()(messages)
+    return render()(messages), True
