@@ -11,7 +11,7 @@ VOCAB = 320
 # Per family transformers supports and lmforge represents: tied and untied embeddings,
 # grouped-query and multi-head attention, Llama 3's RoPE scaling (its original context
 # shorter than the tests' prompts, so it applies), Qwen2's q/k/v biases, Qwen3's q/k
-# norms and a head_dim that is not hidden/heads, Mistral.
+# norms and a head_dim that is not hidden/heads, Mistral, sliding windows.
 LAYOUTS = {
     "untied-gqa": {"model_type": "llama", "tie_word_embeddings": False, "num_key_value_heads": 2},
     "tied-gqa": {"model_type": "llama", "tie_word_embeddings": True, "num_key_value_heads": 2},
@@ -31,6 +31,17 @@ LAYOUTS = {
     "qwen2": {"model_type": "qwen2", "tie_word_embeddings": True, "num_key_value_heads": 2},
     "qwen3": {"model_type": "qwen3", "tie_word_embeddings": False, "num_key_value_heads": 2, "head_dim": 24},
     "mistral": {"model_type": "mistral", "tie_word_embeddings": False, "num_key_value_heads": 2, "head_dim": 32, "sliding_window": None},
+    # Sliding windows shorter than the tests' prompts and generations: Mistral v0.1's on
+    # every layer, Qwen's above `max_window_layers`.
+    "mistral-window": {"model_type": "mistral", "tie_word_embeddings": False, "num_key_value_heads": 2, "sliding_window": 8},
+    "qwen2-window": {
+        "model_type": "qwen2",
+        "tie_word_embeddings": False,
+        "num_key_value_heads": 2,
+        "use_sliding_window": True,
+        "sliding_window": 8,
+        "max_window_layers": 1,
+    },
 }
 
 

@@ -43,6 +43,8 @@ class ModelSpec(Section):
     head_dim: Optional[int] = Field(None, gt=0, description="each attention head's width (default dim / n_heads)")
     qkv_bias: Optional[bool] = Field(None, description="biases on the q, k and v projections (Qwen2)")
     qk_norm: Optional[bool] = Field(None, description="an RMSNorm over each head's q and k before RoPE (Qwen3)")
+    sliding_window: Optional[int] = Field(None, ge=0, description="> 0: attention sees only the last this many positions (0: all)")
+    full_attention_layers: Optional[list[int]] = Field(None, description="with a sliding window: the layers that see every position")
     init_from: Optional[LocalPath] = Field(
         None,
         description="start from a model directory (an `lmforge export`, or a Hugging Face Llama); unless resuming. "

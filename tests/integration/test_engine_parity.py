@@ -38,9 +38,9 @@ DISTILL_TERMS = ["ce_loss", "hidden_loss", "kd_loss"]
 DISTILL_CACHE = [*DISTILL_LOGITS, *FROM_CACHE, "optim.lr=3e-3"]
 
 ON_POLICY = [*DISTILL_LOGITS, "distill.on_policy={fraction: 0.5, max_new_tokens: 6}"]
-# The families' parts in one model: Qwen2's q/k/v biases, Qwen3's per-head q/k norms
-# and a head_dim that is not dim / n_heads.
-QWEN = ["model.qkv_bias=true", "model.qk_norm=true", "model.head_dim=24"]
+# The families' parts in one model: Qwen2's q/k/v biases, Qwen3's per-head q/k norms,
+# a head_dim that is not dim / n_heads, and a sliding window on all layers but the first.
+QWEN = ["model.qkv_bias=true", "model.qk_norm=true", "model.head_dim=24", "model.sliding_window=8", "model.full_attention_layers=[0]"]
 
 # name: (ranks, --set items, options): see parity.Launches.
 CASES = {
@@ -286,7 +286,8 @@ def test_distillation_adapters_are_checkpointed_and_left_out_of_the_export(run):
 @pytest.mark.parametrize("case, tolerance", [("qwen-dp2", 1e-5), ("qwen-tp2-sp", 1e-4), ("qwen-pp2", 1e-5)])
 def test_the_qwen_families_parts_train_alike_on_every_layout(run, case, tolerance):
     """q/k/v biases sharded with their columns under TP, q/k norms over each rank's
-    heads (their weight gradients summed over the TP ranks), a head_dim of its own."""
+    heads (their weight gradients summed over the TP ranks), a head_dim of its own,
+    sliding-window layers (the whole sequence gathered at attention under SP)."""
     want = losses(run, "qwen-one")
     assert want != losses(run, "reference")  # the switches made another model
     assert losses(run, case) == pytest.approx(want, rel=tolerance)

@@ -178,9 +178,15 @@ BAD_DIRECTORIES = {
     "llama3 scaling without its factors": ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling has low_freq_factor None"),
     "a head_dim rotary cannot turn": ({"head_dim": 15}, "head_dim is 15, not even"),
     "head_dim against the weights": ({"head_dim": 32}, "q_proj.weight has shape [64, 64], config.json implies [128, 64]"),
-    "a sliding window": (
-        {"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": 16},
-        "sliding_window is 16, shorter than max_position_embeddings 128 (sliding-window attention is not implemented yet)",
+    "an attention kind lmforge lacks": (
+        {
+            "model_type": "qwen2",
+            "architectures": ["Qwen2ForCausalLM"],
+            "use_sliding_window": True,
+            "sliding_window": 8,
+            "layer_types": ["chunked_attention"] * 2,
+        },
+        "layer_types is ['chunked_attention', 'chunked_attention'], not full_attention or sliding_attention",
     ),
 }
 

@@ -17,9 +17,11 @@ from lmforge.serve.engine import ContinuousBatcher, Sequence
 PROMPTS = [[11, 42, 7, 99, 3, 250, 18, 64], [5, 77, 123], [200, 9, 31, 44, 150], [1, 2], [300, 301, 302, 303, 304, 305]]
 
 
-@pytest.fixture(scope="module")
-def model():
-    return build_model(PRESETS["tiny"], seed=5).eval()
+# Plain, and with a sliding window shorter than the generations on all but layer 0
+# (the slots' window mask against generate_ids', itself checked against transformers).
+@pytest.fixture(scope="module", params=[{}, {"sliding_window": 6, "full_attention_layers": (0,)}], ids=["full", "window"])
+def model(request):
+    return build_model(PRESETS["tiny"].with_overrides(**request.param), seed=5).eval()
 
 
 class Listener:

@@ -23,7 +23,8 @@ class KVCache:
         self.capacity = capacity
         self.length = 0  # slots filled
         self._new = 0
-        self.positions = self.mask = None
+        self.positions = self.mask = self._key_positions = self._own = None
+        self._windowed: dict[int, torch.Tensor] = {}
         self._layers = [LayerCache(self, i) for i in range(cfg.n_layers)]
 
     def begin(self, new: int) -> None:
@@ -38,9 +39,19 @@ class KVCache:
         causal = slots[None, :] <= queries[:, None]
         real = slots[None, :] >= self.pad[:, None]
         # A padding slot sees itself: no query attends to nothing (a NaN softmax).
-        sees = (causal[None] & real[:, None, :]) | (slots[None, :] == queries[:, None])[None]
+        own = (slots[None, :] == queries[:, None])[None]
+        sees = (causal[None] & real[:, None, :]) | own
         self.mask = sees[:, None]  # (batch, 1, new, end), broadcast over heads
+        self._key_positions, self._own, self._windowed = slots[None, :] - self.pad[:, None], own, {}
         self._new = new
+
+    def window_mask(self, window: int) -> torch.Tensor:
+        """`mask`, less the keys `window` or more positions behind each query (a sliding
+        window's layer); computed once per forward."""
+        if window not in self._windowed:
+            near = (self.positions[:, :, None] - self._key_positions[:, None, :]) < window
+            self._windowed[window] = ((self.mask[:, 0] & near) | self._own)[:, None]
+        return self._windowed[window]
 
     def advance(self) -> None:
         """After the forward: its keys and values are part of the cache."""
@@ -60,6 +71,11 @@ class LayerCache:
     @property
     def mask(self) -> torch.Tensor:
         return self.cache.mask
+
+    def mask_for(self, window: int) -> torch.Tensor:
+        """What each query sees: every earlier position, or (a sliding `window` > 0) the
+        last `window` up to its own, as transformers' sliding-window layers."""
+        return self.cache.window_mask(window) if window else self.cache.mask
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store this forward's keys and values (batch, kv_heads, new, head_dim); all so far."""

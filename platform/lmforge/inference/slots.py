@@ -22,6 +22,7 @@ class SlotCache:
         self.lengths = torch.zeros(slots, dtype=torch.long, device=device)
         self.rows = self.positions = self.mask = None
         self._end = 0
+        self._windowed: dict[int, torch.Tensor] = {}
         self._layers = [SlotLayer(self, i) for i in range(cfg.n_layers)]
 
     def begin(self, rows: list[int], new: int) -> None:
@@ -38,6 +39,14 @@ class SlotCache:
         # A query sees its own sequence's slots up to its position: what was written
         # there by an earlier sequence is past the current length, so never seen.
         self.mask = (slots[None, None, :] <= self.positions[:, :, None])[:, None]  # (rows, 1, new, end)
+        self._windowed = {}
+
+    def window_mask(self, window: int) -> torch.Tensor:
+        """`mask`, less the slots `window` or more positions behind each query."""
+        if window not in self._windowed:
+            slots = torch.arange(self._end, device=self.device)
+            self._windowed[window] = self.mask & ((self.positions[:, :, None] - slots[None, None, :]) < window)[:, None]
+        return self._windowed[window]
 
     def advance(self) -> None:
         self.lengths[self.rows] += self.positions.shape[1]

@@ -1,7 +1,8 @@
 """Model shapes: a typed config and named presets (no torch import).
 
 One decoder covers the Llama-like families; what differs per family is a small set
-of switches here (`family`, `head_dim`, `qkv_bias`, `qk_norm`, `rope_scaling`), each
+of switches here (`family`, `head_dim`, `qkv_bias`, `qk_norm`, `rope_scaling`,
+`sliding_window`), each
 documented in docs/job-file.md. `tiny` is for tests, `small` for the quickstart;
 the 1B-70B shapes exist for planning and are never materialized on a CPU.
 """
@@ -49,6 +50,8 @@ class ModelConfig:
     qkv_bias: bool = False  # q, k and v projections with biases (Qwen2)
     qk_norm: bool = False  # an RMSNorm over each head's q and k before RoPE (Qwen3)
     rope_scaling: Optional[RopeScaling] = field(default=None)
+    sliding_window: int = 0  # > 0: layers see only the last this many positions (Mistral v0.1, Qwen's option)
+    full_attention_layers: tuple[int, ...] = ()  # with a sliding window: the layers that see every position
 
     def __post_init__(self):
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden", "max_seq_len"):
@@ -67,6 +70,16 @@ class ModelConfig:
             object.__setattr__(self, "head_dim", self.dim // self.n_heads)
         if isinstance(self.rope_scaling, dict):
             object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+        if isinstance(self.sliding_window, bool) or not isinstance(self.sliding_window, int) or self.sliding_window < 0:
+            raise ValueError(f"sliding_window is {self.sliding_window!r}, not a whole number (0: none)")
+        layers = tuple(self.full_attention_layers)
+        if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.n_layers for i in layers):
+            raise ValueError(f"full_attention_layers is {list(layers)}, not layer indices below n_layers {self.n_layers}")
+        object.__setattr__(self, "full_attention_layers", layers)
+
+    def window_of(self, layer: int) -> int:
+        """The sliding window of a layer's attention; 0: it sees every earlier position."""
+        return 0 if layer in self.full_attention_layers else self.sliding_window
 
     def with_overrides(self, **overrides) -> "ModelConfig":
         overrides = {k: v for k, v in overrides.items() if v is not None}
@@ -97,9 +110,12 @@ class ModelConfig:
         defaults = {f.name: f.default for f in fields(self)}
         if values["head_dim"] == self.dim // self.n_heads:
             values.pop("head_dim")
-        for name in ("family", "qkv_bias", "qk_norm", "rope_scaling"):
+        values["full_attention_layers"] = list(self.full_attention_layers)
+        for name in ("family", "qkv_bias", "qk_norm", "rope_scaling", "sliding_window"):
             if values[name] == defaults[name]:
                 values.pop(name)
+        if not self.full_attention_layers:
+            values.pop("full_attention_layers")
         return values
 
 

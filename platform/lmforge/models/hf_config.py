@@ -65,10 +65,17 @@ def config_to_hf(cfg: ModelConfig, eos_id: int | None, dtype: str) -> dict:
         config["attention_bias"] = False
     if cfg.family == "llama":
         config["mlp_bias"] = False
+    window = cfg.sliding_window or None
     if cfg.family in ("qwen2", "qwen3"):
-        config |= {"use_sliding_window": False, "sliding_window": None}
+        kinds = ["full_attention" if cfg.window_of(i) == 0 else "sliding_attention" for i in range(cfg.n_layers)]
+        config |= {
+            "use_sliding_window": window is not None,
+            "sliding_window": window,
+            "max_window_layers": kinds.count("full_attention"),
+            "layer_types": kinds,
+        }
     if cfg.family == "mistral":
-        config["sliding_window"] = None
+        config["sliding_window"] = window
     return config
 
 
@@ -90,7 +97,6 @@ def config_from_hf(config: dict, where: str) -> ModelConfig:
             refuse(name, f"is true ({family}'s projections in lmforge have no such biases)")
     if config.get("hidden_act", "silu") != "silu":
         refuse("hidden_act", f"is {config['hidden_act']!r}, not silu")
-    _check_full_attention(config, refuse)
     missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size") if k not in config]
     if missing:
         refuse(missing[0], "is missing")
@@ -128,19 +134,31 @@ def config_from_hf(config: dict, where: str) -> ModelConfig:
         qkv_bias=family == "qwen2",
         qk_norm=family == "qwen3",
         rope_scaling=_rope_scaling(config.get("rope_scaling") or rope, refuse),
+        **_sliding_window(config, refuse),
     )
     return config_from_dict(shape, where)
 
 
-def _check_full_attention(config: dict, refuse) -> None:
-    """Every layer attends to the whole sequence: a sliding window that could ever
-    apply (shorter than the positions the model takes) is not implemented."""
-    longest = config.get("max_position_embeddings", 2048)
+def _sliding_window(config: dict, refuse) -> dict:
+    """Which layers see only a window of the last positions, as transformers reads the
+    config: Mistral's `sliding_window` applies to every layer; Qwen's only with
+    `use_sliding_window`, to the layers `layer_types` (or `max_window_layers`) name."""
+    family, layers = config.get("model_type"), config["num_hidden_layers"]
     window = config.get("sliding_window")
-    if config.get("model_type") in ("qwen2", "qwen3") and not config.get("use_sliding_window"):
-        window = None  # stated, but off: transformers ignores it too
-    if window is not None and window < longest:
-        refuse("sliding_window", f"is {window}, shorter than max_position_embeddings {longest} (sliding-window attention is not implemented yet)")
+    if family == "llama" or (family in ("qwen2", "qwen3") and not config.get("use_sliding_window")):
+        window = None
+    if window is None:
+        return {}
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        refuse("sliding_window", f"is {window!r}, not a positive whole number")
+    kinds = config.get("layer_types") if family != "mistral" else None
+    if kinds is None:
+        first = config.get("max_window_layers", 0) if family != "mistral" else 0
+        kinds = ["full_attention" if i < first else "sliding_attention" for i in range(layers)]
+    if not isinstance(kinds, list) or len(kinds) != layers or not set(kinds) <= {"full_attention", "sliding_attention"}:
+        refuse("layer_types", f"is {kinds!r}, not full_attention or sliding_attention for each of the {layers} layers")
+    full = [i for i, kind in enumerate(kinds) if kind == "full_attention"]
+    return {} if len(full) == layers else {"sliding_window": window, "full_attention_layers": full}
 
 
 def _rope_scaling(rope: dict, refuse) -> dict | None:

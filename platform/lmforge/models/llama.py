@@ -50,8 +50,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, window: int = 0):
         super().__init__()
+        self.window = window  # > 0: each query sees only the last `window` positions up to its own
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
@@ -75,11 +76,13 @@ class Attention(nn.Module):
             cos, sin = cos[:seq], sin[:seq]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        if cache is None:
+        if cache is None and not self.window:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        elif cache is None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=sliding_causal_mask(seq, self.window, q.device), enable_gqa=True)
         else:  # keys and values of earlier calls, and which of them each query sees
             k, v = cache.update(k, v)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=cache.mask, enable_gqa=True)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=cache.mask_for(self.window), enable_gqa=True)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
@@ -94,11 +97,17 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+def sliding_causal_mask(seq: int, window: int, device: torch.device) -> torch.Tensor:
+    """Query i sees keys j with i - window < j <= i."""
+    distance = torch.arange(seq, device=device)[:, None] - torch.arange(seq, device=device)[None, :]
+    return (distance >= 0) & (distance < window)
+
+
 class TransformerBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.attention = Attention(cfg)
+        self.attention = Attention(cfg, cfg.window_of(layer))
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
 
@@ -115,7 +124,7 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         # A ModuleDict keyed by index keeps parameter names stable when pipeline
         # stages delete the blocks they do not own.
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
         self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
