@@ -34,6 +34,33 @@ LAYOUTS = {
     # Sliding windows shorter than the tests' prompts and generations: Mistral v0.1's on
     # every layer, Qwen's above `max_window_layers`.
     "mistral-window": {"model_type": "mistral", "tie_word_embeddings": False, "num_key_value_heads": 2, "sliding_window": 8},
+    # Gemma 3 (text): a pattern of sliding layers (window 8) and a full one, each with its
+    # RoPE base, the full layers' scaled linearly.
+    "gemma3": {
+        "model_type": "gemma3_text",
+        "tie_word_embeddings": True,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "query_pre_attn_scalar": 24,
+        "sliding_window": 8,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100_000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 5_000.0},
+        },
+    },
+    # A mixture of experts: 4 experts, the top 2 renormalized, layer 1 dense.
+    "qwen3-moe": {
+        "model_type": "qwen3_moe",
+        "tie_word_embeddings": False,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 48,
+        "norm_topk_prob": True,
+        "mlp_only_layers": [1],
+    },
     "qwen2-window": {
         "model_type": "qwen2",
         "tie_word_embeddings": False,

@@ -39,12 +39,25 @@ class ModelSpec(Section):
     ffn_hidden: Optional[int] = Field(None, gt=0)
     max_seq_len: Optional[int] = Field(None, gt=0)
     tie_embeddings: Optional[bool] = None
-    family: Optional[Literal["llama", "qwen2", "qwen3", "mistral"]] = Field(None, description="the Hugging Face architecture it exports as")
+    family: Optional[Literal["llama", "qwen2", "qwen3", "mistral", "gemma3_text", "qwen3_moe"]] = Field(
+        None, description="the Hugging Face architecture it exports as"
+    )
     head_dim: Optional[int] = Field(None, gt=0, description="each attention head's width (default dim / n_heads)")
     qkv_bias: Optional[bool] = Field(None, description="biases on the q, k and v projections (Qwen2)")
     qk_norm: Optional[bool] = Field(None, description="an RMSNorm over each head's q and k before RoPE (Qwen3)")
     sliding_window: Optional[int] = Field(None, ge=0, description="> 0: attention sees only the last this many positions (0: all)")
     full_attention_layers: Optional[list[int]] = Field(None, description="with a sliding window: the layers that see every position")
+    activation: Optional[Literal["silu", "gelu_tanh"]] = Field(None, description="the gated MLP's: silu (SwiGLU) or gelu_tanh (GeGLU, Gemma)")
+    unit_offset_norms: Optional[bool] = Field(None, description="RMSNorms scale by (1 + w), in fp32 (Gemma)")
+    sandwich_norms: Optional[bool] = Field(None, description="a norm after attention and after the MLP too (Gemma)")
+    embed_scale: Optional[bool] = Field(None, description="embeddings multiplied by sqrt(dim) (Gemma)")
+    query_pre_attn_scalar: Optional[float] = Field(None, ge=0, description="> 0: scores scaled by its -1/2 power, not head_dim's (Gemma)")
+    local_rope_theta: Optional[float] = Field(None, ge=0, description="> 0: the sliding layers' RoPE base (Gemma 3)")
+    n_experts: Optional[int] = Field(None, ge=0, description="> 0: a mixture of this many experts in each MLP (Qwen3-MoE)")
+    experts_per_token: Optional[int] = Field(None, ge=0, description="the experts each token's MLP output sums")
+    expert_ffn_hidden: Optional[int] = Field(None, ge=0, description="each expert's hidden width")
+    normalize_top_k: Optional[bool] = Field(None, description="the chosen experts' weights renormalized to sum to 1")
+    dense_layers: Optional[list[int]] = Field(None, description="with experts: the layers that keep a dense MLP")
     init_from: Optional[LocalPath] = Field(
         None,
         description="start from a model directory (an `lmforge export`, or a Hugging Face Llama); unless resuming. "

@@ -99,6 +99,10 @@ def check_sharding(spec: "JobSpec") -> None:
 
 def check_tensor_parallel(spec: "JobSpec", model: ModelConfig) -> None:
     tp = spec.parallel.tp
+    if tp > 1 and model.n_experts:
+        raise ValueError(
+            "model.n_experts: a mixture of experts trains with data and pipeline parallelism (FSDP shards the experts); parallel.tp must be 1"
+        )
     if tp == 1:
         return
     for field, value in (

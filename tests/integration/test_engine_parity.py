@@ -38,9 +38,17 @@ DISTILL_TERMS = ["ce_loss", "hidden_loss", "kd_loss"]
 DISTILL_CACHE = [*DISTILL_LOGITS, *FROM_CACHE, "optim.lr=3e-3"]
 
 ON_POLICY = [*DISTILL_LOGITS, "distill.on_policy={fraction: 0.5, max_new_tokens: 6}"]
-# The families' parts in one model: Qwen2's q/k/v biases, Qwen3's per-head q/k norms,
-# a head_dim that is not dim / n_heads, and a sliding window on all layers but the first.
-QWEN = ["model.qkv_bias=true", "model.qk_norm=true", "model.head_dim=24", "model.sliding_window=8", "model.full_attention_layers=[0]"]
+# Every family's parts in one model: Qwen2's q/k/v biases, Qwen3's per-head q/k norms,
+# a head_dim that is not dim / n_heads, a sliding window on all layers but the first,
+# and Gemma 3's (1 + w) norms after each branch too, GeGLU, scaled embeddings, its
+# attention scale and the sliding layers' own RoPE base.
+FAMILY_PARTS = [
+    *("model.qkv_bias=true", "model.qk_norm=true", "model.head_dim=24", "model.sliding_window=8", "model.full_attention_layers=[0]"),
+    *("model.unit_offset_norms=true", "model.sandwich_norms=true", "model.activation=gelu_tanh", "model.embed_scale=true"),
+    *("model.query_pre_attn_scalar=20", "model.local_rope_theta=5000"),
+]
+# A mixture of experts (Qwen3-MoE's routing): FSDP shards the experts like any parameter.
+MOE = ["model.n_experts=4", "model.experts_per_token=2", "model.expert_ffn_hidden=48", "model.normalize_top_k=true", "model.dense_layers=[1]"]
 
 # name: (ranks, --set items, options): see parity.Launches.
 CASES = {
@@ -107,7 +115,7 @@ CASES = {
         )
     },
     **{
-        f"qwen-{name}": (n, [*QWEN, *layout], {})
+        f"parts-{name}": (n, [*FAMILY_PARTS, *layout], {})
         for name, n, layout in (
             ("one", 1, []),
             ("dp2", 2, []),
@@ -115,13 +123,24 @@ CASES = {
             ("pp2", 2, [*PP2, *SCHEDULES["1f1b"]]),
         )
     },
+    **{f"moe-{name}": (n, [*MOE, *layout], {}) for name, n, layout in (("one", 1, []), ("dp2", 2, []), ("pp2", 2, [*PP2, *SCHEDULES["1f1b"]]))},
 }
-ONE_PROCESS = ("reference", "distill-one", "distill-cache-one", "sft-one", "sft-kd-one", "on-policy-one", "on-policy-masked-one", "qwen-one")
+ONE_PROCESS = (
+    "reference",
+    "distill-one",
+    "distill-cache-one",
+    "sft-one",
+    "sft-kd-one",
+    "on-policy-one",
+    "on-policy-masked-one",
+    "parts-one",
+    "moe-one",
+)
 
 
 def one_process(case: str) -> str:
     """The single-process run a case is compared with."""
-    for prefix in ("on-policy-masked", "on-policy", "sft-kd", "sft", "distill-cache", "distill", "qwen"):
+    for prefix in ("on-policy-masked", "on-policy", "sft-kd", "sft", "distill-cache", "distill", "parts", "moe"):
         if case.startswith(prefix + "-"):
             return f"{prefix}-one"
     return "reference"
@@ -283,12 +302,14 @@ def test_distillation_adapters_are_checkpointed_and_left_out_of_the_export(run):
         assert sorted(weights.keys()) == sorted(weight_names(open_model_dir(exported).cfg))
 
 
-@pytest.mark.parametrize("case, tolerance", [("qwen-dp2", 1e-5), ("qwen-tp2-sp", 1e-4), ("qwen-pp2", 1e-5)])
-def test_the_qwen_families_parts_train_alike_on_every_layout(run, case, tolerance):
+@pytest.mark.parametrize("case, tolerance", [("parts-dp2", 1e-5), ("parts-tp2-sp", 1e-4), ("parts-pp2", 1e-5), ("moe-dp2", 1e-5), ("moe-pp2", 1e-5)])
+def test_the_families_parts_train_alike_on_every_layout(run, case, tolerance):
     """q/k/v biases sharded with their columns under TP, q/k norms over each rank's
     heads (their weight gradients summed over the TP ranks), a head_dim of its own,
-    sliding-window layers (the whole sequence gathered at attention under SP)."""
-    want = losses(run, "qwen-one")
+    sliding-window layers (the whole sequence gathered at attention under SP),
+    Gemma's branch-output norms on the sequence-sharded residual stream; a mixture
+    of experts with FSDP-sharded experts and split into pipeline stages."""
+    want = losses(run, one_process(case))
     assert want != losses(run, "reference")  # the switches made another model
     assert losses(run, case) == pytest.approx(want, rel=tolerance)
 

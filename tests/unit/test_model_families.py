@@ -33,8 +33,17 @@ PUBLISHED = {
     "qwen3-14b": (14.8e9, 0.1e9),
     "qwen3-32b": (32.8e9, 0.1e9),
     "mistral-7b": 7_248_023_552,
+    "gemma-3-1b": 999_885_952,
+    "qwen3-30b-a3b": 30_532_122_624,
 }
-ARCHITECTURE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
+ARCHITECTURE = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
 
 
 @pytest.mark.parametrize("name", PUBLISHED)
@@ -94,7 +103,10 @@ def test_a_jobs_model_switches_and_their_refusals():
     assert "head_dim" not in PRESETS["tiny"].as_dict()  # a plain Llama's config reads as it always has
     assert spec_from_dict(job | {"model": {"preset": "qwen3-0.6b", "dim": 512}}).model_arch.head_dim == 128  # stated, kept
     assert spec_from_dict(job | {"model": {"preset": "tiny", "dim": 128}}).model_arch.head_dim == 32  # derived, follows dim
-    with pytest.raises(UserError, match="model.family: Input should be 'llama', 'qwen2', 'qwen3' or 'mistral'"):
+    with pytest.raises(UserError, match="model.family: Input should be 'llama', 'qwen2', 'qwen3', 'mistral', 'gemma3_text' or 'qwen3_moe'"):
         spec_from_dict(job | {"model": {"family": "gemma"}})
+    moe = {"preset": "tiny", "n_experts": 4, "experts_per_token": 2, "expert_ffn_hidden": 32}
+    with pytest.raises(UserError, match="model.n_experts: a mixture of experts trains with data and pipeline parallelism"):
+        spec_from_dict(job | {"model": moe, "parallel": {"tp": 2}, "resources": {"workers": 2}})
     with pytest.raises(ValueError, match="rope_scaling kind is 'yarn'"):
         config_from_dict(PRESETS["tiny"].as_dict() | {"rope_scaling": {"kind": "yarn", "factor": 2.0}}, "x")

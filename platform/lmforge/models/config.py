@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Literal, Optional
 
 # The Hugging Face architectures one decoder with these switches represents exactly.
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "qwen3_moe")
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,20 @@ class ModelConfig:
     rope_scaling: Optional[RopeScaling] = field(default=None)
     sliding_window: int = 0  # > 0: layers see only the last this many positions (Mistral v0.1, Qwen's option)
     full_attention_layers: tuple[int, ...] = ()  # with a sliding window: the layers that see every position
+    # Gemma 3's parts:
+    activation: str = "silu"  # the gated MLP's: silu (SwiGLU) or gelu_tanh (GeGLU)
+    unit_offset_norms: bool = False  # RMSNorms scale by (1 + w), in fp32, w starting at 0
+    sandwich_norms: bool = False  # a norm after attention and after the MLP too, before each joins the residual
+    embed_scale: bool = False  # embeddings multiplied by sqrt(dim)
+    query_pre_attn_scalar: float = 0.0  # > 0: attention scores scaled by its -1/2 power, not head_dim's
+    local_rope_theta: float = 0.0  # > 0: the sliding-window layers' RoPE base (and no scaling there)
+    # A mixture of experts (Qwen3-MoE): each token's MLP is the weighted sum of its top
+    # experts' (softmax over all, then the top k, renormalized if asked).
+    n_experts: int = 0  # 0: a dense MLP everywhere
+    experts_per_token: int = 0
+    expert_ffn_hidden: int = 0
+    normalize_top_k: bool = False
+    dense_layers: tuple[int, ...] = ()  # with experts: the layers that keep a dense MLP
 
     def __post_init__(self):
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden", "max_seq_len"):
@@ -77,6 +91,24 @@ class ModelConfig:
             raise ValueError(f"full_attention_layers is {list(layers)}, not layer indices below n_layers {self.n_layers}")
         object.__setattr__(self, "full_attention_layers", layers)
 
+        if self.activation not in ("silu", "gelu_tanh"):
+            raise ValueError(f"activation is {self.activation!r}, not silu or gelu_tanh")
+        for name in ("query_pre_attn_scalar", "local_rope_theta"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+                raise ValueError(f"{name} is {value!r}, not a number >= 0 (0: not used)")
+
+        for name in ("n_experts", "experts_per_token", "expert_ffn_hidden"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} is {value!r}, not a whole number")
+        if self.n_experts and not (0 < self.experts_per_token <= self.n_experts and self.expert_ffn_hidden > 0):
+            raise ValueError("n_experts needs 0 < experts_per_token <= n_experts and expert_ffn_hidden > 0")
+        object.__setattr__(self, "dense_layers", tuple(self.dense_layers))
+
+    def has_experts(self, layer: int) -> bool:
+        return self.n_experts > 0 and layer not in self.dense_layers
+
     def window_of(self, layer: int) -> int:
         """The sliding window of a layer's attention; 0: it sees every earlier position."""
         return 0 if layer in self.full_attention_layers else self.sliding_window
@@ -92,15 +124,21 @@ class ModelConfig:
         d, h = self.dim, self.ffn_hidden
         q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         attn = 2 * d * q + 2 * d * kv + (q + 2 * kv if self.qkv_bias else 0) + (2 * self.head_dim if self.qk_norm else 0)
-        block = attn + 3 * d * h + 2 * d
+        block = attn + (4 if self.sandwich_norms else 2) * d
+        moe = self.n_experts * 3 * d * self.expert_ffn_hidden + self.n_experts * d  # experts and their router
+        mlps = sum(moe if self.has_experts(i) else 3 * d * h for i in range(self.n_layers))
         embed = self.vocab_size * d
         head = 0 if self.tie_embeddings else self.vocab_size * d
-        return self.n_layers * block + embed + head + d
+        return self.n_layers * block + mlps + embed + head + d
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6N plus attention (PaLM appendix B), N the weights
-        that multiply: an untied input embedding is a lookup, not a matmul."""
-        multiplying = self.num_params() - (0 if self.tie_embeddings else self.vocab_size * self.dim)
+        that multiply: an untied input embedding is a lookup, not a matmul, and a
+        token's unchosen experts do not multiply it."""
+        idle_experts = sum(self.has_experts(i) for i in range(self.n_layers)) * (self.n_experts - self.experts_per_token)
+        multiplying = (
+            self.num_params() - (0 if self.tie_embeddings else self.vocab_size * self.dim) - idle_experts * 3 * self.dim * self.expert_ffn_hidden
+        )
         return 6 * multiplying + 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
 
     def as_dict(self) -> dict:
@@ -111,11 +149,15 @@ class ModelConfig:
         if values["head_dim"] == self.dim // self.n_heads:
             values.pop("head_dim")
         values["full_attention_layers"] = list(self.full_attention_layers)
-        for name in ("family", "qkv_bias", "qk_norm", "rope_scaling", "sliding_window"):
+        switches = ("family", "qkv_bias", "qk_norm", "rope_scaling", "sliding_window", "activation", "unit_offset_norms", "sandwich_norms")
+        values["dense_layers"] = list(self.dense_layers)
+        experts = ("n_experts", "experts_per_token", "expert_ffn_hidden", "normalize_top_k")
+        for name in (*switches, "embed_scale", "query_pre_attn_scalar", "local_rope_theta", *experts):
             if values[name] == defaults[name]:
                 values.pop(name)
-        if not self.full_attention_layers:
-            values.pop("full_attention_layers")
+        for name in ("full_attention_layers", "dense_layers"):
+            if not values[name]:
+                values.pop(name)
         return values
 
 
@@ -174,6 +216,47 @@ PRESETS |= {
     "qwen3-8b": _qwen("qwen3", 4096, 36, 32, 8, 12288, tied=False, head_dim=128, max_seq_len=40960),
     "qwen3-14b": _qwen("qwen3", 5120, 40, 40, 8, 17408, tied=False, head_dim=128, max_seq_len=40960),
     "qwen3-32b": _qwen("qwen3", 5120, 64, 64, 8, 25600, tied=False, head_dim=128, max_seq_len=40960),
+    "gemma-3-1b": ModelConfig(
+        dim=1152,
+        n_layers=26,
+        n_heads=4,
+        n_kv_heads=1,
+        vocab_size=262144,
+        ffn_hidden=6912,
+        max_seq_len=32768,
+        norm_eps=1e-6,
+        rope_theta=1000000.0,
+        tie_embeddings=True,
+        family="gemma3_text",
+        head_dim=256,
+        qk_norm=True,
+        sliding_window=512,
+        full_attention_layers=tuple(range(5, 26, 6)),
+        activation="gelu_tanh",
+        unit_offset_norms=True,
+        sandwich_norms=True,
+        embed_scale=True,
+        query_pre_attn_scalar=256.0,
+        local_rope_theta=10000.0,
+    ),  # fmt: skip
+    "qwen3-30b-a3b": ModelConfig(
+        dim=2048,
+        n_layers=48,
+        n_heads=32,
+        n_kv_heads=4,
+        vocab_size=151936,
+        ffn_hidden=6144,
+        max_seq_len=40960,
+        norm_eps=1e-6,
+        rope_theta=1000000.0,
+        family="qwen3_moe",
+        head_dim=128,
+        qk_norm=True,
+        n_experts=128,
+        experts_per_token=8,
+        expert_ffn_hidden=768,
+        normalize_top_k=True,
+    ),  # fmt: skip
     "mistral-7b": ModelConfig(
         dim=4096,
         n_layers=32,

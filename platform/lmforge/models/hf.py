@@ -1,4 +1,4 @@
-"""Hugging Face weights (Llama, Qwen2, Qwen3, Mistral) <-> lmforge: parameter names and the rotary convention
+"""Hugging Face weights (Llama, Qwen2, Qwen3, Mistral, Gemma 3, Qwen3-MoE) <-> lmforge: parameter names and the rotary convention
 (HF rotates the two halves of a head, lmforge interleaved pairs, so q/k rows are
 permuted across the boundary). Read with safetensors only, never a pickle.
 """
@@ -37,14 +37,31 @@ _NAMES = {
     "layers.{i}.attention.wv.bias": "model.layers.{i}.self_attn.v_proj.bias",
     "layers.{i}.attention.q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
     "layers.{i}.attention.k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
+    "layers.{i}.feed_forward.router.weight": "model.layers.{i}.mlp.gate.weight",
+    "layers.{i}.feed_forward.experts.{j}.w1.weight": "model.layers.{i}.mlp.experts.{j}.gate_proj.weight",
+    "layers.{i}.feed_forward.experts.{j}.w2.weight": "model.layers.{i}.mlp.experts.{j}.down_proj.weight",
+    "layers.{i}.feed_forward.experts.{j}.w3.weight": "model.layers.{i}.mlp.experts.{j}.up_proj.weight",
 }
 
 
-def hf_name(name: str) -> str:
+# Gemma's block has four norms: its post_attention_layernorm follows attention (Llama's
+# is the MLP's input norm, Gemma's pre_feedforward_layernorm).
+_GEMMA_NAMES = _NAMES | {
+    "layers.{i}.ffn_norm.weight": "model.layers.{i}.pre_feedforward_layernorm.weight",
+    "layers.{i}.attention_out_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "layers.{i}.ffn_out_norm.weight": "model.layers.{i}.post_feedforward_layernorm.weight",
+}
+
+
+def hf_name(name: str, family: str = "llama") -> str:
+    names = _GEMMA_NAMES if family == "gemma3_text" else _NAMES
     parts = name.split(".")
-    if parts[0] == "layers":
-        return _NAMES[".".join(["layers", "{i}", *parts[2:]])].format(i=parts[1])
-    return _NAMES[name]
+    if parts[0] != "layers":
+        return names[name]
+    rest, expert = parts[2:], None
+    if rest[:2] == ["feed_forward", "experts"]:  # an expert's: its index is the second placeholder
+        rest, expert = [*rest[:2], "{j}", *rest[3:]], rest[2]
+    return names[".".join(["layers", "{i}", *rest])].format(i=parts[1], j=expert)
 
 
 def _heads(name: str, cfg: ModelConfig) -> int | None:
@@ -78,13 +95,13 @@ class HFFiles:
     """Which file of a Hugging Face directory (one file, or shards listed in an index)
     holds each tensor."""
 
-    def __init__(self, path: Path):
-        self.path = path
+    def __init__(self, path: Path, family: str):
+        self.path, self.family = path, family
         self.files = self._files()
 
     def locate(self, name: str) -> tuple[Path | None, str]:
         """(the file, None when no file holds it; the HF name) of an lmforge tensor."""
-        key = hf_name(name)
+        key = hf_name(name, self.family)
         return (self.path / self.files[key] if key in self.files else None), key
 
     def _files(self) -> dict[str, str]:

@@ -23,7 +23,14 @@ def is_hf_dir(path: str | Path) -> bool:
     return isinstance(config, dict) and ("model_type" in config or "architectures" in config)
 
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
 
 
 def config_to_hf(cfg: ModelConfig, eos_id: int | None, dtype: str) -> dict:
@@ -61,12 +68,21 @@ def config_to_hf(cfg: ModelConfig, eos_id: int | None, dtype: str) -> dict:
         "torch_dtype": dtype,
         "use_cache": True,
     }
-    if cfg.family in ("llama", "qwen3"):
+    if cfg.family in ("llama", "qwen3", "qwen3_moe"):
         config["attention_bias"] = False
     if cfg.family == "llama":
         config["mlp_bias"] = False
     window = cfg.sliding_window or None
-    if cfg.family in ("qwen2", "qwen3"):
+    if cfg.family == "qwen3_moe":
+        config |= {
+            "num_experts": cfg.n_experts,
+            "num_experts_per_tok": cfg.experts_per_token,
+            "moe_intermediate_size": cfg.expert_ffn_hidden,
+            "norm_topk_prob": cfg.normalize_top_k,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": list(cfg.dense_layers),
+        }
+    if cfg.family in ("qwen2", "qwen3", "qwen3_moe"):
         kinds = ["full_attention" if cfg.window_of(i) == 0 else "sliding_attention" for i in range(cfg.n_layers)]
         config |= {
             "use_sliding_window": window is not None,
@@ -76,7 +92,26 @@ def config_to_hf(cfg: ModelConfig, eos_id: int | None, dtype: str) -> dict:
         }
     if cfg.family == "mistral":
         config["sliding_window"] = window
+    if cfg.family == "gemma3_text":
+        kinds = ["full_attention" if cfg.window_of(i) == 0 else "sliding_attention" for i in range(cfg.n_layers)]
+        local = {"rope_type": "default", "rope_theta": cfg.local_rope_theta or cfg.rope_theta}
+        for name in ("hidden_act", "rope_theta"):
+            config.pop(name)
+        config |= {
+            "hidden_activation": "gelu_pytorch_tanh",
+            "query_pre_attn_scalar": _whole(cfg.query_pre_attn_scalar or cfg.head_dim),  # transformers wants an int
+            "sliding_window": window,
+            "layer_types": kinds,
+            "rope_parameters": {"full_attention": rope, "sliding_attention": local},
+            "attention_bias": False,
+            "final_logit_softcapping": None,
+            "attn_logit_softcapping": None,
+        }
     return config
+
+
+def _whole(value: float) -> int | float:
+    return int(value) if float(value).is_integer() else value
 
 
 def config_from_hf(config: dict, where: str) -> ModelConfig:
@@ -95,7 +130,7 @@ def config_from_hf(config: dict, where: str) -> ModelConfig:
     for name in ("attention_bias", "mlp_bias"):
         if config.get(name):
             refuse(name, f"is true ({family}'s projections in lmforge have no such biases)")
-    if config.get("hidden_act", "silu") != "silu":
+    if family != "gemma3_text" and config.get("hidden_act", "silu") != "silu":
         refuse("hidden_act", f"is {config['hidden_act']!r}, not silu")
     missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size") if k not in config]
     if missing:
@@ -118,6 +153,10 @@ def config_from_hf(config: dict, where: str) -> ModelConfig:
     if head_dim % 2:
         refuse("head_dim", f"is {head_dim}, not even (rotary embeddings turn pairs)")
     rope = config.get("rope_parameters") or {}
+    gemma = _gemma3(config, refuse) if family == "gemma3_text" else {}
+    experts = _experts(config, refuse) if family == "qwen3_moe" else {}
+    if gemma:
+        rope = rope.get("full_attention") or {"rope_theta": config.get("rope_theta", 1_000_000.0), **(config.get("rope_scaling") or {})}
     shape = dict(
         dim=config["hidden_size"],
         n_layers=config["num_hidden_layers"],
@@ -132,11 +171,59 @@ def config_from_hf(config: dict, where: str) -> ModelConfig:
         family=family,
         head_dim=head_dim,
         qkv_bias=family == "qwen2",
-        qk_norm=family == "qwen3",
-        rope_scaling=_rope_scaling(config.get("rope_scaling") or rope, refuse),
+        qk_norm=family in ("qwen3", "qwen3_moe"),
+        rope_scaling=_rope_scaling(rope if gemma else config.get("rope_scaling") or rope, refuse),
         **_sliding_window(config, refuse),
     )
-    return config_from_dict(shape, where)
+    return config_from_dict(shape | gemma | experts, where)
+
+
+def _experts(config: dict, refuse) -> dict:
+    """Qwen3-MoE's experts: every `decoder_sparse_step`-th layer not in `mlp_only_layers`.
+    The hub's configs say `num_experts`; transformers 5 saves it as `num_local_experts`."""
+    config = {"num_experts": config.get("num_local_experts")} | {k: v for k, v in config.items() if v is not None}
+    for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+        value = config.get(name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            refuse(name, f"is {value!r}, not a positive whole number")
+    step, only = config.get("decoder_sparse_step", 1), config.get("mlp_only_layers") or []
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        refuse("decoder_sparse_step", f"is {step!r}, not a positive whole number")
+    dense = [i for i in range(config["num_hidden_layers"]) if i in only or (i + 1) % step]
+    return {
+        "n_experts": config["num_experts"],
+        "experts_per_token": config["num_experts_per_tok"],
+        "expert_ffn_hidden": config["moe_intermediate_size"],
+        "normalize_top_k": bool(config.get("norm_topk_prob", False)),
+        "dense_layers": dense,
+    }
+
+
+def _gemma3(config: dict, refuse) -> dict:
+    """Gemma 3's switches: (1 + w) norms before and after attention and the MLP, q/k
+    norms, GeGLU, embeddings scaled by sqrt(hidden), `query_pre_attn_scalar`, and the
+    sliding layers' own RoPE base. Soft-capping and bidirectional attention refused."""
+    if config.get("hidden_activation", "gelu_pytorch_tanh") not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        refuse("hidden_activation", f"is {config['hidden_activation']!r}, not gelu_pytorch_tanh")
+    for name in ("final_logit_softcapping", "attn_logit_softcapping", "use_bidirectional_attention"):
+        if config.get(name):
+            refuse(name, f"is {config[name]!r} (not implemented)")
+    rope = config.get("rope_parameters") or {}
+    local = rope.get("sliding_attention") or {"rope_type": "default", "rope_theta": config.get("rope_local_base_freq", 10_000.0)}
+    if local.get("rope_type", "default") != "default":
+        refuse("rope_parameters", f"sliding_attention is {local} (only default RoPE on the sliding layers)")
+    scalar = config.get("query_pre_attn_scalar", 256)
+    if isinstance(scalar, bool) or not isinstance(scalar, (int, float)) or scalar <= 0:
+        refuse("query_pre_attn_scalar", f"is {scalar!r}, not a positive number")
+    return {
+        "qk_norm": True,
+        "unit_offset_norms": True,
+        "sandwich_norms": True,
+        "embed_scale": True,
+        "activation": "gelu_tanh",
+        "query_pre_attn_scalar": float(scalar),
+        "local_rope_theta": float(local.get("rope_theta", 10_000.0)),
+    }
 
 
 def _sliding_window(config: dict, refuse) -> dict:
@@ -145,13 +232,16 @@ def _sliding_window(config: dict, refuse) -> dict:
     `use_sliding_window`, to the layers `layer_types` (or `max_window_layers`) name."""
     family, layers = config.get("model_type"), config["num_hidden_layers"]
     window = config.get("sliding_window")
-    if family == "llama" or (family in ("qwen2", "qwen3") and not config.get("use_sliding_window")):
+    if family == "llama" or (family in ("qwen2", "qwen3", "qwen3_moe") and not config.get("use_sliding_window")):
         window = None
     if window is None:
         return {}
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         refuse("sliding_window", f"is {window!r}, not a positive whole number")
     kinds = config.get("layer_types") if family != "mistral" else None
+    if kinds is None and family == "gemma3_text":  # its pattern: every n-th layer full
+        pattern = config.get("sliding_window_pattern", 6)
+        kinds = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
     if kinds is None:
         first = config.get("max_window_layers", 0) if family != "mistral" else 0
         kinds = ["full_attention" if i < first else "sliding_attention" for i in range(layers)]

@@ -49,18 +49,38 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return rotated.flatten(-2).type_as(x)
 
 
+class UnitOffsetRMSNorm(nn.Module):
+    """Gemma's RMSNorm: scales by (1 + w), with w starting at 0, computed in fp32 and
+    cast back after the scaling (Llama's casts before it)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.weight.float())).type_as(x)
+
+
+def rms_norm(cfg: ModelConfig, dim: int) -> nn.Module:
+    return UnitOffsetRMSNorm(dim, cfg.norm_eps) if cfg.unit_offset_norms else nn.RMSNorm(dim, eps=cfg.norm_eps)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, window: int = 0):
         super().__init__()
         self.window = window  # > 0: each query sees only the last `window` positions up to its own
+        self.scale = cfg.query_pre_attn_scalar**-0.5 if cfg.query_pre_attn_scalar else None  # None: SDPA's head_dim**-0.5
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
         # Over each head's own features, so they hold under TP's split of the heads.
-        self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.q_norm = rms_norm(cfg, cfg.head_dim) if cfg.qk_norm else None
+        self.k_norm = rms_norm(cfg, cfg.head_dim) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None) -> torch.Tensor:
         bsz, seq, _ = x.shape
@@ -77,24 +97,57 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if cache is None and not self.window:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=self.scale)
         elif cache is None:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=sliding_causal_mask(seq, self.window, q.device), enable_gqa=True)
+            mask = sliding_causal_mask(seq, self.window, q.device)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=self.scale)
         else:  # keys and values of earlier calls, and which of them each query sees
             k, v = cache.update(k, v)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=cache.mask_for(self.window), enable_gqa=True)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=cache.mask_for(self.window), enable_gqa=True, scale=self.scale)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
 class FeedForward(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, hidden: int = 0):
         super().__init__()
-        self.w1 = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=False)
-        self.w2 = nn.Linear(cfg.ffn_hidden, cfg.dim, bias=False)
-        self.w3 = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=False)
+        hidden = hidden or cfg.ffn_hidden
+        self.w1 = nn.Linear(cfg.dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, cfg.dim, bias=False)
+        self.w3 = nn.Linear(cfg.dim, hidden, bias=False)
+        self.gelu = cfg.activation == "gelu_tanh"  # GeGLU (Gemma), else SwiGLU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        gate = F.gelu(self.w1(x), approximate="tanh") if self.gelu else F.silu(self.w1(x))
+        return self.w2(gate * self.w3(x))
+
+
+class MixtureOfExperts(nn.Module):
+    """Qwen3-MoE's MLP: a router's softmax over all experts, each token's top
+    `experts_per_token` (renormalized to sum to 1 if asked), and the weighted sum of
+    those experts' SwiGLU outputs. The experts are ordinary parameters: FSDP shards
+    them like any other; there is no expert parallelism."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.top_k, self.normalize = cfg.experts_per_token, cfg.normalize_top_k
+        self.router = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
+        self.experts = nn.ModuleList(FeedForward(cfg, cfg.expert_ffn_hidden) for _ in range(cfg.n_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])
+        probs = F.softmax(self.router(tokens), dim=-1, dtype=torch.float32)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        out = torch.zeros_like(tokens)
+        for index, expert in enumerate(self.experts):
+            rows, slot = torch.where(chosen == index)
+            if rows.numel():  # every expert still joins autograd's graph below (FSDP waits on its gradients)
+                out.index_add_(0, rows, expert(tokens[rows]) * weights[rows, slot, None])
+            else:
+                out = out + 0 * expert(tokens[:1]).sum()
+        return out.reshape(x.shape)
 
 
 def sliding_causal_mask(seq: int, window: int, device: torch.device) -> torch.Tensor:
@@ -106,15 +159,20 @@ def sliding_causal_mask(seq: int, window: int, device: torch.device) -> torch.Te
 class TransformerBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
-        self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.attention_norm = rms_norm(cfg, cfg.dim)
         self.attention = Attention(cfg, cfg.window_of(layer))
-        self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg)
+        self.ffn_norm = rms_norm(cfg, cfg.dim)
+        self.feed_forward = MixtureOfExperts(cfg) if cfg.has_experts(layer) else FeedForward(cfg)
+        # Gemma's: each branch's output normalized before it joins the residual stream.
+        self.attention_out_norm = rms_norm(cfg, cfg.dim) if cfg.sandwich_norms else None
+        self.ffn_out_norm = rms_norm(cfg, cfg.dim) if cfg.sandwich_norms else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None) -> torch.Tensor:
         # A keyword: TP's input hooks describe the positional inputs only.
-        x = x + self.attention(self.attention_norm(x), cos, sin, cache=cache)
-        return x + self.feed_forward(self.ffn_norm(x))
+        attended = self.attention(self.attention_norm(x), cos, sin, cache=cache)
+        x = x + (self.attention_out_norm(attended) if self.attention_out_norm is not None else attended)
+        fed = self.feed_forward(self.ffn_norm(x))
+        return x + (self.ffn_out_norm(fed) if self.ffn_out_norm is not None else fed)
 
 
 class Transformer(nn.Module):
@@ -125,14 +183,14 @@ class Transformer(nn.Module):
         # A ModuleDict keyed by index keeps parameter names stable when pipeline
         # stages delete the blocks they do not own.
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
-        self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.norm = rms_norm(cfg, cfg.dim)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
-        # Not persistent: recomputed on materialization, never checkpointed.
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        # Not persistent: recomputed on materialization, never checkpointed. The local
+        # tables (Gemma 3's sliding layers' own RoPE base) exist only where asked for.
+        for name, table in zip(("rope_cos", "rope_sin", "rope_local_cos", "rope_local_sin"), self._rope_tables()):
+            self.register_buffer(name, table, persistent=False)
 
     def forward(self, tokens: torch.Tensor, cache=None) -> torch.Tensor:
         """Logits (or a pipeline stage's activations). With a `cache`, `tokens` continue
@@ -140,10 +198,13 @@ class Transformer(nn.Module):
         # A pipeline stage is this module with the parts it does not own set to
         # None (and blocks removed), so the same forward serves every stage.
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        cos, sin = self.rope_cos, self.rope_sin
+        if self.tok_embeddings is not None and self.cfg.embed_scale:
+            h = h * torch.tensor(self.cfg.dim**0.5, dtype=h.dtype)  # rounded to the weights' dtype first, as Gemma does
+        tables = {False: (self.rope_cos, self.rope_sin), True: (self.rope_local_cos, self.rope_local_sin)}
         if cache is not None:
-            cos, sin = cos[cache.positions], sin[cache.positions]
+            tables = {local: (cos[cache.positions], sin[cache.positions]) for local, (cos, sin) in tables.items() if cos is not None}
         for name, layer in self.layers.items():
+            cos, sin = tables[self.rope_local_cos is not None and layer.attention.window > 0]
             h = layer(h, cos, sin, cache=cache.layer(int(name)) if cache is not None else None)
         if self.norm is not None:
             h = self.norm(h)
@@ -161,17 +222,25 @@ class Transformer(nn.Module):
         residual_std = std / math.sqrt(2 * self.cfg.n_layers)
         for name, param in self.named_parameters():
             if name.endswith("norm.weight"):
-                param.fill_(1.0)
+                param.fill_(0.0 if self.cfg.unit_offset_norms else 1.0)
                 continue
             if name.endswith(".bias"):
                 param.zero_()
                 continue
-            scale = residual_std if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")) else std
+            scale = residual_std if name.endswith(("attention.wo.weight", ".w2.weight")) else std  # the MLPs' (and experts') output
             gen = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
             param.copy_(torch.randn(param.shape, generator=gen) * scale)
         self.reset_rope()
 
+    def _rope_tables(self) -> tuple:
+        """(cos, sin, local cos, local sin); the local pair None unless `local_rope_theta`."""
+        cfg = self.cfg
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
+        local = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.local_rope_theta) if cfg.local_rope_theta else (None, None)
+        return cos, sin, *local
+
     def reset_rope(self) -> None:
         """Fill the RoPE tables, in fp32 whatever the weights' dtype (model files do not hold them)."""
-        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, self.cfg.rope_scaling)
-        self.rope_cos, self.rope_sin = cos.to(self.rope_cos.device), sin.to(self.rope_sin.device)
+        device = self.rope_cos.device
+        for name, table in zip(("rope_cos", "rope_sin", "rope_local_cos", "rope_local_sin"), self._rope_tables()):
+            setattr(self, name, table.to(device) if table is not None else None)

@@ -107,7 +107,7 @@ def open_model_dir(path: str | os.PathLike) -> ModelDir:
     if fmt == "hf":
         if not (path / TOKENIZER).is_file():
             raise ValueError(f"{path}: a Hugging Face directory without its {TOKENIZER}")
-        return ModelDir(path, "hf", cfg, hf.HFFiles(path)).check()
+        return ModelDir(path, "hf", cfg, hf.HFFiles(path, cfg.family)).check()
     if not (path / WEIGHTS).is_file():
         raise ValueError(f"{path}: an lmforge model directory without {WEIGHTS}")
     return ModelDir(path, "lmforge", cfg).check()
@@ -134,7 +134,7 @@ def write_model_dir(
     try:
         tensors = {clean_name(k): v.detach().to("cpu", dtype).contiguous() for k, v in tensors.items()}
         if fmt == "hf":
-            tensors = {hf.hf_name(k): hf.to_hf_layout(k, v, cfg).contiguous() for k, v in tensors.items()}
+            tensors = {hf.hf_name(k, cfg.family): hf.to_hf_layout(k, v, cfg).contiguous() for k, v in tensors.items()}
             config = config_to_hf(cfg, eos_id, str(dtype).removeprefix("torch."))
             generation = {"bos_token_id": eos_id, "eos_token_id": eos_id}
             (staging / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")

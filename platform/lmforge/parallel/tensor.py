@@ -88,11 +88,15 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
             "feed_forward": PrepareModuleInput(input_layouts=(residual,), desired_input_layouts=(Replicate(),)),
         }
         plan |= {name: ColwiseParallel() for name in COLWISE} | {name: RowwiseParallel(output_layouts=residual) for name in ROWWISE}
+        # Gemma's norms of each branch's output, before it joins the residual stream
+        # (plain tensors out, as the residual is).
+        out_norms = ["attention_out_norm", "ffn_out_norm"] if block.attention_out_norm is not None else []
         if sequence_parallel:
             plan |= {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()}
+            plan |= {name: SequenceParallel(use_local_output=True) for name in out_norms}
         else:
-            _replicate(block.attention_norm, tp_mesh)
-            _replicate(block.ffn_norm, tp_mesh)
+            for name in ("attention_norm", "ffn_norm", *out_norms):
+                _replicate(getattr(block, name), tp_mesh)
         parallelize_module(block, tp_mesh, plan)
         if block.attention.q_norm is not None:  # over each head's features: q and k hold this rank's heads (dim 2)
             _replicate(block.attention.q_norm, tp_mesh, inputs_are=Shard(2))
