@@ -9,7 +9,7 @@ from lmforge.errors import UserError
 from lmforge.models import Transformer
 from lmforge.models.build import build_model
 from lmforge.models.config import PRESETS, config_from_dict
-from lmforge.models.hf_config import config_from_hf, config_to_hf
+from lmforge.models.hf_config import ARCHITECTURES, config_from_hf, config_to_hf
 from lmforge.spec import spec_from_dict
 
 # Exact counts from the model cards' safetensors totals, or (value, digits) where the
@@ -36,14 +36,6 @@ PUBLISHED = {
     "gemma-3-1b": 999_885_952,
     "qwen3-30b-a3b": 30_532_122_624,
 }
-ARCHITECTURE = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "gemma3_text": "Gemma3ForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-}
 
 
 @pytest.mark.parametrize("name", PUBLISHED)
@@ -66,7 +58,7 @@ def test_transformers_builds_the_same_model_from_the_exported_config(name):
     with torch.device("meta"):
         theirs = AutoModelForCausalLM.from_config(config)
         ours = Transformer(cfg)
-    assert type(theirs).__name__ == ARCHITECTURE[cfg.family]
+    assert type(theirs).__name__ == ARCHITECTURES[cfg.family]  # what transformers chose from model_type
     assert sum(p.numel() for p in theirs.parameters()) == cfg.num_params() == sum(p.numel() for p in ours.parameters())
 
 

@@ -200,11 +200,13 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if self.tok_embeddings is not None and self.cfg.embed_scale:
             h = h * torch.tensor(self.cfg.dim**0.5, dtype=h.dtype)  # rounded to the weights' dtype first, as Gemma does
-        tables = {False: (self.rope_cos, self.rope_sin), True: (self.rope_local_cos, self.rope_local_sin)}
-        if cache is not None:
-            tables = {local: (cos[cache.positions], sin[cache.positions]) for local, (cos, sin) in tables.items() if cos is not None}
+        rope, local_rope = (self.rope_cos, self.rope_sin), (self.rope_local_cos, self.rope_local_sin)
+        has_local = self.rope_local_cos is not None
+        if cache is not None:  # each sequence's own positions
+            rope = tuple(table[cache.positions] for table in rope)
+            local_rope = tuple(table[cache.positions] for table in local_rope) if has_local else local_rope
         for name, layer in self.layers.items():
-            cos, sin = tables[self.rope_local_cos is not None and layer.attention.window > 0]
+            cos, sin = local_rope if has_local and layer.attention.window else rope
             h = layer(h, cos, sin, cache=cache.layer(int(name)) if cache is not None else None)
         if self.norm is not None:
             h = self.norm(h)
