@@ -18,6 +18,17 @@ WORKER = Path(__file__).with_name("parity_worker.py")
 # cache builder would).
 DISTILL_LOGITS = ["distill.loss=jsd", "distill.beta=0.3", "distill.temperature=2", "distill.ce_weight=0.5", "distill.chunk_tokens=16", "train.seed=1"]
 FROM_CACHE = ["distill.top_k=8", "distill.cache=scored-by-the-worker"]
+# Every family's parts in one model: Qwen2's q/k/v biases, Qwen3's per-head q/k norms,
+# a head_dim that is not dim / n_heads, a sliding window on all layers but the first,
+# and Gemma 3's (1 + w) norms after each branch too, GeGLU, scaled embeddings, its
+# attention scale and the sliding layers' own RoPE base.
+FAMILY_PARTS = [
+    *("model.qkv_bias=true", "model.qk_norm=true", "model.head_dim=24", "model.sliding_window=8", "model.full_attention_layers=[0]"),
+    *("model.unit_offset_norms=true", "model.sandwich_norms=true", "model.activation=gelu_tanh", "model.embed_scale=true"),
+    *("model.query_pre_attn_scalar=20", "model.local_rope_theta=5000"),
+]
+# A mixture of experts (Qwen3-MoE's routing): FSDP shards the experts like any parameter.
+MOE = ["model.n_experts=4", "model.experts_per_token=2", "model.expert_ffn_hidden=48", "model.normalize_top_k=true", "model.dense_layers=[1]"]
 
 
 def check_state_bytes(result: dict) -> None:

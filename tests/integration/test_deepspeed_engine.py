@@ -7,7 +7,7 @@ silently ignored setting fails the test.
 """
 
 import pytest
-from parity import DISTILL_LOGITS, FROM_CACHE, Launches, losses
+from parity import DISTILL_LOGITS, FAMILY_PARTS, FROM_CACHE, MOE, Launches, losses
 
 STEPS = ["--steps", "10"]
 OFFLOAD_OPT = "deepspeed.config.zero_optimization.offload_optimizer.device=cpu"
@@ -41,6 +41,9 @@ CASES = {
     **{name: (2, [*zero(stage), *offload], TEN) for name, (stage, offload) in STAGES.items()},
     "zero3-ac": (2, [*zero(3), "parallel.activation_checkpointing=full"], TEN),
     "zero2-bf16": (2, [*zero(2), "train.precision=bf16"], TEN),
+    # Every model family's parts, and a mixture of experts, on both engines.
+    **{f"{engine}-families": (2, [*items, *FAMILY_PARTS], TEN) for engine, items in (("native", []), ("zero3", zero(3)))},
+    **{f"{engine}-moe": (2, [*items, *MOE], TEN) for engine, items in (("native", []), ("zero3", zero(3)))},
     # Saved by dp 2 after 3 of 6 steps ...
     "native-save": (2, ENGINES["native"], {"save_at": 3}),
     **{f"zero{stage}-save": (2, zero(stage), {"save_at": 3}) for stage in (0, 2, 3)},
@@ -90,6 +93,17 @@ def test_zero_stages_match_native_data_parallel(native_dp2, runs, name):
     assert ran["optimizer"] == "AdamW", "torch's AdamW: no compiled DeepSpeed Adam in the suite"
     assert got == pytest.approx(native_dp2, rel=1e-4)
     assert got[-1] < got[0]
+
+
+@pytest.mark.parametrize("model", ["families", "moe"])
+def test_zero3_trains_the_families_parts_as_the_native_engine(runs, model):
+    """q/k/v biases, q/k norms, sliding windows, Gemma's norms and GeGLU; and, apart
+    (its routing turns ZeRO's last-bit differences into another expert choice when
+    combined with all of those), experts as ordinary parameters to ZeRO's partitioning."""
+    native = runs(f"native-{model}")["losses"]
+    assert runs(f"zero3-{model}")["engine"]["zero_stage"] == 3
+    assert runs(f"zero3-{model}")["losses"] == pytest.approx(native, rel=1e-4)
+    assert native != runs("native")["losses"]
 
 
 def test_activation_checkpointing_under_zero3(native_dp2, runs):

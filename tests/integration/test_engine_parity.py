@@ -8,7 +8,7 @@ add in another order); bf16 (FSDP2 mixed precision, fp32 reduction) within 2e-2.
 """
 
 import pytest
-from parity import DISTILL_LOGITS, FROM_CACHE, Launches
+from parity import DISTILL_LOGITS, FAMILY_PARTS, FROM_CACHE, MOE, Launches
 from safetensors import safe_open
 from torch.distributed.checkpoint import FileSystemReader
 
@@ -38,17 +38,6 @@ DISTILL_TERMS = ["ce_loss", "hidden_loss", "kd_loss"]
 DISTILL_CACHE = [*DISTILL_LOGITS, *FROM_CACHE, "optim.lr=3e-3"]
 
 ON_POLICY = [*DISTILL_LOGITS, "distill.on_policy={fraction: 0.5, max_new_tokens: 6}"]
-# Every family's parts in one model: Qwen2's q/k/v biases, Qwen3's per-head q/k norms,
-# a head_dim that is not dim / n_heads, a sliding window on all layers but the first,
-# and Gemma 3's (1 + w) norms after each branch too, GeGLU, scaled embeddings, its
-# attention scale and the sliding layers' own RoPE base.
-FAMILY_PARTS = [
-    *("model.qkv_bias=true", "model.qk_norm=true", "model.head_dim=24", "model.sliding_window=8", "model.full_attention_layers=[0]"),
-    *("model.unit_offset_norms=true", "model.sandwich_norms=true", "model.activation=gelu_tanh", "model.embed_scale=true"),
-    *("model.query_pre_attn_scalar=20", "model.local_rope_theta=5000"),
-]
-# A mixture of experts (Qwen3-MoE's routing): FSDP shards the experts like any parameter.
-MOE = ["model.n_experts=4", "model.experts_per_token=2", "model.expert_ffn_hidden=48", "model.normalize_top_k=true", "model.dense_layers=[1]"]
 
 # name: (ranks, --set items, options): see parity.Launches.
 CASES = {
