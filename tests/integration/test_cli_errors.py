@@ -295,12 +295,12 @@ EARLY_REFUSALS = {
     "tokenizer larger than the model": (
         lambda tmp: job_with_tokenizer(tmp, word_level_tokenizer(tmp / "tok.json", 600)),
         ["train", "job.yaml"],
-        ["data.tokenizer:", "has a vocabulary of 602, larger than model.vocab_size 512"],
+        ["data.tokenizer:", "has 602 tokens, more than the model's vocabulary of 512 (model.vocab_size)"],
     ),
     "tokenizer larger than the job's model, given as a flag": (
         lambda tmp: job_with_tokenizer(tmp, word_level_tokenizer(tmp / "tok.json", 600), in_job=False),
         ["data", "prepare", "job.yaml", "--tokenizer", "tok.json", *PREPARE],
-        ["--tokenizer: tok.json has a vocabulary of 602"],
+        ["--tokenizer: tok.json has 602 tokens, more than the model's vocabulary of 512"],
     ),
     "negative sequence length": (
         lambda tmp: corpus(tmp, a_txt="x " * 100),

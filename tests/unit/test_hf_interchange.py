@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cli import assert_clean_error, run_cli
-from hf_models import make_hf_model
+from hf_models import VOCAB, make_hf_model
 from lmforge.models.build import build_model
 from lmforge.models.weights import open_model_dir
 
@@ -141,6 +141,19 @@ def _index_naming(shard: str):
     return change
 
 
+def _tokens_added(special: bool):
+    """Two tokens added to the directory's tokenizer, past the model's vocabulary."""
+
+    def change(path):
+        from tokenizers import AddedToken, Tokenizer
+
+        tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+        tokenizer.add_tokens([AddedToken(f"<extra_{i}>", special=special) for i in range(2)])
+        tokenizer.save(str(path / "tokenizer.json"))
+
+    return change
+
+
 def _config_text(text: str):
     return lambda path: (path / "config.json").write_text(text)
 
@@ -168,6 +181,10 @@ BAD_DIRECTORIES = {
     "a pickle": ({"change": _pickle_only}, "pytorch_model.bin: a pickle, which lmforge never loads; convert it to safetensors"),
     "a missing shard": ({"change": _sharded_with_a_missing_shard}, "lists the shard model-00002-of-00002.safetensors, which is not there"),
     "no tokenizer": ({"change": lambda p: (p / "tokenizer.json").unlink()}, "a Hugging Face directory without its tokenizer.json"),
+    "a tokenizer with more tokens than the model": (
+        {"change": _tokens_added(special=False)},
+        f"adds tokens of ids {VOCAB}, {VOCAB + 1}, past the model's vocabulary of {VOCAB}",
+    ),
     "no weights": ({"change": lambda p: (p / "model.safetensors").unlink()}, "holds neither model.safetensors nor model.safetensors.index.json"),
     "shapes": ({"intermediate_size": 128}, "model.layers.0.mlp.gate_proj.weight has shape [160, 64], config.json implies [128, 64]"),
     "a family lmforge lacks": ({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, "model_type is 'gpt2'"),
@@ -200,6 +217,14 @@ def test_a_directory_lmforge_cannot_represent_is_refused(case, tmp_path, hf_toke
     assert not (tmp_path / "out").exists()
     result = run_cli("generate", str(path), "--prompt", "x", cwd=tmp_path)
     assert_clean_error(result, "MODEL:", message)
+
+
+def test_special_tokens_added_past_the_vocabulary_are_let_be(tmp_path, hf_tokenizer):
+    """As transformers lets them be (a placeholder of another modality, say): text does not hold them."""
+    from lmforge.checkpoint.export import open_source
+
+    source = open_source(_hf_dir(tmp_path, hf_tokenizer, _tokens_added(special=True)))
+    assert source.tokenizer().get_vocab_size() == VOCAB + 2 and source.cfg.vocab_size == VOCAB
 
 
 def test_export_options_are_checked_before_anything_is_written(hf_llama, tmp_path):

@@ -20,7 +20,7 @@ from lmforge.checkpoint.consolidate import committed_state, read_checkpoint
 from lmforge.checkpoint.store import is_checkpoint
 from lmforge.data import storage
 from lmforge.data.manifest import MANIFEST, has_manifest, read_manifest
-from lmforge.data.tokenizer import end_of_text_token, tokenizer_files
+from lmforge.data.tokenizer import beyond_the_model, end_of_text_token, tokenizer_files
 from lmforge.errors import UserError
 from lmforge.models import ModelConfig
 from lmforge.models.config import config_from_dict
@@ -66,22 +66,24 @@ def open_source(path: str | os.PathLike, tokenizer: Optional[str] = None, name: 
         source = ModelSource(path, model_dir.format, model_dir.cfg, model_dir.tensors, record={"model_dir": str(path), "format": model_dir.format})
         if model_dir.tokenizer_file:
             source.tokenizer_json, source.eos_token = model_dir.tokenizer_file.read_text(), end_of_text_token(model_dir.tokenizer_file)
+            _check_tokenizer(source, name, str(model_dir.tokenizer_file))
     if tokenizer:
         if not Path(tokenizer).is_file():
             raise UserError(f"--tokenizer: {tokenizer} does not exist")
         source.tokenizer_json, source.eos_token = Path(tokenizer).read_text(), end_of_text_token(tokenizer)
-        _check_tokenizer(source, "--tokenizer")
+        _check_tokenizer(source, "--tokenizer", "the tokenizer")
     return source
 
 
-def _check_tokenizer(source: ModelSource, name: str) -> None:
+def _check_tokenizer(source: ModelSource, name: str, subject: str) -> None:
     """A tokenizer whose ids the model has no rows for would index past its embedding."""
     try:
-        vocab = source.tokenizer().get_vocab_size()
+        tokenizer = source.tokenizer()
     except Exception as err:  # noqa: BLE001 - tokenizers raises its own types for a file that is not one
         raise UserError(f"{name}: not a tokenizer.json ({str(err).splitlines()[0] if str(err) else type(err).__name__})") from None
-    if vocab > source.cfg.vocab_size:
-        raise UserError(f"{name}: the tokenizer has {vocab} tokens, more than the model's vocabulary of {source.cfg.vocab_size}")
+    beyond = beyond_the_model(tokenizer, source.cfg.vocab_size)
+    if beyond:
+        raise UserError(f"{name}: {subject} {beyond}")
 
 
 def _checkpoint_source(step_dir: Path) -> ModelSource:

@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 from lmforge.data import storage
 from lmforge.data.corpus import list_files, source_kind
 from lmforge.data.manifest import has_manifest
-from lmforge.data.tokenizer import end_of_text_token, eos_id, load_tokenizer
+from lmforge.data.tokenizer import beyond_the_model, end_of_text_token, eos_id, load_tokenizer
 from lmforge.errors import UserError
 
 JOB_FIELDS = {
@@ -73,11 +73,9 @@ def check_before_ray(opts) -> tuple[list[str], list[str]]:
         with _named("data.tokenizer", name("tokenizer")):
             tokenizer = load_tokenizer(opts.tokenizer)
             eos_id(tokenizer, end_of_text_token(opts.tokenizer))
-        vocab = tokenizer.get_vocab_size()
-        if opts.model_vocab_size is not None and vocab > opts.model_vocab_size:
-            raise UserError(
-                f"{name('tokenizer')}: {opts.tokenizer} has a vocabulary of {vocab}, larger than model.vocab_size {opts.model_vocab_size}"
-            )
+        beyond = opts.model_vocab_size is not None and beyond_the_model(tokenizer, opts.model_vocab_size)
+        if beyond:
+            raise UserError(f"{name('tokenizer')}: {opts.tokenizer} {beyond} (model.vocab_size)")
     return files, eval_files
 
 

@@ -45,6 +45,20 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         raise UserError(f"data.tokenizer: {path} is not a tokenizer.json ({err})") from None
 
 
+def beyond_the_model(tokenizer: Tokenizer, vocab_size: int) -> str | None:
+    """Why this tokenizer would turn text into ids the model has no embedding rows
+    for, or None. Special tokens added past the rows are let be, as transformers lets
+    them be: a released tokenizer may name a placeholder (another modality's, say) that
+    its text model has no row for and text does not hold."""
+    base = tokenizer.get_vocab_size(with_added_tokens=False)
+    if base > vocab_size:
+        return f"has {base} tokens, more than the model's vocabulary of {vocab_size}"
+    past = sorted(i for i, token in tokenizer.get_added_tokens_decoder().items() if i >= vocab_size and not token.special)
+    if past:
+        return f"adds tokens of ids {', '.join(map(str, past[:3]))}{', ...' if len(past) > 3 else ''}, past the model's vocabulary of {vocab_size}"
+    return None
+
+
 def end_of_text_token(tokenizer_file: str | Path | None) -> str:
     """The `eos_token` of the tokenizer_config.json beside a tokenizer.json, else lmforge's."""
     if tokenizer_file is None:

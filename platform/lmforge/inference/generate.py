@@ -16,7 +16,7 @@ import torch
 from tokenizers import Tokenizer
 
 from lmforge.checkpoint.export import open_source
-from lmforge.data.tokenizer import end_of_text_token
+from lmforge.data.tokenizer import beyond_the_model, end_of_text_token
 from lmforge.errors import UserError
 from lmforge.inference.kv_cache import KVCache
 from lmforge.inference.sampling import SamplingParams, next_tokens
@@ -166,8 +166,16 @@ class Generator:
         tokenizer_file = Path(tokenizer) if tokenizer else path / "tokenizer.json"
         if not tokenizer_file.is_file():
             raise UserError(f"MODEL: {path} has no tokenizer.json; pass --tokenizer tokenizer.json")
-        tok = Tokenizer.from_file(str(tokenizer_file))
-        return cls(load_quantized(path, device), tok, frozenset({tok.token_to_id(end_of_text_token(tokenizer_file))}))
+        name = "--tokenizer" if tokenizer else "MODEL"
+        try:
+            tok = Tokenizer.from_file(str(tokenizer_file))
+        except Exception as err:  # noqa: BLE001 - tokenizers raises a bare Exception on bad JSON
+            raise UserError(f"{name}: {tokenizer_file} is not a tokenizer.json ({str(err).splitlines()[0]})") from None
+        model = load_quantized(path, device)
+        beyond = beyond_the_model(tok, model.cfg.vocab_size)
+        if beyond:
+            raise UserError(f"{name}: {tokenizer_file} {beyond}")
+        return cls(model, tok, frozenset({tok.token_to_id(end_of_text_token(tokenizer_file))}))
 
     def encode(self, prompt: str, params: SamplingParams, name: str = "prompt", special_tokens: bool = True) -> list[int]:
         """`special_tokens`: add the tokenizer's own (a BOS, say); False for a rendered
