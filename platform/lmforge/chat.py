@@ -38,6 +38,7 @@ class ChatTemplate:
     text: Optional[str] = None
     bos_token: str = ""
     eos_token: str = ""
+    origin: str = "lmforge's default template"  # the file (and field) it came from, for messages
 
 
 def chat_template_of(model_dir: Optional[str | Path], template_file: Optional[str] = None, name: str = "chat_template") -> ChatTemplate:
@@ -54,9 +55,11 @@ def chat_template_of(model_dir: Optional[str | Path], template_file: Optional[st
         path = Path(template_file)
         if not path.is_file():
             raise UserError(f"{name}: {path} does not exist")
-        return ChatTemplate(path.read_text(), **tokens)
+        return ChatTemplate(path.read_text(), **tokens, origin=str(path))
     template = config.get("chat_template")
-    return ChatTemplate(template if isinstance(template, str) else None, **tokens)
+    if isinstance(template, str):
+        return ChatTemplate(template, **tokens, origin=f"{config_file} (chat_template)")
+    return ChatTemplate(None, **tokens)
 
 
 def _token_text(token) -> str:
@@ -71,15 +74,21 @@ def chat_renderer(template: ChatTemplate, name: str = "chat_template"):
     """A chat as the model reads it, by a Jinja template in a sandbox (a template is
     code from a model directory or a user's file: it gets no Python objects); `name`:
     where the template came from, for messages."""
+    environment = ImmutableSandboxedEnvironment(keep_trailing_newline=True, extensions=["jinja2.ext.loopcontrols"])
+    environment.globals["raise_exception"] = _raise_exception  # what transformers gives templates, for their own refusals
     try:
-        compiled = ImmutableSandboxedEnvironment(keep_trailing_newline=True).from_string(template.text or DEFAULT_CHAT_TEMPLATE)
+        compiled = environment.from_string(template.text or DEFAULT_CHAT_TEMPLATE)
     except TemplateError as err:
-        raise UserError(f"{name}: not a Jinja template ({err})") from None
+        raise UserError(f"{name}: {template.origin} is not a Jinja template ({err})") from None
 
     def render(messages: list[dict]) -> str:
         try:
             return compiled.render(messages=messages, add_generation_prompt=True, bos_token=template.bos_token, eos_token=template.eos_token)
-        except TemplateError as err:
-            raise UserError(f"{name}: rendering a chat failed ({err})") from None
+        except Exception as err:  # noqa: BLE001 - a template is code: it can fail in any of Python's ways
+            raise UserError(f"{name}: {template.origin} failed to render a chat ({err})") from None
 
     return render
+
+
+def _raise_exception(message: str):
+    raise TemplateError(message)

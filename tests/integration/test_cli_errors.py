@@ -577,6 +577,13 @@ INSTRUCT_REFUSALS = {
         "distill.instruct.messages_column:",
         "{role, content} pairs",
     ),
+    "a chat template that fails to render": (
+        lambda job, tmp: {"instruct": {"chat_template": _file(tmp / "chat.jinja", "{{ raise_exception('roles must alternate') }}")}},
+        "generate",
+        "distill.instruct.chat_template: ",
+        "chat.jinja failed to render a chat (roles must alternate) at ",
+        "prompt 3",
+    ),
     "every prompt too long": (
         lambda job, tmp: {"instruct": {"generate": {"max_new_tokens": 40}}},
         "generate",

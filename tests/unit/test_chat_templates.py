@@ -11,6 +11,7 @@ from tokenizers import AddedToken, processors
 
 from lmforge.chat import chat_renderer, chat_template_of
 from lmforge.data.tokenizer import load_tokenizer
+from lmforge.errors import UserError
 
 LLAMA3 = (
     "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{{ m['content'] }}"
@@ -78,3 +79,32 @@ def test_a_template_file_keeps_the_models_special_tokens(model_dir, tmp_path_fac
     config = json.loads((model_dir / "tokenizer_config.json").read_text())
     assert chat_renderer(chosen)(CHAT[-1:]) == f"{config.get('bos_token', '')}[{CHAT[-1]['content']}]{config['eos_token']['content']}"
     shutil.rmtree(template.parent)
+
+
+# Mistral's way: a template that refuses chats whose roles do not alternate, through
+# the `raise_exception` transformers gives templates, and leaves its loop with `break`.
+ALTERNATING = (
+    "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "[{{ m['role'] }}] {{ m['content'] }}\n{% if loop.index0 == 2 %}{% break %}{% endif %}{% endfor %}"
+)
+
+
+def test_a_template_renders_and_refuses_as_transformers_does(hf_tokenizer, tmp_path):
+    from jinja2 import TemplateError
+    from transformers import AutoTokenizer
+
+    shutil.copy(hf_tokenizer / "tokenizer.json", tmp_path)
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "chat_template": ALTERNATING}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    render, theirs = chat_renderer(chat_template_of(tmp_path)), AutoTokenizer.from_pretrained(tmp_path)
+    alternating = [{"role": role, "content": f"turn {i}"} for i, role in enumerate(["user", "assistant"] * 2)]
+    assert render(alternating) == theirs.apply_chat_template(alternating, tokenize=False, add_generation_prompt=True)
+    with pytest.raises(TemplateError, match="must alternate"):
+        theirs.apply_chat_template(CHAT, tokenize=False)
+    with pytest.raises(UserError) as refused:
+        render(CHAT)
+    assert str(refused.value) == (
+        f"chat_template: {tmp_path / 'tokenizer_config.json'} (chat_template) failed to render a chat "
+        "(Conversation roles must alternate user/assistant/user/assistant/...)"
+    )

@@ -88,4 +88,7 @@ def _text(row: dict, index: int, instruct, render) -> tuple[str, bool]:
             f"distill.instruct.messages_column: {where}: {instruct.messages_column!r} must be a non-empty list of "
             f"{{role, content}} pairs with role one of {', '.join(ROLES)}"
         )
-    return render()(messages), True
+    try:
+        return render()(messages), True
+    except UserError as err:
+        raise UserError(f"{err} at {where}") from None
