@@ -200,6 +200,10 @@ def with_sections(job: dict, sections: dict) -> dict:
     return job
 
 
+# The end-to-end tests' model (the reference run, so the teacher of every distillation
+# test, the model served, quantized and recovered): the tiny shape as Qwen2.5 builds it,
+# q/k/v projections with biases, exported as Qwen2ForCausalLM.
+QWEN_TINY = {"preset": "tiny", "vocab_size": 512, "family": "qwen2", "qkv_bias": True}
 REFERENCE_STEPS = 60  # tiny steps take ~40 ms: enough of them that a fault lands mid-run
 REFERENCE_EVAL = {"interval": 3, "batches": 2}  # the held-out loss every 3 steps: a 3-step run has one to compare
 
@@ -212,6 +216,7 @@ def reference_job(tmp_path: Path, data_path: Path, **sections) -> dict:
     job = tiny_job(
         tmp_path,
         data_path,
+        model=dict(QWEN_TINY),
         train={"max_steps": REFERENCE_STEPS},
         optim={"decay_steps": REFERENCE_STEPS},
         checkpoint={"interval": 10},
@@ -237,8 +242,9 @@ DISTILL_TOP_K = 32
 
 def distill_job(tmp_path: Path, data_path: Path, reference_dir: Path, **sections) -> dict:
     """The distillation tests' job: `reference_run`'s last two checkpoints, mixed 3:1,
-    teach the tiny job's student (another seed) their top 32 tokens for 12 steps,
-    checkpoint every 4, the held-out KL every 6, one restart allowed."""
+    teach a smaller student of their family (one block of their two, another seed)
+    their top 32 tokens for 12 steps, checkpoint every 4, the held-out KL every 6,
+    one restart allowed."""
     teachers = [
         {"path": str(reference_dir / "checkpoints" / f"step_{step:08d}"), "weight": weight}
         for step, weight in ((REFERENCE_STEPS, 3), (REFERENCE_STEPS - 10, 1))
@@ -247,6 +253,7 @@ def distill_job(tmp_path: Path, data_path: Path, reference_dir: Path, **sections
         tmp_path,
         data_path,
         name="distill",
+        model=QWEN_TINY | {"n_layers": 1},
         train={"max_steps": DISTILL_STEPS, "seed": 2},
         optim={"decay_steps": DISTILL_STEPS},
         eval={"interval": 6, "batches": 2},

@@ -85,9 +85,9 @@ def make_tokenizer(out: Path) -> Path:
     return out
 
 
-def make_hf_model(out: Path, layout: str, tokenizer_dir: Path, seed: int = 0):
-    """A random model of `LAYOUTS[layout]`'s family saved to `out` with the tokenizer;
-    returns the model. Biases and norm weights are random too (transformers starts
+def make_hf_model(out: Path, layout: str, tokenizer_dir: Path, seed: int = 0, vocab_size: int = VOCAB):
+    """A random model of `LAYOUTS[layout]`'s family saved to `out` with the tokenizer
+    (whose vocabulary it must hold); returns the model. Biases and norm weights are random too (transformers starts
     them at 0 and 1, which would hide a misplaced one)."""
     import torch
     from tokenizers import Tokenizer
@@ -103,7 +103,7 @@ def make_hf_model(out: Path, layout: str, tokenizer_dir: Path, seed: int = 0):
         intermediate_size=160,
         num_hidden_layers=2,
         num_attention_heads=4,
-        vocab_size=VOCAB,
+        vocab_size=vocab_size,
         max_position_embeddings=128,
         rope_theta=5000.0,
         rms_norm_eps=1e-5,

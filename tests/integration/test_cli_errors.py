@@ -468,12 +468,14 @@ def _teacher_without_a_tokenizer(tmp_path, hf_teacher):
 
 
 def _teacher_with_the_datasets_tokenizer(tmp_path, hf_teacher, dataset):
-    """The Hugging Face teacher with the dataset's tokenizer.json in place of its own
-    (copied in: `export --tokenizer` refuses a tokenizer larger than the model's vocabulary)."""
+    """A Hugging Face Llama with the dataset's tokenizer.json, its vocabulary padded
+    otherwise than the student's (520 rows, not 512)."""
     import shutil
 
+    from hf_models import make_hf_model
+
     out = tmp_path / "teacher"
-    shutil.copytree(hf_teacher, out)
+    make_hf_model(out, "untied-gqa", hf_teacher, vocab_size=520)
     shutil.copy(dataset / read_manifest(dataset).tokenizer.file, out / "tokenizer.json")
     return out
 
@@ -496,7 +498,7 @@ TEACHER_REFUSALS = {
     "another padded vocabulary under tp": (
         _teacher_with_the_datasets_tokenizer,
         {"parallel": {"dp": 1, "tp": 2}},
-        "distill.teacher: its vocab_size 320 differs from model.vocab_size 512",
+        "distill.teacher: its vocab_size 520 differs from model.vocab_size 512",
         "distill.cache",
     ),
 }

@@ -113,6 +113,9 @@ CASES = {
         )
     },
     **{f"moe-{name}": (n, [*MOE, *layout], {}) for name, n, layout in (("one", 1, []), ("dp2", 2, []), ("pp2", 2, [*PP2, *SCHEDULES["1f1b"]]))},
+    # Saved after 3 steps on dp4, then a teacher: the experts FSDP-sharded as the student is.
+    "moe-dp4": (4, MOE, {"save_at": 3}),
+    **{f"distill-moe-{name}": (n, DISTILL_LOGITS, {"teacher": "moe-dp4"}) for name, n in (("one", 1), ("dp2", 2))},
 }
 ONE_PROCESS = (
     "reference",
@@ -124,12 +127,13 @@ ONE_PROCESS = (
     "on-policy-masked-one",
     "parts-one",
     "moe-one",
+    "distill-moe-one",
 )
 
 
 def one_process(case: str) -> str:
     """The single-process run a case is compared with."""
-    for prefix in ("on-policy-masked", "on-policy", "sft-kd", "sft", "distill-cache", "distill", "parts", "moe"):
+    for prefix in ("on-policy-masked", "on-policy", "sft-kd", "sft", "distill-cache", "distill-moe", "distill", "parts", "moe"):
         if case.startswith(prefix + "-"):
             return f"{prefix}-one"
     return "reference"
@@ -215,6 +219,7 @@ def test_checkpoint_reshards_to_any_layout(reference, run, layout):
         ("distill-dp2", DISTILL_TERMS, 1e-5),
         ("distill-tp2", DISTILL_TERMS, 1e-4),
         *((f"distill-cache-{layout}", ["ce_loss", "kd_loss"], 1e-5) for layout in ("pp2", "tp2")),
+        ("distill-moe-dp2", ["ce_loss", "kd_loss"], 1e-5),
     ],
 )
 def test_distillation_matches_one_process(run, case, terms, tolerance):
@@ -222,7 +227,8 @@ def test_distillation_matches_one_process(run, case, terms, tolerance):
     total and terms per step as one process, the total their weighted sum; the same
     held-out KL to the teacher and top-1 agreement. Online (with hidden states) under
     FSDP and TP; from the cache through an interleaved pipeline, and under TP (the
-    top-k targets' student log-probabilities gathered from the vocabulary shards)."""
+    top-k targets' student log-probabilities gathered from the vocabulary shards); a
+    mixture of experts as the teacher, FSDP-sharded."""
     want, got = run(one_process(case)), run(case)
     assert got["losses"] == pytest.approx(want["losses"], rel=tolerance)
     assert [sorted(t) for t in got["terms"]] == [terms] * len(got["losses"])
@@ -291,7 +297,9 @@ def test_distillation_adapters_are_checkpointed_and_left_out_of_the_export(run):
         assert sorted(weights.keys()) == sorted(weight_names(open_model_dir(exported).cfg))
 
 
-@pytest.mark.parametrize("case, tolerance", [("parts-dp2", 1e-5), ("parts-tp2-sp", 1e-4), ("parts-pp2", 1e-5), ("moe-dp2", 1e-5), ("moe-pp2", 1e-5)])
+@pytest.mark.parametrize(
+    "case, tolerance", [("parts-dp2", 1e-5), ("parts-tp2-sp", 1e-4), ("parts-pp2", 1e-5), ("moe-dp2", 1e-5), ("moe-pp2", 1e-5), ("moe-dp4", 1e-5)]
+)
 def test_the_families_parts_train_alike_on_every_layout(run, case, tolerance):
     """q/k/v biases sharded with their columns under TP, q/k norms over each rank's
     heads (their weight gradients summed over the TP ranks), a head_dim of its own,

@@ -30,6 +30,21 @@ def test_an_imported_model_gives_transformers_logits(hf_llama):
     assert diff < 1e-5
 
 
+def test_a_directory_teaches_as_transformers_scores_it(hf_llama):
+    """A teacher cache's scoring of a Hugging Face directory, every family (the mixture
+    of experts among them): the top 8 of transformers' log-probabilities at
+    temperature 2, ids in order, log-probabilities within fp16's rounding."""
+    from lmforge.distill_jobs.teacher_cache import TeacherTopK
+
+    model, path = hf_llama
+    tokens = batch()
+    scored = TeacherTopK([str(path)], [1.0], 8, 2.0, VOCAB, threads=1)({"tokens": tokens.numpy(), "sample_id": [0, 1, 2]})
+    with torch.no_grad():
+        want = torch.log_softmax(model(tokens[:, :-1]).logits / 2.0, dim=-1).topk(8, dim=-1)
+    assert torch.equal(torch.from_numpy(scored["topk_ids"]).long(), want.indices.reshape(3, -1))
+    assert torch.allclose(torch.from_numpy(scored["topk_logprobs"]).float(), want.values.reshape(3, -1), atol=4e-3)
+
+
 def test_a_sharded_directory_imports_the_same_weights(hf_llama, tmp_path, hf_tokenizer):
     model, _ = hf_llama
     model.save_pretrained(tmp_path, max_shard_size="60KB")  # transformers' own index and shards

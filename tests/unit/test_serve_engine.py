@@ -19,7 +19,15 @@ PROMPTS = [[11, 42, 7, 99, 3, 250, 18, 64], [5, 77, 123], [200, 9, 31, 44, 150],
 
 # Plain, and with a sliding window shorter than the generations on all but layer 0
 # (the slots' window mask against generate_ids', itself checked against transformers).
-@pytest.fixture(scope="module", params=[{}, {"sliding_window": 6, "full_attention_layers": (0,)}], ids=["full", "window"])
+# The tiny model; with a sliding window on its second layer; as a mixture of experts (Qwen3-MoE's routing).
+LAYOUTS = {
+    "full": {},
+    "window": {"sliding_window": 6, "full_attention_layers": (0,)},
+    "experts": {"n_experts": 4, "experts_per_token": 2, "expert_ffn_hidden": 48, "normalize_top_k": True},
+}
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS.values()), ids=list(LAYOUTS))
 def model(request):
     return build_model(PRESETS["tiny"].with_overrides(**request.param), seed=5).eval()
 

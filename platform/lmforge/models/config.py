@@ -196,6 +196,19 @@ def _qwen(family, dim, n_layers, n_heads, n_kv_heads, ffn_hidden, tied, vocab=15
     )  # fmt: skip
 
 
+def _gemma3(
+    dim, n_layers, n_heads, n_kv_heads, ffn_hidden, head_dim, vocab=262208, window=1024, max_seq_len=131072, scaling=None, query_scalar=256.0
+) -> ModelConfig:
+    """Every sixth layer global (RoPE base 1e6, scaled on the larger models), the others
+    sliding (base 1e4, unscaled)."""
+    return ModelConfig(
+        dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads, vocab_size=vocab, ffn_hidden=ffn_hidden, max_seq_len=max_seq_len,
+        norm_eps=1e-6, rope_theta=1000000.0, rope_scaling=scaling, tie_embeddings=True, family="gemma3_text", head_dim=head_dim, qk_norm=True,
+        sliding_window=window, full_attention_layers=tuple(range(5, n_layers, 6)), activation="gelu_tanh", unit_offset_norms=True,
+        sandwich_norms=True, embed_scale=True, query_pre_attn_scalar=query_scalar, local_rope_theta=10000.0,
+    )  # fmt: skip
+
+
 # The released models' shapes (their config.json), for `lmforge plan` before any download;
 # tests/unit/test_model_families.py checks each count against the published one.
 PRESETS |= {
@@ -216,29 +229,11 @@ PRESETS |= {
     "qwen3-8b": _qwen("qwen3", 4096, 36, 32, 8, 12288, tied=False, head_dim=128, max_seq_len=40960),
     "qwen3-14b": _qwen("qwen3", 5120, 40, 40, 8, 17408, tied=False, head_dim=128, max_seq_len=40960),
     "qwen3-32b": _qwen("qwen3", 5120, 64, 64, 8, 25600, tied=False, head_dim=128, max_seq_len=40960),
-    "gemma-3-1b": ModelConfig(
-        dim=1152,
-        n_layers=26,
-        n_heads=4,
-        n_kv_heads=1,
-        vocab_size=262144,
-        ffn_hidden=6912,
-        max_seq_len=32768,
-        norm_eps=1e-6,
-        rope_theta=1000000.0,
-        tie_embeddings=True,
-        family="gemma3_text",
-        head_dim=256,
-        qk_norm=True,
-        sliding_window=512,
-        full_attention_layers=tuple(range(5, 26, 6)),
-        activation="gelu_tanh",
-        unit_offset_norms=True,
-        sandwich_norms=True,
-        embed_scale=True,
-        query_pre_attn_scalar=256.0,
-        local_rope_theta=10000.0,
-    ),  # fmt: skip
+    # Gemma 3's text models (the larger ones' language model: their vision tower is not counted).
+    "gemma-3-1b": _gemma3(1152, 26, 4, 1, 6912, head_dim=256, vocab=262144, window=512, max_seq_len=32768),
+    "gemma-3-4b": _gemma3(2560, 34, 8, 4, 10240, head_dim=256, scaling=RopeScaling("linear", 8.0)),
+    "gemma-3-12b": _gemma3(3840, 48, 16, 8, 15360, head_dim=256, scaling=RopeScaling("linear", 8.0)),
+    "gemma-3-27b": _gemma3(5376, 62, 32, 16, 21504, head_dim=128, scaling=RopeScaling("linear", 8.0), query_scalar=168.0),
     "qwen3-30b-a3b": ModelConfig(
         dim=2048,
         n_layers=48,

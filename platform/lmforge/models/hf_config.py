@@ -73,6 +73,7 @@ def config_to_hf(cfg: ModelConfig, eos_id: int | None, dtype: str) -> dict:
     if cfg.family == "llama":
         config["mlp_bias"] = False
     window = cfg.sliding_window or None
+    kinds = ["full_attention" if cfg.window_of(i) == 0 else "sliding_attention" for i in range(cfg.n_layers)]
     if cfg.family == "qwen3_moe":
         config |= {
             "num_experts": cfg.n_experts,
@@ -83,7 +84,6 @@ def config_to_hf(cfg: ModelConfig, eos_id: int | None, dtype: str) -> dict:
             "mlp_only_layers": list(cfg.dense_layers),
         }
     if cfg.family in ("qwen2", "qwen3", "qwen3_moe"):
-        kinds = ["full_attention" if cfg.window_of(i) == 0 else "sliding_attention" for i in range(cfg.n_layers)]
         config |= {
             "use_sliding_window": window is not None,
             "sliding_window": window,
@@ -93,7 +93,6 @@ def config_to_hf(cfg: ModelConfig, eos_id: int | None, dtype: str) -> dict:
     if cfg.family == "mistral":
         config["sliding_window"] = window
     if cfg.family == "gemma3_text":
-        kinds = ["full_attention" if cfg.window_of(i) == 0 else "sliding_attention" for i in range(cfg.n_layers)]
         local = {"rope_type": "default", "rope_theta": cfg.local_rope_theta or cfg.rope_theta}
         for name in ("hidden_act", "rope_theta"):
             config.pop(name)
