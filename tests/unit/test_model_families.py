@@ -113,3 +113,37 @@ def test_a_jobs_model_switches_and_their_refusals():
         spec_from_dict(job | {"model": moe, "parallel": {"tp": 2}, "resources": {"workers": 2}})
     with pytest.raises(ValueError, match="rope_scaling kind is 'yarn'"):
         config_from_dict(PRESETS["tiny"].as_dict() | {"rope_scaling": {"kind": "yarn", "factor": 2.0}}, "x")
+
+
+QUANTIZED_PARTS = {
+    "gemma3": {
+        "qk_norm": True, "head_dim": 32, "sliding_window": 8, "full_attention_layers": (0,), "unit_offset_norms": True,
+        "sandwich_norms": True, "activation": "gelu_tanh", "embed_scale": True, "query_pre_attn_scalar": 20.0, "local_rope_theta": 5000.0,
+    },
+    "experts": {"n_experts": 4, "experts_per_token": 2, "expert_ffn_hidden": 48, "normalize_top_k": True, "dense_layers": (1,)},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("parts", QUANTIZED_PARTS)
+def test_every_familys_parts_quantize(parts):
+    """int8: the quantized model computes what the fp32 model computes with each block
+    projection's weights rounded as stored (Gemma's norms and scales, the router and
+    every expert included: nothing else changed); int4 stays near fp32 (Gemma's
+    post-branch norms give its rounding the residual's scale: 0.22 of the logits'
+    norm measured, 0.04 without them)."""
+    from lmforge.models.quantized import quantize_blocks
+
+    cfg = PRESETS["tiny"].with_overrides(**QUANTIZED_PARTS[parts])
+    tokens = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    quantized, rounded, int4 = (build_model(cfg, seed=3).eval() for _ in range(3))
+    with torch.no_grad():
+        full = int4(tokens)
+        quantize_blocks(quantized, "int8", group_size=32)
+        stored = dict(quantized.layers.named_modules())
+        linears = {name: m for name, m in rounded.layers.named_modules() if isinstance(m, torch.nn.Linear)}
+        for name, linear in linears.items():
+            linear.weight.copy_(stored[name].weight.dequantize())
+        assert torch.allclose(quantized(tokens), rounded(tokens), rtol=0, atol=1e-5 * full.abs().max().item())
+        quantize_blocks(int4, "int4", group_size=32)
+        assert (int4(tokens) - full).norm() < 0.3 * full.norm()
+    assert len(linears) == (14 if parts == "gemma3" else 24)  # 7 per block; with experts: their 4 x 3 and a router
