@@ -155,6 +155,40 @@ def alone(reference, prompt: str, max_tokens: int) -> str:
     return reference.generate([prompt], SamplingParams(max_new_tokens=max_tokens, temperature=0))[0].text
 
 
+def test_echo_scores_prompts_as_a_full_forward_and_token_ids_are_prompts(serving, reference):
+    """What lm-evaluation-harness's `local-completions` sends: token-id prompts, `echo`
+    with `logprobs` and `max_tokens` 0 or 1. Each prompt token's logprob (the first
+    null) and its top 2 are a full forward's log-softmax at the position before it;
+    a prefix scores as the start of the whole; token ids answer as their text does."""
+    import torch
+
+    client, tokenizer = serving.client("teacher"), reference.tokenizer
+    ids = tokenizer.encode(PROMPTS[2] + "return self.x").ids
+    done = client.completions.create(model="teacher", prompt=[ids, ids[:5]], echo=True, max_tokens=0, logprobs=2, temperature=0)
+    vocab = min(reference.model.cfg.vocab_size, tokenizer.get_vocab_size())
+    with torch.no_grad():
+        logprobs = torch.log_softmax(reference.model(torch.tensor([ids]))[0, :-1, :vocab].float(), dim=-1)
+    whole, prefix = done.choices
+    assert whole.text == tokenizer.decode(ids) and whole.finish_reason == "length"
+    assert whole.logprobs.tokens == [tokenizer.decode([i]) for i in ids]
+    assert whole.logprobs.token_logprobs[0] is None and whole.logprobs.top_logprobs[0] is None
+    want = logprobs.gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
+    assert whole.logprobs.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
+    for position, top in enumerate(whole.logprobs.top_logprobs[1:]):
+        assert len(top) == 2 and max(top.values()) == pytest.approx(logprobs[position].max().item(), abs=1e-4)
+    assert prefix.logprobs.token_logprobs == pytest.approx(whole.logprobs.token_logprobs[:5], abs=1e-5)
+    assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (len(ids) + 5, 0)
+    # lm-eval's request: the prompt's logprobs, then one greedy token's.
+    one = client.completions.create(model="teacher", prompt=[ids], echo=True, max_tokens=1, logprobs=1, temperature=0).choices[0]
+    assert one.text == whole.text + alone(reference, tokenizer.decode(ids), 1) and len(one.logprobs.token_logprobs) == len(ids) + 1
+    assert one.logprobs.token_logprobs[: len(ids)] == pytest.approx(whole.logprobs.token_logprobs, abs=1e-5)
+    streamed = list(client.completions.create(model="teacher", prompt=ids, echo=True, max_tokens=3, temperature=0, stream=True))
+    assert streamed[0].choices[0].text == whole.text and "".join(c.choices[0].text for c in streamed).startswith(whole.text)
+    as_text = client.completions.create(model="teacher", prompt=PROMPTS[1], max_tokens=8, temperature=0).choices[0].text
+    as_ids = client.completions.create(model="teacher", prompt=tokenizer.encode(PROMPTS[1]).ids, max_tokens=8, temperature=0)
+    assert as_ids.choices[0].text == as_text == alone(reference, PROMPTS[1], 8)
+
+
 def test_openai_client_completions_chat_and_streaming(serving, reference):
     client = serving.client("teacher")
     assert [m.id for m in client.models.list().data] == ["teacher"]

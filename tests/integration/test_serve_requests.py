@@ -94,6 +94,11 @@ OUT_OF_RANGE = {
     "a stop of 300 characters": (OK | {"stop": ["x" * 300]}, "stop"),
     "five stops": (OK | {"stop": list("abcde")}, "stop"),
     "65 prompts": (OK | {"prompt": ["x"] * 65}, "prompt"),
+    "a token id past the vocabulary": (OK | {"prompt": [5, 10**6]}, "prompt"),
+    "a negative token id": (OK | {"prompt": [[3], [-1]]}, "prompt"),
+    "no token ids": (OK | {"prompt": [[]]}, "prompt"),
+    "ids and text mixed": (OK | {"prompt": ["x", 3]}, "prompt"),
+    "echo past the context": (OK | {"prompt": [7] * 300, "echo": True, "max_tokens": 0}, "prompt"),
     "a prompt no context holds": (OK | {"prompt": "y" * 60_000}, "prompt"),
     "a model name of 10k characters": (OK | {"model": "m" * 10_000}, "model"),
 }
@@ -164,6 +169,7 @@ VALUES = st.one_of(
     st.floats(allow_nan=True, allow_infinity=True),
     st.text(max_size=40),
     st.lists(st.text(max_size=8), max_size=6),
+    st.lists(st.integers(min_value=-3, max_value=2**20), max_size=6),  # token ids, some outside any vocabulary
     st.dictionaries(st.text(max_size=5), st.integers(), max_size=3),
 )
 FIELDS = [
@@ -200,6 +206,10 @@ SAMPLING = {
 TEXT = st.text(min_size=1, max_size=30)
 IN_RANGE = st.one_of(  # bodies every field of which is in range: most are answered
     st.fixed_dictionaries({"model": st.just("m"), "prompt": TEXT, "max_tokens": st.integers(1, 6)}, optional=SAMPLING),
+    st.fixed_dictionaries(  # lm-evaluation-harness's shape: token ids, echo, the prompt's logprobs
+        {"model": st.just("m"), "prompt": st.lists(st.integers(0, 255), min_size=1, max_size=12), "max_tokens": st.integers(0, 3)},
+        optional=SAMPLING | {"echo": st.booleans(), "logprobs": st.integers(0, 5)},
+    ),
     st.fixed_dictionaries(
         {
             "model": st.just("m"),

@@ -12,6 +12,7 @@ import random
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import AsyncIterator, Optional
 
 from lmforge.chat import chat_renderer, chat_template_of
@@ -58,8 +59,8 @@ class ResponseCache:
 class Choice:
     """One sequence's tokens so far and the text a client has been sent of them."""
 
-    def __init__(self, index: int, backend: "Backend", stops: list[str], with_logprobs: bool):
-        self.index, self.backend, self.stops, self.with_logprobs = index, backend, stops, with_logprobs
+    def __init__(self, index: int, backend: "Backend", stops: list[str], with_logprobs: bool, echo: Optional[Echo] = None):
+        self.index, self.backend, self.stops, self.with_logprobs, self.echo = index, backend, stops, with_logprobs, echo
         self.tokens, self.logprobs, self.tops, self.pieces = [], [], [], []
         self.sent, self.finish_reason, self.previous = "", None, None
         self.longest_stop = max(map(len, stops), default=0)
@@ -89,8 +90,27 @@ class Choice:
         return delta, {"pieces": [piece], "logprobs": [token.logprob], "tops": [top]}
 
     def as_dict(self, kind: str) -> dict:
-        logprobs = logprobs_object(kind, self.pieces, self.logprobs, self.tops) if self.with_logprobs else None
-        return {"index": self.index, "text": self.sent, "logprobs": logprobs, "finish_reason": self.finish_reason}
+        echo = self.echo or Echo("", [], [], [])
+        logprobs = (
+            logprobs_object(kind, echo.pieces + self.pieces, echo.logprobs + self.logprobs, echo.tops + self.tops) if self.with_logprobs else None
+        )
+        return {"index": self.index, "text": echo.text + self.sent, "logprobs": logprobs, "finish_reason": self.finish_reason}
+
+    def echo_chunk(self, kind: str) -> tuple[str, Optional[dict]]:
+        """What a stream sends first with `echo`: the prompt, and its logprobs when asked."""
+        echo = self.echo or Echo("", [], [], [])
+        return echo.text, logprobs_object(kind, echo.pieces, echo.logprobs, echo.tops) if self.with_logprobs else None
+
+
+@dataclass(frozen=True)
+class Echo:
+    """A prompt as `echo` returns it: its text, and each token's text, log-probability
+    (None for the first: nothing predicts it) and top alternatives."""
+
+    text: str
+    pieces: list[str]
+    logprobs: list[Optional[float]]
+    tops: list[Optional[list[tuple[str, float]]]]
 
 
 class Backend:
@@ -101,10 +121,10 @@ class Backend:
         self.options, self.name = options, options.name
         self.generator = Generator.load(options.model, options.device or "cpu", tokenizer=options.tokenizer)
         self.tokenizer, self.context = self.generator.tokenizer, self.generator.model.cfg.max_seq_len
+        # Token ids a prompt may hold: rows of the model that the tokenizer also names.
+        self.vocab = min(self.generator.model.cfg.vocab_size, self.tokenizer.get_vocab_size())
         self.metrics = ServerMetrics(options.name, lambda: self.engine.counts)
-        self.engine = make_engine(
-            options.batching, self.generator.model, self.generator.eos_ids, self.tokenizer.get_vocab_size(), options.max_running, self.metrics.batch
-        )
+        self.engine = make_engine(options.batching, self.generator.model, self.generator.eos_ids, self.vocab, options.max_running, self.metrics.batch)
         self.cache = ResponseCache(options.cache_size, options.cache_bytes)
         self.render_chat = chat_renderer(chat_template_of(options.model, options.chat_template), "chat_template")
         self._post = None  # made on the event loop that serves requests (see _mailbox)
@@ -123,8 +143,6 @@ class Backend:
             raise APIError(400, f"model: {request.model!r} is not served here (GET /v1/models lists {self.name!r})", "model", "model_not_found")
         if request.n > self.options.max_n:
             raise APIError(400, f"n: at most {self.options.max_n} choices per request, got {request.n}", "n")
-        if kind == "completion" and request.echo:
-            raise APIError(400, "echo: not supported", "echo")
         if kind == "chat":
             try:
                 texts, field = [self.render_chat([{"role": m.role, "content": m.text} for m in request.messages])], "messages"
@@ -132,7 +150,7 @@ class Backend:
                 raise APIError(400, str(err), "messages") from None
         else:
             texts, field = request.prompts, "prompt"
-        longest_text = max(map(len, texts), default=0)
+        longest_text = max((len(text) for text in texts if isinstance(text, str)), default=0)
         if longest_text > self.context * CHARS_PER_TOKEN:
             raise APIError(
                 400,
@@ -142,7 +160,10 @@ class Backend:
             )
         # A rendered chat holds the special tokens its template writes; a completion's
         # prompt gets the tokenizer's own, as transformers' tokenizer(text) adds them.
-        prompts = [self.tokenizer.encode(text, add_special_tokens=kind != "chat").ids for text in texts]
+        prompts = [self.tokenizer.encode(text, add_special_tokens=kind != "chat").ids if isinstance(text, str) else text for text in texts]
+        outside = next((i for ids in prompts for i in ids if not 0 <= i < self.vocab), None)
+        if outside is not None:
+            raise APIError(400, f"{field}: token id {outside} is outside the model's vocabulary of {self.vocab}", field)
         longest = max(map(len, prompts), default=0)
         if not prompts or min(map(len, prompts)) == 0:
             raise APIError(400, f"{field}: an empty prompt; give at least one token of text", field)
@@ -150,7 +171,7 @@ class Backend:
             raise APIError(400, f"{field}: {longest} tokens; the model's context is {self.context} tokens", field, "context_length_exceeded")
         limit_field = "max_completion_tokens" if kind == "chat" and request.max_completion_tokens else "max_tokens"
         max_tokens = (request.max_completion_tokens or request.max_tokens) if kind == "chat" else request.max_tokens
-        max_tokens = max_tokens or self.context - longest
+        max_tokens = self.context - longest if max_tokens is None else max_tokens
         if longest + max_tokens > self.context:
             raise APIError(
                 400,
@@ -195,7 +216,10 @@ class Backend:
             )
         with_logprobs = (request.logprobs is not None) if kind == "completion" else request.logprobs
         top = request.top_logprobs or 0
-        choices = [Choice(i, self, params.stop, with_logprobs) for i in range(choices_count)]
+        echoes = [None] * len(prompts)
+        if kind == "completion" and request.echo:  # one forward per prompt, shared by its n choices
+            echoes = [await asyncio.to_thread(self._echo, text, ids, top if with_logprobs else None) for text, ids in zip(request.prompts, prompts)]
+        choices = [Choice(i, self, params.stop, with_logprobs, echoes[i // request.n]) for i in range(choices_count)]
         base_seed = request.seed if request.seed is not None else random.randrange(2**62)
         started = self._start(prompts, params, request.n, base_seed, top, choices)
         if request.stream:
@@ -207,9 +231,33 @@ class Backend:
             self.cache.put(key, result)
         return shape.response(*result)
 
+    def _echo(self, text: str | list[int], ids: list[int], top: Optional[int]) -> Echo:
+        """The prompt as `echo` returns it; with `top` (logprobs asked), each token's
+        log-probability under the model given the ones before it, from one forward pass."""
+        text = text if isinstance(text, str) else self.decode(ids)
+        if top is None:
+            return Echo(text, [], [], [])
+        import torch
+
+        model = self.generator.model
+        with torch.no_grad():
+            logits = model(torch.tensor([ids], device=next(model.parameters()).device))[0, :-1, : self.vocab].float()
+            logprobs = torch.log_softmax(logits, dim=-1)
+            chosen = logprobs.gather(1, torch.tensor(ids[1:], device=logprobs.device)[:, None])[:, 0].tolist()
+            best = logprobs.topk(top, dim=-1) if top else None
+        tops: list = [None]
+        for position in range(len(ids) - 1):
+            pairs = zip(best.indices[position].tolist(), best.values[position].tolist()) if best is not None else ()
+            tops.append([(self.decode([t]), v) for t, v in pairs])
+        return Echo(text, [self.decode([i]) for i in ids], [None, *chosen], tops)
+
     def _start(self, prompts, params, n, base_seed, top, choices):
         queue, post = asyncio.Queue(), self._mailbox()
         seqs = []
+        if params.max_new_tokens == 0:  # `echo` alone: the prompts are the answer
+            for choice in choices:
+                choice.finish_reason = "length"
+            return seqs, queue
         stopped = self.generator.stop_checker(params.stop) if params.stop else None
         for i in range(len(choices)):
 
@@ -282,9 +330,12 @@ class Backend:
                     self.engine.cancel(seq)
 
     async def _stream(self, shape, started, choices, prompt_tokens, include_usage, arrived, key):
-        if shape.kind == "chat":
-            for choice in choices:
+        for choice in choices:
+            if shape.kind == "chat":
                 yield sse(shape.chunk(choice.index, None, None, None, first=True, with_usage=include_usage))
+            elif choice.echo is not None or not started[0]:
+                text, logprobs = choice.echo_chunk(shape.kind)
+                yield sse(shape.chunk(choice.index, text, logprobs, None if started[0] else choice.finish_reason, with_usage=include_usage))
         try:
             async for batch in self._tokens(*started, choices, arrived):
                 events = [

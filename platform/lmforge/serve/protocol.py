@@ -68,22 +68,37 @@ class _Sampling(BaseModel):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
 
-class CompletionRequest(_Sampling):
-    prompt: Union[str, list[str]]
-    max_tokens: Optional[int] = Field(16, ge=1, le=MAX_TOKENS)
-    logprobs: Optional[int] = Field(None, ge=0, le=5)
-    echo: bool = False
+PROMPT_FORMS = "a string, a list of strings, a list of token ids or a list of lists of token ids"
 
-    @field_validator("prompt")
+
+def _is_ids(value) -> bool:
+    return isinstance(value, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in value)
+
+
+class CompletionRequest(_Sampling):
+    # Text, texts, token ids or lists of them (what lm-evaluation-harness sends).
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: Optional[int] = Field(16, ge=0, le=MAX_TOKENS)  # 0 with echo: the prompt's logprobs alone
+    logprobs: Optional[int] = Field(None, ge=0, le=5)
+    echo: bool = False  # the prompt, and with logprobs its tokens' (the first null), before the completion
+
+    @field_validator("prompt", mode="before")
     @classmethod
-    def _few_prompts(cls, prompt):
-        if isinstance(prompt, list) and not 1 <= len(prompt) <= MAX_PROMPTS:
+    def _prompt_form(cls, prompt):
+        if isinstance(prompt, str) or (_is_ids(prompt) and prompt):
+            return prompt
+        if not isinstance(prompt, list) or not all(isinstance(p, str) for p in prompt) and not all(map(_is_ids, prompt)):
+            raise ValueError(PROMPT_FORMS)
+        if not 1 <= len(prompt) <= MAX_PROMPTS:
             raise ValueError(f"from 1 to {MAX_PROMPTS} prompts, got {len(prompt)}")
         return prompt
 
     @property
-    def prompts(self) -> list[str]:
-        return [self.prompt] if isinstance(self.prompt, str) else self.prompt
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt: its text, or its token ids."""
+        if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
+            return [self.prompt]  # type: ignore[list-item]
+        return list(self.prompt)  # type: ignore[arg-type]
 
     @property
     def top_logprobs(self) -> int:
@@ -176,14 +191,22 @@ class Shape:
         return self._object("text_completion" if self.kind == "completion" else "chat.completion.chunk", [], {"usage": use})
 
 
-def logprobs_object(kind: str, pieces: list[str], logprobs: list[float], tops: list[list[tuple[str, float]]], offset: int = 0) -> dict:
-    """Tokens (as text) and their log-probabilities in the endpoint's format."""
+def logprobs_object(
+    kind: str, pieces: list[str], logprobs: list[Optional[float]], tops: list[Optional[list[tuple[str, float]]]], offset: int = 0
+) -> dict:
+    """Tokens (as text) and their log-probabilities in the endpoint's format (an echoed
+    prompt's first token has None for both, as OpenAI gives it)."""
     if kind == "completion":
         offsets, at = [], offset
         for piece in pieces:
             offsets.append(at)
             at += len(piece)
-        return {"tokens": pieces, "token_logprobs": logprobs, "top_logprobs": [dict(top) for top in tops], "text_offset": offsets}
+        return {
+            "tokens": pieces,
+            "token_logprobs": logprobs,
+            "top_logprobs": [None if top is None else dict(top) for top in tops],
+            "text_offset": offsets,
+        }
     return {
         "content": [
             {
