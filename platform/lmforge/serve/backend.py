@@ -60,7 +60,8 @@ class Choice:
     """One sequence's tokens so far and the text a client has been sent of them."""
 
     def __init__(self, index: int, backend: "Backend", stops: list[str], with_logprobs: bool, echo: Optional[Echo] = None):
-        self.index, self.backend, self.stops, self.with_logprobs, self.echo = index, backend, stops, with_logprobs, echo
+        self.index, self.backend, self.stops, self.with_logprobs = index, backend, stops, with_logprobs
+        self.echo = echo or NO_ECHO
         self.tokens, self.logprobs, self.tops, self.pieces = [], [], [], []
         self.sent, self.finish_reason, self.previous = "", None, None
         self.longest_stop = max(map(len, stops), default=0)
@@ -90,7 +91,7 @@ class Choice:
         return delta, {"pieces": [piece], "logprobs": [token.logprob], "tops": [top]}
 
     def as_dict(self, kind: str) -> dict:
-        echo = self.echo or Echo("", [], [], [])
+        echo = self.echo
         logprobs = (
             logprobs_object(kind, echo.pieces + self.pieces, echo.logprobs + self.logprobs, echo.tops + self.tops) if self.with_logprobs else None
         )
@@ -98,7 +99,7 @@ class Choice:
 
     def echo_chunk(self, kind: str) -> tuple[str, Optional[dict]]:
         """What a stream sends first with `echo`: the prompt, and its logprobs when asked."""
-        echo = self.echo or Echo("", [], [], [])
+        echo = self.echo
         return echo.text, logprobs_object(kind, echo.pieces, echo.logprobs, echo.tops) if self.with_logprobs else None
 
 
@@ -111,6 +112,9 @@ class Echo:
     pieces: list[str]
     logprobs: list[Optional[float]]
     tops: list[Optional[list[tuple[str, float]]]]
+
+
+NO_ECHO = Echo("", [], [], [])
 
 
 class Backend:
@@ -333,7 +337,7 @@ class Backend:
         for choice in choices:
             if shape.kind == "chat":
                 yield sse(shape.chunk(choice.index, None, None, None, first=True, with_usage=include_usage))
-            elif choice.echo is not None or not started[0]:
+            elif choice.echo is not NO_ECHO or not started[0]:  # the prompt first; or all there is, with max_tokens 0
                 text, logprobs = choice.echo_chunk(shape.kind)
                 yield sse(shape.chunk(choice.index, text, logprobs, None if started[0] else choice.finish_reason, with_usage=include_usage))
         try:
