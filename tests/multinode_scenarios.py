@@ -67,7 +67,7 @@ def through_cli(job: dict, address: str) -> tuple[threading.Thread, dict]:
             env=os.environ | {"OMP_NUM_THREADS": "1"},
             timeout=600,
         )
-        summary = json.loads(done.stdout[done.stdout.index("{") :]) if done.returncode == 0 and "{" in done.stdout else {}
+        summary = json.loads(done.stdout) if done.returncode == 0 else {}  # with --json, stdout holds the summary alone
         outcome["summary"] = summary | {"exit_code": done.returncode, "stderr": done.stderr}
 
     thread = threading.Thread(target=run)

@@ -30,6 +30,35 @@ def test_plan_json_matches_the_estimator_and_judges_the_fit(tmp_path):
     assert tight_report["in_memory_host_bytes_per_rank"] == 4 * (worst["params"] + worst["optimizer"] + worst["host"])
 
 
+# `lmforge plan JOB --json` run as the program, with a library printing to stdout before
+# the JSON (through Python and through the file itself) and once the process exits.
+NOISY = """
+import atexit, os, sys
+import lmforge.cli as cli
+atexit.register(lambda: os.write(1, b"native noise at exit\\n"))
+print_json = cli.common.print_json
+def noisy(value, out):
+    print("python noise")
+    os.write(1, b"native noise\\n")
+    return print_json(value, out)
+cli.common.print_json = noisy
+sys.argv = ["lmforge", "plan", sys.argv[1], "--json", "--no-chart"]
+sys.exit(cli.main())
+"""
+
+
+def test_json_on_stdout_is_the_json_alone(tmp_path):
+    """What else prints to stdout while a `--json` command runs (Ray, MLflow, native
+    code, exit handlers) goes to stderr: stdout parses whole, as a pipe into `jq` needs."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", NOISY, SEVEN_B], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["world_size"] == 32
+    assert done.stderr.splitlines()[-3:] == ["python noise", "native noise", "native noise at exit"]
+
+
 def test_plan_prints_a_table_and_draws_a_chart(tmp_path):
     result = run_cli(
         "plan",

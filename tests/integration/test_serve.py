@@ -44,6 +44,7 @@ class Serving:
     port: int
     teacher: Path
     student: Path
+    teacher_hf: Path  # the teacher exported to a Hugging Face directory
 
     def url(self, prefix: str) -> str:
         return f"http://127.0.0.1:{self.port}/{prefix}"
@@ -132,7 +133,7 @@ def serving(ray_session, reference_run, tiny_dataset, tmp_path_factory):
     for mode, model in (("request", teacher), ("off", tmp / "teacher-hf")):
         options = ServerOptions(model=str(model), name="teacher", batching=mode, max_running=4)
         serve.run(application(options, 1, 0.5, 0.0), name=f"teacher-{mode}", route_prefix=f"/{mode}", blocking=False)
-    serving = Serving(port, teacher, student)
+    serving = Serving(port, teacher, student, tmp / "teacher-hf")
     for (process, log), prefix in zip(processes, ("teacher", "student")):
         wait_healthy(serving.url(prefix), process, log)
     for mode in ("request", "off"):
@@ -187,6 +188,50 @@ def test_echo_scores_prompts_as_a_full_forward_and_token_ids_are_prompts(serving
     as_text = client.completions.create(model="teacher", prompt=PROMPTS[1], max_tokens=8, temperature=0).choices[0].text
     as_ids = client.completions.create(model="teacher", prompt=tokenizer.encode(PROMPTS[1]).ids, max_tokens=8, temperature=0)
     assert as_ids.choices[0].text == as_text == alone(reference, PROMPTS[1], 8)
+
+
+HARNESS = Path(__file__).with_name("harness")  # lm-evaluation-harness tasks and their data, shipped here
+HARNESS_TASKS = ("lmforge_tiny_choice", "lmforge_tiny_generation")
+
+
+def lm_eval(out: Path, model: str, model_args: str) -> tuple[dict, dict]:
+    """`lm-eval run` as its users run it, on the shipped tasks (the hub never asked):
+    (each task's logged samples by doc_id, each task's metrics)."""
+    offline = {"HF_HOME": str(out / "hf-home"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "lm_eval", "run", "--model", model, "--model_args", model_args, "--tasks", ",".join(HARNESS_TASKS)]
+    command += ["--include_path", str(HARNESS), "--output_path", str(out), "--log_samples", "--batch_size", "1", "--device", "cpu"]
+    done = subprocess.run(command, cwd=HARNESS, env=os.environ | offline, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    samples = {
+        task: {row["doc_id"]: row for row in map(json.loads, next(out.rglob(f"samples_{task}_*.jsonl")).read_text().splitlines())}
+        for task in HARNESS_TASKS
+    }
+    return samples, json.loads(next(out.rglob("results_*.json")).read_text())["results"]
+
+
+def test_lm_evaluation_harness_scores_the_server_as_its_transformers_backend_does(serving, tmp_path):
+    """`lm-eval run --model local-completions` against `lmforge serve` (loglikelihoods
+    from echoed token-id prompts, greedy generations with stop strings) and lm-eval's
+    own `hf` backend on the same model's Hugging Face export: every choice's
+    loglikelihood within 1e-4, the same greedy flags, generations and metrics."""
+    served, served_metrics = lm_eval(
+        tmp_path / "served",
+        "local-completions",
+        f"model=teacher,base_url={serving.url('teacher')}/v1/completions,tokenizer={serving.teacher},tokenizer_backend=huggingface,max_retries=1",
+    )
+    local, local_metrics = lm_eval(tmp_path / "hf", "hf", f"pretrained={serving.teacher_hf},dtype=float32")
+    choices = [json.loads(line) for line in (HARNESS / "tiny_choice.jsonl").read_text().splitlines()]
+    assert sorted(served["lmforge_tiny_choice"]) == sorted(local["lmforge_tiny_choice"]) == list(range(len(choices)))
+    for doc_id, sample in served["lmforge_tiny_choice"].items():
+        ours, theirs = sample["resps"], local["lmforge_tiny_choice"][doc_id]["resps"]
+        assert len(ours) == len(theirs) == len(choices[doc_id]["choices"])
+        for (ours_score,), (theirs_score,) in zip(ours, theirs):
+            assert float(ours_score[0]) == pytest.approx(float(theirs_score[0]), abs=1e-4), (doc_id, ours, theirs)
+            assert str(ours_score[1]) == str(theirs_score[1])  # greedy or not
+    generated = {doc_id: sample["resps"] for doc_id, sample in served["lmforge_tiny_generation"].items()}
+    assert generated == {doc_id: sample["resps"] for doc_id, sample in local["lmforge_tiny_generation"].items()} and len(generated) == 4
+    assert served_metrics["lmforge_tiny_choice"]["acc,none"] == local_metrics["lmforge_tiny_choice"]["acc,none"]
+    assert served_metrics["lmforge_tiny_generation"]["exact_match,none"] == local_metrics["lmforge_tiny_generation"]["exact_match,none"]
 
 
 def test_openai_client_completions_chat_and_streaming(serving, reference):

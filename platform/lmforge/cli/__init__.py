@@ -14,7 +14,7 @@ import os
 import sys
 
 from lmforge import __version__
-from lmforge.cli import distill, jobs, models, serving, training
+from lmforge.cli import common, distill, jobs, models, serving, training
 from lmforge.errors import TrainingFailed, UserError
 
 GROUPS = (training, distill, models, serving, jobs)
@@ -39,7 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     # Ray Data logs every dataset execution at INFO; the CLI shows its own progress.
     os.environ.setdefault("RAY_DATA_LOG_LEVEL", "WARNING")
     try:
-        return args.run(args)
+        # Called as the `lmforge` program (no argv given), the process ends with the command.
+        with common.stdout_for_json(getattr(args, "json", False), for_good=argv is None) as args.stdout:
+            return args.run(args)
     except UserError as err:
         print(f"lmforge: error: {err}", file=sys.stderr)
         return err.exit_code

@@ -5,10 +5,14 @@ CLI loads the SDK (and torch with it), when a command runs rather than when
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import io
 import json
+import os
 import sys
 from types import ModuleType
+from typing import Iterator, TextIO
 
 
 def sdk() -> ModuleType:
@@ -43,6 +47,35 @@ def say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def print_json(value) -> int:
-    print(json.dumps(value, indent=2))
+def print_json(value, out: TextIO) -> int:
+    print(json.dumps(value, indent=2), file=out, flush=True)
     return 0
+
+
+@contextlib.contextmanager
+def stdout_for_json(wanted: bool, for_good: bool) -> Iterator[TextIO]:
+    """The stream `--json` writes to: stdout as the command found it, kept for the JSON
+    alone, so that it parses. While the command runs, whatever else prints there goes to
+    stderr: Python's prints and, when stdout is a file, what Ray, MLflow or native code
+    write to it, child processes and messages at exit included (`for_good`: the process
+    ends with the command, so stdout is not put back)."""
+    if not wanted:
+        yield sys.stdout
+        return
+    out, fd, saved = sys.stdout, None, None
+    with contextlib.suppress(AttributeError, OSError, io.UnsupportedOperation):
+        fd = out.fileno()
+    if fd is not None:
+        out.flush()
+        out = os.fdopen(os.dup(fd), "w")
+        saved = None if for_good else os.dup(fd)
+        os.dup2(sys.stderr.fileno(), fd)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield out
+    finally:
+        out.flush()
+        if fd is not None and saved is not None:
+            os.dup2(saved, fd)
+            os.close(saved)
+            out.close()

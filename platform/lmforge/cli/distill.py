@@ -57,7 +57,7 @@ def pipeline_command(args) -> int:
     load_pipeline(args.pipeline)  # a bad pipeline or stage job fails before torch and Ray load
     result = common.sdk().run_pipeline(args.pipeline, address=args.address, show_progress=not args.no_progress)
     if args.json:
-        return common.print_json(result.as_json())
+        return common.print_json(result.as_json(), args.stdout)
     lines = [f"done: pipeline {result.pipeline} ({result.directory})"]
     for name, done in result.stages.items():
         if done is None:

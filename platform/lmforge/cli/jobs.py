@@ -52,7 +52,7 @@ def run(args) -> int:
     if args.command == "jobs":
         frame = jobs.jobs(args.address, args.token)
         if args.json:
-            print(frame.to_json(orient="records", date_format="iso"))
+            print(frame.to_json(orient="records", date_format="iso"), file=args.stdout)
         else:
             _table(frame)
         return 0
@@ -60,7 +60,10 @@ def run(args) -> int:
     if args.command == "status":
         status = handle.status()
         summary = handle.summary()
-        print(json.dumps({"id": handle.id, "status": status, "summary": summary and summary.as_json()}, indent=2) if args.json else status)
+        print(
+            json.dumps({"id": handle.id, "status": status, "summary": summary and summary.as_json()}, indent=2) if args.json else status,
+            file=args.stdout,
+        )
         return 0
     if args.command == "logs":
         if args.follow:

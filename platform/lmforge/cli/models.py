@@ -81,7 +81,7 @@ def generate_command(args) -> int:
     )
     for prompt, result in zip(args.prompt, results):
         if args.json:
-            print(json.dumps({"prompt": prompt} | result))
+            print(json.dumps({"prompt": prompt} | result), file=args.stdout)
         else:
             print(prompt + result["text"])
             common.say(f"[{len(result['tokens'])} tokens, {result['finish_reason']}]")
@@ -102,7 +102,7 @@ def quantize_command(args) -> int:
         say=common.say,
     )
     if args.json:
-        return common.print_json(report)
+        return common.print_json(report, args.stdout)
     lines = [
         f"quantized {args.model} to {report['method']}" + (f" (group {report['group_size']})" if report["group_size"] else "") + f" -> {args.out}",
         f"  with          : {report['library']}",

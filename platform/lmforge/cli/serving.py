@@ -107,7 +107,7 @@ def judge_command(args) -> int:
         say=common.say,
     )
     if args.json:
-        return common.print_json(report)
+        return common.print_json(report, args.stdout)
     rates = report["rates"]
     print(
         f"judged {report['prompts']} prompts in both orders: A wins {rates['win']:.1%}, loses {rates['loss']:.1%}, "

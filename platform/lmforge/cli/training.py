@@ -62,7 +62,7 @@ def train_command(args) -> int:
         spec = load_spec(args.job, args.overrides)  # a bad job file fails before torch and Ray load
     summary = common.sdk().train(spec, address=args.address, show_progress=not args.no_progress, stream_events=args.submitted)
     if args.json:
-        return common.print_json(summary.as_json())
+        return common.print_json(summary.as_json(), args.stdout)
     lines = [
         f"done: {spec.name} reached step {summary.final_step}, loss {summary.final_loss:.4f}"
         if summary.final_loss is not None
@@ -153,6 +153,6 @@ def plan_command(args) -> int:
     if args.json:
         if args.search:
             result.show_assumption(text_console(stderr=True))
-        return common.print_json(result.as_json())
+        return common.print_json(result.as_json(), args.stdout)
     result.show(text_console(stderr=False))
     return 0
