@@ -234,6 +234,32 @@ def test_lm_evaluation_harness_scores_the_server_as_its_transformers_backend_doe
     assert served_metrics["lmforge_tiny_generation"]["exact_match,none"] == local_metrics["lmforge_tiny_generation"]["exact_match,none"]
 
 
+def test_lm_evaluation_harness_chats_with_the_server(serving, reference, tmp_path):
+    """`lm-eval run --model local-chat-completions --apply_chat_template`: each task
+    prompt sent as a user message, answered greedily as the model answers the chat the
+    server's template renders, up to the task's stop string."""
+    import copy
+
+    from lmforge.chat import chat_renderer, chat_template_of
+
+    out = tmp_path / "chat"
+    command = [sys.executable, "-m", "lm_eval", "run", "--model", "local-chat-completions", "--apply_chat_template", "--tasks", "lmforge_tiny_chat"]
+    command += ["--model_args", f"model=teacher,base_url={serving.url('teacher')}/v1/chat/completions,max_retries=1"]
+    command += ["--include_path", str(HARNESS), "--output_path", str(out), "--log_samples", "--batch_size", "1"]
+    offline = {"HF_HOME": str(out / "hf-home"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, cwd=HARNESS, env=os.environ | offline, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    samples = [json.loads(line) for line in next(out.rglob("samples_lmforge_tiny_chat_*.jsonl")).read_text().splitlines()]
+    render = chat_renderer(chat_template_of(serving.teacher))
+    params = SamplingParams(max_new_tokens=8, temperature=0, stop=["<|user|>"])
+    assert len(samples) == 4
+    for sample in samples:
+        chat = render([{"role": "user", "content": sample["doc"]["prompt"]}])
+        want = reference.generate([chat], copy.deepcopy(params), chats=True)[0].text.split("<|user|>")[0]
+        assert sample["resps"] == [[want]], sample
+    assert len({sample["resps"][0][0] for sample in samples}) > 1  # answers that depend on the prompt (a tiny model's)
+
+
 def test_openai_client_completions_chat_and_streaming(serving, reference):
     client = serving.client("teacher")
     assert [m.id for m in client.models.list().data] == ["teacher"]
