@@ -194,17 +194,16 @@ HARNESS = Path(__file__).with_name("harness")  # lm-evaluation-harness tasks and
 HARNESS_TASKS = ("lmforge_tiny_choice", "lmforge_tiny_generation")
 
 
-def lm_eval(out: Path, model: str, model_args: str) -> tuple[dict, dict]:
+def lm_eval(out: Path, model: str, model_args: str, tasks=HARNESS_TASKS, *flags: str) -> tuple[dict, dict]:
     """`lm-eval run` as its users run it, on the shipped tasks (the hub never asked):
     (each task's logged samples by doc_id, each task's metrics)."""
     offline = {"HF_HOME": str(out / "hf-home"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "lm_eval", "run", "--model", model, "--model_args", model_args, "--tasks", ",".join(HARNESS_TASKS)]
+    command = [sys.executable, "-m", "lm_eval", "run", "--model", model, "--model_args", model_args, "--tasks", ",".join(tasks), *flags]
     command += ["--include_path", str(HARNESS), "--output_path", str(out), "--log_samples", "--batch_size", "1", "--device", "cpu"]
     done = subprocess.run(command, cwd=HARNESS, env=os.environ | offline, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     samples = {
-        task: {row["doc_id"]: row for row in map(json.loads, next(out.rglob(f"samples_{task}_*.jsonl")).read_text().splitlines())}
-        for task in HARNESS_TASKS
+        task: {row["doc_id"]: row for row in map(json.loads, next(out.rglob(f"samples_{task}_*.jsonl")).read_text().splitlines())} for task in tasks
     }
     return samples, json.loads(next(out.rglob("results_*.json")).read_text())["results"]
 
@@ -242,14 +241,9 @@ def test_lm_evaluation_harness_chats_with_the_server(serving, reference, tmp_pat
 
     from lmforge.chat import chat_renderer, chat_template_of
 
-    out = tmp_path / "chat"
-    command = [sys.executable, "-m", "lm_eval", "run", "--model", "local-chat-completions", "--apply_chat_template", "--tasks", "lmforge_tiny_chat"]
-    command += ["--model_args", f"model=teacher,base_url={serving.url('teacher')}/v1/chat/completions,max_retries=1"]
-    command += ["--include_path", str(HARNESS), "--output_path", str(out), "--log_samples", "--batch_size", "1"]
-    offline = {"HF_HOME": str(out / "hf-home"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command, cwd=HARNESS, env=os.environ | offline, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    samples = [json.loads(line) for line in next(out.rglob("samples_lmforge_tiny_chat_*.jsonl")).read_text().splitlines()]
+    model_args = f"model=teacher,base_url={serving.url('teacher')}/v1/chat/completions,max_retries=1"
+    chats, _ = lm_eval(tmp_path / "chat", "local-chat-completions", model_args, ["lmforge_tiny_chat"], "--apply_chat_template")
+    samples = list(chats["lmforge_tiny_chat"].values())
     render = chat_renderer(chat_template_of(serving.teacher))
     params = SamplingParams(max_new_tokens=8, temperature=0, stop=["<|user|>"])
     assert len(samples) == 4
