@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup run check test unit bench clean
+.PHONY: setup run check test unit bench clean proto
 
 setup: $(STAMP)
 
@@ -29,6 +29,11 @@ check: $(STAMP)
 	$(BIN)/ruff format --check platform tests bench
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/pyright
+
+# The gRPC API's Python modules, from its .proto (checked in; a test says when stale).
+proto: $(STAMP)
+	$(BIN)/python -m grpc_tools.protoc -I platform --python_out=platform --grpc_python_out=platform --pyi_out=platform \
+		platform/lmforge/serve/proto/completions.proto
 
 # Ends with the suite's wall time and its 15 slowest tests (tests/suite_timing.py).
 # Byte-compiled first: where PYTHONDONTWRITEBYTECODE is set, every Ray worker and

@@ -243,19 +243,23 @@ def serve(
     app_name: Optional[str] = None,
     say: Callable[[str], None] = print,
     model_as_given: Optional[str] = None,
+    grpc_port: Optional[int] = None,
 ) -> None:
     """`lmforge serve`: the model behind an OpenAI-compatible API on Ray Serve, until
     SIGINT or SIGTERM. `replicas`: a number, or "auto" (1..`max_replicas` on load).
-    `model_as_given`: the model path as the user wrote it, for messages."""
+    `model_as_given`: the model path as the user wrote it, for messages. `grpc_port`:
+    completions over gRPC there too (lmforge.v1.Completions)."""
     options.check()
-    Deployment(host, port, replicas, max_replicas, cpus_per_replica, route_prefix).check()
+    Deployment(host, port, replicas, max_replicas, cpus_per_replica, route_prefix, grpc_port).check()
     if not Path(model_as_given or options.model).exists():
         raise UserError(f"MODEL: {model_as_given or options.model} does not exist")
     check_port(host, port, address)
+    if grpc_port:
+        check_port(host, grpc_port, address, flag="--grpc-port")
     embedded = embedded_resources(address)  # what a cluster this call starts would have
     check_cpus(cpus_per_replica, embedded["CPU"] if embedded else None)
     check_model(model_as_given or options.model, options.tokenizer)
-    serve_model(options, host, port, replicas, cpus_per_replica, address, route_prefix, app_name or options.name, say, max_replicas)
+    serve_model(options, host, port, replicas, cpus_per_replica, address, route_prefix, app_name or options.name, say, max_replicas, grpc_port)
 
 
 def judge(

@@ -23,7 +23,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import httpx2 as httpx  # the HTTP client the openai package is built on
+import jsonschema
 import openai
 import pytest
 
@@ -32,6 +34,9 @@ from conftest import REFERENCE_STEPS, SESSION_MLFLOW
 from lmforge.chat import DEFAULT_CHAT_TEMPLATE
 from lmforge.inference.generate import Generator
 from lmforge.inference.sampling import SamplingParams
+from lmforge.serve.grpc_api import SERVICER
+from lmforge.serve.proto import completions_pb2 as pb
+from lmforge.serve.proto.completions_pb2_grpc import CompletionsStub
 from multinode import free_port
 
 pytestmark = pytest.mark.ray
@@ -45,6 +50,7 @@ class Serving:
     teacher: Path
     student: Path
     teacher_hf: Path  # the teacher exported to a Hugging Face directory
+    grpc_port: int
 
     def url(self, prefix: str) -> str:
         return f"http://127.0.0.1:{self.port}/{prefix}"
@@ -102,8 +108,8 @@ def serving(ray_session, reference_run, tiny_dataset, tmp_path_factory):
     )
     assert quantized.returncode == 0, quantized.stderr
 
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    port, grpc_port = free_port(), free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port}, grpc_options={"port": grpc_port, "grpc_servicer_functions": [SERVICER]})
     address = ray_session.get_runtime_context().gcs_address
     processes = []
     for name, model, env in (("teacher", teacher, {}), ("student", student, {"LMFORGE_API_KEY": KEY})):
@@ -120,6 +126,8 @@ def serving(ray_session, reference_run, tiny_dataset, tmp_path_factory):
             f"/{name}",
             "--port",
             str(port),
+            "--grpc-port",
+            str(grpc_port),
             "--address",
             address,
             "--cpus-per-replica",
@@ -133,7 +141,7 @@ def serving(ray_session, reference_run, tiny_dataset, tmp_path_factory):
     for mode, model in (("request", teacher), ("off", tmp / "teacher-hf")):
         options = ServerOptions(model=str(model), name="teacher", batching=mode, max_running=4)
         serve.run(application(options, 1, 0.5, 0.0), name=f"teacher-{mode}", route_prefix=f"/{mode}", blocking=False)
-    serving = Serving(port, teacher, student, tmp / "teacher-hf")
+    serving = Serving(port, teacher, student, tmp / "teacher-hf", grpc_port)
     for (process, log), prefix in zip(processes, ("teacher", "student")):
         wait_healthy(serving.url(prefix), process, log)
     for mode in ("request", "off"):
@@ -303,7 +311,11 @@ def test_openai_client_completions_chat_and_streaming(serving, reference):
 def test_sampling_options_n_seed_and_stop(serving, reference):
     client = serving.client("teacher")
     sampled = dict(model="teacher", prompt=PROMPTS[2], max_tokens=16, temperature=1.0, n=3)
+    reused = 'lmforge:prefix_cache_hits_total{model_name="teacher"}'
+    before = serving.metrics("teacher").get(reused, 0)
     first = client.completions.create(**sampled, seed=7, extra_body={"top_k": 50})
+    # One prefill for the three choices: the other two copy all of the prompt but its last token.
+    assert serving.metrics("teacher")[reused] - before >= 2 * (first.usage.prompt_tokens - 1)
     again = client.completions.create(**sampled, seed=7, extra_body={"top_k": 50})
     assert [c.index for c in first.choices] == [0, 1, 2]
     assert [c.text for c in first.choices] == [c.text for c in again.choices], "a seed repeats its samples"
@@ -350,6 +362,11 @@ def test_bad_requests_get_openai_errors_and_serving_goes_on(serving):
         (ok | {"n": 99}, "n", None),
         (ok | {"temperature": -1}, "temperature", None),
         ({"model": "teacher"}, "prompt", None),
+        (
+            ok | {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+            "response_format.json_schema.schema",
+            None,
+        ),
     ]
     for body, param, code in cases:
         response = httpx.post(url, json=body)
@@ -363,6 +380,72 @@ def test_bad_requests_get_openai_errors_and_serving_goes_on(serving):
         serving.client("teacher").completions.create(model="nope", prompt="x", max_tokens=2)
     assert httpx.post(url, json=ok).status_code == 200
     assert serving.metrics("teacher")['lmforge:request_errors_total{model_name="teacher",status="400"}'] >= len(cases) + 2
+
+
+VERDICT = {
+    "type": "object",
+    "properties": {"winner": {"enum": ["A", "B", "tie"]}, "score": {"type": "integer", "minimum": 1, "maximum": 5}},
+    "required": ["winner", "score"],
+    "additionalProperties": False,
+}
+
+
+def test_structured_output_always_parses(serving):
+    """A judge's verdict as a JSON schema (chat, sampled choices, streamed too) and a
+    choice (completions, vLLM's `structured_outputs`): every answer validates; a
+    server batching whole requests refuses them with a 400."""
+    client = serving.client("teacher")
+    verdict = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": VERDICT, "strict": True}}
+    messages = [{"role": "user", "content": "Which answer is better, A or B?"}]
+    chat = client.chat.completions.create(model="teacher", messages=messages, max_tokens=48, temperature=1.0, n=4, seed=3, response_format=verdict)
+    streamed = client.chat.completions.create(model="teacher", messages=messages, max_tokens=48, temperature=0, response_format=verdict, stream=True)
+    answers = [choice.message.content for choice in chat.choices] + ["".join(c.choices[0].delta.content or "" for c in streamed if c.choices)]
+    for answer in answers:
+        jsonschema.validate(json.loads(answer), VERDICT)
+    assert all(choice.finish_reason == "stop" for choice in chat.choices)
+    colours = ["red", "green", "dark blue"]
+    picked = client.completions.create(
+        model="teacher", prompt=PROMPTS[1], max_tokens=8, temperature=1.0, n=4, seed=5, extra_body={"structured_outputs": {"choice": colours}}
+    )
+    assert all(choice.text in colours for choice in picked.choices), [c.text for c in picked.choices]
+    refused = httpx.post(serving.url("request") + "/v1/chat/completions", json={"model": "teacher", "messages": messages, "response_format": verdict})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "response_format"
+
+
+def test_grpc_completions_beside_http_with_the_same_checks_and_key(serving, reference):
+    """lmforge.v1.Completions through Ray Serve's gRPC proxy with a real grpcio client:
+    a whole completion and a stream give what generation alone gives (token ids as
+    their text), a JSON schema constrains it, a bad field or a missing key is the gRPC
+    code that means it, and both servers keep serving."""
+    stub = CompletionsStub(grpc.insecure_channel(f"127.0.0.1:{serving.grpc_port}"))
+    teacher = [("application", "teacher")]
+    whole = stub.Complete(pb.CompletionRequest(model="teacher", prompt=PROMPTS[0], max_tokens=12, temperature=0), metadata=teacher)
+    assert whole.choices[0].text == alone(reference, PROMPTS[0], 12) and whole.model == "teacher"
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens > 0
+    ids = reference.tokenizer.encode(PROMPTS[3]).ids
+    asked = pb.CompletionRequest(model="teacher", prompt_token_ids=ids, max_tokens=10, temperature=0, ignore_eos=True, seed=4)
+    chunks = list(stub.CompleteStream(asked, metadata=teacher))
+    assert "".join(c.choice.text for c in chunks if c.HasField("choice")) == alone(reference, PROMPTS[3], 10)
+    assert chunks[-1].HasField("usage") and chunks[-1].usage.completion_tokens == 10
+    assert [c.choice.finish_reason for c in chunks if c.HasField("choice") and c.choice.finish_reason] == ["length"]
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+    shaped = stub.Complete(
+        pb.CompletionRequest(model="teacher", prompt="x", max_tokens=16, temperature=1.0, json_schema=json.dumps(schema)), metadata=teacher
+    )
+    jsonschema.validate(json.loads(shaped.choices[0].text), schema)
+
+    refusals = [
+        (pb.CompletionRequest(model="teacher", prompt="x", temperature=7), teacher, grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
+        (pb.CompletionRequest(model="teacher", prompt="x", json_schema="{not json"), teacher, grpc.StatusCode.INVALID_ARGUMENT, "json_schema"),
+        (pb.CompletionRequest(model="student", prompt="x"), [("application", "student")], grpc.StatusCode.UNAUTHENTICATED, "API key"),
+    ]
+    for message, metadata, code, named in refusals:
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Complete(message, metadata=metadata)
+        assert refused.value.code() == code and named in refused.value.details(), refused.value.details()
+    keyed = [("application", "student"), ("authorization", f"Bearer {KEY}")]
+    assert stub.Complete(pb.CompletionRequest(model="student", prompt="x", max_tokens=2), metadata=keyed).choices[0].finish_reason
+    assert serving.client("teacher").completions.create(model="teacher", prompt="x", max_tokens=2).choices
 
 
 def test_replicas_fixed_or_autoscaled_and_a_gpu_each_on_gpu_clusters(tmp_path):

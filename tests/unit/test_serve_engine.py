@@ -141,3 +141,51 @@ def test_a_sequence_that_fails_ends_alone_and_the_others_are_untouched(model):
     while engine.counts != (0, 0) and time.time() < deadline:
         time.sleep(0.01)
     assert engine.counts == (0, 0) and sorted(engine.free) == [0, 1, 2, 3]
+
+
+def test_a_prompt_beginning_that_a_slot_holds_is_reused_and_generates_what_it_would_alone(model):
+    """Prefix reuse: a prompt sharing a system prompt with a sequence still decoding
+    (copied from its slot), the previous turn with its answer and a new message (the
+    freed slot's prompt and generation), the same prompt again sampled with another
+    seed (another choice of one request: all but its last token). Each
+    generates exactly what it would alone; the engine reports what it reused, and
+    reuses nothing where it is told not to."""
+    system = [11, 42, 7, 99, 3, 250, 18, 64, 5, 77, 123, 9]
+    greedy = SamplingParams(max_new_tokens=12, temperature=0, stop_at_eos=False)
+    sampled = SamplingParams(max_new_tokens=12, temperature=0.9, top_k=50, stop_at_eos=False)
+    prefills = []
+    engine = ContinuousBatcher(model, frozenset(), model.cfg.vocab_size, max_running=3, on_prefill=lambda *counts: prefills.append(counts))
+
+    def run(prompt, params, seed=0, then=None):
+        listener = Listener(then)
+        listener.sequence = Sequence(prompt, params, listener, seed=seed)
+        return listener
+
+    asked = run(system + [200, 9, 31], greedy)
+    decoding = run(
+        system + [44, 150], SamplingParams(max_new_tokens=40, temperature=0, stop_at_eos=False), then=lambda: engine.submit(asked.sequence)
+    )
+    engine.submit(decoding.sequence)
+    assert decoding.done.wait(30) and asked.done.wait(30)
+    turn = asked.sequence.prompt + asked.tokens + [300, 301]
+    follow_up = run(turn, greedy)
+    engine.submit(follow_up.sequence)
+    assert follow_up.done.wait(30)
+    again = run(asked.sequence.prompt, sampled, seed=7)
+    engine.submit(again.sequence)
+    assert again.done.wait(30)
+    for listener in (decoding, asked, again, follow_up):
+        alone = generate_ids(model, [listener.sequence.prompt], listener.sequence.params, row_seeds=[listener.sequence.seed])[0]
+        assert listener.tokens == alone.tokens
+        assert listener.logprobs == pytest.approx(alone.logprobs, abs=1e-4)
+    prompt = len(asked.sequence.prompt)
+    assert prefills == [(len(system) + 2, 0), (prompt, len(system)), (len(turn), prompt + len(asked.tokens) - 1), (prompt, prompt - 1)]
+
+    prefills.clear()
+    plain = ContinuousBatcher(
+        model, frozenset(), model.cfg.vocab_size, max_running=1, prefix_reuse=False, on_prefill=lambda *counts: prefills.append(counts)
+    )
+    for listener in (run(asked.sequence.prompt, greedy), run(asked.sequence.prompt, greedy)):
+        plain.submit(listener.sequence)
+        assert listener.done.wait(30) and listener.tokens == asked.tokens
+    assert prefills == [(prompt, 0), (prompt, 0)]

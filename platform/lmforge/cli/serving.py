@@ -16,12 +16,19 @@ def add_parsers(sub) -> None:
     srv.add_argument("--name", help="the model's name in requests and /v1/models (default: the directory's name)")
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--grpc-port", type=int, help="also serve lmforge.v1.Completions over gRPC on this port (default: HTTP only)")
     srv.add_argument("--replicas", default="1", help="replicas of the model, or auto (Serve scales 1..--max-replicas on load)")
     srv.add_argument("--max-replicas", type=int, default=4, help="--replicas auto: the most replicas (default 4)")
     srv.add_argument("--batching", default="continuous", help="continuous (default), request (Ray Serve's @serve.batch) or off")
     srv.add_argument("--max-running", type=int, default=16, help="sequences decoding together per replica (default 16)")
     srv.add_argument("--max-waiting", type=int, default=256, help="sequences queued per replica before 503 (default 256)")
     srv.add_argument("--max-n", type=int, default=8, help="the largest n a request may ask for (default 8)")
+    srv.add_argument(
+        "--no-prefix-reuse",
+        dest="prefix_reuse",
+        action="store_false",
+        help="compute every prompt whole (default: a beginning a replica holds from an earlier prompt is reused)",
+    )
     srv.add_argument("--cache-size", type=int, default=256, help="temperature-0 responses kept for identical requests (0: none)")
     srv.add_argument("--api-key", help="require Authorization: Bearer KEY on /v1 (default: LMFORGE_API_KEY, else none)")
     srv.add_argument("--route-prefix", default="/", help="URL prefix of this model's routes (several models on one cluster)")
@@ -64,6 +71,7 @@ def serve_command(args) -> int:
         max_running=args.max_running,
         max_waiting=args.max_waiting,
         max_n=args.max_n,
+        prefix_reuse=args.prefix_reuse,
         cache_size=args.cache_size,
         api_key_sha256=key_digest(key) if key else None,
         device=args.device,
@@ -83,6 +91,7 @@ def serve_command(args) -> int:
         app_name=args.app_name or options.name,
         say=common.say,
         model_as_given=args.model,
+        grpc_port=args.grpc_port,
     )
     return 0
 

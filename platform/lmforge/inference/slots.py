@@ -3,7 +3,10 @@ sequence's keys and values from position 0, so a sequence can join (prefill into
 free slot) or leave (free its slot) between any two decode steps.
 
 A forward runs over some of the slots (`rows`): a prompt into one slot, or one new
-token for each running sequence, each at its own length.
+token for each running sequence, each at its own length. Each slot remembers which
+tokens it holds, kept after it is freed until it is written again, so a prompt that
+begins with what a slot holds (a system prompt, a sibling choice, the previous turn)
+copies those positions instead of computing them again (`longest_prefix`, `reuse`).
 """
 
 from __future__ import annotations
@@ -20,13 +23,16 @@ class SlotCache:
         self.values: list = [None] * cfg.n_layers
         self.slots, self.capacity, self.device = slots, capacity, device
         self.lengths = torch.zeros(slots, dtype=torch.long, device=device)
+        self.held: list[list[int]] = [[] for _ in range(slots)]  # each slot's tokens from position 0
+        self._tokens: list[list[int]] = []
         self.rows = self.positions = self.mask = None
         self._end = 0
         self._windowed: dict[int, torch.Tensor] = {}
         self._layers = [SlotLayer(self, i) for i in range(cfg.n_layers)]
 
-    def begin(self, rows: list[int], new: int) -> None:
-        """Before a forward of `new` tokens for each slot in `rows` (a prompt: one row)."""
+    def begin(self, rows: list[int], tokens: torch.Tensor) -> None:
+        """Before a forward of `tokens` (rows, new) into the slots `rows` (a prompt: one row)."""
+        new = tokens.shape[1]
         if new > 1 and len(rows) != 1:
             raise ValueError("several tokens are written into one slot at a time")
         self.rows = torch.tensor(rows, device=self.device)
@@ -40,6 +46,7 @@ class SlotCache:
         # there by an earlier sequence is past the current length, so never seen.
         self.mask = (slots[None, None, :] <= self.positions[:, :, None])[:, None]  # (rows, 1, new, end)
         self._windowed = {}
+        self._tokens = tokens.tolist()
 
     def window_mask(self, window: int) -> torch.Tensor:
         """`mask`, less the slots `window` or more positions behind each query."""
@@ -50,12 +57,46 @@ class SlotCache:
 
     def advance(self) -> None:
         self.lengths[self.rows] += self.positions.shape[1]
+        for row, tokens in zip(self.rows.tolist(), self._tokens):
+            self.held[row] += tokens
 
     def free(self, slot: int) -> None:
+        """The slot takes another sequence; what it holds stays for `reuse` until then."""
         self.lengths[slot] = 0
+
+    def longest_prefix(self, prompt: list[int], among: list[int]) -> tuple[int, int]:
+        """(slot, length): the slot among `among` holding the longest beginning of
+        `prompt`, less its last token (whose logits a prefill must compute)."""
+        best, length = -1, 0
+        for slot in among:
+            shared = _common_length(self.held[slot], prompt, len(prompt) - 1)
+            if shared > length:
+                best, length = slot, shared
+        return best, length
+
+    def reuse(self, slot: int, source: int, length: int) -> None:
+        """`slot` holds the first `length` positions of `source` (itself, or a copy)."""
+        if source != slot:
+            for cached in (*self.keys, *self.values):
+                if cached is not None:
+                    cached[slot, :, :length] = cached[source, :, :length]
+        self.held[slot] = self.held[source][:length]
+        self.lengths[slot] = length
 
     def layer(self, index: int) -> "SlotLayer":
         return self._layers[index]
+
+
+def _common_length(held: list[int], prompt: list[int], limit: int) -> int:
+    """How many first tokens `held` and `prompt` share, at most `limit`."""
+    n = min(len(held), limit)
+    if held[:n] == prompt[:n]:
+        return n
+    low, high = 0, n  # held[:low] matches, held[:high] does not
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if held[:middle] == prompt[:middle] else (low, middle)
+    return low
 
 
 class SlotLayer(LayerCache):

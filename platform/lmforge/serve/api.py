@@ -9,13 +9,14 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from lmforge.serve.backend import Backend
 from lmforge.serve.options import key_digest
-from lmforge.serve.protocol import APIError, ChatRequest, CompletionRequest, parse
+from lmforge.serve.protocol import APIError, ChatRequest, CompletionRequest, parse, sse
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 OPEN_ROUTES = ("/health",)  # probes (a load balancer, Kubernetes) carry no key; it says only "ok" and the model's name
@@ -62,7 +63,7 @@ def build_api(backend: Backend) -> FastAPI:
             return failed(err)
         if isinstance(answer, dict):
             return JSONResponse(answer)
-        return StreamingResponse(answer, media_type="text/event-stream", headers=SSE_HEADERS)
+        return StreamingResponse(server_sent_events(answer), media_type="text/event-stream", headers=SSE_HEADERS)
 
     @api.post("/v1/completions")
     async def completions(request: Request):
@@ -87,6 +88,14 @@ def build_api(backend: Backend) -> FastAPI:
         return Response(backend.metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
     return api
+
+
+async def server_sent_events(chunks: AsyncIterator[list[dict | APIError]]) -> AsyncIterator[str]:
+    """A stream's chunks as `data:` events (those of one step in one write), an error
+    in OpenAI's shape, then `data: [DONE]`."""
+    async for events in chunks:
+        yield "".join(sse(event.body() if isinstance(event, APIError) else event) for event in events)
+    yield sse("[DONE]")
 
 
 def bearer_token(header: str) -> str:

@@ -3,7 +3,8 @@ replica (a fixed number, or Serve's autoscaling on ongoing requests), until the
 command is interrupted; then the application is deleted and an embedded Ray stops.
 
 Several `lmforge serve` commands may share one cluster, each under its own
-application name and route prefix (Serve has one HTTP port per cluster).
+application name and route prefix (Serve has one HTTP port per cluster, and one gRPC
+port, where a call names its application in its `application` metadata).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from lmforge.models.quantized import QUANTIZATION, is_quantized
 from lmforge.ray_runtime import connect, embedded_resources
 from lmforge.serve.api import build_api
 from lmforge.serve.backend import Backend
+from lmforge.serve.grpc_api import SERVICER, GrpcCompletions
 from lmforge.serve.options import ServerOptions
 
 
@@ -28,9 +30,18 @@ from lmforge.serve.options import ServerOptions
 class ModelServer:
     def __init__(self, options: ServerOptions):
         self.backend = Backend(options)
+        self.grpc = GrpcCompletions(self.backend)
 
     def __serve_build_asgi_app__(self):
         return build_api(self.backend)
+
+    # gRPC methods, called by name by Serve's gRPC proxy (lmforge.v1.Completions).
+    async def Complete(self, request, grpc_context):
+        return await self.grpc.complete(request, grpc_context)
+
+    async def CompleteStream(self, request, grpc_context):
+        async for chunk in self.grpc.complete_stream(request, grpc_context):
+            yield chunk
 
 
 def application(options: ServerOptions, replicas: Union[int, str], cpus: float, gpus: float, max_replicas: int = 4):
@@ -73,9 +84,10 @@ def serve_model(
     app_name: str,
     say=print,
     max_replicas: int = 4,
+    grpc_port: Optional[int] = None,
 ) -> None:
     """Deploy, say where, and keep serving until SIGINT or SIGTERM. `max_replicas`: the
-    autoscaler's bound when `replicas` is "auto"."""
+    autoscaler's bound when `replicas` is "auto"; `grpc_port`: gRPC there too."""
     import dataclasses
     import logging
 
@@ -89,19 +101,23 @@ def serve_model(
         if options.device is None:  # replicas run where the cluster's accelerators are
             options = dataclasses.replace(options, device="cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu")
         gpus = 1.0 if options.device == "cuda" else 0.0
-        serve.start(http_options={"host": host, "port": port})  # joins a running Serve as it is
+        grpc_options = {"port": grpc_port, "grpc_servicer_functions": [SERVICER]} if grpc_port else None
+        serve.start(http_options={"host": host, "port": port}, grpc_options=grpc_options)  # joins a running Serve as it is
         bound = _http_port()
         if bound != port:
             raise UserError(f"--port: Serve on this cluster already listens on port {bound}; pass --port {bound}")
+        if grpc_port:
+            check_grpc(grpc_port)
         try:  # returns once the replicas are up
             serve.run(application(options, replicas, cpus, gpus, max_replicas), name=app_name, route_prefix=route_prefix, blocking=False)
         except RuntimeError as err:  # a replica failed to start: its last line says why
             last = [line for line in str(err).splitlines() if line.strip()][-1:] or ["(no message)"]
             raise UserError(f"MODEL: {options.model}: the server's replica failed to start: {last[0].strip()}") from None
         base = f"http://{host}:{port}{route_prefix.rstrip('/')}"
+        grpc_at = f" and gRPC at {host}:{grpc_port} (application {app_name})" if grpc_port else ""
         say(
             f"serving {options.name} ({options.batching} batching, up to {options.max_running} sequences per replica, "
-            f"{options.device}) at {base}/v1{' (API key required)' if options.api_key_sha256 else ''}; Ctrl-C stops"
+            f"{options.device}) at {base}/v1{grpc_at}{' (API key required)' if options.api_key_sha256 else ''}; Ctrl-C stops"
         )
         _wait_for_signal()
     finally:
@@ -121,7 +137,7 @@ def check_cpus(cpus: float, largest: Optional[float]) -> None:
         raise UserError(f"--cpus-per-replica: {cpus:g}, but the largest node of the cluster has {largest:g} CPUs")
 
 
-def check_port(host: str, port: int, address: Optional[str]) -> None:
+def check_port(host: str, port: int, address: Optional[str], flag: str = "--port") -> None:
     """A cluster this command starts will bind the port for Serve: it must be free."""
     import socket
 
@@ -131,7 +147,19 @@ def check_port(host: str, port: int, address: Optional[str]) -> None:
         try:
             sock.bind((host, port))
         except OSError as err:
-            raise UserError(f"--port: {host}:{port} is in use ({err.strerror}); pass another --port") from None
+            raise UserError(f"{flag}: {host}:{port} is in use ({err.strerror}); pass another {flag}") from None
+
+
+def check_grpc(port: int) -> None:
+    """Serve on this cluster speaks lmforge's gRPC on `port` (a Serve started earlier
+    keeps its own gRPC settings)."""
+    import ray
+    from ray.serve.context import _get_global_client
+
+    config = ray.get(_get_global_client()._controller.get_grpc_config.remote())
+    if SERVICER not in config.grpc_servicer_functions or config.port != port:
+        have = f"gRPC on port {config.port}" if SERVICER in config.grpc_servicer_functions else "no lmforge gRPC"
+        raise UserError(f"--grpc-port: Serve on this cluster was started with {have}; restart Serve, or pass its port")
 
 
 def _http_port() -> Optional[int]:

@@ -22,7 +22,8 @@ from lmforge.inference.sampling import SamplingParams
 from lmforge.serve.engine import Sequence, Token, make_engine
 from lmforge.serve.metrics import ServerMetrics
 from lmforge.serve.options import ServerOptions
-from lmforge.serve.protocol import APIError, ChatRequest, CompletionRequest, Shape, logprobs_object, new_id, sse, usage
+from lmforge.serve.protocol import APIError, ChatRequest, CompletionRequest, Shape, logprobs_object, new_id, usage
+from lmforge.serve.structured import Grammars
 
 log = logging.getLogger(__name__)
 # A token of these byte-level BPE vocabularies covers this many characters at most in
@@ -128,8 +129,10 @@ class Backend:
         # Token ids a prompt may hold: rows of the model that the tokenizer also names.
         self.vocab = min(self.generator.model.cfg.vocab_size, self.tokenizer.get_vocab_size())
         self.metrics = ServerMetrics(options.name, lambda: self.engine.counts)
-        self.engine = make_engine(options.batching, self.generator.model, self.generator.eos_ids, self.vocab, options.max_running, self.metrics.batch)
+        model, eos_ids = self.generator.model, self.generator.eos_ids
+        self.engine = make_engine(options.batching, model, eos_ids, self.vocab, options.max_running, self.metrics, options.prefix_reuse)
         self.cache = ResponseCache(options.cache_size, options.cache_bytes)
+        self.grammars = Grammars(self.tokenizer, self.vocab, eos_ids)
         self.render_chat = chat_renderer(chat_template_of(options.model, options.chat_template), "chat_template")
         self._post = None  # made on the event loop that serves requests (see _mailbox)
 
@@ -196,10 +199,14 @@ class Backend:
         )
         return prompts, params
 
-    async def answer(self, kind: str, request: CompletionRequest | ChatRequest) -> dict | AsyncIterator[str]:
-        """A whole response, or (streaming) its server-sent events."""
+    async def answer(self, kind: str, request: CompletionRequest | ChatRequest) -> dict | AsyncIterator[list[dict | APIError]]:
+        """A whole response, or (streaming) its chunks as they come, lists of them; an
+        APIError as the last item when generation fails midway."""
         arrived = time.perf_counter()
         prompts, params = self.prepare(kind, request)
+        grammar = self.grammars.compile(request)
+        if grammar is not None and self.options.batching == "request":
+            raise APIError(400, "response_format: structured output needs --batching continuous or off", "response_format")
         prompt_tokens = sum(map(len, prompts))
         self.metrics.prompt_tokens(prompt_tokens)
         shape = Shape(kind, new_id("cmpl" if kind == "completion" else "chatcmpl"), self.name)
@@ -225,7 +232,7 @@ class Backend:
             echoes = [await asyncio.to_thread(self._echo, text, ids, top if with_logprobs else None) for text, ids in zip(request.prompts, prompts)]
         choices = [Choice(i, self, params.stop, with_logprobs, echoes[i // request.n]) for i in range(choices_count)]
         base_seed = request.seed if request.seed is not None else random.randrange(2**62)
-        started = self._start(prompts, params, request.n, base_seed, top, choices)
+        started = self._start(prompts, params, request.n, base_seed, top, choices, grammar)
         if request.stream:
             return self._stream(shape, started, choices, prompt_tokens, request.include_usage, arrived, key)
         async for _ in self._tokens(*started, choices, arrived):
@@ -255,7 +262,7 @@ class Backend:
             tops.append([(self.decode([t]), v) for t, v in pairs])
         return Echo(text, [self.decode([i]) for i in ids], [None, *chosen], tops)
 
-    def _start(self, prompts, params, n, base_seed, top, choices):
+    def _start(self, prompts, params, n, base_seed, top, choices, grammar):
         queue, post = asyncio.Queue(), self._mailbox()
         seqs = []
         if params.max_new_tokens == 0:  # `echo` alone: the prompts are the answer
@@ -276,6 +283,7 @@ class Backend:
                     seed=base_seed + i,
                     top_logprobs=top,
                     stopped=(lambda tokens: stopped(0, tokens)) if stopped else None,
+                    constraint=self.grammars.constraint(grammar) if grammar is not None else None,
                 )
             )
         for seq in seqs:
@@ -333,42 +341,40 @@ class Backend:
                 if choice.finish_reason is None:
                     self.engine.cancel(seq)
 
-    async def _stream(self, shape, started, choices, prompt_tokens, include_usage, arrived, key):
+    async def _stream(self, shape, started, choices, prompt_tokens, include_usage, arrived, key) -> AsyncIterator[list[dict | APIError]]:
+        """Lists of chunks (those of one decode step together); an APIError ends it."""
         for choice in choices:
             if shape.kind == "chat":
-                yield sse(shape.chunk(choice.index, None, None, None, first=True, with_usage=include_usage))
+                yield [shape.chunk(choice.index, None, None, None, first=True, with_usage=include_usage)]
             elif choice.echo is not NO_ECHO or not started[0]:  # the prompt first; or all there is, with max_tokens 0
                 text, logprobs = choice.echo_chunk(shape.kind)
-                yield sse(shape.chunk(choice.index, text, logprobs, None if started[0] else choice.finish_reason, with_usage=include_usage))
+                yield [shape.chunk(choice.index, text, logprobs, None if started[0] else choice.finish_reason, with_usage=include_usage)]
         try:
             async for batch in self._tokens(*started, choices, arrived):
                 events = [
-                    sse(shape.chunk(choice.index, delta, logprobs, choice.finish_reason, with_usage=include_usage))
+                    shape.chunk(choice.index, delta, logprobs, choice.finish_reason, with_usage=include_usage)
                     for choice, delta, logprobs in _merged(shape.kind, batch)
                     if delta or logprobs or choice.finish_reason
                 ]
                 if events:
-                    yield "".join(events)
+                    yield events
         except APIError as err:
-            yield sse(err.body())
-            yield sse("[DONE]")
+            yield [err]
             return
         use = usage(prompt_tokens, sum(len(c.tokens) for c in choices))
         if key:
             self.cache.put(key, ([choice.as_dict(shape.kind) for choice in choices], use))
         if include_usage:
-            yield sse(shape.usage_chunk(use))
-        yield sse("[DONE]")
+            yield [shape.usage_chunk(use)]
 
-    async def _replay(self, shape, cached, include_usage):
+    async def _replay(self, shape, cached, include_usage) -> AsyncIterator[list[dict | APIError]]:
         choices, use = cached
         for choice in choices:
             if shape.kind == "chat":
-                yield sse(shape.chunk(choice["index"], None, None, None, first=True, with_usage=include_usage))
-            yield sse(shape.chunk(choice["index"], choice["text"], choice["logprobs"], choice["finish_reason"], with_usage=include_usage))
+                yield [shape.chunk(choice["index"], None, None, None, first=True, with_usage=include_usage)]
+            yield [shape.chunk(choice["index"], choice["text"], choice["logprobs"], choice["finish_reason"], with_usage=include_usage)]
         if include_usage:
-            yield sse(shape.usage_chunk(use))
-        yield sse("[DONE]")
+            yield [shape.usage_chunk(use)]
 
 
 def _held(text: str, stop: str) -> int:

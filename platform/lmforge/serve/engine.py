@@ -3,7 +3,9 @@
 - `ContinuousBatcher`: one decode loop over a shared slot cache in its own thread;
   a sequence that arrives joins at the next step and a finished one leaves at once
   (iteration-level scheduling), with a bound on running sequences and a waiting queue.
-  With one slot it is the no-batching baseline.
+  A prompt's beginning that a slot already holds (a shared system prompt, another
+  choice of the same request) is copied, not computed again. With one slot it is the
+  no-batching baseline.
 - `RequestBatcher`: Ray Serve's `@serve.batch` gathers whole requests and runs each
   batch to its end (request-level batching), for comparison.
 
@@ -19,13 +21,16 @@ import itertools
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
 from lmforge.inference.generate import generate_ids
 from lmforge.inference.sampling import SamplingParams, next_tokens
 from lmforge.inference.slots import SlotCache
+
+if TYPE_CHECKING:
+    from lmforge.serve.structured import Constraint
 
 
 @dataclass
@@ -51,6 +56,7 @@ class Sequence:
     slot: int = -1
     generator: Optional[torch.Generator] = None  # set when it starts: on the model's device
     seen: Optional[torch.Tensor] = None  # its tokens so far, for a repetition penalty
+    constraint: Optional[Constraint] = None  # a grammar its tokens must follow (serve/structured.py)
 
 
 class _Sampler:
@@ -71,15 +77,25 @@ class _Sampler:
         listener; which sequences ended (a sequence whose sampling failed ends alone).
         Greedy rows take one argmax together."""
         logits = logits[:, : self.vocab].float()
-        logprobs = logits.log_softmax(dim=-1)
-        chosen = logits.argmax(dim=-1).tolist()
+        logprobs = logits.log_softmax(dim=-1)  # the model's own, reported whatever a grammar allows
         failed: dict[int, Exception] = {}
+        constrained = [row for row, seq in enumerate(seqs) if seq.constraint is not None]
+        if constrained:
+            logits = logits.clone()
+            for row in constrained:
+                try:
+                    logits[row].masked_fill_(~seqs[row].constraint.allowed(logits.device), float("-inf"))
+                except Exception as err:  # noqa: BLE001 - this sequence's grammar, not the step's
+                    failed[row] = err
+        chosen = logits.argmax(dim=-1).tolist()
         for row, seq in enumerate(seqs):
-            if not seq.params.greedy or seq.seen is not None:
+            if row not in failed and (not seq.params.greedy or seq.seen is not None):
                 try:
                     chosen[row] = int(next_tokens(logits[row : row + 1], seq.params, seq.seen, seq.generator)[0])
                 except Exception as err:  # noqa: BLE001 - this sequence's settings, not the step's
-                    failed[row], chosen[row] = err, 0
+                    failed[row] = err
+            if row in failed:
+                chosen[row] = 0
         chosen_logprobs = logprobs.gather(1, torch.tensor(chosen, device=logits.device)[:, None]).squeeze(1).tolist()
         return [
             fail(seq, failed[row]) if row in failed else self._tell_or_fail(seq, token, logprob, logprobs[row])
@@ -100,8 +116,9 @@ class _Sampler:
         seq.tokens.append(token)
         if seq.seen is not None:
             seq.seen[0, token] = True
+        complete = seq.constraint is not None and seq.constraint.accept(token)
         finish = None
-        if (seq.params.stop_at_eos and token in self.eos_ids) or (seq.stopped is not None and seq.stopped(seq.tokens)):
+        if complete or (seq.params.stop_at_eos and token in self.eos_ids) or (seq.stopped is not None and seq.stopped(seq.tokens)):
             finish = "stop"
         elif len(seq.tokens) >= seq.params.max_new_tokens:
             finish = "length"
@@ -116,8 +133,18 @@ def fail(seq: Sequence, err: Exception) -> bool:
 
 
 class ContinuousBatcher:
-    def __init__(self, model, eos_ids: frozenset[int], vocab: int, max_running: int, on_step: Callable[[int], None] = lambda n: None):
-        self.model, self.max_running, self.on_step = model, max_running, on_step
+    def __init__(
+        self,
+        model,
+        eos_ids: frozenset[int],
+        vocab: int,
+        max_running: int,
+        on_step: Callable[[int], None] = lambda n: None,
+        prefix_reuse: bool = True,
+        on_prefill: Callable[[int, int], None] = lambda prompt, reused: None,
+    ):
+        self.model, self.max_running, self.on_step, self.on_prefill = model, max_running, on_step, on_prefill
+        self.prefix_reuse = prefix_reuse
         self.device = next(model.parameters()).device
         self.sampler = _Sampler(eos_ids, vocab)
         self.cache = SlotCache(model.cfg, max_running, model.cfg.max_seq_len, self.device)
@@ -173,16 +200,27 @@ class ContinuousBatcher:
                 if seq.cancelled:
                     continue
                 self.running.append(seq)
-            seq.slot = self.free.pop()
+            reused = self._place(seq)
             try:  # a prefill is this sequence's alone: what fails in it ends it alone
+                self.on_prefill(len(seq.prompt), reused)
                 self.sampler.first(seq, self.device)
-                logits = self._forward([seq.slot], torch.tensor([seq.prompt], device=self.device))
+                logits = self._forward([seq.slot], torch.tensor([seq.prompt[reused:]], device=self.device))
                 done = self.sampler.take([seq], logits)[0]
             except Exception as err:  # noqa: BLE001
                 done = fail(seq, err)
             if done:
                 self._leave(seq)
                 self.running.remove(seq)
+
+    def _place(self, seq: Sequence) -> int:
+        """Give `seq` a free slot holding the longest beginning of its prompt that any
+        slot holds (copied there if another slot holds it); how many tokens that is.
+        Without one, the slot freed longest ago: what was freed lately is kept longer."""
+        source, reused = self.cache.longest_prefix(seq.prompt, range(self.max_running)) if self.prefix_reuse else (-1, 0)
+        seq.slot = source if source in self.free else self.free[0]
+        self.free.remove(seq.slot)
+        self.cache.reuse(seq.slot, source if reused else seq.slot, reused)
+        return reused
 
     def _step(self) -> None:
         """One new token for every running sequence, in one forward."""
@@ -198,7 +236,7 @@ class ContinuousBatcher:
         self.running = [seq for seq in self.running if seq not in ended]
 
     def _forward(self, rows: list[int], tokens: torch.Tensor) -> torch.Tensor:
-        self.cache.begin(rows, tokens.shape[1])
+        self.cache.begin(rows, tokens)
         logits = self.model(tokens, self.cache)[:, -1]
         self.cache.advance()
         return logits
@@ -277,9 +315,9 @@ class RequestBatcher:
             seq.emit(Token(token, logprob, top, result.finish_reason if i == last else None))
 
 
-def make_engine(mode: str, model, eos_ids: frozenset[int], vocab: int, max_running: int, on_step: Callable[[int], None]):
-    if mode == "continuous":
-        return ContinuousBatcher(model, eos_ids, vocab, max_running, on_step)
-    if mode == "off":
-        return ContinuousBatcher(model, eos_ids, vocab, 1, on_step)
-    return RequestBatcher(model, eos_ids, vocab, max_running, on_step)
+def make_engine(mode: str, model, eos_ids: frozenset[int], vocab: int, max_running: int, metrics, prefix_reuse: bool = True):
+    """`metrics`: the replica's `ServerMetrics`, told of each decode step and prefill."""
+    if mode in ("continuous", "off"):
+        slots = max_running if mode == "continuous" else 1
+        return ContinuousBatcher(model, eos_ids, vocab, slots, metrics.batch, prefix_reuse, metrics.prefill)
+    return RequestBatcher(model, eos_ids, vocab, max_running, metrics.batch)

@@ -35,6 +35,8 @@ class ServerMetrics:
         self._itl = make(Histogram, "inter_token_latency_seconds", "Between a sequence's tokens.", buckets=LATENCY_BUCKETS).labels(**labels)
         self._e2e = make(Histogram, "e2e_request_latency_seconds", "Arrival to last token.", buckets=LATENCY_BUCKETS).labels(**labels)
         self._batch = make(Histogram, "batch_size", "Sequences in each decode step.", buckets=BATCH_BUCKETS).labels(**labels)
+        self._prefix_queries = make(Counter, "prefix_cache_queries", "Prompt tokens looked up in the replica's slots.").labels(**labels)
+        self._prefix_hits = make(Counter, "prefix_cache_hits", "Prompt tokens a slot held: copied, not computed.").labels(**labels)
         self._hits = make(Counter, "response_cache_hits", "Requests answered from the response cache.").labels(**labels)
         self._success = make(Counter, "request_success", "Finished requests by finish reason.", ("finished_reason",))
         self._errors = make(Counter, "request_errors", "Requests answered with an error, by status.", ("status",))
@@ -58,6 +60,10 @@ class ServerMetrics:
 
     def batch(self, size: int) -> None:
         self._batch.observe(size)
+
+    def prefill(self, prompt: int, reused: int) -> None:
+        self._prefix_queries.inc(prompt)
+        self._prefix_hits.inc(reused)
 
     def cache_hit(self) -> None:
         self._hits.inc()

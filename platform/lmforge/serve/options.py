@@ -22,6 +22,7 @@ class ServerOptions:
     max_running: int = 16  # sequences decoding together
     max_waiting: int = 256  # sequences queued for a slot; more are refused (503)
     max_n: int = 8
+    prefix_reuse: bool = True  # a prompt's beginning that a slot holds is copied, not computed again
     cache_size: int = 256  # responses kept for identical temperature-0 requests (0: none) ...
     cache_bytes: int = 64 << 20  # ... and at most this much of their JSON
     max_body_bytes: int = 8 << 20  # a request body larger is refused (413) before it is read whole
@@ -52,14 +53,18 @@ class Deployment:
     max_replicas: int = 4
     cpus_per_replica: float = 1.0
     route_prefix: str = "/"
+    grpc_port: Optional[int] = None  # gRPC there too; None: HTTP only
 
     def check(self) -> None:
         if self.replicas != "auto" and not (isinstance(self.replicas, int) and self.replicas >= 1):
             raise UserError(f"--replicas: a number of at least 1 or auto, got {self.replicas!r}")
         for flag in ("max_replicas", "port"):
             _at_least_one(flag, getattr(self, flag))
-        if self.port > 65535:
-            raise UserError(f"--port: must be at most 65535, got {self.port}")
+        for flag, port in (("port", self.port), ("grpc-port", self.grpc_port)):
+            if port is not None and not 1 <= port <= 65535:
+                raise UserError(f"--{flag}: must be from 1 to 65535, got {port}")
+        if self.grpc_port == self.port:
+            raise UserError(f"--grpc-port: {self.grpc_port} is the HTTP port too; give gRPC another")
         if not self.cpus_per_replica > 0:
             raise UserError(f"--cpus-per-replica: must be > 0, got {self.cpus_per_replica}")
         if self.route_prefix != "/" and (self.route_prefix.endswith("/") or "{" in self.route_prefix or "}" in self.route_prefix):

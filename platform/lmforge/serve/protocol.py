@@ -8,7 +8,7 @@ import time
 import uuid
 from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from lmforge.inference.sampling import MAX_SEED, PENALTY_RANGE
 
@@ -35,6 +35,48 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+MAX_CHOICES = 256  # strings of a `choice` constraint
+MAX_PATTERN_CHARS = 16 << 10  # a regex or Lark grammar
+
+
+class JSONSchemaFormat(BaseModel):
+    name: str = Field("response", max_length=64)
+    description: Optional[str] = None
+    schema_: dict = Field(default_factory=dict, alias="schema")  # `schema` would shadow BaseModel's
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's: free text, any JSON object, or JSON that validates against a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JSONSchemaFormat] = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type json_schema needs json_schema: {name, schema}")
+        return self
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's: exactly one of a JSON schema, a regex, a list of choices or a Lark grammar."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_schema: Optional[Union[dict, str]] = Field(None, alias="json")
+    regex: Optional[str] = Field(None, min_length=1, max_length=MAX_PATTERN_CHARS)
+    choice: Optional[list[str]] = Field(None, min_length=1, max_length=MAX_CHOICES)
+    grammar: Optional[str] = Field(None, min_length=1, max_length=MAX_PATTERN_CHARS)
+
+    @model_validator(mode="after")
+    def _exactly_one(self):
+        given = [name for name in ("json_schema", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(f"exactly one of json, regex, choice or grammar, got {len(given)}")
+        return self
+
+
 class _Sampling(BaseModel):
     # Fields of OpenAI's this server does not use (user, ...) are ignored; NaN and infinities are not numbers here.
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
@@ -50,6 +92,14 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     ignore_eos: bool = False  # vLLM's extra: generate max_tokens whatever the model says (benchmarks)
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[StructuredOutputs] = None  # vLLM's extra
+
+    @model_validator(mode="after")
+    def _one_constraint(self):
+        if self.structured_outputs is not None and self.response_format is not None and self.response_format.type != "text":
+            raise ValueError("response_format and structured_outputs: give one of them")
+        return self
 
     @field_validator("stop")
     @classmethod
