@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Optional, TypeVar, Union
+from typing import TYPE_CHECKING, Callable, Optional, TypeVar, Union
 
 from rich.console import Console
 
@@ -46,6 +46,9 @@ from lmforge.spec import JobSpec, load_spec
 from lmforge.tracking.mlflow_run import MlflowRun
 from lmforge.tracking.model_registry import register_export
 from lmforge.tracking.summary import RunSummary
+
+if TYPE_CHECKING:  # lm-eval is an optional extra: the harness module is imported when asked for
+    from lmforge.evaluation.harness import HarnessReport
 
 load = load_spec
 T = TypeVar("T")
@@ -282,6 +285,48 @@ def judge(
     (win, loss, tie and inconsistency rates). `keys`: each endpoint's own API key."""
     opts = JudgeOptions(a, b, judge, prompts, out, max_tokens, judge_max_tokens, concurrency, keys or {}, tracking_uri, tracking)
     return run_judge(opts, say=say)
+
+
+def evaluate_harness(
+    model: str,
+    tasks: list[str],
+    include_path: Optional[str] = None,
+    num_fewshot: Optional[int] = None,
+    limit: Optional[float] = None,
+    batch_size: int = 8,
+    out: Optional[str] = None,
+    seed: int = 0,
+    tracking: bool = True,
+    tracking_uri: Optional[str] = None,
+    say: Callable[[str], None] = print,
+) -> "HarnessReport":
+    """`lmforge eval harness`: lm-evaluation-harness's `tasks` on `model` (a committed
+    checkpoint, an export, a Hugging Face or quantized directory) in this process;
+    lm-eval's results and samples in `out`, the metrics in MLflow (under a
+    checkpoint's training run). Needs lm-eval (`pip install 'lmforge[eval]'`)."""
+    if not tasks:
+        raise UserError("--tasks: name at least one task")
+    if batch_size < 1:
+        raise UserError(f"--batch-size: must be at least 1, got {batch_size}")
+    if not Path(model).exists():
+        raise UserError(f"MODEL: {model} does not exist")
+    try:
+        from lmforge.evaluation.harness import HarnessOptions, run_harness
+    except ImportError as err:
+        raise UserError(f"lmforge eval harness needs lm-evaluation-harness ({err.name} is missing): pip install 'lmforge[eval]'") from None
+    options = HarnessOptions(
+        model=model,
+        tasks=tasks,
+        include_path=include_path,
+        num_fewshot=num_fewshot,
+        limit=limit,
+        batch_size=batch_size,
+        out=out,
+        seed=seed,
+        tracking=tracking,
+        tracking_uri=tracking_uri,
+    )
+    return run_harness(options, say=say)
 
 
 def train(

@@ -29,7 +29,7 @@ import jsonschema
 import openai
 import pytest
 
-from cli import run_cli
+from cli import assert_clean_error, run_cli, run_cli_process
 from conftest import REFERENCE_STEPS, SESSION_MLFLOW
 from lmforge.chat import DEFAULT_CHAT_TEMPLATE
 from lmforge.inference.generate import Generator
@@ -202,43 +202,75 @@ HARNESS = Path(__file__).with_name("harness")  # lm-evaluation-harness tasks and
 HARNESS_TASKS = ("lmforge_tiny_choice", "lmforge_tiny_generation")
 
 
+def offline(out: Path) -> dict:
+    """lm-eval's datasets read the shipped files only; their cache under `out`."""
+    return {"HF_HOME": str(out / "hf-home"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+
+
 def lm_eval(out: Path, model: str, model_args: str, tasks=HARNESS_TASKS, *flags: str) -> tuple[dict, dict]:
     """`lm-eval run` as its users run it, on the shipped tasks (the hub never asked):
     (each task's logged samples by doc_id, each task's metrics)."""
-    offline = {"HF_HOME": str(out / "hf-home"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "lm_eval", "run", "--model", model, "--model_args", model_args, "--tasks", ",".join(tasks), *flags]
     command += ["--include_path", str(HARNESS), "--output_path", str(out), "--log_samples", "--batch_size", "1", "--device", "cpu"]
-    done = subprocess.run(command, cwd=HARNESS, env=os.environ | offline, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(command, cwd=HARNESS, env=os.environ | offline(out), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+    return harness_output(out, tasks)
+
+
+def harness_output(out: Path, tasks) -> tuple[dict, dict]:
+    """What an lm-eval run wrote to `out`: each task's samples by doc_id, each task's metrics."""
     samples = {
         task: {row["doc_id"]: row for row in map(json.loads, next(out.rglob(f"samples_{task}_*.jsonl")).read_text().splitlines())} for task in tasks
     }
     return samples, json.loads(next(out.rglob("results_*.json")).read_text())["results"]
 
 
-def test_lm_evaluation_harness_scores_the_server_as_its_transformers_backend_does(serving, tmp_path):
-    """`lm-eval run --model local-completions` against `lmforge serve` (loglikelihoods
-    from echoed token-id prompts, greedy generations with stop strings) and lm-eval's
-    own `hf` backend on the same model's Hugging Face export: every choice's
-    loglikelihood within 1e-4, the same greedy flags, generations and metrics."""
+def assert_scored_alike(ours: dict, theirs: dict, ours_metrics: dict, theirs_metrics: dict) -> None:
+    """Every choice's loglikelihood within 1e-4, the same greedy flags, generations and metrics."""
+    choices = [json.loads(line) for line in (HARNESS / "tiny_choice.jsonl").read_text().splitlines()]
+    assert sorted(ours["lmforge_tiny_choice"]) == sorted(theirs["lmforge_tiny_choice"]) == list(range(len(choices)))
+    for doc_id, sample in ours["lmforge_tiny_choice"].items():
+        mine, reference = sample["resps"], theirs["lmforge_tiny_choice"][doc_id]["resps"]
+        assert len(mine) == len(reference) == len(choices[doc_id]["choices"])
+        for (mine_score,), (reference_score,) in zip(mine, reference):
+            assert float(mine_score[0]) == pytest.approx(float(reference_score[0]), abs=1e-4), (doc_id, mine, reference)
+            assert str(mine_score[1]) == str(reference_score[1])  # greedy or not
+    generated = {doc_id: sample["resps"] for doc_id, sample in ours["lmforge_tiny_generation"].items()}
+    assert generated == {doc_id: sample["resps"] for doc_id, sample in theirs["lmforge_tiny_generation"].items()} and len(generated) == 4
+    assert ours_metrics["lmforge_tiny_choice"]["acc,none"] == theirs_metrics["lmforge_tiny_choice"]["acc,none"]
+    assert ours_metrics["lmforge_tiny_generation"]["exact_match,none"] == theirs_metrics["lmforge_tiny_generation"]["exact_match,none"]
+
+
+def test_lm_evaluation_harness_scores_the_server_and_the_checkpoint_as_its_transformers_backend_does(serving, reference_run, tmp_path):
+    """lm-eval's own `hf` backend on the model's Hugging Face export is the reference
+    for `lm-eval run --model local-completions` against `lmforge serve` (loglikelihoods
+    from echoed token-id prompts, greedy generations with stop strings) and for
+    `lmforge eval harness` on the training checkpoint itself, in its process, logged
+    under the checkpoint's MLflow run: every choice's loglikelihood within 1e-4, the
+    same greedy flags, generations and metrics. A task that does not exist, one line."""
+    from mlflow.tracking import MlflowClient
+
     served, served_metrics = lm_eval(
         tmp_path / "served",
         "local-completions",
         f"model=teacher,base_url={serving.url('teacher')}/v1/completions,tokenizer={serving.teacher},tokenizer_backend=huggingface,max_retries=1",
     )
     local, local_metrics = lm_eval(tmp_path / "hf", "hf", f"pretrained={serving.teacher_hf},dtype=float32")
-    choices = [json.loads(line) for line in (HARNESS / "tiny_choice.jsonl").read_text().splitlines()]
-    assert sorted(served["lmforge_tiny_choice"]) == sorted(local["lmforge_tiny_choice"]) == list(range(len(choices)))
-    for doc_id, sample in served["lmforge_tiny_choice"].items():
-        ours, theirs = sample["resps"], local["lmforge_tiny_choice"][doc_id]["resps"]
-        assert len(ours) == len(theirs) == len(choices[doc_id]["choices"])
-        for (ours_score,), (theirs_score,) in zip(ours, theirs):
-            assert float(ours_score[0]) == pytest.approx(float(theirs_score[0]), abs=1e-4), (doc_id, ours, theirs)
-            assert str(ours_score[1]) == str(theirs_score[1])  # greedy or not
-    generated = {doc_id: sample["resps"] for doc_id, sample in served["lmforge_tiny_generation"].items()}
-    assert generated == {doc_id: sample["resps"] for doc_id, sample in local["lmforge_tiny_generation"].items()} and len(generated) == 4
-    assert served_metrics["lmforge_tiny_choice"]["acc,none"] == local_metrics["lmforge_tiny_choice"]["acc,none"]
-    assert served_metrics["lmforge_tiny_generation"]["exact_match,none"] == local_metrics["lmforge_tiny_generation"]["exact_match,none"]
+    assert_scored_alike(served, local, served_metrics, local_metrics)
+
+    out, checkpoint = tmp_path / "in-process", step_dir(reference_run, REFERENCE_STEPS)
+    flags = ("--include-path", str(HARNESS), "--tracking-uri", SESSION_MLFLOW)
+    done = run_cli_process(
+        "eval", "harness", str(checkpoint), "--tasks", ",".join(HARNESS_TASKS), "--out", str(out), *flags, "--json", cwd=HARNESS, env=offline(out)
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (in_process, _), report = harness_output(out, HARNESS_TASKS), json.loads(done.stdout)
+    assert_scored_alike(in_process, local, report["results"], local_metrics)
+    assert report["mlflow_run_id"] == reference_run.mlflow_run_id
+    logged = MlflowClient(SESSION_MLFLOW).get_metric_history(reference_run.mlflow_run_id, "harness/lmforge_tiny_choice/acc/none")
+    assert [(m.step, m.value) for m in logged] == [(REFERENCE_STEPS, local_metrics["lmforge_tiny_choice"]["acc,none"])]
+    unknown = run_cli_process("eval", "harness", str(checkpoint), "--tasks", "no_such_task", *flags, cwd=HARNESS, env=offline(out))
+    assert_clean_error(unknown, "--tasks: no task named no_such_task")
 
 
 def test_lm_evaluation_harness_chats_with_the_server(serving, reference, tmp_path):

@@ -60,6 +60,21 @@ def add_parsers(sub) -> None:
     common.add_json(judge, "the report")
     judge.set_defaults(run=judge_command)
 
+    harness = evaluate.add_parser(
+        "harness", help="lm-evaluation-harness tasks on a model or checkpoint in this process (pip install 'lmforge[eval]')"
+    )
+    harness.add_argument("model", help="a committed checkpoint, an lmforge export, a Hugging Face or a quantized directory")
+    harness.add_argument("--tasks", required=True, help="comma-separated lm-eval task names")
+    harness.add_argument("--include-path", help="a directory of task YAML files (and their data) beside lm-eval's own")
+    harness.add_argument("--num-fewshot", type=int, help="few-shot examples per prompt (default: each task's)")
+    harness.add_argument("--limit", type=float, help="at most this many documents per task (or a fraction, below 1)")
+    harness.add_argument("--batch-size", type=int, default=8, help="sequences scored per forward (default 8)")
+    harness.add_argument("--out", help="directory for lm-eval's results_*.json and samples_*.jsonl")
+    harness.add_argument("--seed", type=int, default=0)
+    common.add_tracking(harness)
+    common.add_json(harness, "the report")
+    harness.set_defaults(run=harness_command)
+
 
 def serve_command(args) -> int:
     key = args.api_key or os.environ.get("LMFORGE_API_KEY")
@@ -93,6 +108,27 @@ def serve_command(args) -> int:
         model_as_given=args.model,
         grpc_port=args.grpc_port,
     )
+    return 0
+
+
+def harness_command(args) -> int:
+    report = common.sdk().evaluate_harness(
+        args.model,
+        [task.strip() for task in args.tasks.split(",") if task.strip()],
+        include_path=args.include_path,
+        num_fewshot=args.num_fewshot,
+        limit=args.limit,
+        batch_size=args.batch_size,
+        out=args.out,
+        seed=args.seed,
+        tracking=not args.no_tracking,
+        tracking_uri=args.tracking_uri,
+        say=common.say,
+    )
+    if args.json:
+        return common.print_json(report.model_dump(), args.stdout)
+    for task, metrics in report.results.items():
+        common.say(f"{task}: " + ", ".join(f"{name} {value:.4g}" for name, value in sorted(metrics.items())))
     return 0
 
 
