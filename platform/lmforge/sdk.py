@@ -34,6 +34,7 @@ from lmforge.distill_jobs.teacher_cache import build_cache as build_teacher_cach
 from lmforge.errors import UserError
 from lmforge.evaluation.judge import JudgeOptions, run_judge
 from lmforge.inference.generate import Generator, default_device
+from lmforge.inference.onnx_runtime import OnnxGenerator, export_onnx, is_onnx_model
 from lmforge.inference.sampling import SamplingParams
 from lmforge.jobs import JobHandle, job, jobs, runs, submit
 from lmforge.planner.command import LayoutSearch, MemoryPlan, layout_search, memory_plan
@@ -186,14 +187,24 @@ def export(checkpoint, out, format: str = "lmforge", dtype: str = "fp32", tokeni
     MLflow store a checkpoint names may be another's, or unreachable from here): when
     the checkpoint belongs to an MLflow run, log the directory there and register it as
     a new version of the model named after the job (`registered`: name, version, run_id)."""
-    result = export_model(checkpoint, out, fmt=format, dtype=dtype, tokenizer=tokenizer)
+    if format == "onnx":
+        result = export_onnx(str(checkpoint), str(out), precision=dtype, tokenizer=tokenizer)
+    else:
+        result = export_model(checkpoint, out, fmt=format, dtype=dtype, tokenizer=tokenizer)
     if register:
         result.registered = register_export(result.source, out, format, result.step)
     return result
 
 
 def generate(
-    model, prompts, device: Optional[str] = None, dtype: str = "fp32", tokenizer: Optional[str] = None, names: Optional[dict] = None, **sampling
+    model,
+    prompts,
+    device: Optional[str] = None,
+    dtype: str = "fp32",
+    tokenizer: Optional[str] = None,
+    names: Optional[dict] = None,
+    backend: str = "torch",
+    **sampling,
 ) -> list[dict]:
     """Generate from `model`: a path (committed checkpoint, lmforge export, Hugging
     Face directory or quantized directory) or a loaded `lmforge.inference.generate.Generator`
@@ -201,15 +212,22 @@ def generate(
     a list of them; `sampling`: the fields of `SamplingParams` (max_new_tokens,
     temperature, top_k, top_p, repetition_penalty, seed, stop), checked before the
     model loads; `names`: how errors name them (`lmforge generate` passes its flags).
-    One dict per prompt: text, tokens, logprobs, finish_reason."""
+    One dict per prompt: text, tokens, logprobs, finish_reason. `backend` "onnxruntime":
+    a directory `export(format="onnx")` wrote, run by onnxruntime-genai."""
     unknown = sorted(set(sampling) - set(SamplingParams.__dataclass_fields__))
     if unknown:
         raise UserError(f"generate: unknown option {unknown[0]}; the options are {', '.join(SamplingParams.__dataclass_fields__)}")
     params = SamplingParams(**sampling)
     params.check(names)  # before the model loads
-    if not isinstance(model, Generator):
-        model = Generator.load(str(model), device or default_device(), dtype, tokenizer)
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+    if backend not in ("torch", "onnxruntime"):
+        raise UserError(f"--backend: {backend!r} is not one of torch, onnxruntime")
+    if backend == "onnxruntime":
+        return [result.as_dict() for result in OnnxGenerator(str(model)).generate(prompts, params)]
+    if not isinstance(model, Generator):
+        if is_onnx_model(model):
+            raise UserError(f"MODEL: {model} is an ONNX Runtime model; pass --backend onnxruntime")
+        model = Generator.load(str(model), device or default_device(), dtype, tokenizer)
     return [result.as_dict() for result in model.generate(prompts, params, names)]
 
 

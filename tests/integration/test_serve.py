@@ -31,6 +31,7 @@ import pytest
 
 from cli import assert_clean_error, run_cli, run_cli_process
 from conftest import REFERENCE_STEPS, SESSION_MLFLOW
+from hf_models import make_hf_model, make_tokenizer
 from lmforge.chat import DEFAULT_CHAT_TEMPLATE
 from lmforge.inference.generate import Generator
 from lmforge.inference.sampling import SamplingParams
@@ -478,6 +479,41 @@ def test_grpc_completions_beside_http_with_the_same_checks_and_key(serving, refe
     keyed = [("application", "student"), ("authorization", f"Bearer {KEY}")]
     assert stub.Complete(pb.CompletionRequest(model="student", prompt="x", max_tokens=2), metadata=keyed).choices[0].finish_reason
     assert serving.client("teacher").completions.create(model="teacher", prompt="x", max_tokens=2).choices
+
+
+def test_onnx_runtime_export_generates_lmforges_greedy_tokens(serving, reference, reference_run, tmp_path):
+    """`lmforge export --format onnx` of the training checkpoint (onnxruntime-genai's
+    builder, fp32 and int4 for CPU), then `lmforge generate --backend onnxruntime`:
+    fp32's greedy tokens are lmforge's own; int4 generates; a family the builder does
+    not build, a precision it does not make, and the torch backend on an ONNX
+    directory are one line each, with nothing written."""
+    checkpoint, fp32, int4 = step_dir(reference_run, REFERENCE_STEPS), tmp_path / "onnx-fp32", tmp_path / "onnx-int4"
+    for out, dtype in ((fp32, "fp32"), (int4, "int4")):
+        exported = run_cli_process("export", str(checkpoint), "--format", "onnx", "--dtype", dtype, "--out", str(out), cwd=tmp_path)
+        assert exported.returncode == 0, exported.stderr[-3000:]
+    prompts = [item for prompt in PROMPTS[:4] for item in ("--prompt", prompt)]
+    for out in (fp32, int4):
+        done = run_cli(
+            "generate", str(out), "--backend", "onnxruntime", *prompts, "--temperature", "0", "--max-new-tokens", "16", "--json", cwd=tmp_path
+        )
+        assert done.returncode == 0, done.stderr
+        answers = [json.loads(line) for line in done.stdout.splitlines()]
+        want = reference.generate(PROMPTS[:4], SamplingParams(max_new_tokens=16, temperature=0))
+        if out == fp32:
+            assert [a["tokens"] for a in answers] == [w.tokens for w in want] and [a["text"] for a in answers] == [w.text for w in want]
+        else:
+            assert all(a["tokens"] for a in answers) and sum(a["tokens"] == w.tokens for a, w in zip(answers, want)) >= 1
+
+    moe = tmp_path / "moe"
+    make_hf_model(moe, "qwen3-moe", make_tokenizer(tmp_path / "tokenizer"))
+    assert_clean_error(
+        run_cli("export", str(moe), "--format", "onnx", "--out", str(tmp_path / "no"), cwd=tmp_path), "--format onnx", "Qwen3MoeForCausalLM"
+    )
+    assert_clean_error(
+        run_cli("export", str(checkpoint), "--format", "onnx", "--dtype", "int8", "--out", str(tmp_path / "no"), cwd=tmp_path), "--dtype"
+    )
+    assert_clean_error(run_cli("generate", str(fp32), "--prompt", "x", cwd=tmp_path), "--backend onnxruntime")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["moe", "onnx-fp32", "onnx-int4", "tokenizer"]
 
 
 def test_replicas_fixed_or_autoscaled_and_a_gpu_each_on_gpu_clusters(tmp_path):

@@ -20,8 +20,12 @@ def add_parsers(sub) -> None:
         help="a committed step directory (e.g. runs/NAME/checkpoints/step_00000100), an lmforge export or a Hugging Face Llama directory",
     )
     export.add_argument("--out", required=True, help="new directory to write (usable as model.init_from)")
-    export.add_argument("--format", default="lmforge", help="lmforge (default) or hf: a directory transformers loads with no custom code")
-    export.add_argument("--dtype", default="fp32", help="fp32 (default), bf16 or fp16")
+    export.add_argument(
+        "--format",
+        default="lmforge",
+        help="lmforge (default), hf (a directory transformers loads with no custom code) or onnx (onnxruntime-genai's, for CPU)",
+    )
+    export.add_argument("--dtype", default="fp32", help="fp32 (default), bf16 or fp16; with --format onnx: fp32 or int4")
     export.add_argument("--tokenizer", help="tokenizer.json to ship (default: the dataset's the checkpoint was trained on)")
     export.add_argument(
         "--register",
@@ -43,6 +47,7 @@ def add_parsers(sub) -> None:
     gen.add_argument("--tokenizer", help="tokenizer.json (default: the model's, or its dataset's)")
     gen.add_argument("--device", help="cpu or cuda (default: cuda when there is one)")
     gen.add_argument("--dtype", default="fp32", help="fp32 (default), bf16 or fp16")
+    gen.add_argument("--backend", default="torch", help="torch (default) or onnxruntime (a directory lmforge export --format onnx wrote)")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt: text, tokens, logprobs, finish_reason")
     gen.set_defaults(run=generate_command)
 
@@ -77,7 +82,14 @@ def export_command(args) -> int:
 def generate_command(args) -> int:
     sampling = {key: getattr(args, key) for key in SAMPLING}
     results = common.sdk().generate(
-        args.model, args.prompt, device=args.device, dtype=args.dtype, tokenizer=args.tokenizer, names=GENERATE_FLAGS, **sampling
+        args.model,
+        args.prompt,
+        device=args.device,
+        dtype=args.dtype,
+        tokenizer=args.tokenizer,
+        names=GENERATE_FLAGS,
+        backend=args.backend,
+        **sampling,
     )
     for prompt, result in zip(args.prompt, results):
         if args.json:
