@@ -276,6 +276,8 @@ def serve(
         raise UserError(f"MODEL: {model_as_given or options.model} does not exist")
     check_port(host, port, address)
     if grpc_port:
+        if options.long_prompt_tokens is not None:
+            raise UserError("--grpc-port: gRPC calls are not routed by length; serve gRPC without --long-prompt-tokens")
         check_port(host, grpc_port, address, flag="--grpc-port")
     embedded = embedded_resources(address)  # what a cluster this call starts would have
     check_cpus(cpus_per_replica, embedded["CPU"] if embedded else None)

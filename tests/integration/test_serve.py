@@ -42,6 +42,7 @@ from multinode import free_port
 
 pytestmark = pytest.mark.ray
 KEY = "test-key-not-a-secret"
+LONG_PROMPT = 12  # tokens: the routed application's threshold
 PROMPTS = ["def ", "import os\n", "class Foo:\n    ", "for i in range(", "return self.", "# A comment\n", "x = [", "if __name__"]
 
 
@@ -142,10 +143,13 @@ def serving(ray_session, reference_run, tiny_dataset, tmp_path_factory):
     for mode, model in (("request", teacher), ("off", tmp / "teacher-hf")):
         options = ServerOptions(model=str(model), name="teacher", batching=mode, max_running=4)
         serve.run(application(options, 1, 0.5, 0.0), name=f"teacher-{mode}", route_prefix=f"/{mode}", blocking=False)
+    # Routed by length: prompts of LONG_PROMPT tokens or more to a replica of their own.
+    routed = ServerOptions(model=str(teacher), name="teacher", max_running=4, long_prompt_tokens=LONG_PROMPT)
+    serve.run(application(routed, 1, 0.5, 0.0), name="teacher-routed", route_prefix="/routed", blocking=False)
     serving = Serving(port, teacher, student, tmp / "teacher-hf", grpc_port)
     for (process, log), prefix in zip(processes, ("teacher", "student")):
         wait_healthy(serving.url(prefix), process, log)
-    for mode in ("request", "off"):
+    for mode in ("request", "off", "routed"):
         wait_healthy(serving.url(mode))
     yield serving
     for process, _ in processes:
@@ -514,6 +518,27 @@ def test_onnx_runtime_export_generates_lmforges_greedy_tokens(serving, reference
     )
     assert_clean_error(run_cli("generate", str(fp32), "--prompt", "x", cwd=tmp_path), "--backend onnxruntime")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["moe", "onnx-fp32", "onnx-int4", "tokenizer"]
+
+
+def test_routing_by_length_sends_long_prompts_to_their_own_replica(serving, reference):
+    """Behind the length router: short and long prompts (completions, chats, streamed)
+    are answered as generation alone answers them, each counted on its pool; a bad
+    request gets the replica's own 400."""
+    client = serving.client("routed")
+    counted = lambda pool: serving.metrics("routed").get(f'lmforge:routed_requests_total{{model_name="teacher",pool="{pool}"}}', 0)
+    short, long = PROMPTS[0], "import os\n" * 8
+    assert len(reference.tokenizer.encode(short).ids) < LONG_PROMPT <= len(reference.tokenizer.encode(long).ids)
+    before = {pool: counted(pool) for pool in ("short", "long")}
+    for prompt in (short, long):
+        whole = client.completions.create(model="teacher", prompt=prompt, max_tokens=8, temperature=0, seed=1)
+        streamed = client.completions.create(model="teacher", prompt=prompt, max_tokens=8, temperature=0, seed=2, stream=True)
+        assert whole.choices[0].text == "".join(c.choices[0].text for c in streamed) == alone(reference, prompt, 8)
+    chat = client.chat.completions.create(model="teacher", messages=[{"role": "user", "content": long}], max_tokens=4, temperature=0)
+    assert chat.choices[0].finish_reason in ("stop", "length")
+    assert (counted("short") - before["short"], counted("long") - before["long"]) == (2, 3)
+    refused = httpx.post(serving.url("routed") + "/v1/completions", json={"model": "teacher", "prompt": long, "temperature": 9})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "temperature"
+    assert client.models.list().data[0].id == "teacher"
 
 
 def test_replicas_fixed_or_autoscaled_and_a_gpu_each_on_gpu_clusters(tmp_path):

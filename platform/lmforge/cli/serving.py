@@ -29,6 +29,12 @@ def add_parsers(sub) -> None:
         action="store_false",
         help="compute every prompt whole (default: a beginning a replica holds from an earlier prompt is reused)",
     )
+    srv.add_argument(
+        "--long-prompt-tokens",
+        type=int,
+        help="route prompts of this many tokens or more to replicas of their own (default: no routing by length)",
+    )
+    srv.add_argument("--long-replicas", type=int, default=1, help="with --long-prompt-tokens: replicas for the long prompts (default 1)")
     srv.add_argument("--cache-size", type=int, default=256, help="temperature-0 responses kept for identical requests (0: none)")
     srv.add_argument("--api-key", help="require Authorization: Bearer KEY on /v1 (default: LMFORGE_API_KEY, else none)")
     srv.add_argument("--route-prefix", default="/", help="URL prefix of this model's routes (several models on one cluster)")
@@ -87,6 +93,8 @@ def serve_command(args) -> int:
         max_waiting=args.max_waiting,
         max_n=args.max_n,
         prefix_reuse=args.prefix_reuse,
+        long_prompt_tokens=args.long_prompt_tokens,
+        long_replicas=args.long_replicas,
         cache_size=args.cache_size,
         api_key_sha256=key_digest(key) if key else None,
         device=args.device,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-from typing import AsyncIterator
+from typing import AsyncIterator, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -33,32 +33,17 @@ def build_api(backend: Backend) -> FastAPI:
 
     @api.middleware("http")
     async def authenticate(request: Request, call_next):
-        open_route = request.url.path.rstrip("/").endswith(OPEN_ROUTES)  # under a route prefix too
-        if wanted and not open_route and not hmac.compare_digest(key_digest(bearer_token(request.headers.get("authorization", ""))), wanted):
-            return failed(APIError(401, "a valid API key is required: Authorization: Bearer KEY", code="invalid_api_key"))
-        return await call_next(request)
+        refused = unauthorized(request, wanted)
+        return failed(refused) if refused else await call_next(request)
 
     @api.exception_handler(Exception)
     async def unexpected(request: Request, err: Exception):
         log.exception("a request to %s failed", request.url.path)
         return failed(APIError(500, "the server failed to answer this request (the replica's log says why)", kind="server_error"))
 
-    async def body_of(request: Request) -> object:
-        """The JSON body, at most `max_body_bytes` of it read (413 past that)."""
-        limit = backend.options.max_body_bytes
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
-            raise APIError(413, f"the request body is {int(declared)} bytes; at most {limit}", code="request_too_large")
-        data = bytearray()
-        async for chunk in request.stream():
-            data += chunk
-            if len(data) > limit:
-                raise APIError(413, f"the request body is over {limit} bytes", code="request_too_large")
-        return json_body(bytes(data))
-
     async def serve(kind: str, model, request: Request):
         try:
-            answer = await backend.answer(kind, parse(model, await body_of(request)))
+            answer = await backend.answer(kind, parse(model, json_body(await body_bytes(request, backend.options.max_body_bytes))))
         except APIError as err:
             return failed(err)
         if isinstance(answer, dict):
@@ -88,6 +73,27 @@ def build_api(backend: Backend) -> FastAPI:
         return Response(backend.metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
     return api
+
+
+def unauthorized(request: Request, wanted: Optional[str]) -> Optional[APIError]:
+    """A 401 when a key is wanted and this request to a guarded route lacks it."""
+    open_route = request.url.path.rstrip("/").endswith(OPEN_ROUTES)  # under a route prefix too
+    if wanted and not open_route and not hmac.compare_digest(key_digest(bearer_token(request.headers.get("authorization", ""))), wanted):
+        return APIError(401, "a valid API key is required: Authorization: Bearer KEY", code="invalid_api_key")
+    return None
+
+
+async def body_bytes(request: Request, limit: int) -> bytes:
+    """The body, at most `limit` bytes of it read (413 past that)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"the request body is {int(declared)} bytes; at most {limit}", code="request_too_large")
+    data = bytearray()
+    async for chunk in request.stream():
+        data += chunk
+        if len(data) > limit:
+            raise APIError(413, f"the request body is over {limit} bytes", code="request_too_large")
+    return bytes(data)
 
 
 async def server_sent_events(chunks: AsyncIterator[list[dict | APIError]]) -> AsyncIterator[str]:

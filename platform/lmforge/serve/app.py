@@ -15,25 +15,26 @@ from pathlib import Path
 from typing import Optional, Union
 
 from ray import serve
+from ray.serve.handle import DeploymentHandle
 
 from lmforge.checkpoint.export import open_source
 from lmforge.errors import UserError
 from lmforge.models.quantized import QUANTIZATION, is_quantized
 from lmforge.ray_runtime import connect, embedded_resources
-from lmforge.serve.api import build_api
+from lmforge.serve.api import build_api, json_body, server_sent_events
 from lmforge.serve.backend import Backend
 from lmforge.serve.grpc_api import SERVICER, GrpcCompletions
 from lmforge.serve.options import ServerOptions
+from lmforge.serve.protocol import APIError, ChatRequest, CompletionRequest, parse
+from lmforge.serve.routing import PromptLength, build_router_api
 
 
-@serve.ingress()
-class ModelServer:
+class ModelReplica:
+    """A replica's model and what reaches it without HTTP: gRPC, and the length router."""
+
     def __init__(self, options: ServerOptions):
         self.backend = Backend(options)
         self.grpc = GrpcCompletions(self.backend)
-
-    def __serve_build_asgi_app__(self):
-        return build_api(self.backend)
 
     # gRPC methods, called by name by Serve's gRPC proxy (lmforge.v1.Completions).
     async def Complete(self, request, grpc_context):
@@ -43,9 +44,49 @@ class ModelServer:
         async for chunk in self.grpc.complete_stream(request, grpc_context):
             yield chunk
 
+    # Called by the length router's ingress (serve/routing.py) with a checked body.
+    async def relay(self, kind: str, data: bytes):
+        """("json", status, body) or ("stream", 200, None) then the stream's events."""
+        try:
+            request = parse(CompletionRequest if kind == "completion" else ChatRequest, json_body(data))
+            answer = await self.backend.answer(kind, request)
+        except APIError as err:
+            self.backend.metrics.error(err.status)
+            yield ("json", err.status, err.body())
+            return
+        if isinstance(answer, dict):
+            yield ("json", 200, answer)
+            return
+        yield ("stream", 200, None)
+        async for text in server_sent_events(answer):
+            yield text
+
+    def model_card(self) -> dict:
+        return self.backend.model_card()
+
+
+@serve.ingress()
+class ModelServer(ModelReplica):
+    """A replica that is the application's HTTP ingress."""
+
+    def __serve_build_asgi_app__(self):
+        return build_api(self.backend)
+
+
+@serve.ingress()
+class LengthRouter:
+    def __init__(self, options: ServerOptions, short: DeploymentHandle, long: DeploymentHandle):
+        assert options.long_prompt_tokens is not None
+        self.options, self.pools = options, {"short": short, "long": long}
+        self.length = PromptLength(options, options.long_prompt_tokens)
+
+    def __serve_build_asgi_app__(self):
+        return build_router_api(self.options, self.length, self.pools)
+
 
 def application(options: ServerOptions, replicas: Union[int, str], cpus: float, gpus: float, max_replicas: int = 4):
-    """The bound Serve application."""
+    """The bound Serve application: the model's replicas, or with `long_prompt_tokens`
+    a length router before two pools of them (`long_replicas` take the long prompts)."""
     config = {
         # Serve's own cap on requests a replica holds: above the engine's, which queues;
         # beyond it Serve would queue without bound at its proxy: a bounded queue, then 503.
@@ -58,7 +99,12 @@ def application(options: ServerOptions, replicas: Union[int, str], cpus: float, 
         config["autoscaling_config"] = {"min_replicas": 1, "max_replicas": max_replicas, "target_ongoing_requests": options.max_running}
     else:
         config["num_replicas"] = replicas
-    return serve.deployment(ModelServer, name="ModelServer").options(**config).bind(options)
+    if options.long_prompt_tokens is None:
+        return serve.deployment(ModelServer, name="ModelServer").options(**config).bind(options)
+    short = serve.deployment(ModelReplica, name="ShortPrompts").options(**config).bind(options)
+    long_config = {k: v for k, v in config.items() if k != "autoscaling_config"} | {"num_replicas": options.long_replicas}
+    long = serve.deployment(ModelReplica, name="LongPrompts").options(**long_config).bind(options)
+    return serve.deployment(LengthRouter, name="LengthRouter").options(ray_actor_options={"num_cpus": 0}).bind(options, short, long)
 
 
 def check_model(path: str, tokenizer: Optional[str]) -> None:

@@ -23,6 +23,8 @@ class ServerOptions:
     max_waiting: int = 256  # sequences queued for a slot; more are refused (503)
     max_n: int = 8
     prefix_reuse: bool = True  # a prompt's beginning that a slot holds is copied, not computed again
+    long_prompt_tokens: Optional[int] = None  # prompts this long go to replicas of their own (None: no routing)
+    long_replicas: int = 1  # ... this many
     cache_size: int = 256  # responses kept for identical temperature-0 requests (0: none) ...
     cache_bytes: int = 64 << 20  # ... and at most this much of their JSON
     max_body_bytes: int = 8 << 20  # a request body larger is refused (413) before it is read whole
@@ -35,8 +37,10 @@ class ServerOptions:
     def check(self) -> None:
         if self.batching not in MODES:
             raise UserError(f"--batching: {self.batching!r} is not one of {', '.join(MODES)}")
-        for flag in ("max_running", "max_waiting", "max_n", "threads"):
+        for flag in ("max_running", "max_waiting", "max_n", "threads", "long_replicas"):
             _at_least_one(flag, getattr(self, flag))
+        if self.long_prompt_tokens is not None:
+            _at_least_one("long_prompt_tokens", self.long_prompt_tokens)
         if self.cache_size < 0:
             raise UserError(f"--cache-size: must be >= 0, got {self.cache_size}")
         if self.chat_template and not Path(self.chat_template).is_file():
