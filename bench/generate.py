@@ -29,7 +29,9 @@ import torch
 from lmforge.inference.generate import generate_ids
 from lmforge.inference.sampling import SamplingParams
 from lmforge.models.build import build_model
+from lmforge.models.config import PRESETS
 from lmforge.models.weights import open_model_dir
+from seeded_model import seeded_model
 
 TARGETS = {"cache / recompute": 5.0, "lmforge / transformers": 1.0}  # the second at the largest batch
 
@@ -42,24 +44,7 @@ def hf_directory(args, tmp: Path) -> Path:
         out = tmp / "hf"
         export_model(args.model, out, fmt="hf")
         return out
-    from lmforge.data.corpus import stdlib_files
-    from lmforge.data.tokenizer import EOS_TOKEN, tokenizer_files, train_bpe
-    from lmforge.models import PRESETS
-    from lmforge.models.weights import write_model_dir
-
-    cfg = PRESETS["small"]
-    tokenizer = train_bpe([Path(f).read_text(errors="replace") for f in stdlib_files()[:20]], 1024)
-    model = build_model(cfg, seed=0)
-    out = tmp / "hf"
-    write_model_dir(
-        out,
-        "hf",
-        cfg,
-        model.state_dict(),
-        eos_id=tokenizer.token_to_id(EOS_TOKEN),
-        files=tokenizer_files(tokenizer.to_str(), EOS_TOKEN, cfg.max_seq_len),
-    )
-    return out
+    return seeded_model(tmp / "hf", PRESETS["small"], "hf")
 
 
 def prompts(batch: int, vocab: int, seed: int = 0) -> list[list[int]]:

@@ -23,23 +23,14 @@ import torch
 from lmforge.inference.generate import Generator, generate_ids
 from lmforge.inference.onnx_runtime import OnnxGenerator, export_onnx, timed_decode
 from lmforge.inference.sampling import SamplingParams
+from lmforge.models.config import PRESETS
+from seeded_model import seeded_model
 
 PROMPT = "def read_config(path):\n    "
 
 
 def small_model(tmp: Path) -> Path:
-    from lmforge.data.corpus import stdlib_files
-    from lmforge.data.tokenizer import EOS_TOKEN, tokenizer_files, train_bpe
-    from lmforge.models import PRESETS
-    from lmforge.models.build import build_model
-    from lmforge.models.weights import write_model_dir
-
-    cfg = PRESETS["small"].with_overrides(family="qwen2", qkv_bias=True)
-    tokenizer = train_bpe([Path(f).read_text(errors="replace") for f in stdlib_files()[:20]], 1024)
-    out = tmp / "small"
-    files = tokenizer_files(tokenizer.to_str(), EOS_TOKEN, cfg.max_seq_len)
-    write_model_dir(out, "lmforge", cfg, build_model(cfg, seed=0).state_dict(), eos_id=tokenizer.token_to_id(EOS_TOKEN), files=files)
-    return out
+    return seeded_model(tmp / "small", PRESETS["small"].with_overrides(family="qwen2", qkv_bias=True))
 
 
 def eager_seconds(generator: Generator, tokens: int) -> float:

@@ -24,23 +24,15 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+from lmforge.models.config import PRESETS
+from seeded_model import seeded_model
+
 TARGET = 1.5
 SIDES = ("plain", "routed")
 
 
 def model_dir(tmp: Path, context: int) -> Path:
-    from lmforge.data.corpus import stdlib_files
-    from lmforge.data.tokenizer import EOS_TOKEN, tokenizer_files, train_bpe
-    from lmforge.models import PRESETS
-    from lmforge.models.build import build_model
-    from lmforge.models.weights import write_model_dir
-
-    cfg = PRESETS["small"].with_overrides(max_seq_len=context)
-    tokenizer = train_bpe([Path(f).read_text(errors="replace") for f in stdlib_files()[:20]], 1024)
-    out = tmp / "model"
-    files = tokenizer_files(tokenizer.to_str(), EOS_TOKEN, cfg.max_seq_len)
-    write_model_dir(out, "lmforge", cfg, build_model(cfg, seed=0).state_dict(), eos_id=tokenizer.token_to_id(EOS_TOKEN), files=files)
-    return out
+    return seeded_model(tmp / "model", PRESETS["small"].with_overrides(max_seq_len=context))
 
 
 def deploy(model: Path, threshold: int) -> int:

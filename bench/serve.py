@@ -2,14 +2,20 @@
 application with continuous, request-level (`@serve.batch`) and no batching, and an
 int8 quantization of the same model with continuous batching, all deployed at once
 on one Ray Serve. For each concurrency, each side gets the same fixed number of
-streamed requests (the `openai` client, greedy, `ignore_eos` so every answer is
-`--max-tokens` long; the response cache is off): output tokens/s, time to first token
+streamed requests (the `openai` client, greedy: every side generates the same tokens,
+up to `--max-tokens` or an end of text; the response cache is off): output tokens/s
+(counted from each answer's usage), time to first token
 and end-to-end latency p50/p99, errors. Sides alternate within each repeat, repeats
 go on until each target ratio's spread is smaller than its distance from the target
 (at most `--max-repeats`, within `--time-limit`), since machines here are shared.
 
+A peer runs in the same repeats: `transformers serve --continuous-batching` (its own
+process, one thread, fp32 on CPU) on the same model exported to Hugging Face format,
+with the same prompts and loads.
+
 Targets: continuous >= 3x no batching in tokens/s at concurrency 8; at concurrency 1,
-continuous adds <= 10% to TTFT p50; zero errors.
+continuous adds <= 10% to TTFT p50; continuous >= 1.5x transformers serve's tokens/s
+at concurrency 8, and no worse TTFT p50 at 1; zero errors.
 
     python bench/serve.py [--model DIR] [--max-tokens 32] [--concurrency 1,8,32] [--max-repeats 6]
 
@@ -22,15 +28,26 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-SIDES = ("continuous", "request", "off", "int8")
-TARGETS = {"continuous / off tok/s @8": (3.0, "min"), "continuous / off TTFT p50 @1": (1.10, "max")}
+from lmforge.models.config import PRESETS
+from seeded_model import seeded_model
+
+SIDES = ("continuous", "request", "off", "int8", "transformers")
+TARGETS = {
+    "continuous / off tok/s @8": (3.0, "min"),
+    "continuous / off TTFT p50 @1": (1.10, "max"),
+    "continuous / transformers tok/s @8": (1.5, "min"),
+    "continuous / transformers TTFT p50 @1": (1.0, "max"),
+}
 
 
 def model_dir(args, tmp: Path) -> Path:
@@ -43,23 +60,7 @@ def model_dir(args, tmp: Path) -> Path:
     if steps:
         export_model(steps[-1], out)
         return out
-    from lmforge.data.corpus import stdlib_files
-    from lmforge.data.tokenizer import EOS_TOKEN, tokenizer_files, train_bpe
-    from lmforge.models import PRESETS
-    from lmforge.models.build import build_model
-    from lmforge.models.weights import write_model_dir
-
-    cfg = PRESETS["small"]
-    tokenizer = train_bpe([Path(f).read_text(errors="replace") for f in stdlib_files()[:20]], 1024)
-    write_model_dir(
-        out,
-        "lmforge",
-        cfg,
-        build_model(cfg, seed=0).state_dict(),
-        eos_id=tokenizer.token_to_id(EOS_TOKEN),
-        files=tokenizer_files(tokenizer.to_str(), EOS_TOKEN, cfg.max_seq_len),
-    )
-    return out
+    return seeded_model(out, PRESETS["small"])
 
 
 def int8_dir(source_dir: Path, tmp: Path) -> Path:
@@ -82,7 +83,7 @@ def prompts(count: int) -> list[str]:
     return [texts[i % len(texts)][(37 * i) % 500 :][: 60 + (29 * i) % 140] for i in range(count)]
 
 
-async def load(url: str, texts: list[str], concurrency: int, max_tokens: int) -> dict:
+async def load(url: str, texts: list[str], concurrency: int, max_tokens: int, model: str = "model") -> dict:
     """Each text once, at most `concurrency` in flight."""
     from openai import AsyncOpenAI
 
@@ -96,13 +97,12 @@ async def load(url: str, texts: list[str], concurrency: int, max_tokens: int) ->
             first = None
             try:
                 stream = await client.completions.create(
-                    model="model",
+                    model=model,
                     prompt=text,
                     max_tokens=max_tokens,
                     temperature=0,
                     stream=True,
                     stream_options={"include_usage": True},
-                    extra_body={"ignore_eos": True},
                 )
                 async for chunk in stream:
                     if chunk.choices and chunk.choices[0].text and first is None:
@@ -148,7 +148,7 @@ def deploy(model: Path, int8: Path, max_running: int) -> int:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    for side in SIDES:
+    for side in SIDES[:4]:  # lmforge's; the peer runs in its own process
         options = ServerOptions(
             model=str(int8 if side == "int8" else model),
             name="model",
@@ -159,6 +159,42 @@ def deploy(model: Path, int8: Path, max_running: int) -> int:
         )
         serve.run(application(options, 1, 0.5, 0.0), name=side, route_prefix=f"/{side}", blocking=False)
     return port
+
+
+def peer(model: Path, tmp: Path) -> tuple[subprocess.Popen, int, str]:
+    """`transformers serve --continuous-batching` on the model's Hugging Face export, up
+    and warm: (its process, port, the model name its requests carry)."""
+    import httpx2 as httpx
+
+    from lmforge.checkpoint.export import export_model
+
+    hf = tmp / "hf"
+    export_model(model, hf, "hf")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [
+        str(Path(sys.executable).with_name("transformers")),
+        "serve",
+        str(hf),
+        "--continuous-batching",
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--port",
+        str(port),
+    ]
+    process = subprocess.Popen(command, env=os.environ | {"OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(1)
+    asyncio.run(load(f"http://127.0.0.1:{port}/v1", prompts(2), 1, 4, str(hf)))  # its first request loads the model
+    return process, port, str(hf)
 
 
 def engine_alone(model: Path, slots: int, sequences: int, max_tokens: int) -> float:
@@ -183,6 +219,12 @@ def engine_alone(model: Path, slots: int, sequences: int, max_tokens: int) -> fl
     for _ in range(sequences):
         done.acquire()
     return sequences * max_tokens / (time.perf_counter() - began)
+
+
+PEER_RATIOS = {
+    "continuous / transformers tok/s @8": ("continuous", "transformers", 8, "tok_s"),
+    "continuous / transformers TTFT p50 @1": ("continuous", "transformers", 1, "ttft_p50"),
+}
 
 
 def settled(history: dict[str, list[float]]) -> bool:
@@ -211,6 +253,7 @@ def main() -> None:
         tmp = Path(tmp_dir)
         model = model_dir(args, tmp)
         port = deploy(model, int8_dir(model, tmp), args.max_running)
+        process, peer_port, peer_model = peer(model, tmp)
         cells: dict[tuple[int, str], list[dict]] = {}
         history: dict[str, list[float]] = {}
         engine: list[float] = []
@@ -219,18 +262,27 @@ def main() -> None:
                 texts = prompts(max(8, 2 * concurrency))
                 order = SIDES if repeat % 2 == 0 else tuple(reversed(SIDES))
                 for side in order:
-                    url = f"http://127.0.0.1:{port}/{side}/v1"
-                    cells.setdefault((concurrency, side), []).append(asyncio.run(load(url, texts, concurrency, args.max_tokens)))
+                    url, name = (
+                        (f"http://127.0.0.1:{peer_port}/v1", peer_model)
+                        if side == "transformers"
+                        else (f"http://127.0.0.1:{port}/{side}/v1", "model")
+                    )
+                    cells.setdefault((concurrency, side), []).append(asyncio.run(load(url, texts, concurrency, args.max_tokens, name)))
             last = {key: runs[-1] for key, runs in cells.items()}
             if 8 in levels:
                 history.setdefault("continuous / off tok/s @8", []).append(last[(8, "continuous")]["tok_s"] / last[(8, "off")]["tok_s"])
             if 1 in levels:
                 history.setdefault("continuous / off TTFT p50 @1", []).append(last[(1, "continuous")]["ttft_p50"] / last[(1, "off")]["ttft_p50"])
+            for name, (a, b, concurrency, key) in PEER_RATIOS.items():
+                if concurrency in levels:
+                    history.setdefault(name, []).append(last[(concurrency, a)][key] / last[(concurrency, b)][key])
             # The same batching without HTTP, Serve or a client: where the rest of the time goes.
             engine.append(engine_alone(model, 8, 8, args.max_tokens) / engine_alone(model, 1, 8, args.max_tokens))
             print(f"repeat {repeat + 1}: " + ", ".join(f"{k} {v[-1]:.3f}" for k, v in history.items()), flush=True)
             if settled(history) or time.time() - started > args.time_limit:
                 break
+        process.terminate()
+        process.wait(30)
         report(cells, history, model, args)
         print(
             f"engine alone (no HTTP), 8 sequences: 8 slots / 1 slot {statistics.median(engine):.2f}x tok/s "
@@ -266,7 +318,8 @@ def report(cells, history, model, args) -> None:
         )
         print(
             f"@{concurrency}: continuous / off {ratio('continuous', 'off'):.2f}x, request / off {ratio('request', 'off'):.2f}x, "
-            f"continuous / request {ratio('continuous', 'request'):.2f}x, int8 / fp32 (continuous) {ratio('int8', 'continuous'):.2f}x tok/s"
+            f"continuous / request {ratio('continuous', 'request'):.2f}x, int8 / fp32 (continuous) {ratio('int8', 'continuous'):.2f}x, "
+            f"continuous / transformers {ratio('continuous', 'transformers'):.2f}x tok/s"
         )
     print(f"errors: {errors} (target 0)")
 
