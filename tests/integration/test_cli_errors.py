@@ -705,6 +705,10 @@ SERVE_REFUSALS = {
     "a bad route prefix": (["partial", "--route-prefix", "v1"], "--route-prefix: must start with /"),
     "a route prefix ending in /": (["partial", "--route-prefix", "/x/"], "--route-prefix: a path like /name, not ending in /"),
     "a port out of range": (["partial", "--port", "70000"], "--port: must be at most 65535, got 70000"),
+    "a gRPC port out of range": (["partial", "--grpc-port", "70000"], "--grpc-port: must be at most 65535, got 70000"),
+    "gRPC on the HTTP port": (["partial", "--grpc-port", "8000"], "--grpc-port: 8000 is the HTTP port too"),
+    "gRPC routed by length": (["partial", "--grpc-port", "9000", "--long-prompt-tokens", "512"], "--grpc-port: gRPC calls are not routed by length"),
+    "a length threshold of 0": (["partial", "--long-prompt-tokens", "0"], "--long-prompt-tokens: must be at least 1, got 0"),
     "negative CPUs per replica": (["partial", "--cpus-per-replica", "-1"], "--cpus-per-replica: must be > 0, got -1.0"),
 }
 

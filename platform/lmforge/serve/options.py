@@ -64,9 +64,11 @@ class Deployment:
             raise UserError(f"--replicas: a number of at least 1 or auto, got {self.replicas!r}")
         for flag in ("max_replicas", "port"):
             _at_least_one(flag, getattr(self, flag))
+        if self.grpc_port is not None:
+            _at_least_one("grpc_port", self.grpc_port)
         for flag, port in (("port", self.port), ("grpc-port", self.grpc_port)):
-            if port is not None and not 1 <= port <= 65535:
-                raise UserError(f"--{flag}: must be from 1 to 65535, got {port}")
+            if port is not None and port > 65535:
+                raise UserError(f"--{flag}: must be at most 65535, got {port}")
         if self.grpc_port == self.port:
             raise UserError(f"--grpc-port: {self.grpc_port} is the HTTP port too; give gRPC another")
         if not self.cpus_per_replica > 0:
