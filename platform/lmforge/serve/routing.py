@@ -19,7 +19,7 @@ from lmforge.checkpoint.export import open_source
 from lmforge.serve.api import SSE_HEADERS, body_bytes, json_body, unauthorized
 from lmforge.serve.backend import CHARS_PER_TOKEN
 from lmforge.serve.options import ServerOptions
-from lmforge.serve.protocol import APIError
+from lmforge.serve.protocol import APIError, ChatRequest, CompletionRequest, parse
 
 POOLS = ("short", "long")
 
@@ -32,19 +32,20 @@ class PromptLength:
         self.tokenizer = _tokenizer_of(options)
         self.threshold = long_prompt_tokens
 
-    def pool(self, body: object) -> str:
-        """ "long" or "short"; what a replica would refuse goes to "short", to be refused there."""
-        if not isinstance(body, dict):
+    def pool(self, kind: str, body: object) -> str:
+        """ "long" or "short"; a request a replica would refuse goes to "short", to be refused there."""
+        try:
+            request = parse(CompletionRequest if kind == "completion" else ChatRequest, body)
+        except APIError:
             return "short"
-        if "prompt" in body:  # a completion's prompts are separate sequences: the longest counts
-            prompt = body["prompt"]
-            prompts = [prompt] if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], int)) else prompt
-            count = max((self.tokens(p) for p in prompts if isinstance(p, (str, list))), default=0) if isinstance(prompts, list) else 0
+        if isinstance(request, CompletionRequest):  # separate sequences: the longest counts
+            count = max(map(self.tokens, request.prompts), default=0)
         else:  # a chat's messages are one prompt
-            count = sum(self.tokens(_content(m.get("content"))) for m in body.get("messages") or [] if isinstance(m, dict))
+            assert isinstance(request, ChatRequest)
+            count = sum(self.tokens(message.text) for message in request.messages)
         return "long" if count >= self.threshold else "short"
 
-    def tokens(self, prompt: str | list) -> int:
+    def tokens(self, prompt: str | list[int]) -> int:
         if isinstance(prompt, list):
             return len(prompt)  # token ids
         if len(prompt) >= self.threshold * CHARS_PER_TOKEN:
@@ -58,12 +59,6 @@ def _tokenizer_of(options: ServerOptions) -> Tokenizer:
     if Path(given).is_file():
         return Tokenizer.from_file(str(given))
     return open_source(options.model, options.tokenizer).tokenizer()
-
-
-def _content(content: object) -> str:
-    if isinstance(content, list):
-        return "".join(part.get("text", "") for part in content if isinstance(part, dict) and isinstance(part.get("text"), str))
-    return content if isinstance(content, str) else ""
 
 
 def build_router_api(options: ServerOptions, length: PromptLength, pools: dict[str, DeploymentHandle]) -> FastAPI:
@@ -82,7 +77,7 @@ def build_router_api(options: ServerOptions, length: PromptLength, pools: dict[s
     async def relay(kind: str, request: Request):
         try:
             data = await body_bytes(request, options.max_body_bytes)
-            pool = length.pool(json_body(data))
+            pool = length.pool(kind, json_body(data))
         except APIError as err:
             return failed(err)
         routed.labels(model_name=options.name, pool=pool).inc()
