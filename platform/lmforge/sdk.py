@@ -318,20 +318,28 @@ def evaluate_harness(
     seed: int = 0,
     tracking: bool = True,
     tracking_uri: Optional[str] = None,
+    tp: int = 1,
+    pp: int = 1,
+    address: Optional[str] = None,
     say: Callable[[str], None] = print,
 ) -> "HarnessReport":
     """`lmforge eval harness`: lm-evaluation-harness's `tasks` on `model` (a committed
-    checkpoint, an export, a Hugging Face or quantized directory) in this process;
-    lm-eval's results and samples in `out`, the metrics in MLflow (under a
-    checkpoint's training run). Needs lm-eval (`pip install 'lmforge[eval]'`)."""
+    checkpoint, an export, a Hugging Face or quantized directory) in this process, or
+    with `tp` x `pp` > 1 on that many Ray ranks (of the cluster at `address`, else
+    RAY_ADDRESS's, else an embedded one), each holding its stage's shard; lm-eval's
+    results and samples in `out`, the metrics in MLflow (under a checkpoint's training
+    run). Needs lm-eval (`pip install 'lmforge[eval]'`)."""
     if not tasks:
         raise UserError("--tasks: name at least one task")
     if batch_size < 1:
         raise UserError(f"--batch-size: must be at least 1, got {batch_size}")
+    for name, value in (("tp", tp), ("pp", pp)):
+        if value < 1:
+            raise UserError(f"--set parallel.{name}: must be at least 1, got {value}")
     if not Path(model).exists():
         raise UserError(f"MODEL: {model} does not exist")
     try:
-        from lmforge.evaluation.harness import HarnessOptions, run_harness
+        from lmforge.evaluation.harness import HarnessOptions, Layout, run_harness
     except ImportError as err:
         raise UserError(f"lmforge eval harness needs lm-evaluation-harness ({err.name} is missing): pip install 'lmforge[eval]'") from None
     options = HarnessOptions(
@@ -345,6 +353,8 @@ def evaluate_harness(
         seed=seed,
         tracking=tracking,
         tracking_uri=tracking_uri,
+        layout=Layout(tp=tp, pp=pp),
+        address=address,
     )
     return run_harness(options, say=say)
 

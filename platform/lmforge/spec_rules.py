@@ -5,7 +5,7 @@ the field; `JobSpec` runs them all after parsing.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from lmforge.deepspeed_config import reconcile as reconcile_deepspeed
 from lmforge.models.config import ModelConfig
@@ -99,12 +99,19 @@ def check_sharding(spec: "JobSpec") -> None:
 
 def check_tensor_parallel(spec: "JobSpec", model: ModelConfig) -> None:
     tp = spec.parallel.tp
+    refusal = tensor_parallel_refusal(model, tp)
+    if refusal:
+        raise ValueError(refusal)
+    if tp > 1 and spec.parallel.sequence_parallel and spec.train.seq_len % tp:
+        raise ValueError(f"train.seq_len: {spec.train.seq_len} is not divisible by parallel.tp {tp} (sequence parallel)")
+
+
+def tensor_parallel_refusal(model: ModelConfig, tp: int) -> Optional[str]:
+    """Why `model` cannot be split over `tp` tensor-parallel ranks (the field first), or None."""
     if tp > 1 and model.n_experts:
-        raise ValueError(
-            "model.n_experts: a mixture of experts trains with data and pipeline parallelism (FSDP shards the experts); parallel.tp must be 1"
-        )
+        return "model.n_experts: a mixture of experts trains with data and pipeline parallelism (FSDP shards the experts); parallel.tp must be 1"
     if tp == 1:
-        return
+        return None
     for field, value in (
         ("n_heads", model.n_heads),
         ("n_kv_heads", model.n_kv_heads),
@@ -112,11 +119,10 @@ def check_tensor_parallel(spec: "JobSpec", model: ModelConfig) -> None:
         ("vocab_size", model.vocab_size),
     ):
         if value % tp:
-            raise ValueError(f"model.{field}: {value} is not divisible by parallel.tp {tp}")
+            return f"model.{field}: {value} is not divisible by parallel.tp {tp}"
     if model.tie_embeddings:
-        raise ValueError("model.tie_embeddings: not supported with parallel.tp > 1 (embedding and head are sharded differently)")
-    if spec.parallel.sequence_parallel and spec.train.seq_len % tp:
-        raise ValueError(f"train.seq_len: {spec.train.seq_len} is not divisible by parallel.tp {tp} (sequence parallel)")
+        return "model.tie_embeddings: not supported with parallel.tp > 1 (embedding and head are sharded differently)"
+    return None
 
 
 def check_pipeline(spec: "JobSpec", model: ModelConfig) -> None:

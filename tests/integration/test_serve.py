@@ -246,13 +246,17 @@ def assert_scored_alike(ours: dict, theirs: dict, ours_metrics: dict, theirs_met
     assert ours_metrics["lmforge_tiny_generation"]["exact_match,none"] == theirs_metrics["lmforge_tiny_generation"]["exact_match,none"]
 
 
-def test_lm_evaluation_harness_scores_the_server_and_the_checkpoint_as_its_transformers_backend_does(serving, reference_run, tmp_path):
+def test_lm_evaluation_harness_scores_the_server_and_the_checkpoint_as_its_transformers_backend_does(serving, reference_run, tmp_path, monkeypatch):
     """lm-eval's own `hf` backend on the model's Hugging Face export is the reference
     for `lm-eval run --model local-completions` against `lmforge serve` (loglikelihoods
     from echoed token-id prompts, greedy generations with stop strings) and for
-    `lmforge eval harness` on the training checkpoint itself, in its process, logged
-    under the checkpoint's MLflow run: every choice's loglikelihood within 1e-4, the
-    same greedy flags, generations and metrics. A task that does not exist, one line."""
+    `lmforge eval harness` on the training checkpoint itself, in its process (logged
+    under the checkpoint's MLflow run) and on Ray ranks of the session's cluster, tp2
+    (the CLI) and pp2 (the SDK): every choice's loglikelihood within 1e-4, the same
+    greedy flags, generations and metrics. A task that does not exist, a layout the
+    model cannot take: one line each."""
+    from lmforge import sdk
+
     from mlflow.tracking import MlflowClient
 
     served, served_metrics = lm_eval(
@@ -276,6 +280,22 @@ def test_lm_evaluation_harness_scores_the_server_and_the_checkpoint_as_its_trans
     assert [(m.step, m.value) for m in logged] == [(REFERENCE_STEPS, local_metrics["lmforge_tiny_choice"]["acc,none"])]
     unknown = run_cli_process("eval", "harness", str(checkpoint), "--tasks", "no_such_task", *flags, cwd=HARNESS, env=offline(out))
     assert_clean_error(unknown, "--tasks: no task named no_such_task")
+
+    for name, value in offline(tmp_path / "layouts").items():
+        monkeypatch.setenv(name, value)
+    tasks = ("--tasks", ",".join(HARNESS_TASKS), "--include-path", str(HARNESS), "--no-tracking")
+    tp2 = run_cli("eval", "harness", str(checkpoint), *tasks, "--set", "parallel.tp=2", "--out", str(tmp_path / "tp2"), "--json", cwd=HARNESS)
+    assert tp2.returncode == 0, tp2.stderr[-3000:]
+    assert_scored_alike(harness_output(tmp_path / "tp2", HARNESS_TASKS)[0], local, json.loads(tp2.stdout)["results"], local_metrics)
+    monkeypatch.chdir(HARNESS)  # the tasks' data files are named relative to it
+    pp2 = sdk.evaluate_harness(str(checkpoint), list(HARNESS_TASKS), include_path=str(HARNESS), out=str(tmp_path / "pp2"), tracking=False, pp=2)
+    assert_scored_alike(harness_output(tmp_path / "pp2", HARNESS_TASKS)[0], local, pp2.results, local_metrics)
+    for layout, message in (
+        ("parallel.dp=2", "--set parallel.dp=2: eval harness takes parallel.tp and parallel.pp"),
+        ("parallel.tp=3", "--set parallel.tp: model.n_heads: 4 is not divisible by parallel.tp 3"),
+        ("parallel.pp=3", "--set parallel.pp: 2 layers cannot fill 3 pipeline stages"),
+    ):
+        assert_clean_error(run_cli("eval", "harness", str(checkpoint), *tasks, "--set", layout, cwd=HARNESS), message)
 
 
 def test_lm_evaluation_harness_chats_with_the_server(serving, reference, tmp_path):

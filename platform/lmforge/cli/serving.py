@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from lmforge.cli import common
+from lmforge.errors import UserError
 from lmforge.serve.options import ServerOptions, key_digest
 
 
@@ -67,7 +68,7 @@ def add_parsers(sub) -> None:
     judge.set_defaults(run=judge_command)
 
     harness = evaluate.add_parser(
-        "harness", help="lm-evaluation-harness tasks on a model or checkpoint in this process (pip install 'lmforge[eval]')"
+        "harness", help="lm-evaluation-harness tasks on a model or checkpoint, in this process or on a tp x pp layout (pip install 'lmforge[eval]')"
     )
     harness.add_argument("model", help="a committed checkpoint, an lmforge export, a Hugging Face or a quantized directory")
     harness.add_argument("--tasks", required=True, help="comma-separated lm-eval task names")
@@ -77,6 +78,15 @@ def add_parsers(sub) -> None:
     harness.add_argument("--batch-size", type=int, default=8, help="sequences scored per forward (default 8)")
     harness.add_argument("--out", help="directory for lm-eval's results_*.json and samples_*.jsonl")
     harness.add_argument("--seed", type=int, default=0)
+    harness.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="the layout: parallel.tp=N, parallel.pp=N (more than one rank: on the Ray cluster)",
+    )
+    common.add_cluster(harness, progress=False)
     common.add_tracking(harness)
     common.add_json(harness, "the report")
     harness.set_defaults(run=harness_command)
@@ -131,13 +141,31 @@ def harness_command(args) -> int:
         seed=args.seed,
         tracking=not args.no_tracking,
         tracking_uri=args.tracking_uri,
+        address=args.address,
         say=common.say,
+        **harness_layout(args.overrides),
     )
     if args.json:
         return common.print_json(report.model_dump(), args.stdout)
     for task, metrics in report.results.items():
         common.say(f"{task}: " + ", ".join(f"{name} {value:.4g}" for name, value in sorted(metrics.items())))
     return 0
+
+
+HARNESS_LAYOUT = ("parallel.tp", "parallel.pp")
+
+
+def harness_layout(overrides: list[str]) -> dict[str, int]:
+    """`--set parallel.tp=2` and the like, as `evaluate_harness`'s tp and pp."""
+    layout = {}
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if key.strip() not in HARNESS_LAYOUT:
+            raise UserError(f"--set {item}: eval harness takes {' and '.join(HARNESS_LAYOUT)} (KEY=VALUE)")
+        if not value.strip().isdigit():
+            raise UserError(f"--set {key.strip()}: a whole number of ranks, got {value.strip()!r}")
+        layout[key.strip().removeprefix("parallel.")] = int(value)
+    return layout
 
 
 def judge_command(args) -> int:

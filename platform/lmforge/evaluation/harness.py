@@ -1,6 +1,6 @@
-"""`lmforge eval harness`: lm-evaluation-harness's tasks on lmforge's own model in this
+"""`lmforge eval harness`: lm-evaluation-harness's tasks on lmforge's own model, in this
 process (any directory `Generator.load` opens: a committed checkpoint, an export, a
-Hugging Face or quantized directory), scored as lm-eval's `hf` backend scores; the
+Hugging Face or quantized directory) or on a tp x pp layout of Ray ranks, scored as lm-eval's `hf` backend scores; the
 results and samples written as `lm-eval run` writes them, and logged to MLflow (under
 the checkpoint's training run when it has one). lm-eval is the optional extra `eval`."""
 
@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import json
 import logging
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 from lm_eval import simple_evaluate, utils
@@ -17,14 +18,22 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.loggers import EvaluationTracker
 from lm_eval.tasks import TaskManager
 from pydantic import BaseModel
+from tokenizers import Tokenizer
 
+from lmforge.checkpoint.export import ModelSource, open_source
 from lmforge.checkpoint.state import TrainerState
 from lmforge.errors import UserError
-from lmforge.inference.generate import Generator, generate_ids
+from lmforge.evaluation.scoring import ContinuationScore, continuation_scores, right_padded
+from lmforge.evaluation.sharded import Layout, ShardedModel, ShardPlan
+from lmforge.inference.generate import Generator, generate_ids, stop_checker
 from lmforge.inference.sampling import SamplingParams
+from lmforge.models.quantized import is_quantized
+from lmforge.ray_runtime import joined
+from lmforge.spec_rules import tensor_parallel_refusal
 from lmforge.tracking.command_run import log_command_run, tracking_uri
 
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's hf backend's, when a task names none
+ShardedSource = tuple[ModelSource, Tokenizer, frozenset[int]]  # a layout's model as read here: no weights
 
 
 class HarnessOptions(BaseModel):
@@ -38,6 +47,8 @@ class HarnessOptions(BaseModel):
     seed: int = 0
     tracking: bool = True
     tracking_uri: Optional[str] = None
+    layout: Layout = Layout()  # tp x pp > 1: on that many Ray ranks
+    address: Optional[str] = None  # the Ray cluster for them (default: RAY_ADDRESS, else an embedded one)
 
 
 class HarnessReport(BaseModel):
@@ -47,48 +58,73 @@ class HarnessReport(BaseModel):
     mlflow_run_id: Optional[str]
 
 
-class LmforgeLM(TemplateLM):
-    """lm-eval's model interface over a `Generator`: scores as its `hf` backend does
-    (the same token split of context and continuation, inputs cut to the context from
-    the left, greedy generation up to the stop strings)."""
+class LocalScorer:
+    """The model in this process: a right-padded forward per batch, and generation
+    through its KV cache."""
 
-    def __init__(self, generator: Generator, batch_size: int):
+    def __init__(self, generator: Generator):
+        self.model, self.eos_ids, self.vocab = generator.model, generator.eos_ids, generator.tokenizer.get_vocab_size()
+        self.stop_checker = generator.stop_checker
+
+    @torch.no_grad()
+    def score(self, inputs: list[list[int]], continuations: list[list[int]]) -> list[ContinuationScore]:
+        on = next(self.model.parameters()).device
+        return continuation_scores(self.model(right_padded(inputs, on)), inputs, continuations)
+
+    def greedy(self, prompt: list[int], max_new_tokens: int, until: list[str]) -> list[int]:
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0, stop=until)
+        stopped = self.stop_checker(until) if until else None
+        return generate_ids(self.model, [prompt], params, self.eos_ids, self.vocab, stopped=stopped)[0].tokens
+
+
+class ShardedScorer:
+    """The model on Ray ranks (`ShardedModel`): each batch scored on its last stage;
+    generation one recomputed forward per token (a layout's ranks keep no KV cache)."""
+
+    def __init__(self, model: ShardedModel, tokenizer: Tokenizer, eos_ids: frozenset[int]):
+        self.model, self.tokenizer, self.eos_ids = model, tokenizer, eos_ids
+
+    def score(self, inputs: list[list[int]], continuations: list[list[int]]) -> list[ContinuationScore]:
+        return self.model.score(inputs, continuations)
+
+    def greedy(self, prompt: list[int], max_new_tokens: int, until: list[str]) -> list[int]:
+        stopped = stop_checker(self.tokenizer, until) if until else None
+        new: list[int] = []
+        for _ in range(max_new_tokens):
+            new.append(self.model.next_token(prompt + new))
+            if new[-1] in self.eos_ids or (stopped is not None and stopped(0, new)):
+                break
+        return new
+
+
+class LmforgeLM(TemplateLM):
+    """lm-eval's model interface over a scorer (local or sharded): scores as its `hf`
+    backend does (the same token split of context and continuation, inputs cut to the
+    context from the left, greedy generation up to the stop strings)."""
+
+    def __init__(self, scorer: LocalScorer | ShardedScorer, tokenizer: Tokenizer, eos_ids: frozenset[int], max_length: int, batch_size: int):
         super().__init__()
-        self.generator, self.batch_size = generator, batch_size
-        self.on = next(generator.model.parameters()).device
+        self.scorer, self.tokenizer, self.eos_ids, self.batch_size = scorer, tokenizer, eos_ids, batch_size
+        self._max_length = max_length
 
     @property
     def eot_token_id(self) -> int:
-        return min(self.generator.eos_ids)
+        return min(self.eos_ids)
 
     @property
     def max_length(self) -> int:
-        return self.generator.model.cfg.max_seq_len
+        return self._max_length
 
     def tok_encode(self, string: str, add_special_tokens: Optional[bool] = None, **kwargs) -> list[int]:
-        return self.generator.tokenizer.encode(string, add_special_tokens=bool(add_special_tokens)).ids
+        return self.tokenizer.encode(string, add_special_tokens=bool(add_special_tokens)).ids
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: Optional[int] = None) -> list[tuple[float, bool]]:
         answers: list[tuple[float, bool]] = []
         size = override_bs or self.batch_size
         for first in range(0, len(requests), size):
-            answers += self._score_batch(requests[first : first + size])
-        return answers
-
-    @torch.no_grad()
-    def _score_batch(self, batch) -> list[tuple[float, bool]]:
-        """One right-padded forward (causal: padding after a row changes nothing in it)."""
-        inputs = [(context + continuation)[-(self.max_length + 1) :][:-1] for _, context, continuation in batch]
-        width = max(map(len, inputs))
-        tokens = torch.zeros(len(inputs), width, dtype=torch.long, device=self.on)
-        for row, ids in enumerate(inputs):
-            tokens[row, : len(ids)] = torch.tensor(ids)
-        logprobs = self.generator.model(tokens).float().log_softmax(dim=-1)
-        answers = []
-        for row, ((_, _, continuation), ids) in enumerate(zip(batch, inputs)):
-            wanted = torch.tensor(continuation, device=self.on)
-            scores = logprobs[row, len(ids) - len(continuation) : len(ids)]
-            answers.append((float(scores.gather(1, wanted[:, None]).sum()), bool((scores.argmax(dim=-1) == wanted).all())))
+            batch = requests[first : first + size]
+            inputs = [(context + continuation)[-(self.max_length + 1) :][:-1] for _, context, continuation in batch]
+            answers += self.scorer.score(inputs, [continuation for _, _, continuation in batch])
         return answers
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
@@ -108,43 +144,35 @@ class LmforgeLM(TemplateLM):
             until = [until] if isinstance(until, str) else list(until)
             new = int(settings.get("max_gen_toks", DEFAULT_MAX_GEN_TOKS))
             ids = self.tok_encode(context)[-max(1, self.max_length - new) :]
-            params = SamplingParams(max_new_tokens=min(new, self.max_length - len(ids)), temperature=0, stop=until)
-            stopped = self.generator.stop_checker(until) if until else None
-            vocab = self.generator.tokenizer.get_vocab_size()
-            generated = generate_ids(self.generator.model, [ids], params, self.generator.eos_ids, vocab, stopped=stopped)[0]
-            text = self.generator.tokenizer.decode(generated.tokens, skip_special_tokens=True)
+            generated = self.scorer.greedy(ids, min(new, self.max_length - len(ids)), until)
+            text = self.tokenizer.decode(generated, skip_special_tokens=True)
             cuts = [text.find(stop) for stop in until if stop in text]
             answers.append(text[: min(cuts)] if cuts else text)
         return answers
 
 
 def run_harness(options: HarnessOptions, say=print) -> HarnessReport:
-    """Check the tasks, load the model, evaluate, write and log."""
-    if options.include_path and not Path(options.include_path).is_dir():
-        raise UserError(f"--include-path: {options.include_path} is not a directory")
-    logging.getLogger("lm_eval").setLevel(logging.WARNING)
-    tasks = TaskManager(include_path=options.include_path)
-    unknown = [name for name in options.tasks if name not in tasks.all_tasks]
-    if unknown:
-        raise UserError(f"--tasks: no task named {', '.join(unknown)} in lm-eval's tasks{' or under --include-path' if options.include_path else ''}")
+    """Check the tasks, load the model (here, or on its layout's Ray ranks), evaluate,
+    write and log."""
+    sharded = _sharded_source(options) if options.layout.world_size > 1 else None
+    tasks = _checked_tasks(options)
     torch.manual_seed(options.seed)
-    generator = Generator.load(options.model)
-    say(f"evaluating {options.model} on {', '.join(options.tasks)} (lm-evaluation-harness, in this process)")
-    try:
-        results = simple_evaluate(
-            model=LmforgeLM(generator, options.batch_size),
-            tasks=options.tasks,
-            num_fewshot=options.num_fewshot,
-            limit=options.limit,
-            task_manager=tasks,
-            log_samples=True,
-            random_seed=options.seed,
-            numpy_random_seed=options.seed,
-            torch_random_seed=options.seed,
-            fewshot_random_seed=options.seed,
-        )
-    except (ConnectionError, OSError) as err:  # a task whose data is on the hub, with no network
-        raise UserError(f"--tasks: a task's data could not be read ({type(err).__name__}: {str(err).splitlines()[0][:300]})") from None
+    with _model(options, sharded, say) as lm:
+        try:
+            results = simple_evaluate(
+                model=lm,
+                tasks=options.tasks,
+                num_fewshot=options.num_fewshot,
+                limit=options.limit,
+                task_manager=tasks,
+                log_samples=True,
+                random_seed=options.seed,
+                numpy_random_seed=options.seed,
+                torch_random_seed=options.seed,
+                fewshot_random_seed=options.seed,
+            )
+        except (ConnectionError, OSError) as err:  # a task whose data is on the hub, with no network
+            raise UserError(f"--tasks: a task's data could not be read ({type(err).__name__}: {str(err).splitlines()[0][:300]})") from None
     assert results is not None
     samples = results.pop("samples")
     if options.out:
@@ -153,11 +181,59 @@ def run_harness(options: HarnessOptions, say=print) -> HarnessReport:
         for task in results["configs"]:
             tracker.save_results_samples(task_name=task, samples=samples[task])
     metrics = {task: {k: v for k, v in values.items() if isinstance(v, (int, float))} for task, values in results["results"].items()}
-    run_id = _log(options, generator, metrics, results) if options.tracking else None
+    run_id = _log(options, metrics, results) if options.tracking else None
     return HarnessReport(model=options.model, results=metrics, out=options.out, mlflow_run_id=run_id)
 
 
-def _log(options: HarnessOptions, generator: Generator, metrics: dict, results: dict) -> str:
+def _checked_tasks(options: HarnessOptions) -> TaskManager:
+    if options.include_path and not Path(options.include_path).is_dir():
+        raise UserError(f"--include-path: {options.include_path} is not a directory")
+    logging.getLogger("lm_eval").setLevel(logging.WARNING)
+    tasks = TaskManager(include_path=options.include_path)
+    unknown = [name for name in options.tasks if name not in tasks.all_tasks]
+    if unknown:
+        raise UserError(f"--tasks: no task named {', '.join(unknown)} in lm-eval's tasks{' or under --include-path' if options.include_path else ''}")
+    return tasks
+
+
+@contextmanager
+def _model(options: HarnessOptions, sharded: Optional[ShardedSource], say) -> Iterator[LmforgeLM]:
+    """lm-eval's model: in this process, or (tp x pp > 1) on Ray ranks, stopped after."""
+    layout = options.layout
+    if sharded is None:
+        generator = Generator.load(options.model)
+        say(f"evaluating {options.model} on {', '.join(options.tasks)} (lm-evaluation-harness, in this process)")
+        cfg = generator.model.cfg
+        yield LmforgeLM(LocalScorer(generator), generator.tokenizer, generator.eos_ids, cfg.max_seq_len, options.batch_size)
+        return
+    source, tokenizer, eos_ids = sharded
+    with joined(options.address):
+        model = ShardedModel(ShardPlan(model=options.model, layout=layout, vocab=tokenizer.get_vocab_size()))
+        try:
+            say(f"evaluating {options.model} on {', '.join(options.tasks)} (lm-evaluation-harness, tp {layout.tp} x pp {layout.pp} ranks)")
+            yield LmforgeLM(ShardedScorer(model, tokenizer, eos_ids), tokenizer, eos_ids, source.cfg.max_seq_len, options.batch_size)
+        finally:
+            model.close()
+
+
+def _sharded_source(options: HarnessOptions) -> ShardedSource:
+    """The model's shape and tokenizer, read here without its weights; a layout it cannot take is refused."""
+    layout = options.layout
+    if is_quantized(Path(options.model)):
+        raise UserError("--set parallel: a quantized directory is evaluated in one process (parallel.tp and parallel.pp 1)")
+    source = open_source(options.model)
+    if source.tokenizer_json is None:
+        raise UserError(f"MODEL: {options.model} has no tokenizer to turn tasks into tokens")
+    refusal = tensor_parallel_refusal(source.cfg, layout.tp)
+    if refusal:
+        raise UserError(f"--set parallel.tp: {refusal}")
+    if layout.pp > source.cfg.n_layers:
+        raise UserError(f"--set parallel.pp: {source.cfg.n_layers} layers cannot fill {layout.pp} pipeline stages")
+    tokenizer = source.tokenizer()
+    return source, tokenizer, frozenset({tokenizer.token_to_id(source.eos_token)})
+
+
+def _log(options: HarnessOptions, metrics: dict, results: dict) -> str:
     """Under the checkpoint's training run (its step as the metrics' step), else a run of its own."""
     flat = {f"harness/{task}/{name.replace(',', '/')}": value for task, values in metrics.items() for name, value in values.items()}
     state_file = Path(options.model) / "state.json"

@@ -132,6 +132,18 @@ def generate_ids(
     return out
 
 
+def stop_checker(tokenizer: Tokenizer, stop: list[str]) -> Callable[[int, list[int]], bool]:
+    """`stopped(row, new_tokens)`: whether a row's new tokens hold one of the stop strings."""
+
+    def stopped(row: int, tokens: list[int]) -> bool:
+        # Only the last tokens can complete a stop string that was not there before (a
+        # character is at most 4 byte-level tokens).
+        tail = tokenizer.decode(tokens[-(4 * max(map(len, stop)) + 4) :])
+        return any(s in tail for s in stop)
+
+    return stopped
+
+
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -201,13 +213,7 @@ class Generator:
         return results
 
     def stop_checker(self, stop: list[str]) -> Callable[[int, list[int]], bool]:
-        def stopped(row: int, tokens: list[int]) -> bool:
-            # Only the last tokens can complete a stop string that was not there before (a
-            # character is at most 4 byte-level tokens).
-            tail = self.tokenizer.decode(tokens[-(4 * max(map(len, stop)) + 4) :])
-            return any(s in tail for s in stop)
-
-        return stopped
+        return stop_checker(self.tokenizer, stop)
 
     def _text(self, tokens: list[int], stop: list[str]) -> str:
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
