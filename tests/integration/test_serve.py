@@ -32,6 +32,7 @@ import pytest
 from cli import assert_clean_error, run_cli, run_cli_process
 from conftest import REFERENCE_STEPS, SESSION_MLFLOW
 from hf_models import make_hf_model, make_tokenizer
+from lmforge import sdk
 from lmforge.chat import DEFAULT_CHAT_TEMPLATE
 from lmforge.inference.generate import Generator
 from lmforge.inference.sampling import SamplingParams
@@ -255,8 +256,6 @@ def test_lm_evaluation_harness_scores_the_server_and_the_checkpoint_as_its_trans
     (the CLI) and pp2 (the SDK): every choice's loglikelihood within 1e-4, the same
     greedy flags, generations and metrics. A task that does not exist, a layout the
     model cannot take: one line each."""
-    from lmforge import sdk
-
     from mlflow.tracking import MlflowClient
 
     served, served_metrics = lm_eval(
