@@ -117,7 +117,7 @@ def generate_answers(spec: JobSpec, address: Optional[str] = None, show_progress
 def run_pipeline(path, address: Optional[str] = None, show_progress: bool = True) -> stages.PipelineResult:
     """Run a distillation pipeline file's stages in order, each from the previous stage's
     student (`lmforge.distill_jobs.stages`); rerun, it resumes at the stage that stopped."""
-    return stages.run_pipeline(path, stages.StageCalls(train, build_cache, generate_answers), address, show_progress)
+    return stages.run_pipeline(path, stages.StageCalls(train, build_cache, generate_answers, evaluate_harness), address, show_progress)
 
 
 @contextmanager

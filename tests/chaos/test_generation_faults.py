@@ -13,6 +13,7 @@ import yaml
 
 from chaos import Condition, actor_processes, committed, wait_until
 from conftest import INSTRUCT_OPTIM, INSTRUCT_PROMPTS, instruct_job, tiny_job, with_sections, write_prompts
+from lm_eval_tasks import HARNESS, HARNESS_TASKS, harness_output, offline
 from lmforge.distill_jobs.stages import PipelineRecord
 
 
@@ -76,13 +77,14 @@ def _answers_nll(model_dir: Path, dataset: Path) -> float:
     return losses[mask.flatten()].mean().item()
 
 
-def test_a_pipeline_killed_in_its_second_stage_resumes_there(instruct_dataset, tiny_dataset, ray_session, tmp_path):
+def test_a_pipeline_killed_in_its_second_stage_resumes_there(instruct_dataset, tiny_dataset, ray_session, tmp_path, monkeypatch):
     """Three stages: the tiny student on the raw corpus, then on the teachers' answers
     (kind instruct, its dataset already generated), then evaluated on the held-out
     prompts. `lmforge distill run` is SIGKILLed once the second stage committed step 4;
     run again, it leaves the first stage alone, resumes the second from step 4 with the
     first stage's student under it (on-policy steps chosen by step, before and after the
-    restart), and evaluates. One MLflow run holds the stages'."""
+    restart), evaluates, and runs lm-evaluation-harness's tasks on the student (a harness
+    stage: what `eval harness` gives on that student). One MLflow run holds the stages'."""
     from mlflow.tracking import MlflowClient
 
     from lmforge import sdk
@@ -110,6 +112,7 @@ def test_a_pipeline_killed_in_its_second_stage_resumes_there(instruct_dataset, t
                     {"name": "general", "kind": "train", "job": "general.yaml"},
                     {"name": "task", "kind": "instruct", "job": "task.yaml"},
                     {"name": "check", "kind": "evaluate", "job": "task.yaml"},
+                    {"name": "bench", "kind": "harness", "job": "task.yaml", "harness": {"tasks": list(HARNESS_TASKS), "include_path": str(HARNESS)}},
                 ],
             }
         )
@@ -141,6 +144,9 @@ def test_a_pipeline_killed_in_its_second_stage_resumes_there(instruct_dataset, t
     )
     first = (runs / "progressive-general" / "metrics.jsonl").read_text()
 
+    for name, value in offline(tmp_path / "harness-home").items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.chdir(HARNESS)  # the shipped tasks name their data files relative to it
     result = sdk.run_pipeline(pipeline, show_progress=False)
     assert (runs / "progressive-general" / "metrics.jsonl").read_text() == first  # not run again
     stages = result.stages
@@ -165,10 +171,21 @@ def test_a_pipeline_killed_in_its_second_stage_resumes_there(instruct_dataset, t
     held = {i for i in range(INSTRUCT_PROMPTS) if i % 4 == 3}
     assert len(table) == check["held_out_prompts"] and {row["prompt_index"] for row in table} <= held and table[0]["teacher_answer"]
 
+    # The harness stage scored the last student: its samples are those of the same tasks on that student.
+    bench = stages["bench"]
+    assert bench and bench.model == str(student / "task") and bench.answers and bench.metrics
+    alone = sdk.evaluate_harness(str(student / "task"), list(HARNESS_TASKS), include_path=str(HARNESS), out=str(tmp_path / "alone"), tracking=False)
+    assert bench.metrics == {f"harness/{t}/{m.replace(',', '/')}": float(v) for t, values in alone.results.items() for m, v in values.items()}
+    staged, direct = harness_output(Path(bench.answers), HARNESS_TASKS)[0], harness_output(tmp_path / "alone", HARNESS_TASKS)[0]
+    assert {t: {d: row["resps"] for d, row in rows.items()} for t, rows in staged.items()} == {
+        t: {d: row["resps"] for d, row in rows.items()} for t, rows in direct.items()
+    }
+
     client = MlflowClient(result.mlflow_tracking_uri)
     runs_of = {r.info.run_id: r for r in client.search_runs([client.get_experiment_by_name("pipeline").experiment_id])}
     top = runs_of[result.mlflow_run_id]
     assert top.info.status == "FINISHED" and top.data.tags[ROLE_TAG] == "pipeline"
+    assert top.data.metrics["bench.harness/lmforge_tiny_choice/acc/none"] == bench.metrics["harness/lmforge_tiny_choice/acc/none"]
     nested = {(r.data.tags[ROLE_TAG], r.info.run_name) for r in runs_of.values() if r.data.tags.get(PARENT_TAG) == top.info.run_id}
     assert nested == {("train", "progressive-general"), ("job", "progressive-task"), ("evaluation", "progressive-check evaluation")}, nested
     task_job = next(r for r in runs_of.values() if r.info.run_name == "progressive-task" and r.data.tags[ROLE_TAG] == "job")

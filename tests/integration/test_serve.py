@@ -32,6 +32,7 @@ import pytest
 from cli import assert_clean_error, run_cli, run_cli_process
 from conftest import REFERENCE_STEPS, SESSION_MLFLOW
 from hf_models import make_hf_model, make_tokenizer
+from lm_eval_tasks import HARNESS, HARNESS_TASKS, harness_output, offline
 from lmforge import sdk
 from lmforge.chat import DEFAULT_CHAT_TEMPLATE
 from lmforge.inference.generate import Generator
@@ -204,15 +205,6 @@ def test_echo_scores_prompts_as_a_full_forward_and_token_ids_are_prompts(serving
     assert as_ids.choices[0].text == as_text == alone(reference, PROMPTS[1], 8)
 
 
-HARNESS = Path(__file__).with_name("harness")  # lm-evaluation-harness tasks and their data, shipped here
-HARNESS_TASKS = ("lmforge_tiny_choice", "lmforge_tiny_generation")
-
-
-def offline(out: Path) -> dict:
-    """lm-eval's datasets read the shipped files only; their cache under `out`."""
-    return {"HF_HOME": str(out / "hf-home"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-
-
 def lm_eval(out: Path, model: str, model_args: str, tasks=HARNESS_TASKS, *flags: str) -> tuple[dict, dict]:
     """`lm-eval run` as its users run it, on the shipped tasks (the hub never asked):
     (each task's logged samples by doc_id, each task's metrics)."""
@@ -221,14 +213,6 @@ def lm_eval(out: Path, model: str, model_args: str, tasks=HARNESS_TASKS, *flags:
     done = subprocess.run(command, cwd=HARNESS, env=os.environ | offline(out), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return harness_output(out, tasks)
-
-
-def harness_output(out: Path, tasks) -> tuple[dict, dict]:
-    """What an lm-eval run wrote to `out`: each task's samples by doc_id, each task's metrics."""
-    samples = {
-        task: {row["doc_id"]: row for row in map(json.loads, next(out.rglob(f"samples_{task}_*.jsonl")).read_text().splitlines())} for task in tasks
-    }
-    return samples, json.loads(next(out.rglob("results_*.json")).read_text())["results"]
 
 
 def assert_scored_alike(ours: dict, theirs: dict, ours_metrics: dict, theirs_metrics: dict) -> None:

@@ -22,17 +22,37 @@ NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
 MAKES_STUDENT = ("train", "instruct")
 
 
+class HarnessStageSpec(BaseModel):
+    """A harness stage's lm-evaluation-harness settings (`lmforge eval harness`'s)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tasks: list[str] = Field(..., min_length=1, description="lm-eval task names")
+    include_path: Optional[str] = Field(None, description="a directory of task YAML files, relative to the pipeline file")
+    num_fewshot: Optional[int] = Field(None, ge=0)
+    limit: Optional[float] = Field(None, gt=0)
+    batch_size: int = Field(8, ge=1)
+
+
 class StageSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(..., pattern=NAME)
-    kind: Literal["train", "instruct", "evaluate"] = Field(
+    kind: Literal["train", "instruct", "evaluate", "harness"] = Field(
         ...,
         description="train: train the job (building its teacher cache first if it names one); instruct: its teachers' "
-        "answers (unless its dataset exists), then train on them; evaluate: the previous student on the job's held-out prompts",
+        "answers (unless its dataset exists), then train on them; evaluate: the previous student on the job's held-out prompts; "
+        "harness: the previous student on lm-evaluation-harness tasks, on the job's parallel.tp x parallel.pp",
     )
     job: str = Field(..., description="a job file, relative to the pipeline file")
     set: list[str] = Field(default_factory=list, description="overrides of the job's fields, KEY=VALUE")
+    harness: Optional[HarnessStageSpec] = Field(None, description="kind harness: its tasks")
+
+    @model_validator(mode="after")
+    def _harness_with_its_kind(self) -> "StageSpec":
+        if (self.kind == "harness") != (self.harness is not None):
+            raise ValueError("harness: a stage of kind harness names its tasks under harness (and only such a stage)")
+        return self
 
 
 class PipelineSpec(BaseModel):
@@ -79,9 +99,13 @@ def load_pipeline(path: str | os.PathLike) -> tuple[PipelineSpec, list[Stage]]:
             index, entry, job, "", out / "students" / entry.name if entry.kind in MAKES_STUDENT else None, student.student if student else None
         )
         _check_stage(path, stage, student)
+        if entry.harness and entry.harness.include_path:  # relative to the pipeline file, as its jobs are
+            found = str((path.parent / entry.harness.include_path).absolute())
+            stage.entry = entry.model_copy(update={"harness": entry.harness.model_copy(update={"include_path": found})})
         if stage.previous_student and entry.kind in MAKES_STUDENT:
             stage.job = stage.job.model_copy(update={"model": stage.job.model.model_copy(update={"init_from": str(stage.previous_student)})})
-        stage.identity = hashlib.sha256(json.dumps(stage.job.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
+        ran = stage.job.model_dump(mode="json") | ({"harness": stage.entry.harness.model_dump()} if stage.entry.harness else {})
+        stage.identity = hashlib.sha256(json.dumps(ran, sort_keys=True).encode()).hexdigest()
         stages.append(stage)
         student = stage if entry.kind in MAKES_STUDENT else student
     return pipeline, stages
@@ -127,6 +151,13 @@ def _check_stage(path: Path, stage: Stage, previous: Optional[Stage]) -> None:
         refuse(f"kind instruct: its job ({stage.entry.job}) has no distill.instruct section (prompts, generate, select)")
     if kind == "train" and instruct is not None:
         refuse(f"its job ({stage.entry.job}) is an instruction distillation; give the stage kind: instruct")
+    if kind == "harness":
+        if previous is None:
+            refuse("kind harness: evaluates the previous stage's student, and no stage before it trains one")
+        include = stage.entry.harness.include_path if stage.entry.harness else None
+        if include and not (path.parent / include).is_dir():
+            refuse(f"harness.include_path: {include} is not a directory (beside the pipeline file)")
+        return
     if kind == "evaluate":
         if previous is None:
             refuse("kind evaluate: judges the previous stage's student, and no stage before it trains one")

@@ -1,6 +1,7 @@
 """`lmforge distill run PIPELINE.yaml`: progressive distillation. Stages run in order
 (train: a job, a logits or layer distillation among them; instruct: the teachers'
-answers, then the student on them; evaluate: the student on held-out prompts), each
+answers, then the student on them; evaluate: the student on held-out prompts;
+harness: the student on lm-evaluation-harness tasks), each
 starting from the previous stage's student, all nested under one MLflow run. A
 finished stage is recorded in `<output_dir>/<name>/pipeline.json`; a rerun skips it
 and resumes the stage that stopped.
@@ -38,6 +39,7 @@ from lmforge.ray_runtime import joined
 from lmforge.tracking.pipeline_run import PipelineRun
 
 if TYPE_CHECKING:
+    from lmforge.evaluation.harness import HarnessReport
     from lmforge.spec import JobSpec
     from lmforge.tracking.summary import RunSummary
 
@@ -47,7 +49,7 @@ STATE = "pipeline.json"
 class StageResult(BaseModel):
     """A finished stage, as pipeline.json keeps it: a train or instruct stage's student
     and its training's summary (the fields `STAGE_SUMMARY` names); an evaluate stage's
-    model, metrics and answers file."""
+    model, metrics and answers file (a harness stage's: lm-eval's output directory)."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -125,6 +127,7 @@ class StageCalls:
     train: Callable[..., RunSummary]
     build_cache: Callable[..., object]
     generate_answers: Callable[..., object]
+    evaluate_harness: Callable[..., HarnessReport]
 
 
 def run_pipeline(
@@ -238,4 +241,28 @@ def _evaluate(stage: Stage, job: JobSpec, calls: StageCalls, show_progress: bool
     return {"model": str(stage.previous_student), "metrics": m, "answers": str(out / ANSWERS_FILE)}
 
 
-RUNNERS = {"train": _train, "instruct": _instruct, "evaluate": _evaluate}
+def _harness(stage: Stage, job: JobSpec, calls: StageCalls, show_progress: bool, console: Console, tracker) -> dict:
+    """lm-eval's tasks on the previous student, on the job's tensor x pipeline layout;
+    lm-eval's files in the stage's run directory, the metrics in the pipeline's run."""
+    assert stage.entry.harness is not None and stage.previous_student is not None  # load_pipeline's checks
+    settings, out = stage.entry.harness, Path(job.run_dir) / "harness"
+    report = calls.evaluate_harness(
+        str(stage.previous_student),
+        settings.tasks,
+        include_path=settings.include_path,
+        num_fewshot=settings.num_fewshot,
+        limit=settings.limit,
+        batch_size=settings.batch_size,
+        out=str(out),
+        tracking=False,
+        tp=job.parallel.tp,
+        pp=job.parallel.pp,
+        say=lambda line: console.print(plain(f"  {line}"), highlight=False, soft_wrap=True),
+    )
+    metrics = {f"harness/{task}/{name.replace(',', '/')}": float(value) for task, values in report.results.items() for name, value in values.items()}
+    for name, value in metrics.items():
+        console.print(plain(f"  {name} {value:.4g}"), highlight=False, soft_wrap=True)
+    return {"model": str(stage.previous_student), "metrics": metrics, "answers": str(out)}
+
+
+RUNNERS = {"train": _train, "instruct": _instruct, "evaluate": _evaluate, "harness": _harness}

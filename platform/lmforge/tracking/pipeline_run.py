@@ -33,9 +33,10 @@ class PipelineRun:
         its record (what pipeline.json keeps of it but the summary) as a tag."""
         from mlflow.entities import Metric
 
+        harness = [key for key in numbers if key.startswith("harness/")]  # a harness stage's lm-eval metrics
         metrics = [
             Metric(f"{stage.entry.name}.{key}", float(numbers[key]), 0, stage.index)
-            for key in (*STAGE_METRICS, "answers_nll")
+            for key in (*STAGE_METRICS, "answers_nll", *harness)
             if numbers.get(key) is not None
         ]
         self.client.log_batch(self.run_id, metrics=metrics)
