@@ -658,14 +658,23 @@ def _stage(name: str, kind: str, job: str = "general.yaml", **more) -> dict:
 # name: (the pipeline's stages; what the message says). Jobs: general.yaml (the tiny
 # student), wide.yaml (a wider one), task.yaml (an instruction distillation).
 PIPELINE_REFUSALS = {
-    "an unknown kind": ([_stage("a", "train"), _stage("b", "finetune")], "stages.1.kind: Input should be 'train', 'instruct', 'evaluate' or 'harness'"),
+    "an unknown kind": (
+        [_stage("a", "train"), _stage("b", "finetune")],
+        "stages.1.kind: Input should be 'train', 'instruct', 'evaluate' or 'harness'",
+    ),
     "a student unlike the previous": (
         [_stage("a", "train"), _stage("b", "train", "wide.yaml")],
         "stages[1] (b): its student is not the previous stage's (a): model differs in dim (96 vs 64)",
     ),
     "an evaluation first": ([_stage("a", "evaluate", "task.yaml")], "stages[0] (a): kind evaluate: judges the previous stage's student"),
-    "a harness stage first": ([_stage("a", "harness", harness={"tasks": ["t"]})], "stages[0] (a): kind harness: evaluates the previous stage's student"),
-    "harness tasks on a train stage": ([_stage("a", "train", harness={"tasks": ["t"]})], "stages.0: harness: a stage of kind harness names its tasks under harness"),
+    "a harness stage first": (
+        [_stage("a", "harness", harness={"tasks": ["t"]})],
+        "stages[0] (a): kind harness: evaluates the previous stage's student",
+    ),
+    "harness tasks on a train stage": (
+        [_stage("a", "train", harness={"tasks": ["t"]})],
+        "stages.0: harness: a stage of kind harness names its tasks under harness",
+    ),
     "a harness include_path missing": (
         [_stage("a", "train"), _stage("b", "harness", harness={"tasks": ["t"], "include_path": "no-tasks"})],
         "stages[1] (b): harness.include_path: no-tasks is not a directory",
