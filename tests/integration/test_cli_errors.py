@@ -725,6 +725,11 @@ SERVE_REFUSALS = {
     "gRPC routed by length": (["partial", "--grpc-port", "9000", "--long-prompt-tokens", "512"], "--grpc-port: gRPC calls are not routed by length"),
     "a length threshold of 0": (["partial", "--long-prompt-tokens", "0"], "--long-prompt-tokens: must be at least 1, got 0"),
     "negative CPUs per replica": (["partial", "--cpus-per-replica", "-1"], "--cpus-per-replica: must be > 0, got -1.0"),
+    "an unknown backend": (["partial", "--backend", "tensorrt"], "--backend: 'tensorrt' is not one of torch, onnxruntime"),
+    "ONNX Runtime on lmforge's model": (["partial", "--backend", "onnxruntime"], "MODEL: partial is not an ONNX Runtime model directory"),
+    "an ONNX model without its backend": (["onnx"], "MODEL: onnx is an ONNX Runtime model; serve it with --backend onnxruntime"),
+    "ONNX Runtime with request batching": (["onnx", "--backend", "onnxruntime", "--batching", "request"], "--batching: request-level batching"),
+    "ONNX Runtime on a GPU": (["onnx", "--backend", "onnxruntime", "--device", "cuda"], "--device: cuda is not the CPU"),
 }
 
 
@@ -737,6 +742,8 @@ def test_a_model_that_cannot_be_served_is_refused(case, tmp_path):
     (tmp_path / "partial" / "config.json").write_text(
         json.dumps({"model": {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 512, "ffn_hidden": 172}})
     )
+    (tmp_path / "onnx").mkdir()
+    (tmp_path / "onnx" / "genai_config.json").write_text("{}")  # what marks onnxruntime-genai's model directory
     assert_clean_error(run_cli("serve", *args, cwd=tmp_path), *fragments)
 
 

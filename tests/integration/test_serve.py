@@ -28,6 +28,7 @@ import httpx2 as httpx  # the HTTP client the openai package is built on
 import jsonschema
 import openai
 import pytest
+from tokenizers import Tokenizer
 
 from cli import assert_clean_error, run_cli, run_cli_process
 from conftest import REFERENCE_STEPS, SESSION_MLFLOW
@@ -488,16 +489,58 @@ def test_grpc_completions_beside_http_with_the_same_checks_and_key(serving, refe
     assert serving.client("teacher").completions.create(model="teacher", prompt="x", max_tokens=2).choices
 
 
-def test_onnx_runtime_export_generates_lmforges_greedy_tokens(serving, reference, reference_run, tmp_path):
+def assert_served_alike(serving, onnx_model: Path) -> None:
+    """The ONNX Runtime replica on the session's Serve beside the torch one: the same answers."""
+    from ray import serve
+
+    from lmforge.serve.app import application
+    from lmforge.serve.options import ServerOptions
+
+    options = ServerOptions(model=str(onnx_model), name="teacher", backend="onnxruntime", max_running=4)
+    serve.run(application(options, 1, 0.5, 0.0), name="teacher-onnx", route_prefix="/onnx", blocking=False)
+    try:
+        wait_healthy(serving.url("onnx"))
+        onnx, torch_replica = serving.client("onnx"), serving.client("teacher")
+        asks = (
+            {"prompt": PROMPTS[:3], "max_tokens": 12, "temperature": 0, "logprobs": 2},
+            {"prompt": PROMPTS[3], "max_tokens": 10, "temperature": 0.9, "seed": 7, "n": 2},
+            {"prompt": PROMPTS[4], "max_tokens": 0, "echo": True, "logprobs": 1},
+        )
+        with ThreadPoolExecutor(len(asks)) as pool:  # together: sequences share the engine's steps
+            got = list(pool.map(lambda ask: onnx.completions.create(model="teacher", **ask), asks))
+        for ask, answer in zip(asks, got):
+            want = torch_replica.completions.create(model="teacher", **ask)
+            assert [c.text for c in answer.choices] == [c.text for c in want.choices], ask
+            for mine, theirs in zip(answer.choices, want.choices):
+                if theirs.logprobs is not None:
+                    assert [p or 0.0 for p in mine.logprobs.token_logprobs] == pytest.approx(
+                        [p or 0.0 for p in theirs.logprobs.token_logprobs], abs=1e-4
+                    )
+        streamed = onnx.completions.create(model="teacher", prompt=PROMPTS[0], max_tokens=12, temperature=0, stream=True)
+        assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices) == got[0].choices[0].text
+        picked = onnx.completions.create(
+            model="teacher", prompt=PROMPTS[1], max_tokens=4, extra_body={"structured_outputs": {"choice": ["yes", "no"]}}
+        )
+        assert picked.choices[0].text in ("yes", "no")
+    finally:
+        serve.delete("teacher-onnx")
+
+
+def test_onnx_runtime_export_generates_and_serves_lmforges_tokens(serving, reference, reference_run, tmp_path):
     """`lmforge export --format onnx` of the training checkpoint (onnxruntime-genai's
     builder, fp32 and int4 for CPU), then `lmforge generate --backend onnxruntime`:
-    fp32's greedy tokens are lmforge's own; int4 generates; a family the builder does
-    not build, a precision it does not make, and the torch backend on an ONNX
-    directory are one line each, with nothing written."""
+    fp32's greedy tokens are lmforge's own; int4 generates. The fp32 export served with
+    `--backend onnxruntime` answers the `openai` client as the torch replica does:
+    greedy and seeded sampled choices, streamed text, generated and echoed prompt
+    logprobs (within 1e-4), a structured choice. A family the builder does not build, a
+    precision it does not make, and the torch backend on an ONNX directory are one line
+    each, with nothing written."""
     checkpoint, fp32, int4 = step_dir(reference_run, REFERENCE_STEPS), tmp_path / "onnx-fp32", tmp_path / "onnx-int4"
     for out, dtype in ((fp32, "fp32"), (int4, "int4")):
         exported = run_cli_process("export", str(checkpoint), "--format", "onnx", "--dtype", dtype, "--out", str(out), cwd=tmp_path)
         assert exported.returncode == 0, exported.stderr[-3000:]
+    onnx_tokenizer = Tokenizer.from_file(str(fp32 / "tokenizer.json"))  # the export's (the builder would save a Qwen2 one)
+    assert [onnx_tokenizer.encode(p).ids for p in PROMPTS] == [reference.tokenizer.encode(p).ids for p in PROMPTS]
     prompts = [item for prompt in PROMPTS[:4] for item in ("--prompt", prompt)]
     for out in (fp32, int4):
         done = run_cli(
@@ -510,6 +553,8 @@ def test_onnx_runtime_export_generates_lmforges_greedy_tokens(serving, reference
             assert [a["tokens"] for a in answers] == [w.tokens for w in want] and [a["text"] for a in answers] == [w.text for w in want]
         else:
             assert all(a["tokens"] for a in answers) and sum(a["tokens"] == w.tokens for a, w in zip(answers, want)) >= 1
+
+    assert_served_alike(serving, fp32)
 
     moe = tmp_path / "moe"
     make_hf_model(moe, "qwen3-moe", make_tokenizer(tmp_path / "tokenizer"))

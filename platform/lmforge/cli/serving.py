@@ -21,6 +21,11 @@ def add_parsers(sub) -> None:
     srv.add_argument("--replicas", default="1", help="replicas of the model, or auto (Serve scales 1..--max-replicas on load)")
     srv.add_argument("--max-replicas", type=int, default=4, help="--replicas auto: the most replicas (default 4)")
     srv.add_argument("--batching", default="continuous", help="continuous (default), request (Ray Serve's @serve.batch) or off")
+    srv.add_argument(
+        "--backend",
+        default="torch",
+        help="torch (lmforge's model, default) or onnxruntime (a directory made by lmforge export --format onnx; pip install 'lmforge[onnx]')",
+    )
     srv.add_argument("--max-running", type=int, default=16, help="sequences decoding together per replica (default 16)")
     srv.add_argument("--max-waiting", type=int, default=256, help="sequences queued per replica before 503 (default 256)")
     srv.add_argument("--max-n", type=int, default=8, help="the largest n a request may ask for (default 8)")
@@ -99,6 +104,7 @@ def serve_command(args) -> int:
         model=str(model),
         name=args.name or model.name,
         batching=args.batching,
+        backend=args.backend,
         max_running=args.max_running,
         max_waiting=args.max_waiting,
         max_n=args.max_n,

@@ -1,8 +1,8 @@
 """Graph-optimised inference with ONNX Runtime: `lmforge export --format onnx` turns any
 model lmforge opens into onnxruntime-genai's model directory (its model builder, run
 on the Hugging Face export, fp32 or int4 for CPU), and `OnnxGenerator` generates from
-one (`lmforge generate --backend onnxruntime`). onnxruntime-genai is the optional
-extra `onnx`."""
+one (`lmforge generate --backend onnxruntime`); `OnnxRun` is one sequence's forward
+for the server's ONNX engine. onnxruntime-genai is the optional extra `onnx`."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
+import torch
 from tokenizers import Tokenizer
 
 from lmforge.checkpoint.export import ExportResult, export_model, open_source
@@ -27,6 +29,7 @@ PRECISIONS = ("fp32", "int4")  # what the builder makes for CPU
 # The families lmforge exports that onnxruntime-genai's builder builds (not Qwen3-MoE).
 BUILT_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
 GENAI_CONFIG = "genai_config.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")  # the export's, as lmforge encodes
 EXTRA = "pip install 'lmforge[onnx]'"
 
 
@@ -58,10 +61,25 @@ def export_onnx(source: str, out: str, precision: str = "fp32", tokenizer: Optio
             architecture = json.loads((hf / "config.json").read_text())["architectures"][0]
             last = [line for line in done.stderr.splitlines() if line.strip()][-1:] or ["(no message)"]
             raise UserError(f"--format onnx: ONNX Runtime's model builder cannot build {architecture} ({last[0].strip()[:300]})")
+        # The builder saves the tokenizer again through transformers, which rebuilds a
+        # family's own (Qwen2's pre-tokenizer and NFC): text would encode differently.
+        for name in TOKENIZER_FILES:
+            if (hf / name).is_file():
+                shutil.copyfile(hf / name, staging / "onnx" / name)
         (staging / "onnx").rename(target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return result.model_copy(update={"out": str(target), "format": "onnx"})
+
+
+def check_onnx_model(path: str):
+    """onnxruntime-genai, once a directory proves to be its model with a tokenizer."""
+    og = _genai()
+    if not is_onnx_model(path):
+        raise UserError(f"MODEL: {path} is not an ONNX Runtime model directory (no {GENAI_CONFIG}); make one with lmforge export --format onnx")
+    if not (Path(path) / "tokenizer.json").is_file():
+        raise UserError(f"MODEL: {path} has no tokenizer.json beside its ONNX model")
+    return og
 
 
 class OnnxGenerator:
@@ -69,15 +87,14 @@ class OnnxGenerator:
     lmforge's own for fp32 (tested); sampling is ONNX Runtime's, with its own seeds."""
 
     def __init__(self, path: str):
-        og = _genai()
-        if not is_onnx_model(path):
-            raise UserError(f"MODEL: {path} is not an ONNX Runtime model directory (no {GENAI_CONFIG}); make one with lmforge export --format onnx")
+        og = check_onnx_model(path)
         self.og, self.model = og, og.Model(str(path))
         self.tokenizer = Tokenizer.from_file(str(Path(path) / "tokenizer.json"))
         search = json.loads((Path(path) / GENAI_CONFIG).read_text())["model"]
         self.context = int(search.get("context_length", 0)) or None
         eos = search.get("eos_token_id", [])
         self.eos_ids = frozenset(eos if isinstance(eos, list) else [eos])
+        self.vocab_size = int(search.get("vocab_size", 0)) or self.tokenizer.get_vocab_size()
 
     def generate(self, prompts: list[str], params: SamplingParams) -> list[Generation]:
         params.check()
@@ -112,6 +129,36 @@ class OnnxGenerator:
         cuts = [text.find(stop) for stop in params.stop if stop in text]
         result.text = text[: min(cuts)] if cuts else text
         return result
+
+
+class OnnxRun:
+    """One sequence on ONNX Runtime as a forward with its own KV cache: tokens in, the
+    next token's logits out; the caller chooses each token (lmforge's sampler, grammar
+    and stop rules) and appends it."""
+
+    def __init__(self, generator: OnnxGenerator, prompt: list[int], capacity: int):
+        settings = generator.og.GeneratorParams(generator.model)
+        settings.set_search_options(max_length=capacity)
+        self.run = generator.og.Generator(generator.model, settings)
+        self.run.append_tokens(prompt)
+
+    def append(self, token: int) -> None:
+        self.run.append_tokens([token])
+
+    def logits(self) -> torch.Tensor:
+        """The next token's logits, [1, the model's vocabulary]."""
+        return torch.from_numpy(np.asarray(self.run.get_logits(), dtype=np.float32).reshape(1, -1))
+
+
+def prompt_logprobs(generator: OnnxGenerator, prompt: list[int]) -> torch.Tensor:
+    """[len(prompt) - 1, vocabulary]: the log-probabilities after each prompt token but
+    the last, one cached forward per token (ONNX Runtime returns the last position's)."""
+    run = OnnxRun(generator, prompt[:1], len(prompt))
+    rows = [run.logits()]
+    for token in prompt[1:-1]:
+        run.append(token)
+        rows.append(run.logits())
+    return torch.cat(rows).log_softmax(dim=-1)
 
 
 def timed_decode(generator: OnnxGenerator, prompt: str, tokens: int) -> float:

@@ -19,6 +19,7 @@ from ray.serve.handle import DeploymentHandle
 
 from lmforge.checkpoint.export import open_source
 from lmforge.errors import UserError
+from lmforge.inference.onnx_runtime import check_onnx_model, is_onnx_model
 from lmforge.models.quantized import QUANTIZATION, is_quantized
 from lmforge.ray_runtime import connect, embedded_resources
 from lmforge.serve.api import build_api, json_body, server_sent_events
@@ -107,9 +108,14 @@ def application(options: ServerOptions, replicas: Union[int, str], cpus: float, 
     return serve.deployment(LengthRouter, name="LengthRouter").options(ray_actor_options={"num_cpus": 0}).bind(options, short, long)
 
 
-def check_model(path: str, tokenizer: Optional[str]) -> None:
-    """Before anything starts: the model opens (headers only) and has a tokenizer."""
-
+def check_model(path: str, tokenizer: Optional[str], backend: str = "torch") -> None:
+    """Before anything starts: the model opens (headers only) and has a tokenizer; an
+    ONNX Runtime model directory goes with `--backend onnxruntime`, and only it."""
+    if backend == "onnxruntime":
+        check_onnx_model(path)
+        return
+    if is_onnx_model(path):
+        raise UserError(f"MODEL: {path} is an ONNX Runtime model; serve it with --backend onnxruntime")
     if is_quantized(path):
         if not (Path(path) / "config.json").is_file() or not (tokenizer or (Path(path) / "tokenizer.json").is_file()):
             raise UserError(f"MODEL: {path} has {QUANTIZATION} but lacks config.json or tokenizer.json")
@@ -144,8 +150,9 @@ def serve_model(
     try:
         largest = max((node["Resources"].get("CPU", 0.0) for node in ray.nodes() if node["Alive"]), default=0.0)
         check_cpus(cpus, largest)
-        if options.device is None:  # replicas run where the cluster's accelerators are
-            options = dataclasses.replace(options, device="cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu")
+        if options.device is None:  # replicas run where the cluster's accelerators are (an ONNX export's build: the CPU)
+            gpus_there = ray.cluster_resources().get("GPU", 0) > 0 and options.backend == "torch"
+            options = dataclasses.replace(options, device="cuda" if gpus_there else "cpu")
         gpus = 1.0 if options.device == "cuda" else 0.0
         grpc_options = {"port": grpc_port, "grpc_servicer_functions": [SERVICER]} if grpc_port else None
         serve.start(http_options={"host": host, "port": port}, grpc_options=grpc_options)  # joins a running Serve as it is

@@ -13,14 +13,20 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from functools import partial
 from typing import AsyncIterator, Optional
+
+import torch
 
 from lmforge.chat import chat_renderer, chat_template_of
 from lmforge.errors import UserError
-from lmforge.inference.generate import Generator
+from lmforge.inference.generate import Generator, stop_checker
+from lmforge.inference.onnx_runtime import OnnxGenerator
+from lmforge.inference.onnx_runtime import prompt_logprobs as onnx_prompt_logprobs
 from lmforge.inference.sampling import SamplingParams
 from lmforge.serve.engine import Sequence, Token, make_engine
 from lmforge.serve.metrics import ServerMetrics
+from lmforge.serve.onnx_engine import OnnxBatcher
 from lmforge.serve.options import ServerOptions
 from lmforge.serve.protocol import APIError, ChatRequest, CompletionRequest, Shape, logprobs_object, new_id, usage
 from lmforge.serve.structured import Grammars
@@ -120,21 +126,39 @@ NO_ECHO = Echo("", [], [], [])
 
 class Backend:
     def __init__(self, options: ServerOptions):
-        import torch
-
         torch.set_num_threads(options.threads)
         self.options, self.name = options, options.name
-        self.generator = Generator.load(options.model, options.device or "cpu", tokenizer=options.tokenizer)
-        self.tokenizer, self.context = self.generator.tokenizer, self.generator.model.cfg.max_seq_len
-        # Token ids a prompt may hold: rows of the model that the tokenizer also names.
-        self.vocab = min(self.generator.model.cfg.vocab_size, self.tokenizer.get_vocab_size())
         self.metrics = ServerMetrics(options.name, lambda: self.engine.counts)
-        model, eos_ids = self.generator.model, self.generator.eos_ids
-        self.engine = make_engine(options.batching, model, eos_ids, self.vocab, options.max_running, self.metrics, options.prefix_reuse)
+        eos_ids = self._load(options)
         self.cache = ResponseCache(options.cache_size, options.cache_bytes)
         self.grammars = Grammars(self.tokenizer, self.vocab, eos_ids)
         self.render_chat = chat_renderer(chat_template_of(options.model, options.chat_template), "chat_template")
         self._post = None  # made on the event loop that serves requests (see _mailbox)
+
+    def _load(self, options: ServerOptions) -> frozenset[int]:
+        """The model, its tokenizer and its engine: lmforge's own model, or (`--backend
+        onnxruntime`) a model directory ONNX Runtime runs. Returns the end-of-text ids."""
+        if options.backend == "onnxruntime":
+            onnx = OnnxGenerator(options.model)
+            self.tokenizer, self.context, rows, eos_ids = onnx.tokenizer, onnx.context or 0, onnx.vocab_size, onnx.eos_ids
+            self.prompt_logprobs = partial(onnx_prompt_logprobs, onnx)
+        else:
+            generator = Generator.load(options.model, options.device or "cpu", tokenizer=options.tokenizer)
+            self.tokenizer, self.context, rows, eos_ids = (
+                generator.tokenizer,
+                generator.model.cfg.max_seq_len,
+                generator.model.cfg.vocab_size,
+                generator.eos_ids,
+            )
+            self.prompt_logprobs = partial(_prompt_logprobs, generator.model)
+        # Token ids a prompt may hold: rows of the model that the tokenizer also names.
+        self.vocab = min(rows, self.tokenizer.get_vocab_size())
+        if options.backend == "onnxruntime":
+            slots = options.max_running if options.batching == "continuous" else 1
+            self.engine = OnnxBatcher(onnx, eos_ids, self.vocab, slots, self.metrics.batch, self.metrics.prefill)
+        else:
+            self.engine = make_engine(options.batching, generator.model, eos_ids, self.vocab, options.max_running, self.metrics, options.prefix_reuse)
+        return eos_ids
 
     def decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
@@ -248,14 +272,9 @@ class Backend:
         text = text if isinstance(text, str) else self.decode(ids)
         if top is None:
             return Echo(text, [], [], [])
-        import torch
-
-        model = self.generator.model
-        with torch.no_grad():
-            logits = model(torch.tensor([ids], device=next(model.parameters()).device))[0, :-1, : self.vocab].float()
-            logprobs = torch.log_softmax(logits, dim=-1)
-            chosen = logprobs.gather(1, torch.tensor(ids[1:], device=logprobs.device)[:, None])[:, 0].tolist()
-            best = logprobs.topk(top, dim=-1) if top else None
+        logprobs = self.prompt_logprobs(ids)[:, : self.vocab].log_softmax(dim=-1)  # over the tokenizer's rows, as sampling is
+        chosen = logprobs.gather(1, torch.tensor(ids[1:], device=logprobs.device)[:, None])[:, 0].tolist()
+        best = logprobs.topk(top, dim=-1) if top else None
         tops: list = [None]
         for position in range(len(ids) - 1):
             pairs = zip(best.indices[position].tolist(), best.values[position].tolist()) if best is not None else ()
@@ -269,7 +288,7 @@ class Backend:
             for choice in choices:
                 choice.finish_reason = "length"
             return seqs, queue
-        stopped = self.generator.stop_checker(params.stop) if params.stop else None
+        stopped = stop_checker(self.tokenizer, params.stop) if params.stop else None
         for i in range(len(choices)):
 
             def emit(token, index=i):
@@ -375,6 +394,13 @@ class Backend:
             yield [shape.chunk(choice["index"], choice["text"], choice["logprobs"], choice["finish_reason"], with_usage=include_usage)]
         if include_usage:
             yield [shape.usage_chunk(use)]
+
+
+def _prompt_logprobs(model, prompt: list[int]) -> torch.Tensor:
+    """[len(prompt) - 1, the model's vocabulary]: log-probabilities after each prompt token but the last, one forward."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt], device=next(model.parameters()).device))[0, :-1].float()
+    return logits.log_softmax(dim=-1)
 
 
 def _held(text: str, stop: str) -> int:

@@ -59,7 +59,7 @@ class Sequence:
     constraint: Optional[Constraint] = None  # a grammar its tokens must follow (serve/structured.py)
 
 
-class _Sampler:
+class Sampler:
     """The next token of each sequence from its logits, and when the sequence ends."""
 
     def __init__(self, eos_ids: frozenset[int], vocab: int):
@@ -132,28 +132,17 @@ def fail(seq: Sequence, err: Exception) -> bool:
     return True
 
 
-class ContinuousBatcher:
-    def __init__(
-        self,
-        model,
-        eos_ids: frozenset[int],
-        vocab: int,
-        max_running: int,
-        on_step: Callable[[int], None] = lambda n: None,
-        prefix_reuse: bool = True,
-        on_prefill: Callable[[int, int], None] = lambda prompt, reused: None,
-    ):
-        self.model, self.max_running, self.on_step, self.on_prefill = model, max_running, on_step, on_prefill
-        self.prefix_reuse = prefix_reuse
-        self.device = next(model.parameters()).device
-        self.sampler = _Sampler(eos_ids, vocab)
-        self.cache = SlotCache(model.cfg, max_running, model.cfg.max_seq_len, self.device)
-        self.free = list(range(max_running))
+class DecodeLoop:
+    """A decode loop in its own thread over sequences waiting and running: a sequence
+    that arrives joins at the next step, a finished or cancelled one leaves. Engines
+    say how a sequence starts (`_admit`) and how a step runs (`_step`)."""
+
+    def __init__(self, max_running: int):
+        self.max_running = max_running
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._wake = threading.Condition()
         self._thread = threading.Thread(target=self._loop, name="lmforge-decode", daemon=True)
-        self._thread.start()
 
     @property
     def counts(self) -> tuple[int, int]:
@@ -181,6 +170,46 @@ class ContinuousBatcher:
                 except Exception as err:  # noqa: BLE001 - the loop must outlive one bad step
                     self._fail(err)
 
+    def _next_waiting(self) -> Optional[Sequence]:
+        """The next sequence to start, moved to running at once (`counts` never misses it)."""
+        with self._wake:
+            while self.waiting:
+                seq = self.waiting.popleft()
+                if not seq.cancelled:
+                    self.running.append(seq)
+                    return seq
+        return None
+
+    def _admit(self) -> None:
+        raise NotImplementedError
+
+    def _step(self) -> None:
+        raise NotImplementedError
+
+    def _fail(self, err: Exception) -> None:
+        raise NotImplementedError
+
+
+class ContinuousBatcher(DecodeLoop):
+    def __init__(
+        self,
+        model,
+        eos_ids: frozenset[int],
+        vocab: int,
+        max_running: int,
+        on_step: Callable[[int], None] = lambda n: None,
+        prefix_reuse: bool = True,
+        on_prefill: Callable[[int, int], None] = lambda prompt, reused: None,
+    ):
+        super().__init__(max_running)
+        self.model, self.on_step, self.on_prefill = model, on_step, on_prefill
+        self.prefix_reuse = prefix_reuse
+        self.device = next(model.parameters()).device
+        self.sampler = Sampler(eos_ids, vocab)
+        self.cache = SlotCache(model.cfg, max_running, model.cfg.max_seq_len, self.device)
+        self.free = list(range(max_running))
+        self._thread.start()
+
     def _fail(self, err: Exception) -> None:
         """A forward that every running sequence shared failed: end them all with an
         error; the loop serves the next ones."""
@@ -193,13 +222,9 @@ class ContinuousBatcher:
     def _admit(self) -> None:
         """Prefill waiting sequences into free slots, each sampling its first token."""
         while self.free:
-            with self._wake:  # from waiting to running at once: `counts` never misses it
-                if not self.waiting:
-                    return
-                seq = self.waiting.popleft()
-                if seq.cancelled:
-                    continue
-                self.running.append(seq)
+            seq = self._next_waiting()
+            if seq is None:
+                return
             reused = self._place(seq)
             try:  # a prefill is this sequence's alone: what fails in it ends it alone
                 self.on_prefill(len(seq.prompt), reused)

@@ -12,6 +12,7 @@ from typing import Optional, Union
 from lmforge.errors import UserError
 
 MODES = ("continuous", "request", "off")  # how requests share the model (serve/engine.py)
+BACKENDS = ("torch", "onnxruntime")  # lmforge's own model, or a model directory ONNX Runtime runs
 
 
 @dataclass
@@ -33,10 +34,15 @@ class ServerOptions:
     tokenizer: Optional[str] = None
     chat_template: Optional[str] = None  # a Jinja file; default: the model's tokenizer_config.json, else lmforge's
     threads: int = 1
+    backend: str = "torch"  # one of BACKENDS
 
     def check(self) -> None:
         if self.batching not in MODES:
             raise UserError(f"--batching: {self.batching!r} is not one of {', '.join(MODES)}")
+        if self.backend not in BACKENDS:
+            raise UserError(f"--backend: {self.backend!r} is not one of {', '.join(BACKENDS)}")
+        if self.backend == "onnxruntime":
+            self._check_onnx()
         for flag in ("max_running", "max_waiting", "max_n", "threads", "long_replicas"):
             _at_least_one(flag, getattr(self, flag))
         if self.long_prompt_tokens is not None:
@@ -45,6 +51,16 @@ class ServerOptions:
             raise UserError(f"--cache-size: must be >= 0, got {self.cache_size}")
         if self.chat_template and not Path(self.chat_template).is_file():
             raise UserError(f"--chat-template: {self.chat_template} does not exist")
+
+    def _check_onnx(self) -> None:
+        """What the ONNX Runtime engine does not do (it runs each sequence on its own
+        generator, on the CPU build the export made)."""
+        if self.batching == "request":
+            raise UserError("--batching: request-level batching is the torch backend's; with --backend onnxruntime use continuous or off")
+        if self.device not in (None, "cpu"):
+            raise UserError(f"--device: {self.device} is not the CPU that lmforge's ONNX exports are built for (--backend onnxruntime)")
+        if self.tokenizer:
+            raise UserError("--tokenizer: an ONNX Runtime model directory serves the tokenizer.json it was exported with")
 
 
 @dataclass(frozen=True)
