@@ -9,15 +9,16 @@ and end-to-end latency p50/p99, errors. Sides alternate within each repeat, repe
 go on until each target ratio's spread is smaller than its distance from the target
 (at most `--max-repeats`, within `--time-limit`), since machines here are shared.
 
-A peer runs in the same repeats: `transformers serve --continuous-batching` (its own
+`stream4` is continuous batching with `--stream-interval 4` (each chunk holds 4 new
+tokens of every running choice, the first token goes at once). A peer runs in the same repeats: `transformers serve --continuous-batching` (its own
 process, one thread, fp32 on CPU) on the same model exported to Hugging Face format,
 with the same prompts and loads.
 
 Targets: continuous >= 3x no batching in tokens/s at concurrency 8; at concurrency 1,
-continuous adds <= 10% to TTFT p50; continuous >= 1.5x transformers serve's tokens/s
-at concurrency 8, and no worse TTFT p50 at 1; zero errors.
+continuous adds <= 10% to TTFT p50; continuous (and stream4) >= 1.5x transformers
+serve's tokens/s at concurrency 8, and no worse TTFT p50 at 1; zero errors.
 
-    python bench/serve.py [--model DIR] [--max-tokens 32] [--concurrency 1,8,32] [--max-repeats 6]
+    python bench/serve.py [--model DIR] [--max-tokens 32] [--concurrency 1,8,32] [--max-repeats 6] [--sides continuous,stream4,...]
 
 The model defaults to the newest checkpoint of `runs/quickstart` (exported), else the
 `small` preset with seeded weights.
@@ -41,12 +42,17 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 from lmforge.models.config import PRESETS
 from seeded_model import seeded_model
 
-SIDES = ("continuous", "request", "off", "int8", "transformers")
+# stream4: continuous batching with --stream-interval 4 (a chunk per 4 tokens of each
+# running choice, the first at once): fewer chunks through Serve's proxy.
+SIDES = ("continuous", "stream4", "request", "off", "int8", "transformers")
+LMFORGE_SIDES = SIDES[:5]  # the peer runs in its own process
 TARGETS = {
     "continuous / off tok/s @8": (3.0, "min"),
     "continuous / off TTFT p50 @1": (1.10, "max"),
     "continuous / transformers tok/s @8": (1.5, "min"),
     "continuous / transformers TTFT p50 @1": (1.0, "max"),
+    "stream4 / transformers tok/s @8": (1.5, "min"),
+    "stream4 / transformers TTFT p50 @1": (1.0, "max"),
 }
 
 
@@ -136,7 +142,7 @@ def pct(values: list[float], q: int) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
-def deploy(model: Path, int8: Path, max_running: int) -> int:
+def deploy(model: Path, int8: Path, max_running: int, sides: tuple[str, ...]) -> int:
     import ray
     from ray import serve
 
@@ -148,14 +154,15 @@ def deploy(model: Path, int8: Path, max_running: int) -> int:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    for side in SIDES[:4]:  # lmforge's; the peer runs in its own process
+    for side in (side for side in sides if side in LMFORGE_SIDES):
         options = ServerOptions(
             model=str(int8 if side == "int8" else model),
             name="model",
-            batching="continuous" if side == "int8" else side,
+            batching="continuous" if side in ("int8", "stream4") else side,
             max_running=max_running,
             cache_size=0,
             device="cpu",
+            stream_interval=4 if side == "stream4" else 1,
         )
         serve.run(application(options, 1, 0.5, 0.0), name=side, route_prefix=f"/{side}", blocking=False)
     return port
@@ -221,15 +228,20 @@ def engine_alone(model: Path, slots: int, sequences: int, max_tokens: int) -> fl
     return sequences * max_tokens / (time.perf_counter() - began)
 
 
-PEER_RATIOS = {
+RATIOS = {
+    "continuous / off tok/s @8": ("continuous", "off", 8, "tok_s"),
+    "continuous / off TTFT p50 @1": ("continuous", "off", 1, "ttft_p50"),
     "continuous / transformers tok/s @8": ("continuous", "transformers", 8, "tok_s"),
     "continuous / transformers TTFT p50 @1": ("continuous", "transformers", 1, "ttft_p50"),
+    "stream4 / transformers tok/s @8": ("stream4", "transformers", 8, "tok_s"),
+    "stream4 / transformers TTFT p50 @1": ("stream4", "transformers", 1, "ttft_p50"),
 }
 
 
 def settled(history: dict[str, list[float]]) -> bool:
-    for name, (target, _) in TARGETS.items():
-        values = history.get(name, [])
+    """Every ratio this run measures: three repeats, spread smaller than its distance from the target."""
+    for name, values in history.items():
+        target = TARGETS[name][0]
         if len(values) < 3:
             return False
         spread = max(values) - min(values)
@@ -246,21 +258,23 @@ def main() -> None:
     parser.add_argument("--max-running", type=int, default=32, help="continuous and request batching: sequences per step")
     parser.add_argument("--max-repeats", type=int, default=6)
     parser.add_argument("--time-limit", type=float, default=900, help="seconds; no new repeat starts after it")
+    parser.add_argument("--sides", default=",".join(SIDES), help=f"which of {', '.join(SIDES)} to run")
     args = parser.parse_args()
+    sides = tuple(side for side in SIDES if side in args.sides.split(","))
     levels = [int(c) for c in args.concurrency.split(",")]
     started = time.time()
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
         model = model_dir(args, tmp)
-        port = deploy(model, int8_dir(model, tmp), args.max_running)
-        process, peer_port, peer_model = peer(model, tmp)
+        port = deploy(model, int8_dir(model, tmp) if "int8" in sides else model, args.max_running, sides)
+        process, peer_port, peer_model = peer(model, tmp) if "transformers" in sides else (None, 0, "")
         cells: dict[tuple[int, str], list[dict]] = {}
         history: dict[str, list[float]] = {}
         engine: list[float] = []
         for repeat in range(args.max_repeats):
             for concurrency in levels:
                 texts = prompts(max(8, 2 * concurrency))
-                order = SIDES if repeat % 2 == 0 else tuple(reversed(SIDES))
+                order = sides if repeat % 2 == 0 else tuple(reversed(sides))
                 for side in order:
                     url, name = (
                         (f"http://127.0.0.1:{peer_port}/v1", peer_model)
@@ -269,20 +283,17 @@ def main() -> None:
                     )
                     cells.setdefault((concurrency, side), []).append(asyncio.run(load(url, texts, concurrency, args.max_tokens, name)))
             last = {key: runs[-1] for key, runs in cells.items()}
-            if 8 in levels:
-                history.setdefault("continuous / off tok/s @8", []).append(last[(8, "continuous")]["tok_s"] / last[(8, "off")]["tok_s"])
-            if 1 in levels:
-                history.setdefault("continuous / off TTFT p50 @1", []).append(last[(1, "continuous")]["ttft_p50"] / last[(1, "off")]["ttft_p50"])
-            for name, (a, b, concurrency, key) in PEER_RATIOS.items():
-                if concurrency in levels:
+            for name, (a, b, concurrency, key) in RATIOS.items():
+                if concurrency in levels and a in sides and b in sides:
                     history.setdefault(name, []).append(last[(concurrency, a)][key] / last[(concurrency, b)][key])
             # The same batching without HTTP, Serve or a client: where the rest of the time goes.
             engine.append(engine_alone(model, 8, 8, args.max_tokens) / engine_alone(model, 1, 8, args.max_tokens))
             print(f"repeat {repeat + 1}: " + ", ".join(f"{k} {v[-1]:.3f}" for k, v in history.items()), flush=True)
             if settled(history) or time.time() - started > args.time_limit:
                 break
-        process.terminate()
-        process.wait(30)
+        if process is not None:
+            process.terminate()
+            process.wait(30)
         report(cells, history, model, args)
         print(
             f"engine alone (no HTTP), 8 sequences: 8 slots / 1 slot {statistics.median(engine):.2f}x tok/s "
@@ -312,15 +323,12 @@ def report(cells, history, model, args) -> None:
             f"{name}: {median:.3f} (repeats {', '.join(f'{v:.3f}' for v in values)}; spread {max(values) - min(values):.3f}), "
             f"target {'>=' if kind == 'min' else '<='} {target}: {'met' if met else 'NOT met'}"
         )
+    pairs = [("continuous", "off"), ("request", "off"), ("continuous", "request"), ("int8", "continuous"), ("stream4", "continuous")]
+    pairs += [("continuous", "transformers"), ("stream4", "transformers")]
     for concurrency in sorted({c for c, _ in cells}):
-        ratio = lambda a, b: (
-            statistics.median(r["tok_s"] for r in cells[(concurrency, a)]) / statistics.median(r["tok_s"] for r in cells[(concurrency, b)])
-        )
-        print(
-            f"@{concurrency}: continuous / off {ratio('continuous', 'off'):.2f}x, request / off {ratio('request', 'off'):.2f}x, "
-            f"continuous / request {ratio('continuous', 'request'):.2f}x, int8 / fp32 (continuous) {ratio('int8', 'continuous'):.2f}x, "
-            f"continuous / transformers {ratio('continuous', 'transformers'):.2f}x tok/s"
-        )
+        tok_s = {side: statistics.median(r["tok_s"] for r in runs) for (c, side), runs in cells.items() if c == concurrency}
+        shown = [f"{a} / {b} {tok_s[a] / tok_s[b]:.2f}x" for a, b in pairs if a in tok_s and b in tok_s]
+        print(f"@{concurrency} tok/s: " + ", ".join(shown))
     print(f"errors: {errors} (target 0)")
 
 

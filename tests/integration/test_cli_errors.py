@@ -725,6 +725,7 @@ SERVE_REFUSALS = {
     "gRPC routed by length": (["partial", "--grpc-port", "9000", "--long-prompt-tokens", "512"], "--grpc-port: gRPC calls are not routed by length"),
     "a length threshold of 0": (["partial", "--long-prompt-tokens", "0"], "--long-prompt-tokens: must be at least 1, got 0"),
     "negative CPUs per replica": (["partial", "--cpus-per-replica", "-1"], "--cpus-per-replica: must be > 0, got -1.0"),
+    "a stream interval of 0": (["partial", "--stream-interval", "0"], "--stream-interval: must be at least 1, got 0"),
     "an unknown backend": (["partial", "--backend", "tensorrt"], "--backend: 'tensorrt' is not one of torch, onnxruntime"),
     "ONNX Runtime on lmforge's model": (["partial", "--backend", "onnxruntime"], "MODEL: partial is not an ONNX Runtime model directory"),
     "an ONNX model without its backend": (["onnx"], "MODEL: onnx is an ONNX Runtime model; serve it with --backend onnxruntime"),

@@ -496,7 +496,7 @@ def assert_served_alike(serving, onnx_model: Path) -> None:
     from lmforge.serve.app import application
     from lmforge.serve.options import ServerOptions
 
-    options = ServerOptions(model=str(onnx_model), name="teacher", backend="onnxruntime", max_running=4)
+    options = ServerOptions(model=str(onnx_model), name="teacher", backend="onnxruntime", max_running=4, stream_interval=4)
     serve.run(application(options, 1, 0.5, 0.0), name="teacher-onnx", route_prefix="/onnx", blocking=False)
     try:
         wait_healthy(serving.url("onnx"))
@@ -516,8 +516,13 @@ def assert_served_alike(serving, onnx_model: Path) -> None:
                     assert [p or 0.0 for p in mine.logprobs.token_logprobs] == pytest.approx(
                         [p or 0.0 for p in theirs.logprobs.token_logprobs], abs=1e-4
                     )
-        streamed = onnx.completions.create(model="teacher", prompt=PROMPTS[0], max_tokens=12, temperature=0, stream=True)
-        assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices) == got[0].choices[0].text
+        streamed = onnx.completions.create(model="teacher", prompt=PROMPTS[0], max_tokens=12, temperature=0, logprobs=1, stream=True)
+        streamed = [chunk for chunk in streamed if chunk.choices]
+        assert "".join(chunk.choices[0].text for chunk in streamed) == got[0].choices[0].text
+        # --stream-interval 4: the first chunk at once (with what has arrived by then), then at
+        # least 4 tokens a chunk but the last (every chunk has its logprobs)
+        sizes = [len(chunk.choices[0].logprobs.tokens) for chunk in streamed]
+        assert sum(sizes) == 12 and len(sizes) <= 4 and min(sizes[1:-1], default=4) >= 4, sizes
         picked = onnx.completions.create(
             model="teacher", prompt=PROMPTS[1], max_tokens=4, extra_body={"structured_outputs": {"choice": ["yes", "no"]}}
         )
@@ -531,8 +536,9 @@ def test_onnx_runtime_export_generates_and_serves_lmforges_tokens(serving, refer
     builder, fp32 and int4 for CPU), then `lmforge generate --backend onnxruntime`:
     fp32's greedy tokens are lmforge's own; int4 generates. The fp32 export served with
     `--backend onnxruntime` answers the `openai` client as the torch replica does:
-    greedy and seeded sampled choices, streamed text, generated and echoed prompt
-    logprobs (within 1e-4), a structured choice. A family the builder does not build, a
+    greedy and seeded sampled choices, streamed text (4 tokens a chunk with
+    `--stream-interval 4`), generated and echoed prompt logprobs (within 1e-4), a
+    structured choice. A family the builder does not build, a
     precision it does not make, and the torch backend on an ONNX directory are one line
     each, with nothing written."""
     checkpoint, fp32, int4 = step_dir(reference_run, REFERENCE_STEPS), tmp_path / "onnx-fp32", tmp_path / "onnx-int4"

@@ -22,6 +22,13 @@ def add_parsers(sub) -> None:
     srv.add_argument("--max-replicas", type=int, default=4, help="--replicas auto: the most replicas (default 4)")
     srv.add_argument("--batching", default="continuous", help="continuous (default), request (Ray Serve's @serve.batch) or off")
     srv.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="streamed tokens per chunk and running choice (default 1; the first token goes at once): "
+        "larger sends fewer chunks through Serve's proxy, more tokens/s under load",
+    )
+    srv.add_argument(
         "--backend",
         default="torch",
         help="torch (lmforge's model, default) or onnxruntime (a directory made by lmforge export --format onnx; pip install 'lmforge[onnx]')",
@@ -105,6 +112,7 @@ def serve_command(args) -> int:
         name=args.name or model.name,
         batching=args.batching,
         backend=args.backend,
+        stream_interval=args.stream_interval,
         max_running=args.max_running,
         max_waiting=args.max_waiting,
         max_n=args.max_n,

@@ -368,13 +368,21 @@ class Backend:
             elif choice.echo is not NO_ECHO or not started[0]:  # the prompt first; or all there is, with max_tokens 0
                 text, logprobs = choice.echo_chunk(shape.kind)
                 yield [shape.chunk(choice.index, text, logprobs, None if started[0] else choice.finish_reason, with_usage=include_usage)]
+        # Tokens are held until each running choice has `stream_interval` of them (or one
+        # ends); the first goes at once. Every chunk crosses Serve's proxy on its own.
+        interval, held, first = self.options.stream_interval, [], True
         try:
             async for batch in self._tokens(*started, choices, arrived):
+                held += batch
+                running = sum(choice.finish_reason is None for choice in choices)
+                if not (first or len(held) >= interval * running or any(choice.finish_reason for choice, _, _ in batch)):
+                    continue
                 events = [
                     shape.chunk(choice.index, delta, logprobs, choice.finish_reason, with_usage=include_usage)
-                    for choice, delta, logprobs in _merged(shape.kind, batch)
+                    for choice, delta, logprobs in _merged(shape.kind, held)
                     if delta or logprobs or choice.finish_reason
                 ]
+                held, first = [], False
                 if events:
                     yield events
         except APIError as err:

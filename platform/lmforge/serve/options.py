@@ -35,6 +35,7 @@ class ServerOptions:
     chat_template: Optional[str] = None  # a Jinja file; default: the model's tokenizer_config.json, else lmforge's
     threads: int = 1
     backend: str = "torch"  # one of BACKENDS
+    stream_interval: int = 1  # a stream's chunk holds this many new tokens per running choice (the first: at once)
 
     def check(self) -> None:
         if self.batching not in MODES:
@@ -43,7 +44,7 @@ class ServerOptions:
             raise UserError(f"--backend: {self.backend!r} is not one of {', '.join(BACKENDS)}")
         if self.backend == "onnxruntime":
             self._check_onnx()
-        for flag in ("max_running", "max_waiting", "max_n", "threads", "long_replicas"):
+        for flag in ("max_running", "max_waiting", "max_n", "threads", "long_replicas", "stream_interval"):
             _at_least_one(flag, getattr(self, flag))
         if self.long_prompt_tokens is not None:
             _at_least_one("long_prompt_tokens", self.long_prompt_tokens)
