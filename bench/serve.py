@@ -49,6 +49,7 @@ LMFORGE_SIDES = SIDES[:5]  # the peer runs in its own process
 TARGETS = {
     "continuous / off tok/s @8": (3.0, "min"),
     "continuous / off TTFT p50 @1": (1.10, "max"),
+    "stream4 / off tok/s @8": (3.0, "min"),
     "continuous / transformers tok/s @8": (1.5, "min"),
     "continuous / transformers TTFT p50 @1": (1.0, "max"),
     "stream4 / transformers tok/s @8": (1.5, "min"),
@@ -231,6 +232,7 @@ def engine_alone(model: Path, slots: int, sequences: int, max_tokens: int) -> fl
 RATIOS = {
     "continuous / off tok/s @8": ("continuous", "off", 8, "tok_s"),
     "continuous / off TTFT p50 @1": ("continuous", "off", 1, "ttft_p50"),
+    "stream4 / off tok/s @8": ("stream4", "off", 8, "tok_s"),
     "continuous / transformers tok/s @8": ("continuous", "transformers", 8, "tok_s"),
     "continuous / transformers TTFT p50 @1": ("continuous", "transformers", 1, "ttft_p50"),
     "stream4 / transformers tok/s @8": ("stream4", "transformers", 8, "tok_s"),
@@ -259,6 +261,7 @@ def main() -> None:
     parser.add_argument("--max-repeats", type=int, default=6)
     parser.add_argument("--time-limit", type=float, default=900, help="seconds; no new repeat starts after it")
     parser.add_argument("--sides", default=",".join(SIDES), help=f"which of {', '.join(SIDES)} to run")
+    parser.add_argument("--rounds", type=int, default=2, help="requests per cell: this many times the concurrency (more: less noise)")
     args = parser.parse_args()
     sides = tuple(side for side in SIDES if side in args.sides.split(","))
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -273,7 +276,7 @@ def main() -> None:
         engine: list[float] = []
         for repeat in range(args.max_repeats):
             for concurrency in levels:
-                texts = prompts(max(8, 2 * concurrency))
+                texts = prompts(max(8, args.rounds * concurrency))
                 order = sides if repeat % 2 == 0 else tuple(reversed(sides))
                 for side in order:
                     url, name = (

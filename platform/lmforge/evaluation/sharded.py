@@ -104,10 +104,6 @@ class ModelShard:
         """The global rank holding `stage` and this rank's tensor-parallel shard."""
         return stage * self.dims.shape.tp + self.dims.tp_mesh.get_local_rank()
 
-    def leave(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
 
 def _stage(plan: ShardPlan, dims: ParallelDims, device: torch.device) -> Transformer:
     """This rank's blocks, loaded from the model's files, then split over its TP group."""
