@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from lmforge.inference.generate import Generator
 from lmforge.inference.sampling import SamplingParams
 from lmforge.serve.api import build_api
 from lmforge.serve.backend import Backend, ResponseCache
@@ -227,7 +228,8 @@ def test_generated_bodies_get_200_or_4xx_while_a_stream_beside_them_is_untouched
     greedy stream runs beside them on the same replica (their sequences share its
     decode steps): never a 5xx, and the stream's text is what it generates alone."""
     streamed = OK | {"prompt": "import os\n", "max_tokens": 60, "temperature": 0, "stream": True, "ignore_eos": True}
-    alone = backend.generator.generate(["import os\n"], SamplingParams(max_new_tokens=60, temperature=0, stop_at_eos=False))[0].text
+    reference = Generator.load(backend.options.model)  # the served model in this process
+    alone = reference.generate(["import os\n"], SamplingParams(max_new_tokens=60, temperature=0, stop_at_eos=False))[0].text
     text, finished = [], threading.Event()
 
     def stream():
