@@ -18,7 +18,10 @@ Targets: continuous >= 3x no batching in tokens/s at concurrency 8; at concurren
 continuous adds <= 10% to TTFT p50; continuous (and stream4) >= 1.5x transformers
 serve's tokens/s at concurrency 8, and no worse TTFT p50 at 1; zero errors.
 
-    python bench/serve.py [--model DIR] [--max-tokens 32] [--concurrency 1,8,32] [--max-repeats 6] [--sides continuous,stream4,...]
+`--direct-ingress` sets Ray Serve's experimental `RAY_SERVE_ENABLE_DIRECT_INGRESS=1`
+for the cluster it starts: no proxies, the clients connect to each side's replica.
+
+    python bench/serve.py [--model DIR] [--max-tokens 32] [--concurrency 1,8,32] [--max-repeats 6] [--sides continuous,stream4,...] [--direct-ingress]
 
 The model defaults to the newest checkpoint of `runs/quickstart` (exported), else the
 `small` preset with seeded weights.
@@ -143,18 +146,23 @@ def pct(values: list[float], q: int) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
-def deploy(model: Path, int8: Path, max_running: int, sides: tuple[str, ...]) -> int:
+def deploy(model: Path, int8: Path, max_running: int, sides: tuple[str, ...], direct: bool = False) -> dict[str, str]:
+    """lmforge's sides on one Ray Serve: each side's base URL. `direct`: Ray Serve's
+    experimental direct ingress (each ingress replica listens itself, no proxy)."""
     import ray
     from ray import serve
 
     from lmforge.serve.app import application
     from lmforge.serve.options import ServerOptions
 
+    if direct:  # read by the Serve controller and replicas, which inherit this environment
+        os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] = "1"
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    with __import__("socket").socket() as sock:
+    with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     serve.start(http_options={"host": "127.0.0.1", "port": port})
+    urls = {}
     for side in (side for side in sides if side in LMFORGE_SIDES):
         options = ServerOptions(
             model=str(int8 if side == "int8" else model),
@@ -166,7 +174,21 @@ def deploy(model: Path, int8: Path, max_running: int, sides: tuple[str, ...]) ->
             stream_interval=4 if side == "stream4" else 1,
         )
         serve.run(application(options, 1, 0.5, 0.0), name=side, route_prefix=f"/{side}", blocking=False)
-    return port
+        urls[side] = f"http://127.0.0.1:{_replica_port(side) if direct else port}/{side}/v1"
+    return urls
+
+
+def _replica_port(side: str) -> int:
+    """The port Serve gave the side's replica (direct ingress allocates from 30000)."""
+    import httpx2 as httpx
+
+    for port in range(30000, 31000):
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/{side}/health", timeout=1).status_code == 200:
+                return port
+        except httpx.HTTPError:
+            continue
+    raise RuntimeError(f"no replica of {side} answers on ports 30000-30999")
 
 
 def peer(model: Path, tmp: Path) -> tuple[subprocess.Popen, int, str]:
@@ -262,6 +284,7 @@ def main() -> None:
     parser.add_argument("--time-limit", type=float, default=900, help="seconds; no new repeat starts after it")
     parser.add_argument("--sides", default=",".join(SIDES), help=f"which of {', '.join(SIDES)} to run")
     parser.add_argument("--rounds", type=int, default=2, help="requests per cell: this many times the concurrency (more: less noise)")
+    parser.add_argument("--direct-ingress", action="store_true", help="Ray Serve's experimental direct ingress: clients reach the replicas, no proxy")
     args = parser.parse_args()
     sides = tuple(side for side in SIDES if side in args.sides.split(","))
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -269,7 +292,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
         model = model_dir(args, tmp)
-        port = deploy(model, int8_dir(model, tmp) if "int8" in sides else model, args.max_running, sides)
+        urls = deploy(model, int8_dir(model, tmp) if "int8" in sides else model, args.max_running, sides, args.direct_ingress)
         process, peer_port, peer_model = peer(model, tmp) if "transformers" in sides else (None, 0, "")
         cells: dict[tuple[int, str], list[dict]] = {}
         history: dict[str, list[float]] = {}
@@ -279,11 +302,7 @@ def main() -> None:
                 texts = prompts(max(8, args.rounds * concurrency))
                 order = sides if repeat % 2 == 0 else tuple(reversed(sides))
                 for side in order:
-                    url, name = (
-                        (f"http://127.0.0.1:{peer_port}/v1", peer_model)
-                        if side == "transformers"
-                        else (f"http://127.0.0.1:{port}/{side}/v1", "model")
-                    )
+                    url, name = (f"http://127.0.0.1:{peer_port}/v1", peer_model) if side == "transformers" else (urls[side], "model")
                     cells.setdefault((concurrency, side), []).append(asyncio.run(load(url, texts, concurrency, args.max_tokens, name)))
             last = {key: runs[-1] for key, runs in cells.items()}
             for name, (a, b, concurrency, key) in RATIOS.items():
