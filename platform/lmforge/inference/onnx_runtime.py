@@ -150,15 +150,15 @@ class OnnxRun:
         return torch.from_numpy(np.asarray(self.run.get_logits(), dtype=np.float32).reshape(1, -1))
 
 
-def prompt_logprobs(generator: OnnxGenerator, prompt: list[int]) -> torch.Tensor:
-    """[len(prompt) - 1, vocabulary]: the log-probabilities after each prompt token but
-    the last, one cached forward per token (ONNX Runtime returns the last position's)."""
+def prompt_logits(generator: OnnxGenerator, prompt: list[int]) -> torch.Tensor:
+    """[len(prompt) - 1, vocabulary]: the logits after each prompt token but the last,
+    one cached forward per token (ONNX Runtime returns the last position's)."""
     run = OnnxRun(generator, prompt[:1], len(prompt))
     rows = [run.logits()]
     for token in prompt[1:-1]:
         run.append(token)
         rows.append(run.logits())
-    return torch.cat(rows).log_softmax(dim=-1)
+    return torch.cat(rows)
 
 
 def timed_decode(generator: OnnxGenerator, prompt: str, tokens: int) -> float:

@@ -22,7 +22,7 @@ from lmforge.chat import chat_renderer, chat_template_of
 from lmforge.errors import UserError
 from lmforge.inference.generate import Generator, stop_checker
 from lmforge.inference.onnx_runtime import OnnxGenerator
-from lmforge.inference.onnx_runtime import prompt_logprobs as onnx_prompt_logprobs
+from lmforge.inference.onnx_runtime import prompt_logits as onnx_prompt_logits
 from lmforge.inference.sampling import SamplingParams
 from lmforge.serve.engine import Sequence, Token, make_engine
 from lmforge.serve.metrics import ServerMetrics
@@ -141,7 +141,7 @@ class Backend:
         if options.backend == "onnxruntime":
             onnx = OnnxGenerator(options.model)
             self.tokenizer, self.context, rows, eos_ids = onnx.tokenizer, onnx.context or 0, onnx.vocab_size, onnx.eos_ids
-            self.prompt_logprobs = partial(onnx_prompt_logprobs, onnx)
+            self.prompt_logits = partial(onnx_prompt_logits, onnx)
         else:
             generator = Generator.load(options.model, options.device or "cpu", tokenizer=options.tokenizer)
             self.tokenizer, self.context, rows, eos_ids = (
@@ -150,7 +150,7 @@ class Backend:
                 generator.model.cfg.vocab_size,
                 generator.eos_ids,
             )
-            self.prompt_logprobs = partial(_prompt_logprobs, generator.model)
+            self.prompt_logits = partial(_prompt_logits, generator.model)
         # Token ids a prompt may hold: rows of the model that the tokenizer also names.
         self.vocab = min(rows, self.tokenizer.get_vocab_size())
         if options.backend == "onnxruntime":
@@ -272,7 +272,7 @@ class Backend:
         text = text if isinstance(text, str) else self.decode(ids)
         if top is None:
             return Echo(text, [], [], [])
-        logprobs = self.prompt_logprobs(ids)[:, : self.vocab].log_softmax(dim=-1)  # over the tokenizer's rows, as sampling is
+        logprobs = self.prompt_logits(ids)[:, : self.vocab].float().log_softmax(dim=-1)  # over the tokenizer's rows, as sampling is
         chosen = logprobs.gather(1, torch.tensor(ids[1:], device=logprobs.device)[:, None])[:, 0].tolist()
         best = logprobs.topk(top, dim=-1) if top else None
         tops: list = [None]
@@ -404,11 +404,10 @@ class Backend:
             yield [shape.usage_chunk(use)]
 
 
-def _prompt_logprobs(model, prompt: list[int]) -> torch.Tensor:
-    """[len(prompt) - 1, the model's vocabulary]: log-probabilities after each prompt token but the last, one forward."""
+def _prompt_logits(model, prompt: list[int]) -> torch.Tensor:
+    """[len(prompt) - 1, the model's vocabulary]: the logits after each prompt token but the last, one forward."""
     with torch.no_grad():
-        logits = model(torch.tensor([prompt], device=next(model.parameters()).device))[0, :-1].float()
-    return logits.log_softmax(dim=-1)
+        return model(torch.tensor([prompt], device=next(model.parameters()).device))[0, :-1]
 
 
 def _held(text: str, stop: str) -> int:
