@@ -23,6 +23,7 @@ from lmforge.distill.config import DistillSpec
 from lmforge.errors import UserError, first_error
 from lmforge.guards.config import DebugSpec, GuardSpec
 from lmforge.models.config import PRESETS, ModelConfig
+from lmforge.models.lora_config import LoraSpec
 from lmforge.models.model_dir import read_model_config
 from lmforge.paths import CorpusPath, LocalPath, resolve_paths
 from lmforge.section import Section
@@ -63,6 +64,7 @@ class ModelSpec(Section):
         description="start from a model directory (an `lmforge export`, or a Hugging Face Llama); unless resuming. "
         "Without a preset, the model's shape is the directory's",
     )
+    lora: Optional[LoraSpec] = Field(None, description="train low-rank adapters on the blocks' linear layers, the model's weights frozen")
     _init_shape: Optional[ModelConfig] = PrivateAttr(None)
 
     @model_validator(mode="after")
@@ -82,7 +84,7 @@ class ModelSpec(Section):
         return value
 
     def resolve(self) -> ModelConfig:
-        overrides = self.model_dump(exclude={"preset", "init_from"})
+        overrides = self.model_dump(exclude={"preset", "init_from", "lora"})
         return (self._init_shape or PRESETS[self.preset]).with_overrides(**overrides)
 
 
@@ -238,6 +240,7 @@ class JobSpec(Section):
         rules.check_eval(self)
         rules.check_mixture(self)
         rules.check_distill(self, model)
+        rules.check_lora(self, model)
         if self.resources.workers is not None and self.resources.workers != self.parallel.world_size:
             raise ValueError(f"resources.workers: {self.resources.workers} != pp x dp x tp = {self.parallel.world_size}")
         return self

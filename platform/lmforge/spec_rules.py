@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Optional
 
 from lmforge.deepspeed_config import reconcile as reconcile_deepspeed
 from lmforge.models.config import ModelConfig
+from lmforge.models.lora_config import rank_refusal
 
 if TYPE_CHECKING:
     from lmforge.spec import JobSpec
@@ -197,6 +198,15 @@ def check_distill(spec: "JobSpec", model: ModelConfig) -> None:
             "distill.cache: with parallel.pp > 1 the teacher's targets come from an offline cache "
             "(build it with `lmforge distill cache JOB`, then set distill.cache and distill.top_k)"
         )
+
+
+def check_lora(spec: "JobSpec", model: ModelConfig) -> None:
+    lora = spec.model.lora
+    if lora is None:
+        return
+    refusal = rank_refusal(model, lora)
+    if refusal:
+        raise ValueError(f"model.lora.rank: {refusal}")
 
 
 def check_on_policy(spec: "JobSpec") -> None:

@@ -147,6 +147,8 @@ class Trainer:
             seed=self.spec.train.seed,
             dp=self.spec.parallel.dp,
             model=self.spec.model_arch.as_dict(),
+            lora=self.spec.model.lora,
+            init_from=self.spec.model.init_from,
             data_path=self.spec.data.path or self.spec.data.paths[0],
             order=order_inputs(self.spec, self.manifest),
             job=self.spec.name,

@@ -108,26 +108,25 @@ class Launches:
     def checkpoint(self, name: str) -> Path:
         return self.tmp / f"{name}-ckpt"
 
-    def _needs(self, name: str) -> str | None:
+    def _needs(self, name: str) -> list[str]:
         options = self.table[name][2]
-        return options.get("load") or options.get("export") or options.get("teacher")
+        return [options[key] for key in ("load", "export", "teacher") if key in options]
+
+    def _all_needs(self, name: str) -> set[str]:
+        return {found for need in self._needs(name) for found in (need, *self._all_needs(need))}
 
     def _launch_of(self, name: str) -> tuple[int, int]:
         """(ranks, level): a case goes one level above the cases of its own world size
         that it needs, directly or not, so it never waits on its own launch."""
-        ranks, level, need = self.table[name][0], 0, self._needs(name)
-        while need:
-            if self.table[need][0] == ranks:
-                level = max(level, self._launch_of(need)[1] + 1)
-            need = self._needs(need)
-        return ranks, level
+        ranks = self.table[name][0]
+        return ranks, max((self._launch_of(need)[1] + 1 for need in self._all_needs(name) if self.table[need][0] == ranks), default=0)
 
     def _launch(self, launch: tuple[int, int]) -> None:
         if launch in self._running:
             raise RuntimeError(f"the {launch[0]}-rank launch {launch[1]} waits on itself through another launch: give a case its own level")
         self._running.add(launch)
         group = [name for name in self.table if self._launch_of(name) == launch]
-        for needed in {self._needs(name) for name in group} - {None}:
+        for needed in sorted({need for name in group for need in self._needs(name)}):
             self(needed)  # its checkpoint first
         cases = {name: self._case(name) for name in group}
         try:

@@ -232,7 +232,11 @@ def run_case(args: argparse.Namespace, device: torch.device) -> None:
             writer = CheckpointWriter(
                 CheckpointStore(args.save), CheckpointSpec(keep=1, async_save=False), dist.new_group(backend="gloo"), lambda event: None
             )
-            writer.save(step + 1, engine, TrainerState(step=step + 1, dp=p.dp, model=spec.model_arch.as_dict()))
+            writer.save(
+                step + 1,
+                engine,
+                TrainerState(step=step + 1, dp=p.dp, model=spec.model_arch.as_dict(), lora=spec.model.lora, init_from=spec.model.init_from),
+            )
             writer.close()
     per_rank = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, states.get("measured"))

@@ -285,8 +285,33 @@ def job_over_checkpoints(tmp_path: Path, written_by: str = "tiny", **checkpoint)
     return store
 
 
+def checkpoint_without_adapters(tmp_path: Path) -> None:
+    from lmforge.checkpoint.store import CheckpointStore
+    from lmforge.models import PRESETS
+
+    store = CheckpointStore(str(tmp_path / "checkpoints"))
+    store.fs.makedirs(store.fs_path(store.step_path(4)), exist_ok=True)
+    store.write_state(4, TrainerState(step=4, job="tiny", model=PRESETS["tiny"].as_dict()))
+    store.commit(4, store.digest(4, store.files(4)))
+
+
 # Each is refused before Ray starts and before anything is written: (set-up, command, fragments).
 EARLY_REFUSALS = {
+    "LoRA targets that match no layer": (
+        lambda tmp: write_job(tmp, tiny_job(tmp, tmp / "data", model={"preset": "tiny", "vocab_size": 512, "lora": {"targets": ["q_proj", "qkv"]}})),
+        ["train", "job.yaml"],
+        ["model.lora.targets: 'qkv' matches no linear layer of the blocks; choose from wq"],
+    ),
+    "a LoRA rank larger than a layer": (
+        lambda tmp: write_job(tmp, tiny_job(tmp, tmp / "data", model={"preset": "tiny", "vocab_size": 512, "lora": {"rank": 48}})),
+        ["train", "job.yaml"],
+        ["model.lora.rank: 48 is larger than the wk layers (32 on their smaller side); use a rank of at most 32"],
+    ),
+    "adapters exported from a checkpoint that has none": (
+        checkpoint_without_adapters,
+        ["export", "checkpoints/step_00000004", "--out", "adapter", "--format", "peft"],
+        ["--format peft: checkpoints/step_00000004 was trained without model.lora (it holds no adapters)"],
+    ),
     "corrupt tokenizer": (
         lambda tmp: job_with_tokenizer(tmp, tmp / "tok.json") or (tmp / "tok.json").write_text("{not json"),
         ["train", "job.yaml"],

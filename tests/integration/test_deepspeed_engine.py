@@ -34,6 +34,7 @@ def zero(stage: int) -> list[str]:
 # DeepSpeed in each rank costs more than these runs, so all 2-rank runs that need no
 # checkpoint share one launch, and the runs that continue them share a few more.
 TEN = {"steps": 10}
+LORA = ["model.lora={rank: 4, alpha: 8}", "optim.lr=1e-2"]
 ENGINES = {"native": [], "deepspeed": zero(3)}
 ON_POLICY = "distill.on_policy={fraction: 0.5, max_new_tokens: 6}"  # steps 3 and 6 of 6 at this seed
 CASES = {
@@ -41,6 +42,8 @@ CASES = {
     **{name: (2, [*zero(stage), *offload], TEN) for name, (stage, offload) in STAGES.items()},
     "zero3-ac": (2, [*zero(3), "parallel.activation_checkpointing=full"], TEN),
     "zero2-bf16": (2, [*zero(2), "train.precision=bf16"], TEN),
+    # A LoRA student: ZeRO partitions the frozen base and optimizes the adapters alone.
+    **{f"{engine}-lora": (2, [*items, *LORA], TEN) for engine, items in (("native", []), ("zero2", zero(2)), ("zero3", zero(3)))},
     # Every model family's parts, and a mixture of experts, on both engines.
     **{f"{engine}-families": (2, [*items, *FAMILY_PARTS], TEN) for engine, items in (("native", []), ("zero3", zero(3)))},
     **{f"{engine}-moe": (2, [*items, *MOE], TEN) for engine, items in (("native", []), ("zero3", zero(3)))},
@@ -104,6 +107,17 @@ def test_zero3_trains_the_families_parts_as_the_native_engine(runs, model):
     assert runs(f"zero3-{model}")["engine"]["zero_stage"] == 3
     assert runs(f"zero3-{model}")["losses"] == pytest.approx(native, rel=1e-4)
     assert native != runs("native")["losses"]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_lora_student_under_zero(runs, stage):
+    """Adapters alone in DeepSpeed's optimizer, the frozen base partitioned by ZeRO-3:
+    the native engine's LoRA losses (which train nothing else: its state check), not
+    those of training in full."""
+    native = runs("native-lora")["losses"]
+    assert runs(f"zero{stage}-lora")["engine"]["zero_stage"] == stage
+    assert runs(f"zero{stage}-lora")["losses"] == pytest.approx(native, rel=1e-4)
+    assert native != pytest.approx(runs("native")["losses"], rel=1e-3)
 
 
 def test_activation_checkpointing_under_zero3(native_dp2, runs):

@@ -38,6 +38,12 @@ DISTILL_TERMS = ["ce_loss", "hidden_loss", "kd_loss"]
 DISTILL_CACHE = [*DISTILL_LOGITS, *FROM_CACHE, "optim.lr=3e-3"]
 
 ON_POLICY = [*DISTILL_LOGITS, "distill.on_policy={fraction: 0.5, max_new_tokens: 6}"]
+# Rank-4 adapters on every linear layer of the blocks, the rest frozen, on the 3d-save
+# case's weights (its Hugging Face export: the PEFT export needs a base peft loads); a
+# learning rate at which the held-out loss falls within 6 steps (the training loss moves
+# with each step's batch).
+LORA = ["model.lora={rank: 4, alpha: 8}", "optim.lr=1e-2"]
+LORA_BASE = {"export": "3d-save", "export_format": "hf"}
 
 # name: (ranks, --set items, options): see parity.Launches.
 CASES = {
@@ -116,6 +122,19 @@ CASES = {
     # Saved after 3 steps on dp4, then a teacher: the experts FSDP-sharded as the student is.
     "moe-dp4": (4, MOE, {"save_at": 3}),
     **{f"distill-moe-{name}": (n, DISTILL_LOGITS, {"teacher": "moe-dp4"}) for name, n in (("one", 1), ("dp2", 2))},
+    # LoRA under TP with SP (saved after 3 steps, continued by one process) and through a
+    # pipeline; LoRA-KD from the mixture-of-experts teacher under FSDP2 (a mixture of
+    # experts is not TP-split, so the TP student learns alone).
+    **{
+        f"lora-{name}": (n, [*LORA, *layout], LORA_BASE | options)
+        for name, n, layout, options in (
+            ("one", 1, [], {}),
+            ("tp2", 2, ["parallel.tp=2", "parallel.sequence_parallel=true"], {"save_at": 3}),
+            ("pp2", 2, [*PP2, *SCHEDULES["1f1b"]], {}),
+            ("load-one", 1, [], {"load": "lora-tp2"}),
+        )
+    },
+    **{f"lora-kd-{name}": (n, [*DISTILL_LOGITS, *LORA], LORA_BASE | {"teacher": "moe-dp4"}) for name, n in (("one", 1), ("dp2", 2))},
 }
 ONE_PROCESS = (
     "reference",
@@ -128,12 +147,15 @@ ONE_PROCESS = (
     "parts-one",
     "moe-one",
     "distill-moe-one",
+    "lora-kd-one",
+    "lora-load-one",
+    "lora-one",
 )
 
 
 def one_process(case: str) -> str:
     """The single-process run a case is compared with."""
-    for prefix in ("on-policy-masked", "on-policy", "sft-kd", "sft", "distill-cache", "distill-moe", "distill", "parts", "moe"):
+    for prefix in ("on-policy-masked", "on-policy", "sft-kd", "sft", "distill-cache", "distill-moe", "distill", "parts", "moe", "lora-kd", "lora"):
         if case.startswith(prefix + "-"):
             return f"{prefix}-one"
     return "reference"
@@ -321,3 +343,41 @@ def test_held_out_loss_matches_one_process(run, case):
     assert set(got) <= set(want) and len(got) >= 2, (case, got)
     for step, loss in got.items():
         assert loss == pytest.approx(want[step], rel=tolerance), (case, step)
+
+
+@pytest.mark.parametrize("case, tolerance", [("lora-kd-dp2", 1e-5), ("lora-tp2", 1e-4), ("lora-pp2", 1e-5)])
+def test_lora_trains_alike_on_every_layout(run, case, tolerance):
+    """Only the adapters train (the parity worker's state check: gradients and AdamW
+    moments for them alone, as `lmforge plan` counts), FSDP-sharded, split with their
+    layer under TP, cut into pipeline stages: one process's losses and terms, and the
+    adapters do learn (the held-out loss falls)."""
+    want, got = run(one_process(case)), run(case)
+    assert got["losses"] == pytest.approx(want["losses"], rel=tolerance)
+    for name in want["terms"][0]:
+        assert [t[name] for t in got["terms"]] == pytest.approx([t[name] for t in want["terms"]], rel=tolerance, abs=2e-6)
+    assert want["eval"][str(len(want["losses"]))] < want["eval"]["0"]
+
+
+def test_a_lora_checkpoint_continues_and_exports_merged_and_as_peft(run):
+    """The tp2 LoRA student's checkpoint holds its adapters: one process continues it
+    with the same losses. `lmforge export` folds them into the weights (Hugging Face
+    format), and `--format peft` writes them alone: peft puts them on the base's own
+    export and gives the merged model's logits."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    want, got = run("lora-one"), run("lora-load-one")
+    assert got["losses"] == pytest.approx(want["losses"][3:], rel=1e-4)
+    saved = dcp_keys(run.checkpoint("lora-tp2") / "step_00000003")
+    assert {"model.layers.0.attention.wq.lora_a", "model.layers.3.feed_forward.w2.lora_b"} <= saved
+    assert not any(key.startswith("optim.") and ".lora_" not in key for key in saved), "moments of frozen weights were saved"
+    merged, adapter = run.export("lora-tp2", "hf"), run.export("lora-tp2", "peft")
+    base = AutoModelForCausalLM.from_pretrained(run.export("3d-save", "hf"), dtype=torch.float32)
+    tokens = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        before = base(tokens).logits
+        peft_logits = PeftModel.from_pretrained(base, adapter).eval()(tokens).logits
+        merged_logits = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)(tokens).logits
+    assert torch.allclose(peft_logits, merged_logits, atol=1e-5)
+    assert not torch.allclose(before, merged_logits, atol=1e-3), "the adapters changed nothing"

@@ -25,17 +25,27 @@ from lmforge.errors import UserError
 from lmforge.jsonfile import member, read_object
 from lmforge.models import ModelConfig, Transformer
 from lmforge.models.config import config_from_dict
-from lmforge.models.weights import clean_name, weight_names
+from lmforge.models.lora import apply_lora, merged
+from lmforge.models.lora_config import LoraSpec, adapter_shapes
+from lmforge.models.weights import clean_name, weight_names, weight_shapes
 
 
 def read_checkpoint(step_dir: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor], TrainerState]:
-    """(the model's shape, its full fp32 weights in lmforge's names, the checkpoint's state.json)."""
+    """(the model's shape, its full fp32 weights in lmforge's names, the checkpoint's
+    state.json); a LoRA job's adapters folded into the weights."""
+    cfg, tensors, state = read_trained_tensors(step_dir)
+    return cfg, merged(tensors, state.lora) if state.lora else tensors, state
+
+
+def read_trained_tensors(step_dir: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor], TrainerState]:
+    """As `read_checkpoint`, with a LoRA job's adapters beside the weights, not folded in."""
     step_dir = Path(step_dir)
     state = committed_state(step_dir)
     cfg = config_from_dict(state.model, str(step_dir / STATE))
     _verify(step_dir, state.step)
-    tensors = _read_dcp(step_dir, cfg) if state.format == "dcp" else _read_deepspeed(step_dir)
     names = weight_names(cfg)
+    names += list(adapter_shapes(weight_shapes(cfg), state.lora)) if state.lora else []
+    tensors = _read_dcp(step_dir, cfg, state.lora, set(names)) if state.format == "dcp" else _read_deepspeed(step_dir)
     missing = sorted(set(names) - set(tensors))
     if missing:
         raise UserError(f"{step_dir}: the checkpoint lacks {', '.join(missing[:3])} for its model")
@@ -60,9 +70,10 @@ def committed_state(step_dir: Path) -> TrainerState:
         raise UserError(str(err)) from None
 
 
-def _read_dcp(step_dir: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+def _read_dcp(step_dir: Path, cfg: ModelConfig, lora: LoraSpec | None, names: set[str]) -> dict[str, torch.Tensor]:
     model = Transformer(cfg)  # a template on CPU: DCP fills its tensors in place
-    names = set(weight_names(cfg))
+    if lora is not None:
+        apply_lora(model, lora, seed=0)
     template = {name: tensor for name, tensor in model.state_dict().items() if name in names}
     with warnings.catch_warnings():  # DCP warns that no process group is up: reading in one process is the point
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")

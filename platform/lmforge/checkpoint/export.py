@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 import torch
 from pydantic import BaseModel
 
-from lmforge.checkpoint.consolidate import committed_state, read_checkpoint
+from lmforge.checkpoint.consolidate import committed_state, read_checkpoint, read_trained_tensors
 from lmforge.checkpoint.store import is_checkpoint
 from lmforge.data import storage
 from lmforge.data.manifest import MANIFEST, has_manifest, read_manifest
@@ -25,9 +25,11 @@ from lmforge.errors import UserError
 from lmforge.models import ModelConfig
 from lmforge.models.config import config_from_dict
 from lmforge.models.hf import DTYPES
+from lmforge.models.lora_config import is_adapter
+from lmforge.models.peft_format import write_peft_dir
 from lmforge.models.weights import open_model_dir, write_model_dir
 
-FORMATS = ("lmforge", "hf")
+FORMATS = ("lmforge", "hf", "peft")
 log = logging.getLogger(__name__)
 
 
@@ -150,6 +152,8 @@ def export_model(
         raise UserError(f"--dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
     if Path(out).exists():
         raise UserError(f"--out: {out} already exists")
+    if fmt == "peft":
+        return _export_adapters(Path(source_path), Path(out), dtype)
     source = open_source(source_path, tokenizer, name="CHECKPOINT")
     if fmt == "hf" and source.tokenizer_json is None:
         raise UserError(
@@ -169,4 +173,31 @@ def export_model(
         parameters=sum(t.numel() for t in tensors.values()),
         tokenizer=bool(files),
         source=source.record,
+    )
+
+
+def _export_adapters(step_dir: Path, out: Path, dtype: str) -> ExportResult:
+    """A LoRA job's adapters alone, as a PEFT adapter directory for the model it started from."""
+    if not is_checkpoint(step_dir):
+        raise UserError(f"--format peft: {step_dir} is not a committed checkpoint; adapters come from a checkpoint of a job with model.lora")
+    state = committed_state(step_dir)
+    if state.lora is None:
+        raise UserError(f"--format peft: {step_dir} was trained without model.lora (it holds no adapters); export it as lmforge or hf")
+    cfg = config_from_dict(state.model, str(step_dir))
+    if cfg.n_experts and {"w1", "w2", "w3"} & set(state.lora.targets):
+        raise UserError(
+            "--format peft: Hugging Face fuses a mixture of experts' MLPs, which peft cannot target by name; export the merged model (lmforge or hf)"
+        )
+    record = _checkpoint_source(step_dir).record
+    _, tensors, _ = read_trained_tensors(step_dir)
+    adapters = {name: tensor for name, tensor in tensors.items() if is_adapter(name)}
+    write_peft_dir(out, cfg, state.lora, adapters, DTYPES[dtype], state.init_from)
+    return ExportResult(
+        out=str(out),
+        format="peft",
+        source_kind="checkpoint",
+        step=state.step,
+        parameters=sum(t.numel() for t in adapters.values()),
+        tokenizer=False,
+        source=record,
     )

@@ -9,6 +9,8 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict
 
+from lmforge.models.lora_config import LoraSpec
+
 
 class MlflowRef(BaseModel):
     """Where `lmforge export --register` logs a model made from this checkpoint."""
@@ -26,6 +28,8 @@ class TrainerState(BaseModel):
     seed: Optional[int] = None
     dp: Optional[int] = None  # the data-parallel size it was written on (DeepSpeed reshards from it)
     model: Optional[dict[str, Any]] = None  # the ModelConfig's fields (`config_from_dict` checks them)
+    lora: Optional[LoraSpec] = None  # `model.lora`: the checkpoint holds adapters beside the frozen weights
+    init_from: Optional[str] = None  # the model directory it started from (a LoRA adapter's base)
     data_path: Optional[str] = None  # the dataset it trained on: where export finds the tokenizer
     order: dict[str, Any] = {}  # what decides the data order (`data.identity.order_inputs`)
     job: Optional[str] = None

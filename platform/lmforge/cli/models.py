@@ -23,7 +23,8 @@ def add_parsers(sub) -> None:
     export.add_argument(
         "--format",
         default="lmforge",
-        help="lmforge (default), hf (a directory transformers loads with no custom code) or onnx (onnxruntime-genai's, for CPU)",
+        help="lmforge (default), hf (a directory transformers loads with no custom code), onnx (onnxruntime-genai's, for CPU) "
+        "or peft (a LoRA job's adapters alone, for peft on the Hugging Face export of its base)",
     )
     export.add_argument("--dtype", default="fp32", help="fp32 (default), bf16 or fp16; with --format onnx: fp32 or int4")
     export.add_argument("--tokenizer", help="tokenizer.json to ship (default: the dataset's the checkpoint was trained on)")

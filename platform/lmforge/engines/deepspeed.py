@@ -22,6 +22,7 @@ from lmforge.engines.base import Engine, StepStats, warmup_cosine
 from lmforge.engines.loss import Loss, LossInputs, Placement, cross_entropy
 from lmforge.engines.loss_mask import learnt_per_rank, next_token_labels
 from lmforge.models import build_model
+from lmforge.models.lora import apply_lora
 from lmforge.parallel.checkpointing import apply_activation_checkpointing
 from lmforge.parallel.mesh import ParallelDims
 
@@ -47,11 +48,17 @@ class DeepSpeedEngine(Engine):
         self.spec, self.dims, self.device, self.loss = spec, dims, device, loss
         config = _credentials_to_environment(spec.deepspeed.config)
         model = build_model(spec.model_arch, device, spec.train.seed, weights=spec.model.init_from)
+        if spec.model.lora is not None:
+            apply_lora(model, spec.model.lora, spec.train.seed)
         p = spec.parallel
         apply_activation_checkpointing(model, p.activation_checkpointing, p.ac_every)
         scheduler = None if "scheduler" in config else self._warmup_cosine
         self.engine, _, _, _ = deepspeed.initialize(
-            model=model, model_parameters=model.parameters(), config=dict(config), lr_scheduler=scheduler, dist_init_required=False
+            model=model,
+            model_parameters=[param for param in model.parameters() if param.requires_grad],
+            config=dict(config),
+            lr_scheduler=scheduler,
+            dist_init_required=False,
         )
         # Teachers stay plain frozen modules; the spec refuses what would train beside the student (hidden-state adapters).
         loss.build(Placement(device, lambda teacher: teacher, grad_accum=spec.grad_accum))

@@ -29,6 +29,7 @@ from lmforge.engines.base import Engine, StepStats, warmup_cosine
 from lmforge.engines.loss import Loss, LossInputs, Placement, cross_entropy
 from lmforge.engines.loss_mask import learnt_per_rank, next_token_labels
 from lmforge.models import Transformer, materialize
+from lmforge.models.lora import apply_lora
 from lmforge.parallel.checkpointing import apply_activation_checkpointing
 from lmforge.parallel.compile import apply_compile
 from lmforge.parallel.fsdp import apply_fsdp, gathered_across_forwards, needs_wrapping
@@ -47,6 +48,11 @@ from lmforge.parallel.tensor import apply_tensor_parallel, replicate_beside_bloc
 # Flattened optimizer state keys by parameter name: required with pipeline stages,
 # used everywhere so a checkpoint loads under any layout.
 STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def trainable(part: nn.Module) -> list[nn.Parameter]:
+    """What the optimizer holds: everything, or with LoRA the adapters (and what trains beside the model)."""
+    return [param for param in part.parameters() if param.requires_grad]
 
 
 def _local(value: torch.Tensor) -> torch.Tensor:
@@ -73,6 +79,9 @@ class NativeEngine(Engine):
             whole = Transformer(spec.model_arch)
         weights = spec.model.init_from
         parts = [materialize(part, device, spec.train.seed, weights) for part in self._cut(whole)]
+        if spec.model.lora is not None:  # before the beside modules join: those train in full
+            for part in parts:
+                apply_lora(part, spec.model.lora, spec.train.seed)
         self.beside = loss.trainable_modules()
         for name, module in self.beside.items():
             setattr(parts[0], name, module)  # trained, sharded and checkpointed with the student (exports keep the model's own weights)
@@ -80,7 +89,7 @@ class NativeEngine(Engine):
         loss.bind(self.parts[0])
         opt = spec.optim
         self.optimizers = [
-            torch.optim.AdamW(part.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay, foreach=True)
+            torch.optim.AdamW(trainable(part), lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay, foreach=True)
             for part in self.parts
         ]
         factor = warmup_cosine(opt.warmup_steps, spec.decay_steps, opt.min_lr_ratio)

@@ -118,6 +118,7 @@ def _states(spec: JobSpec, rank: int, teachers: tuple) -> StateBytes:
             int(zero.get("stage", 0)) or 1,
             device("offload_optimizer"),
             device("offload_param"),
+            spec.model.lora,
         )
         # Online teachers are whole fp32 copies on every rank under DeepSpeed.
         return replace(states, teacher=sum(FP32 * t.num_params() for t in teachers))

@@ -8,7 +8,8 @@ sizes: ceil(n / k) rows, the last ranks fewer or none). Weights, gradients and
 AdamW's two moments are fp32 (FSDP2 keeps fp32 shards and reduces in fp32 under
 bf16); AdamW adds a 4-byte `step` tensor per parameter. A distillation job adds
 its hidden-state adapters to the trained parameters (replicated over TP, FSDP-split
-like the rest) and its frozen teachers' fp32 weights, split as the student's are.
+like the rest) and its frozen teachers' fp32 weights, split as the student's are. With
+`model.lora` only the low-rank factors (and those adapters) have gradients and moments.
 
 DeepSpeed engine: the ZeRO paper's accounting (Rajbhandari et al. 2020, section 3:
 2 + 2 + K bytes per parameter for mixed-precision Adam, K = 12), split the way
@@ -28,6 +29,7 @@ import torch
 
 from lmforge.distill.hidden import ADAPTERS
 from lmforge.models.llama import Transformer
+from lmforge.models.lora_config import LoraSpec, adapter_shapes
 from lmforge.parallel.fsdp import needs_wrapping
 from lmforge.parallel.pipeline import in_stage, split_layers, stage_indices
 from lmforge.parallel.shape import MeshShape
@@ -125,17 +127,21 @@ def native_states(spec: JobSpec, rank: int, teachers: tuple[ModelConfig, ...] = 
     coords = shape.coordinates(rank)
     shard_rank = coords["dp"] % shape.dp_shard
     params = stage_parameters(spec.model_arch, spec.train.seq_len, p.pp, p.virtual_stages, p.schedule, coords["pp"])
-    params += adapter_parameters(spec, teachers)
+    beside = adapter_parameters(spec, teachers)
+    lora = spec.model.lora
+    low_rank = tuple(adapter_shapes(dict(params), lora).items()) if lora else ()
+    trained = (*low_rank, *beside) if lora else (*params, *beside)  # LoRA: the base is frozen (no gradient, no moments)
+    params = (*params, *low_rank, *beside)
     numel = _rank_numel(params, p.tp, coords["tp"], shape.dp_shard, shard_rank)
-    grad_numel = numel
+    grad_numel = trained_numel = _rank_numel(trained, p.tp, coords["tp"], shape.dp_shard, shard_rank)
     if p.tp > 1 and not needs_wrapping(shape, spec.train.precision):
         # Measured (torch 2.13): without FSDP to reduce-scatter it, the vocabulary-split
         # embedding's gradient comes back whole (Replicate) on every TP rank.
         grad_numel += sum(
-            math.prod(dims) - local_numel(name, dims, p.tp, coords["tp"], 1, 0) for name, dims in params if name == "tok_embeddings.weight"
+            math.prod(dims) - local_numel(name, dims, p.tp, coords["tp"], 1, 0) for name, dims in trained if name == "tok_embeddings.weight"
         )
     weights, grads = numel * FP32, grad_numel * FP32
-    optimizer = 2 * numel * FP32 + len(params) * FP32  # exp_avg, exp_avg_sq, and a step scalar each
+    optimizer = 2 * trained_numel * FP32 + len(trained) * FP32  # exp_avg, exp_avg_sq, and a step scalar each
     unit = _largest_block_numel(params, p.tp, coords["tp"])
     frozen = (
         sum(
@@ -150,16 +156,31 @@ def native_states(spec: JobSpec, rank: int, teachers: tuple[ModelConfig, ...] = 
     return state
 
 
+def lora_parameters(cfg: ModelConfig, lora: LoraSpec) -> int:
+    """Elements of a LoRA job's adapters: all it trains."""
+    shapes = {name: shape for name, _, shape in model_parameters(cfg)}
+    return sum(math.prod(shape) for shape in adapter_shapes(shapes, lora).values())
+
+
 def deepspeed_states(
-    cfg: ModelConfig, dp: int, precision: str, stage: int, offload_optimizer: bool = False, offload_params: bool = False
+    cfg: ModelConfig,
+    dp: int,
+    precision: str,
+    stage: int,
+    offload_optimizer: bool = False,
+    offload_params: bool = False,
+    lora: LoraSpec | None = None,
 ) -> StateBytes:
-    """Bytes per rank under DeepSpeed ZeRO `stage` (1, 2 or 3) over `dp` ranks."""
+    """Bytes per rank under DeepSpeed ZeRO `stage` (1, 2 or 3) over `dp` ranks; with
+    `lora`, gradients and optimizer states are the adapters' alone."""
     n, psi = dp, cfg.num_params()
+    trained = psi if lora is None else lora_parameters(cfg, lora)
+    psi += 0 if lora is None else trained
     half = 2 if precision in ("bf16", "fp16") else FP32
     params = half * psi if stage < 3 else _share(half * psi, n)
-    grads16 = half * psi if stage == 1 else (_share(half * psi, n) if stage == 2 else 0)
-    grads32 = _share(FP32 * psi, n)  # the fp32 gradient partition
-    optimizer = _share(3 * FP32 * psi, n)  # fp32 master weights, exp_avg, exp_avg_sq
+    grads16 = half * trained if stage == 1 else (_share(half * trained, n) if stage == 2 else 0)
+    grads32 = _share(FP32 * trained, n)  # the fp32 gradient partition
+    optimizer = _share(3 * FP32 * trained, n)  # fp32 master weights, exp_avg, exp_avg_sq
     largest = 2 * half * largest_module_params(cfg) if stage == 3 else 0  # its gathered 16-bit weights and grads
     if offload_params and stage == 3:
         return StateBytes(0, 0, 0, host=params + grads32 + optimizer, largest_unit=largest)

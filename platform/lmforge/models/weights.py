@@ -12,9 +12,10 @@ import json
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Optional, Union
+from typing import Iterator, Mapping, Optional, Union
 
 import torch
 from safetensors import safe_open
@@ -126,12 +127,7 @@ def write_model_dir(
 ) -> None:
     """Write atomically (a staging directory renamed into place, so `out` is whole or
     absent). `tensors` are in lmforge's names; `files` are written beside them."""
-    out = Path(out)
-    if out.exists():
-        raise FileExistsError(f"{out} already exists")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with staged_dir(out) as staging:
         tensors = {clean_name(k): v.detach().to("cpu", dtype).contiguous() for k, v in tensors.items()}
         if fmt == "hf":
             tensors = {hf.hf_name(k, cfg.family): hf.to_hf_layout(k, v, cfg).contiguous() for k, v in tensors.items()}
@@ -144,6 +140,19 @@ def write_model_dir(
         (staging / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         for name, text in (files or {}).items():
             (staging / name).write_text(text)
+
+
+@contextmanager
+def staged_dir(out: str | os.PathLike) -> Iterator[Path]:
+    """A staging directory beside `out`, renamed to it when the block ends without an
+    error (so `out` is whole or absent); FileExistsError if `out` exists."""
+    out = Path(out)
+    if out.exists():
+        raise FileExistsError(f"{out} already exists")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        yield staging
         os.replace(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -18,6 +18,9 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
+
+from lmforge.models.lora import LoraLinear
+from lmforge.models.lora_config import ADAPTER_PARAMS
 
 # The Megatron split of a block, declared once: the engine applies it and the memory
 # estimator reads which dim of each weight it cuts (colwise: dim 0, rowwise: dim 1).
@@ -28,14 +31,16 @@ ROWWISE = ("attention.wo", "feed_forward.w2")
 def shard_dim(param_name: str) -> int | None:
     """The dim of a parameter that tensor parallelism splits; None: replicated.
     The embedding and the output head are both split over the vocabulary; a
-    column-parallel projection's bias with its columns."""
+    column-parallel projection's bias with its columns. A LoRA update B @ A is split
+    as its layer's weight is: B (out, rank) by rows in a column-parallel layer, A
+    (rank, in) by columns in a row-parallel one; the other factor is replicated."""
     module, _, kind = param_name.rpartition(".")
     if module in ("tok_embeddings", "output"):
         return 0
     if module.endswith(COLWISE):
-        return 0
+        return None if kind == "lora_a" else 0
     if module.endswith(ROWWISE):
-        return 1 if kind == "weight" else None
+        return 1 if kind in ("weight", "lora_a") else None
     return None
 
 
@@ -70,7 +75,28 @@ def replicate_beside_blocks(module: nn.Module, mesh: DeviceMesh, sequence_parall
     distribute_module(module, mesh, input_fn=to_dtensor, output_fn=to_local)
 
 
+def _place_adapters(block: nn.Module, mesh: DeviceMesh) -> None:
+    """LoRA factors as `shard_dim` says (the layer's plan distributed them as if they
+    were its weight): sharded outputs and partial sums then add up with the base layer's."""
+    for name, module in block.named_modules():
+        if not isinstance(module, LoraLinear):
+            continue
+        for kind in ADAPTER_PARAMS:
+            dim = shard_dim(f"{name}.{kind}")
+            value = getattr(module, kind)
+            whole = value.full_tensor() if isinstance(value, DTensor) else value
+            module.register_parameter(kind, nn.Parameter(distribute_tensor(whole.detach(), mesh, [Replicate() if dim is None else Shard(dim)])))
+
+
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    # The plans make new parameters that all require gradients: frozen ones (LoRA's base) are frozen again after.
+    frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
+    _apply_plans(model, tp_mesh, sequence_parallel)
+    for name, param in model.named_parameters():
+        param.requires_grad_(name not in frozen)
+
+
+def _apply_plans(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
     residual = Shard(1) if sequence_parallel else Replicate()
     # A pipeline stage lacks (None) the embedding, or the norm and head, it does not own.
     if model.tok_embeddings is not None:
@@ -98,6 +124,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
             for name in ("attention_norm", "ffn_norm", *out_norms):
                 _replicate(getattr(block, name), tp_mesh)
         parallelize_module(block, tp_mesh, plan)
+        _place_adapters(block, tp_mesh)
         if block.attention.q_norm is not None:  # over each head's features: q and k hold this rank's heads (dim 2)
             _replicate(block.attention.q_norm, tp_mesh, inputs_are=Shard(2))
             _replicate(block.attention.k_norm, tp_mesh, inputs_are=Shard(2))
