@@ -12,14 +12,20 @@ import fsspec
 import pyarrow.parquet as pq
 import pytest
 import torch
+import yaml
 from mlflow.tracking import MlflowClient
+from safetensors import safe_open
 
+from cli import run_cli
 from conftest import DISTILL_STEPS, reference_job, tiny_job, with_sections
 from conftest import REFERENCE_STEPS as STEPS
 from lmforge import sdk
+from lmforge.checkpoint.consolidate import read_trained_tensors
 from lmforge.data.manifest import read_manifest
 from lmforge.data.order import GlobalOrder
 from lmforge.errors import UserError
+from lmforge.models import build_model
+from lmforge.models.weights import weight_names
 from lmforge.spec import spec_from_dict
 from lmforge.tracking.summary import RunSummary
 
@@ -284,6 +290,39 @@ def test_a_distillation_job_trains_through_the_controller(distill_run, tmp_path)
         spec_from_dict(with_sections(copy.deepcopy(job), {"name": "ce-only", "distill": {"kd_weight": 0.0, "ce_weight": 1.0}})), show_progress=False
     )
     assert summary.eval_kl < alone.eval_kl
+
+
+def test_a_lora_student_distils_through_the_cli(distill_run, tmp_path):
+    """The distillation job with `model.lora`, through `lmforge train` with its progress
+    shown: the checkpoint's frozen weights are the seeded start's, bit for bit, the
+    adapters moved and the KD term falls; MLflow has the LoRA fields; `lmforge export
+    --format peft` writes the adapters alone, and the default export a plain model."""
+    job, _ = distill_run
+    job = with_sections(copy.deepcopy(job), {"name": "lora-student", "model": {"lora": {"rank": 4, "alpha": 16}}, "optim": {"lr": 2e-2}})
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    result = run_cli("train", "job.yaml", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    run_dir = Path(job["output_dir"]) / "lora-student"
+    rows = _step_rows(run_dir)
+    assert len(rows) == DISTILL_STEPS and rows[-1]["kd_loss"] < rows[0]["kd_loss"]
+    checkpoint = run_dir / "checkpoints" / f"step_{DISTILL_STEPS:08d}"
+    cfg, tensors, state = read_trained_tensors(checkpoint)
+    start = build_model(cfg, seed=job["train"]["seed"]).state_dict()
+    assert state.lora is not None and state.lora.rank == 4
+    assert all(torch.equal(tensors[name], start[name]) for name in weight_names(cfg)), "a frozen weight moved"
+    assert all(tensors[name].abs().max() > 0 for name in tensors if name.endswith("lora_b"))  # B starts at 0: it learnt
+    summary = json.loads((run_dir / "summary.json").read_text())
+    params = MlflowClient(tracking_uri=summary["mlflow_tracking_uri"]).get_run(summary["mlflow_run_id"]).data.params
+    assert (params["model.lora.rank"], params["model.lora.targets"]) == ("4", str(state.lora.targets))
+    exported = run_cli("export", str(checkpoint), "--format", "peft", "--out", "adapter", cwd=tmp_path)
+    assert exported.returncode == 0, exported.stderr
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", 4, 16)
+    with safe_open(tmp_path / "adapter" / "adapter_model.safetensors", "pt") as adapter:
+        assert len(list(adapter.keys())) == 2 * 7 * cfg.n_layers
+    assert run_cli("export", str(checkpoint), "--out", "merged", cwd=tmp_path).returncode == 0
+    with safe_open(tmp_path / "merged" / "model.safetensors", "pt") as merged:
+        assert sorted(merged.keys()) == sorted(weight_names(cfg))
 
 
 def _job_runs(client, summary: RunSummary):
