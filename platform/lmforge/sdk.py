@@ -281,7 +281,7 @@ def serve(
         check_port(host, grpc_port, address, flag="--grpc-port")
     embedded = embedded_resources(address)  # what a cluster this call starts would have
     check_cpus(cpus_per_replica, embedded["CPU"] if embedded else None)
-    check_model(model_as_given or options.model, options.tokenizer, options.backend)
+    check_model(model_as_given or options.model, options.tokenizer, options.backend, options.adapters)
     serve_model(options, host, port, replicas, cpus_per_replica, address, route_prefix, app_name or options.name, say, max_replicas, grpc_port)
 
 

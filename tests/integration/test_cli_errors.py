@@ -756,6 +756,13 @@ SERVE_REFUSALS = {
     "an ONNX model without its backend": (["onnx"], "MODEL: onnx is an ONNX Runtime model; serve it with --backend onnxruntime"),
     "ONNX Runtime with request batching": (["onnx", "--backend", "onnxruntime", "--batching", "request"], "--batching: request-level batching"),
     "ONNX Runtime on a GPU": (["onnx", "--backend", "onnxruntime", "--device", "cuda"], "--device: cuda is not the CPU"),
+    "an adapter without a name": (["partial", "--adapter", "empty"], "--adapter: expected NAME=DIR, got 'empty'"),
+    "an adapter named as the base": (["partial", "--name", "m", "--adapter", "m=empty"], "--adapter: m is the base model's name"),
+    "adapters with request batching": (
+        ["partial", "--batching", "request", "--adapter", "a=empty"],
+        "--adapter: adapters join lmforge's continuous batch",
+    ),
+    "an adapter that is not a PEFT directory": (["partial", "--adapter", "a=empty"], "--adapter a: ", "empty is not a PEFT adapter directory"),
 }
 
 

@@ -28,6 +28,7 @@ import httpx2 as httpx  # the HTTP client the openai package is built on
 import jsonschema
 import openai
 import pytest
+import torch
 from tokenizers import Tokenizer
 
 from cli import assert_clean_error, run_cli, run_cli_process
@@ -38,6 +39,11 @@ from lmforge import sdk
 from lmforge.chat import DEFAULT_CHAT_TEMPLATE
 from lmforge.inference.generate import Generator
 from lmforge.inference.sampling import SamplingParams
+from lmforge.models import build_model
+from lmforge.models.lora import apply_lora, merged
+from lmforge.models.lora_config import LoraSpec, is_adapter
+from lmforge.models.peft_format import write_peft_dir
+from lmforge.models.weights import open_model_dir, write_model_dir
 from lmforge.serve.grpc_api import SERVICER
 from lmforge.serve.proto import completions_pb2 as pb
 from lmforge.serve.proto.completions_pb2_grpc import CompletionsStub
@@ -56,6 +62,7 @@ class Serving:
     student: Path
     teacher_hf: Path  # the teacher exported to a Hugging Face directory
     grpc_port: int
+    adapters: dict[str, Path]  # LoRA adapters the teacher's server answers as models of their own: their merged models
 
     def url(self, prefix: str) -> str:
         return f"http://127.0.0.1:{self.port}/{prefix}"
@@ -86,6 +93,29 @@ def wait_healthy(url: str, process=None, log: Path | None = None, timeout_s: flo
     pytest.fail(f"{url} never became healthy" + (f":\n{log.read_text()[-3000:]}" if log else ""))
 
 
+# Two LoRA adapters of the teacher, on all its linear layers and on two of them.
+ADAPTERS = {"teacher-code": LoraSpec(rank=4, alpha=8), "teacher-chat": LoraSpec(rank=2, alpha=4, targets=["q_proj", "down_proj"])}
+
+
+def lora_adapter(base: Path, out: Path, spec: LoraSpec, seed: int) -> Path:
+    """A PEFT directory of random-looking trained adapters on `base`, and beside it
+    (`out`-merged, returned) the model with them folded in, with the base's tokenizer."""
+    source = open_model_dir(base)
+    model = build_model(source.cfg, weights=str(base))
+    apply_lora(model, spec, seed)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("lora_b"):
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
+    state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
+    write_peft_dir(out, source.cfg, spec, {k: v for k, v in state.items() if is_adapter(k)}, torch.float32, str(base))
+    merged_dir = out.with_name(out.name + "-merged")
+    files = {name: (base / name).read_text() for name in ("tokenizer.json", "tokenizer_config.json") if (base / name).is_file()}
+    write_model_dir(merged_dir, "lmforge", source.cfg, merged(state, spec), files=files)
+    return merged_dir
+
+
 @pytest.fixture(scope="module")
 def serving(ray_session, reference_run, tiny_dataset, tmp_path_factory):
     from ray import serve
@@ -113,11 +143,13 @@ def serving(ray_session, reference_run, tiny_dataset, tmp_path_factory):
     )
     assert quantized.returncode == 0, quantized.stderr
 
+    adapters = {name: lora_adapter(teacher, tmp / name, spec, seed) for (name, spec), seed in zip(ADAPTERS.items(), (1, 2))}
     port, grpc_port = free_port(), free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port}, grpc_options={"port": grpc_port, "grpc_servicer_functions": [SERVICER]})
     address = ray_session.get_runtime_context().gcs_address
     processes = []
-    for name, model, env in (("teacher", teacher, {}), ("student", student, {"LMFORGE_API_KEY": KEY})):
+    adapter_flags = [flag for name in adapters for flag in ("--adapter", f"{name}={tmp / name}")]
+    for name, model, env, flags in (("teacher", teacher, {}, adapter_flags), ("student", student, {"LMFORGE_API_KEY": KEY}, [])):
         log = tmp / f"{name}.log"
         command = [
             sys.executable,
@@ -139,6 +171,7 @@ def serving(ray_session, reference_run, tiny_dataset, tmp_path_factory):
             "0.5",
             "--max-running",
             "4",
+            *flags,
         ]
         processes.append((subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=os.environ | env), log))
     # No batching serves the teacher as a Hugging Face directory: the same answers from either format.
@@ -149,7 +182,7 @@ def serving(ray_session, reference_run, tiny_dataset, tmp_path_factory):
     # Routed by length: prompts of LONG_PROMPT tokens or more to a replica of their own.
     routed = ServerOptions(model=str(teacher), name="teacher", max_running=4, long_prompt_tokens=LONG_PROMPT)
     serve.run(application(routed, 1, 0.5, 0.0), name="teacher-routed", route_prefix="/routed", blocking=False)
-    serving = Serving(port, teacher, student, tmp / "teacher-hf", grpc_port)
+    serving = Serving(port, teacher, student, tmp / "teacher-hf", grpc_port, adapters)
     for (process, log), prefix in zip(processes, ("teacher", "student")):
         wait_healthy(serving.url(prefix), process, log)
     for mode in ("request", "off", "routed"):
@@ -305,7 +338,7 @@ def test_lm_evaluation_harness_chats_with_the_server(serving, reference, tmp_pat
 
 def test_openai_client_completions_chat_and_streaming(serving, reference):
     client = serving.client("teacher")
-    assert [m.id for m in client.models.list().data] == ["teacher"]
+    assert [m.id for m in client.models.list().data] == ["teacher", *ADAPTERS]  # the base first, then its adapters
 
     done = client.completions.create(model="teacher", prompt=PROMPTS[0], max_tokens=12, temperature=0, logprobs=2)
     choice = done.choices[0]
@@ -347,6 +380,26 @@ def test_openai_client_completions_chat_and_streaming(serving, reference):
         lines = [line for line in response.iter_lines() if line]
     assert all(line.startswith("data: ") for line in lines) and lines[-1] == "data: [DONE]"
     assert json.loads(lines[0][6:])["object"] == "text_completion"
+
+
+def test_adapters_answer_as_their_merged_models_beside_the_base(serving, reference):
+    """`lmforge serve --adapter NAME=DIR` (PEFT directories): each request's `model`
+    picks its adapter, requests for both adapters and the base decode in one
+    continuous batch, and each answers greedily as its merged model does alone;
+    /v1/models lists the adapters with the base as their parent."""
+    client = serving.client("teacher")
+    listed = {model.id: model for model in client.models.list().data}
+    assert set(listed) == {"teacher", *ADAPTERS} and all(getattr(listed[name], "parent", None) == "teacher" for name in ADAPTERS)
+    asks = [(model, prompt) for prompt in PROMPTS[:3] for model in ("teacher", *ADAPTERS)]
+    with ThreadPoolExecutor(len(asks)) as pool:
+        answers = list(pool.map(lambda ask: client.completions.create(model=ask[0], prompt=ask[1], max_tokens=10, temperature=0), asks))
+    merged_models = {name: Generator.load(str(path)) for name, path in serving.adapters.items()} | {"teacher": reference}
+    for (model, prompt), answer in zip(asks, answers):
+        assert answer.model == model
+        assert answer.choices[0].text == alone(merged_models[model], prompt, 10), (model, prompt)
+    assert len({answer.choices[0].text for answer in answers[:3]}) > 1, "the adapters changed nothing"
+    with pytest.raises(openai.BadRequestError, match="'teacher-none' is not served here"):
+        client.completions.create(model="teacher-none", prompt="def ", max_tokens=2)
 
 
 def test_sampling_options_n_seed_and_stop(serving, reference):

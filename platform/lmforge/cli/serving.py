@@ -33,6 +33,14 @@ def add_parsers(sub) -> None:
         default="torch",
         help="torch (lmforge's model, default) or onnxruntime (a directory made by lmforge export --format onnx; pip install 'lmforge[onnx]')",
     )
+    srv.add_argument(
+        "--adapter",
+        dest="adapters",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="also serve a LoRA adapter (a PEFT directory, e.g. from lmforge export --format peft) as model NAME; repeat for more",
+    )
     srv.add_argument("--max-running", type=int, default=16, help="sequences decoding together per replica (default 16)")
     srv.add_argument("--max-waiting", type=int, default=256, help="sequences queued per replica before 503 (default 256)")
     srv.add_argument("--max-n", type=int, default=8, help="the largest n a request may ask for (default 8)")
@@ -104,6 +112,18 @@ def add_parsers(sub) -> None:
     harness.set_defaults(run=harness_command)
 
 
+def _adapters(given: list[str]) -> dict[str, str]:
+    adapters: dict[str, str] = {}
+    for item in given:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise UserError(f"--adapter: expected NAME=DIR, got {item!r}")
+        if name in adapters:
+            raise UserError(f"--adapter: {name} is given twice")
+        adapters[name] = str(Path(path).resolve())
+    return adapters
+
+
 def serve_command(args) -> int:
     key = args.api_key or os.environ.get("LMFORGE_API_KEY")
     model = Path(args.model).resolve()
@@ -113,6 +133,7 @@ def serve_command(args) -> int:
         batching=args.batching,
         backend=args.backend,
         stream_interval=args.stream_interval,
+        adapters=_adapters(args.adapters),
         max_running=args.max_running,
         max_waiting=args.max_waiting,
         max_n=args.max_n,

@@ -60,7 +60,7 @@ def build_api(backend: Backend) -> FastAPI:
 
     @api.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [backend.model_card()]}
+        return {"object": "list", "data": backend.model_cards()}
 
     @api.get("/health")
     async def health():

@@ -20,6 +20,7 @@ from ray.serve.handle import DeploymentHandle
 from lmforge.checkpoint.export import open_source
 from lmforge.errors import UserError
 from lmforge.inference.onnx_runtime import check_onnx_model, is_onnx_model
+from lmforge.models.peft_format import read_peft_dir
 from lmforge.models.quantized import QUANTIZATION, is_quantized
 from lmforge.ray_runtime import connect, embedded_resources
 from lmforge.serve.api import build_api, json_body, server_sent_events
@@ -62,8 +63,8 @@ class ModelReplica:
         async for text in server_sent_events(answer):
             yield text
 
-    def model_card(self) -> dict:
-        return self.backend.model_card()
+    def model_cards(self) -> list[dict]:
+        return self.backend.model_cards()
 
 
 @serve.ingress()
@@ -108,21 +109,29 @@ def application(options: ServerOptions, replicas: Union[int, str], cpus: float, 
     return serve.deployment(LengthRouter, name="LengthRouter").options(ray_actor_options={"num_cpus": 0}).bind(options, short, long)
 
 
-def check_model(path: str, tokenizer: Optional[str], backend: str = "torch") -> None:
+def check_model(path: str, tokenizer: Optional[str], backend: str = "torch", adapters: Optional[dict[str, str]] = None) -> None:
     """Before anything starts: the model opens (headers only) and has a tokenizer; an
-    ONNX Runtime model directory goes with `--backend onnxruntime`, and only it."""
+    ONNX Runtime model directory goes with `--backend onnxruntime`, and only it; each
+    adapter is a LoRA of this model's shape."""
     if backend == "onnxruntime":
         check_onnx_model(path)
         return
     if is_onnx_model(path):
         raise UserError(f"MODEL: {path} is an ONNX Runtime model; serve it with --backend onnxruntime")
     if is_quantized(path):
+        if adapters:
+            raise UserError("--adapter: adapters are served on a full-precision model; serve the model before `lmforge quantize`")
         if not (Path(path) / "config.json").is_file() or not (tokenizer or (Path(path) / "tokenizer.json").is_file()):
             raise UserError(f"MODEL: {path} has {QUANTIZATION} but lacks config.json or tokenizer.json")
         return
     source = open_source(path, tokenizer)
     if source.tokenizer_json is None:
         raise UserError(f"MODEL: {path} has no tokenizer to turn prompts into tokens; pass --tokenizer tokenizer.json")
+    for name, adapter in (adapters or {}).items():
+        try:
+            read_peft_dir(adapter, source.cfg)
+        except ValueError as err:
+            raise UserError(f"--adapter {name}: {err}") from None
 
 
 def serve_model(

@@ -20,10 +20,12 @@ import torch
 
 from lmforge.chat import chat_renderer, chat_template_of
 from lmforge.errors import UserError
+from lmforge.inference.adapters import adapter_rows, attach_adapters
 from lmforge.inference.generate import Generator, stop_checker
 from lmforge.inference.onnx_runtime import OnnxGenerator
 from lmforge.inference.onnx_runtime import prompt_logits as onnx_prompt_logits
 from lmforge.inference.sampling import SamplingParams
+from lmforge.models.peft_format import read_peft_dir
 from lmforge.serve.engine import Sequence, Token, make_engine
 from lmforge.serve.metrics import ServerMetrics
 from lmforge.serve.onnx_engine import OnnxBatcher
@@ -141,7 +143,7 @@ class Backend:
         if options.backend == "onnxruntime":
             onnx = OnnxGenerator(options.model)
             self.tokenizer, self.context, rows, eos_ids = onnx.tokenizer, onnx.context or 0, onnx.vocab_size, onnx.eos_ids
-            self.prompt_logits = partial(onnx_prompt_logits, onnx)
+            self.prompt_logits = lambda prompt, adapter=0: onnx_prompt_logits(onnx, prompt)  # adapters are refused with this backend
         else:
             generator = Generator.load(options.model, options.device or "cpu", tokenizer=options.tokenizer)
             self.tokenizer, self.context, rows, eos_ids = (
@@ -151,6 +153,9 @@ class Backend:
                 generator.eos_ids,
             )
             self.prompt_logits = partial(_prompt_logits, generator.model)
+            if options.adapters:
+                attach_adapters(generator.model, [read_peft_dir(path, generator.model.cfg) for path in options.adapters.values()])
+        self.adapters = {name: slot for slot, name in enumerate(options.adapters, start=1)}  # the slot each request names
         # Token ids a prompt may hold: rows of the model that the tokenizer also names.
         self.vocab = min(rows, self.tokenizer.get_vocab_size())
         if options.backend == "onnxruntime":
@@ -163,15 +168,18 @@ class Backend:
     def decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
-    def model_card(self) -> dict:
-        return {"id": self.name, "object": "model", "created": 0, "owned_by": "lmforge", "max_model_len": self.context}
+    def model_cards(self) -> list[dict]:
+        """The base model, and each adapter with the base as its parent (as vLLM lists them)."""
+        base = {"id": self.name, "object": "model", "created": 0, "owned_by": "lmforge", "max_model_len": self.context}
+        return [base, *(base | {"id": name, "parent": self.name} for name in self.adapters)]
 
     # -- a request ------------------------------------------------------------------------
 
     def prepare(self, kind: str, request: CompletionRequest | ChatRequest) -> tuple[list[list[int]], SamplingParams]:
         """The prompts' tokens and the sampling settings; APIError for what cannot be served."""
-        if request.model != self.name:
-            raise APIError(400, f"model: {request.model!r} is not served here (GET /v1/models lists {self.name!r})", "model", "model_not_found")
+        if request.model != self.name and request.model not in self.adapters:
+            served = ", ".join(repr(name) for name in (self.name, *self.adapters))
+            raise APIError(400, f"model: {request.model!r} is not served here (GET /v1/models lists {served})", "model", "model_not_found")
         if request.n > self.options.max_n:
             raise APIError(400, f"n: at most {self.options.max_n} choices per request, got {request.n}", "n")
         if kind == "chat":
@@ -233,7 +241,7 @@ class Backend:
             raise APIError(400, "response_format: structured output needs --batching continuous or off", "response_format")
         prompt_tokens = sum(map(len, prompts))
         self.metrics.prompt_tokens(prompt_tokens)
-        shape = Shape(kind, new_id("cmpl" if kind == "completion" else "chatcmpl"), self.name)
+        shape = Shape(kind, new_id("cmpl" if kind == "completion" else "chatcmpl"), request.model)  # the base's name, or an adapter's
         key = json.dumps([kind, request.model_dump(exclude={"stream", "stream_options"})], sort_keys=True) if params.greedy else None
         cached = self.cache.get(key) if key and self.options.cache_size else None
         if cached is not None:
@@ -253,10 +261,13 @@ class Backend:
         top = request.top_logprobs or 0
         echoes = [None] * len(prompts)
         if kind == "completion" and request.echo:  # one forward per prompt, shared by its n choices
-            echoes = [await asyncio.to_thread(self._echo, text, ids, top if with_logprobs else None) for text, ids in zip(request.prompts, prompts)]
+            echoes = [
+                await asyncio.to_thread(self._echo, text, ids, top if with_logprobs else None, self.adapters.get(request.model, 0))
+                for text, ids in zip(request.prompts, prompts)
+            ]
         choices = [Choice(i, self, params.stop, with_logprobs, echoes[i // request.n]) for i in range(choices_count)]
         base_seed = request.seed if request.seed is not None else random.randrange(2**62)
-        started = self._start(prompts, params, request.n, base_seed, top, choices, grammar)
+        started = self._start(prompts, params, request.n, base_seed, top, choices, grammar, self.adapters.get(request.model, 0))
         if request.stream:
             return self._stream(shape, started, choices, prompt_tokens, request.include_usage, arrived, key)
         async for _ in self._tokens(*started, choices, arrived):
@@ -266,13 +277,13 @@ class Backend:
             self.cache.put(key, result)
         return shape.response(*result)
 
-    def _echo(self, text: str | list[int], ids: list[int], top: Optional[int]) -> Echo:
+    def _echo(self, text: str | list[int], ids: list[int], top: Optional[int], adapter: int = 0) -> Echo:
         """The prompt as `echo` returns it; with `top` (logprobs asked), each token's
         log-probability under the model given the ones before it, from one forward pass."""
         text = text if isinstance(text, str) else self.decode(ids)
         if top is None:
             return Echo(text, [], [], [])
-        logprobs = self.prompt_logits(ids)[:, : self.vocab].float().log_softmax(dim=-1)  # over the tokenizer's rows, as sampling is
+        logprobs = self.prompt_logits(ids, adapter)[:, : self.vocab].float().log_softmax(dim=-1)  # over the tokenizer's rows, as sampling is
         chosen = logprobs.gather(1, torch.tensor(ids[1:], device=logprobs.device)[:, None])[:, 0].tolist()
         best = logprobs.topk(top, dim=-1) if top else None
         tops: list = [None]
@@ -281,7 +292,7 @@ class Backend:
             tops.append([(self.decode([t]), v) for t, v in pairs])
         return Echo(text, [self.decode([i]) for i in ids], [None, *chosen], tops)
 
-    def _start(self, prompts, params, n, base_seed, top, choices, grammar):
+    def _start(self, prompts, params, n, base_seed, top, choices, grammar, adapter: int = 0):
         queue, post = asyncio.Queue(), self._mailbox()
         seqs = []
         if params.max_new_tokens == 0:  # `echo` alone: the prompts are the answer
@@ -303,6 +314,7 @@ class Backend:
                     top_logprobs=top,
                     stopped=(lambda tokens: stopped(0, tokens)) if stopped else None,
                     constraint=self.grammars.constraint(grammar) if grammar is not None else None,
+                    adapter=adapter,
                 )
             )
         for seq in seqs:
@@ -404,9 +416,10 @@ class Backend:
             yield [shape.usage_chunk(use)]
 
 
-def _prompt_logits(model, prompt: list[int]) -> torch.Tensor:
-    """[len(prompt) - 1, the model's vocabulary]: the logits after each prompt token but the last, one forward."""
-    with torch.no_grad():
+def _prompt_logits(model, prompt: list[int], adapter: int = 0) -> torch.Tensor:
+    """[len(prompt) - 1, the model's vocabulary]: the logits after each prompt token but the last, one forward
+    (with an adapter's update: its slot)."""
+    with torch.no_grad(), adapter_rows(model, [adapter]):
         return model(torch.tensor([prompt], device=next(model.parameters()).device))[0, :-1]
 
 

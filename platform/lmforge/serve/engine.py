@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
+from lmforge.inference.adapters import adapter_rows
 from lmforge.inference.generate import generate_ids
 from lmforge.inference.sampling import SamplingParams, next_tokens
 from lmforge.inference.slots import SlotCache
@@ -57,6 +58,7 @@ class Sequence:
     generator: Optional[torch.Generator] = None  # set when it starts: on the model's device
     seen: Optional[torch.Tensor] = None  # its tokens so far, for a repetition penalty
     constraint: Optional[Constraint] = None  # a grammar its tokens must follow (serve/structured.py)
+    adapter: int = 0  # the LoRA adapter whose update its rows take (0: the base model; inference/adapters.py)
 
 
 class Sampler:
@@ -208,6 +210,7 @@ class ContinuousBatcher(DecodeLoop):
         self.sampler = Sampler(eos_ids, vocab)
         self.cache = SlotCache(model.cfg, max_running, model.cfg.max_seq_len, self.device)
         self.free = list(range(max_running))
+        self.slot_adapter = [0] * max_running  # whose keys and values each slot holds: a prefix is reused under its own adapter only
         self._thread.start()
 
     def _fail(self, err: Exception) -> None:
@@ -229,7 +232,7 @@ class ContinuousBatcher(DecodeLoop):
             try:  # a prefill is this sequence's alone: what fails in it ends it alone
                 self.on_prefill(len(seq.prompt), reused)
                 self.sampler.first(seq, self.device)
-                logits = self._forward([seq.slot], torch.tensor([seq.prompt[reused:]], device=self.device))
+                logits = self._forward([seq], torch.tensor([seq.prompt[reused:]], device=self.device))
                 done = self.sampler.take([seq], logits)[0]
             except Exception as err:  # noqa: BLE001
                 done = fail(seq, err)
@@ -241,9 +244,11 @@ class ContinuousBatcher(DecodeLoop):
         """Give `seq` a free slot holding the longest beginning of its prompt that any
         slot holds (copied there if another slot holds it); how many tokens that is.
         Without one, the slot freed longest ago: what was freed lately is kept longer."""
-        source, reused = self.cache.longest_prefix(seq.prompt, range(self.max_running)) if self.prefix_reuse else (-1, 0)
+        alike = [slot for slot in range(self.max_running) if self.slot_adapter[slot] == seq.adapter]
+        source, reused = self.cache.longest_prefix(seq.prompt, alike) if self.prefix_reuse else (-1, 0)
         seq.slot = source if source in self.free else self.free[0]
         self.free.remove(seq.slot)
+        self.slot_adapter[seq.slot] = seq.adapter
         self.cache.reuse(seq.slot, source if reused else seq.slot, reused)
         return reused
 
@@ -254,15 +259,16 @@ class ContinuousBatcher(DecodeLoop):
             return
         self.on_step(len(self.running))
         last = torch.tensor([[seq.tokens[-1]] for seq in self.running], device=self.device)
-        logits = self._forward([seq.slot for seq in self.running], last)
+        logits = self._forward(self.running, last)
         ended = [seq for seq, done in zip(self.running, self.sampler.take(self.running, logits)) if done]
         for seq in ended:
             self._leave(seq)
         self.running = [seq for seq in self.running if seq not in ended]
 
-    def _forward(self, rows: list[int], tokens: torch.Tensor) -> torch.Tensor:
-        self.cache.begin(rows, tokens)
-        logits = self.model(tokens, self.cache)[:, -1]
+    def _forward(self, seqs: list[Sequence], tokens: torch.Tensor) -> torch.Tensor:
+        self.cache.begin([seq.slot for seq in seqs], tokens)
+        with adapter_rows(self.model, [seq.adapter for seq in seqs]):
+            logits = self.model(tokens, self.cache)[:, -1]
         self.cache.advance()
         return logits
 

@@ -5,7 +5,7 @@ builds the options when a command is parsed."""
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Union
 
@@ -36,6 +36,7 @@ class ServerOptions:
     threads: int = 1
     backend: str = "torch"  # one of BACKENDS
     stream_interval: int = 1  # a stream's chunk holds this many new tokens per running choice (the first: at once)
+    adapters: dict[str, str] = field(default_factory=dict)  # name in requests -> a PEFT LoRA directory on this model
 
     def check(self) -> None:
         if self.batching not in MODES:
@@ -52,6 +53,18 @@ class ServerOptions:
             raise UserError(f"--cache-size: must be >= 0, got {self.cache_size}")
         if self.chat_template and not Path(self.chat_template).is_file():
             raise UserError(f"--chat-template: {self.chat_template} does not exist")
+        if self.adapters:
+            self._check_adapters()
+
+    def _check_adapters(self) -> None:
+        if self.name in self.adapters:
+            raise UserError(f"--adapter: {self.name} is the base model's name; give the adapter another")
+        if self.backend == "onnxruntime" or self.batching == "request":
+            flag = "--backend onnxruntime" if self.backend == "onnxruntime" else "--batching request"
+            raise UserError(f"--adapter: adapters join lmforge's continuous batch; they are not served with {flag}")
+        for name, path in self.adapters.items():
+            if not (Path(path) / "adapter_config.json").is_file():
+                raise UserError(f"--adapter {name}: {path} is not a PEFT adapter directory (no adapter_config.json)")
 
     def _check_onnx(self) -> None:
         """What the ONNX Runtime engine does not do (it runs each sequence on its own

@@ -97,7 +97,7 @@ def build_router_api(options: ServerOptions, length: PromptLength, pools: dict[s
 
     @api.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [await pools["short"].model_card.remote()]}
+        return {"object": "list", "data": await pools["short"].model_cards.remote()}
 
     @api.get("/health")
     async def health():
