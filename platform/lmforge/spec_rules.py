@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Optional
 
 from lmforge.deepspeed_config import reconcile as reconcile_deepspeed
 from lmforge.models.config import ModelConfig
-from lmforge.models.lora_config import rank_refusal
+from lmforge.models.lora_config import nf4_refusal, rank_refusal
 
 if TYPE_CHECKING:
     from lmforge.spec import JobSpec
@@ -207,6 +207,19 @@ def check_lora(spec: "JobSpec", model: ModelConfig) -> None:
     refusal = rank_refusal(model, lora)
     if refusal:
         raise ValueError(f"model.lora.rank: {refusal}")
+    if lora.quantize:
+        check_quantized_base(spec, model)
+
+
+def check_quantized_base(spec: "JobSpec", model: ModelConfig) -> None:
+    """QLoRA: a base model read from a directory, held in NF4 by the native engine's FSDP2."""
+    if spec.model.init_from is None:
+        raise ValueError("model.lora.quantize: nf4 holds a trained base in 4 bits; set model.init_from to its directory")
+    if spec.engine != "native" or spec.parallel.tp > 1:
+        raise ValueError("model.lora.quantize: an NF4 base trains with the native engine under data and pipeline parallelism (tp 1)")
+    refusal = nf4_refusal(model, spec.model.lora)
+    if refusal:
+        raise ValueError(f"model.lora.quantize: {refusal}")
 
 
 def check_on_policy(spec: "JobSpec") -> None:

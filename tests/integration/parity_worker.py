@@ -83,7 +83,7 @@ def state_bytes(engine) -> dict | None:
     if not hasattr(engine, "parts"):
         return None
     params = list({id(p): p for part in engine.parts for p in part.parameters()}.values())
-    size = lambda t: _local(t).numel() * _local(t).element_size()
+    size = lambda t: sum(map(size, _inner(_local(t)))) if _inner(_local(t)) else _local(t).numel() * _local(t).element_size()
     moments = [v for opt in engine.optimizers for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
     teacher = sum(size(p) for t in getattr(engine.loss, "teachers", ()) for p in t.parameters())
     return {
@@ -114,6 +114,13 @@ class CachedTargets:
         ids = torch.from_numpy(scored["topk_ids"].astype("int64")).view(rows, seq, self.k)
         logprobs = torch.from_numpy(scored["topk_logprobs"].astype("float32")).view(rows, seq, self.k)
         return share(ids), share(logprobs)
+
+
+def _inner(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors a tensor subclass (a QLoRA base's NF4 weight) really holds; [] for a plain one."""
+    if type(tensor) is torch.Tensor or not hasattr(tensor, "__tensor_flatten__"):
+        return []
+    return [getattr(tensor, name) for name in tensor.__tensor_flatten__()[0]]
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

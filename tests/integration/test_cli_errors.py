@@ -307,6 +307,11 @@ EARLY_REFUSALS = {
         ["train", "job.yaml"],
         ["model.lora.rank: 48 is larger than the wk layers (32 on their smaller side); use a rank of at most 32"],
     ),
+    "an NF4 base that is not a trained model": (
+        lambda tmp: write_job(tmp, tiny_job(tmp, tmp / "data", model={"preset": "tiny", "vocab_size": 512, "lora": {"quantize": "nf4"}})),
+        ["train", "job.yaml"],
+        ["model.lora.quantize: nf4 holds a trained base in 4 bits; set model.init_from"],
+    ),
     "adapters exported from a checkpoint that has none": (
         checkpoint_without_adapters,
         ["export", "checkpoints/step_00000004", "--out", "adapter", "--format", "peft"],

@@ -44,6 +44,9 @@ ON_POLICY = [*DISTILL_LOGITS, "distill.on_policy={fraction: 0.5, max_new_tokens:
 # with each step's batch).
 LORA = ["model.lora={rank: 4, alpha: 8}", "optim.lr=1e-2"]
 LORA_BASE = {"export": "3d-save", "export_format": "hf"}
+# QLoRA: the attention layers' frozen weights in NF4 (the MLP's 172 rows do not split
+# into 8 FSDP shards; the spec refuses them).
+QLORA = ["model.lora={rank: 4, alpha: 8, targets: [q_proj, k_proj, v_proj, o_proj], quantize: nf4}", "optim.lr=1e-2"]
 
 # name: (ranks, --set items, options): see parity.Launches.
 CASES = {
@@ -135,6 +138,11 @@ CASES = {
         )
     },
     **{f"lora-kd-{name}": (n, [*DISTILL_LOGITS, *LORA], LORA_BASE | {"teacher": "moe-dp4"}) for name, n in (("one", 1), ("dp2", 2))},
+    # The NF4 weights FSDP-sharded; saved after 3 steps on dp2 (the adapters alone: the NF4 base is made again) and continued by one process.
+    **{
+        f"qlora-{name}": (n, QLORA, LORA_BASE | options)
+        for name, n, options in (("one", 1, {}), ("dp2", 2, {"save_at": 3}), ("load-one", 1, {"load": "qlora-dp2"}))
+    },
 }
 ONE_PROCESS = (
     "reference",
@@ -150,12 +158,27 @@ ONE_PROCESS = (
     "lora-kd-one",
     "lora-load-one",
     "lora-one",
+    "qlora-one",
+    "qlora-load-one",
 )
 
 
 def one_process(case: str) -> str:
     """The single-process run a case is compared with."""
-    for prefix in ("on-policy-masked", "on-policy", "sft-kd", "sft", "distill-cache", "distill-moe", "distill", "parts", "moe", "lora-kd", "lora"):
+    for prefix in (
+        "on-policy-masked",
+        "on-policy",
+        "sft-kd",
+        "sft",
+        "distill-cache",
+        "distill-moe",
+        "distill",
+        "parts",
+        "moe",
+        "lora-kd",
+        "lora",
+        "qlora",
+    ):
         if case.startswith(prefix + "-"):
             return f"{prefix}-one"
     return "reference"
@@ -381,3 +404,31 @@ def test_a_lora_checkpoint_continues_and_exports_merged_and_as_peft(run):
         merged_logits = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)(tokens).logits
     assert torch.allclose(peft_logits, merged_logits, atol=1e-5)
     assert not torch.allclose(before, merged_logits, atol=1e-3), "the adapters changed nothing"
+
+
+def test_a_qlora_student_trains_alike_on_every_layout_and_exports_what_it_learnt(run):
+    """The NF4 base FSDP-sharded as one process holds it whole (its bytes as `lmforge
+    plan` counts them: the worker's state check); the checkpoint holds the adapters and
+    not the NF4 weights, and one process continues it from the base it names; `lmforge
+    export` folds the adapters into the dequantized base: its held-out loss is the one
+    the job measured at that step."""
+    import torch
+    import torch.nn.functional as F
+    from parity_worker import held_out_batches
+
+    from lmforge.models import build_model
+    from lmforge.models.weights import open_model_dir
+
+    want, got = run("qlora-one"), run("qlora-dp2")
+    assert got["losses"] == pytest.approx(want["losses"], rel=1e-5)
+    assert want["eval"]["3"] < want["eval"]["0"]
+    assert want["losses"] != pytest.approx(run("lora-one")["losses"], rel=1e-4), "NF4 changed nothing"
+    assert run("qlora-load-one")["losses"] == pytest.approx(want["losses"][3:], rel=1e-4)
+    saved = dcp_keys(run.checkpoint("qlora-dp2") / "step_00000003")
+    assert "model.layers.0.attention.wq.lora_a" in saved and "model.layers.0.feed_forward.w1.weight" in saved
+    assert "model.layers.0.attention.wq.weight" not in saved
+    exported = run.export("qlora-dp2", "lmforge")
+    model = build_model(open_model_dir(exported).cfg, weights=str(exported)).eval()
+    with torch.no_grad():
+        losses = [F.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten()).item() for batch in held_out_batches()]
+    assert sum(losses) / len(losses) == pytest.approx(want["eval"]["3"], rel=1e-5)

@@ -3,14 +3,16 @@ trainable and counted by the formula, merged weights equal to the adapters appli
 and peft's own LoRA on transformers' model (the independent reference) giving our
 logits from the PEFT export. Layouts are the parity launches' (tests/integration)."""
 
+import re
+
 import pytest
 import torch
 
 from hf_models import make_hf_model
 from lmforge.memory.states import deepspeed_states, lora_parameters, native_states
 from lmforge.models import PRESETS, build_model
-from lmforge.models.lora import LoraLinear, apply_lora, merged
-from lmforge.models.lora_config import LoraSpec
+from lmforge.models.lora import LoraLinear, apply_lora, merged, quantize_nf4
+from lmforge.models.lora_config import LoraSpec, nf4_bytes, nf4_scaler_block
 from lmforge.models.peft_format import write_peft_dir
 from lmforge.models.weights import open_model_dir
 from lmforge.spec import spec_from_dict
@@ -125,3 +127,35 @@ def test_deepspeed_plans_count_the_adapters_as_all_that_trains():
         assert states.params == (2 * psi if stage == 2 else psi)
         assert states.grads == (adapters + 2 * adapters if stage == 2 else 2 * adapters)
         assert states.optimizer == 6 * adapters
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["model.lora={quantize: nf4}", "model.init_from=HERE", "parallel.tp=2"],
+            "an NF4 base trains with the native engine under data and pipeline",
+        ),
+        (["model.lora={quantize: nf4}", "model.init_from=HERE"], "the w1 layers (172 x 64) do not split into NF4 blocks of 64 weights"),
+    ],
+)
+def test_an_nf4_base_that_cannot_be_held_alike_on_every_layout_is_refused(overrides, message, tmp_path):
+    from lmforge.errors import UserError
+    from lmforge.models.weights import write_model_dir
+
+    write_model_dir(tmp_path / "base", "lmforge", PRESETS["tiny"], build_model(PRESETS["tiny"]).state_dict())
+    job = {"name": "t", "data": {"path": "unused"}, "model": {"preset": "tiny"}, "train": {"micro_batch": 2, "global_batch": 4}}
+    with pytest.raises(UserError, match=re.escape(message)):
+        spec_from_dict(job, [item.replace("HERE", str(tmp_path / "base")) for item in overrides])
+
+
+def test_nf4_blocks_split_alike_over_up_to_eight_shards():
+    """QLoRA's 256 scalers per group where a layer allows it; fewer on a small one, so
+    that a weight's groups still split over 1, 2, 4 or 8 FSDP ranks."""
+    assert nf4_scaler_block(4096 * 4096) == 256
+    assert nf4_scaler_block(64 * 64) == 8  # 64 scalers: 8 groups of 8
+    assert nf4_scaler_block(172 * 64) is None and nf4_scaler_block(100) is None
+    weight = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+    nf4 = quantize_nf4(weight)
+    assert nf4.scaler_block_size == 8 and (nf4.get_original_weight() - weight).abs().max() < 0.5 * weight.abs().max()
+    assert sum(getattr(nf4, name).numel() * getattr(nf4, name).element_size() for name in nf4.__tensor_flatten__()[0]) == nf4_bytes(64 * 64)

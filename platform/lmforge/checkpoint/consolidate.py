@@ -25,9 +25,9 @@ from lmforge.errors import UserError
 from lmforge.jsonfile import member, read_object
 from lmforge.models import ModelConfig, Transformer
 from lmforge.models.config import config_from_dict
-from lmforge.models.lora import apply_lora, merged
+from lmforge.models.lora import apply_lora, merged, quantize_nf4
 from lmforge.models.lora_config import LoraSpec, adapter_shapes
-from lmforge.models.weights import clean_name, weight_names, weight_shapes
+from lmforge.models.weights import clean_name, open_model_dir, weight_names, weight_shapes
 
 
 def read_checkpoint(step_dir: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor], TrainerState]:
@@ -44,8 +44,15 @@ def read_trained_tensors(step_dir: str | os.PathLike) -> tuple[ModelConfig, dict
     cfg = config_from_dict(state.model, str(step_dir / STATE))
     _verify(step_dir, state.step)
     names = weight_names(cfg)
-    names += list(adapter_shapes(weight_shapes(cfg), state.lora)) if state.lora else []
-    tensors = _read_dcp(step_dir, cfg, state.lora, set(names)) if state.format == "dcp" else _read_deepspeed(step_dir)
+    adapters = list(adapter_shapes(weight_shapes(cfg), state.lora)) if state.lora else []
+    names += adapters
+    in_nf4 = (
+        {f"{name.removesuffix('.lora_a')}.weight" for name in adapters if name.endswith(".lora_a")} if state.lora and state.lora.quantize else set()
+    )
+    saved = set(names) - in_nf4
+    tensors = _read_dcp(step_dir, cfg, state.lora, saved) if state.format == "dcp" else _read_deepspeed(step_dir)
+    if in_nf4:
+        tensors |= _quantized_base(step_dir, state, cfg, in_nf4)
     missing = sorted(set(names) - set(tensors))
     if missing:
         raise UserError(f"{step_dir}: the checkpoint lacks {', '.join(missing[:3])} for its model")
@@ -73,7 +80,7 @@ def committed_state(step_dir: Path) -> TrainerState:
 def _read_dcp(step_dir: Path, cfg: ModelConfig, lora: LoraSpec | None, names: set[str]) -> dict[str, torch.Tensor]:
     model = Transformer(cfg)  # a template on CPU: DCP fills its tensors in place
     if lora is not None:
-        apply_lora(model, lora, seed=0)
+        apply_lora(model, lora.model_copy(update={"quantize": None}), seed=0)
     template = {name: tensor for name, tensor in model.state_dict().items() if name in names}
     with warnings.catch_warnings():  # DCP warns that no process group is up: reading in one process is the point
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -84,6 +91,20 @@ def _read_dcp(step_dir: Path, cfg: ModelConfig, lora: LoraSpec | None, names: se
             raise UserError(str(err)) from None
         dcp.load({"model": template}, storage_reader=reader, no_dist=True)
     return template
+
+
+def _quantized_base(step_dir: Path, state: TrainerState, cfg: ModelConfig, names: set[str]) -> dict[str, torch.Tensor]:
+    """A QLoRA checkpoint's NF4 weights, which it does not hold: its base's, quantized as
+    the job quantized them, in fp32 (what the adapters were trained against)."""
+    base = state.init_from
+    try:
+        model_dir = open_model_dir(base or "")
+    except ValueError as err:
+        raise UserError(f"{step_dir}: a QLoRA checkpoint holds its adapters, not its NF4 base; the base ({base}) cannot be read ({err})") from None
+    theirs, ours = weight_shapes(model_dir.cfg), weight_shapes(cfg)
+    if any(theirs.get(name) != ours[name] for name in names):
+        raise UserError(f"{step_dir}: its base {base} is no longer the model it was trained on (another shape)")
+    return {name: quantize_nf4(model_dir.tensor(name)).get_original_weight() for name in names}
 
 
 def _verify(step_dir: Path, step: int) -> None:

@@ -29,7 +29,7 @@ from lmforge.engines.base import Engine, StepStats, warmup_cosine
 from lmforge.engines.loss import Loss, LossInputs, Placement, cross_entropy
 from lmforge.engines.loss_mask import learnt_per_rank, next_token_labels
 from lmforge.models import Transformer, materialize
-from lmforge.models.lora import apply_lora
+from lmforge.models.lora import apply_lora, is_nf4
 from lmforge.parallel.checkpointing import apply_activation_checkpointing
 from lmforge.parallel.compile import apply_compile
 from lmforge.parallel.fsdp import apply_fsdp, gathered_across_forwards, needs_wrapping
@@ -309,15 +309,16 @@ class NativeEngine(Engine):
         model: dict = {}
         optim: dict = {}
         for part, optimizer in zip(self.parts, self.optimizers):
-            model.update(get_model_state_dict(part))
+            # A QLoRA base's NF4 weights are left out: frozen, and made again from model.init_from.
+            model.update({name: value for name, value in get_model_state_dict(part).items() if not is_nf4(value)})
             # Hyper-parameters come from the job, not the checkpoint: only tensors are saved.
             optim.update({k: v for k, v in get_optimizer_state_dict(part, optimizer, options=STATE_OPTIONS).items() if isinstance(v, torch.Tensor)})
         return {"model": model, "optim": optim}, {"scheduler": self.schedulers[0].state_dict()}
 
     def load_state_dict(self, tensors: dict, plain: dict) -> None:
         for part, optimizer, scheduler in zip(self.parts, self.optimizers, self.schedulers):
-            model_sd = get_model_state_dict(part)
-            set_model_state_dict(part, {k: tensors["model"][k] for k in model_sd})
+            saved = {name: tensors["model"][name] for name, value in get_model_state_dict(part).items() if not is_nf4(value)}
+            set_model_state_dict(part, saved, options=StateDictOptions(strict=False))
             optim = get_optimizer_state_dict(part, optimizer, options=STATE_OPTIONS)
             optim.update({k: tensors["optim"][k] for k, v in optim.items() if isinstance(v, torch.Tensor)})
             set_optimizer_state_dict(part, optimizer, optim, options=STATE_OPTIONS)

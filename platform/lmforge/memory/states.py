@@ -29,7 +29,7 @@ import torch
 
 from lmforge.distill.hidden import ADAPTERS
 from lmforge.models.llama import Transformer
-from lmforge.models.lora_config import LoraSpec, adapter_shapes
+from lmforge.models.lora_config import LoraSpec, adapter_shapes, nf4_bytes
 from lmforge.parallel.fsdp import needs_wrapping
 from lmforge.parallel.pipeline import in_stage, split_layers, stage_indices
 from lmforge.parallel.shape import MeshShape
@@ -131,7 +131,10 @@ def native_states(spec: JobSpec, rank: int, teachers: tuple[ModelConfig, ...] = 
     lora = spec.model.lora
     low_rank = tuple(adapter_shapes(dict(params), lora).items()) if lora else ()
     trained = (*low_rank, *beside) if lora else (*params, *beside)  # LoRA: the base is frozen (no gradient, no moments)
-    params = (*params, *low_rank, *beside)
+    # QLoRA: the adapted layers' weights in NF4, counted by what torchao's tensor holds.
+    in_nf4 = {f"{name.removesuffix('.lora_a')}.weight" for name, _ in low_rank if name.endswith(".lora_a")} if lora and lora.quantize else set()
+    nf4 = sum(nf4_bytes(math.prod(dims), shape.dp_shard) for name, dims in params if name in in_nf4)
+    params = (*(item for item in params if item[0] not in in_nf4), *low_rank, *beside)
     numel = _rank_numel(params, p.tp, coords["tp"], shape.dp_shard, shard_rank)
     grad_numel = trained_numel = _rank_numel(trained, p.tp, coords["tp"], shape.dp_shard, shard_rank)
     if p.tp > 1 and not needs_wrapping(shape, spec.train.precision):
@@ -140,7 +143,7 @@ def native_states(spec: JobSpec, rank: int, teachers: tuple[ModelConfig, ...] = 
         grad_numel += sum(
             math.prod(dims) - local_numel(name, dims, p.tp, coords["tp"], 1, 0) for name, dims in trained if name == "tok_embeddings.weight"
         )
-    weights, grads = numel * FP32, grad_numel * FP32
+    weights, grads = numel * FP32 + nf4, grad_numel * FP32
     optimizer = 2 * trained_numel * FP32 + len(trained) * FP32  # exp_avg, exp_avg_sq, and a step scalar each
     unit = _largest_block_numel(params, p.tp, coords["tp"])
     frozen = (

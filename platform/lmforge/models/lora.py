@@ -5,15 +5,18 @@ frozen. Applied from outside to a plain model, as parallelism is; `peft` reads t
 
 from __future__ import annotations
 
+import importlib
 import math
+import sys
 import zlib
 from typing import Iterator, Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-from lmforge.models.lora_config import LoraSpec, is_adapter
+from lmforge.models.lora_config import NF4_BLOCK, LoraSpec, is_adapter, nf4_scaler_block
 
 
 class LoraLinear(nn.Linear):
@@ -52,7 +55,8 @@ def apply_lora(model: nn.Module, lora: LoraSpec, seed: int) -> int:
     """Replace the targeted layers of a materialized model (or stage) with `LoraLinear`s
     and freeze everything else; returns how many. A is drawn as peft draws it (Kaiming
     uniform, bound 1/sqrt(in)) from a generator seeded by (seed, name), so every layout
-    starts from the same adapters; B starts at zero, so the model is unchanged at step 0."""
+    starts from the same adapters; B starts at zero, so the model is unchanged at step 0.
+    With `lora.quantize`, the adapted layers' weights are held in NF4 from here on."""
     for param in model.parameters():
         param.requires_grad_(False)
     adapted = 0
@@ -61,6 +65,8 @@ def apply_lora(model: nn.Module, lora: LoraSpec, seed: int) -> int:
         gen = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + zlib.crc32(f"{name}.lora_a".encode()))
         bound = 1 / math.sqrt(layer.in_features)
         layer.lora_a.copy_(torch.empty(layer.lora_a.shape).uniform_(-bound, bound, generator=gen))
+        if lora.quantize == "nf4":
+            layer.weight = nn.Parameter(quantize_nf4(layer.weight.detach()), requires_grad=False)
         setattr(parent, attribute, layer)
         adapted += 1
     return adapted
@@ -77,3 +83,20 @@ def merged(tensors: Mapping[str, torch.Tensor], lora: LoraSpec) -> dict[str, tor
             weight = out[f"{module}.weight"]
             out[f"{module}.weight"] = (weight.double() + lora.scaling * (b @ a)).to(weight.dtype)
     return out
+
+
+# torchao's NF4 tensor, imported by the first QLoRA layer: importing torchao costs about
+# a second per process, which every rank of every other job would pay.
+NF4_MODULE = "torchao.quantization.quantize_.workflows.nf4.nf4_tensor"
+
+
+def quantize_nf4(weight: torch.Tensor) -> torch.Tensor:
+    """QLoRA's NF4 with double-quantized scalers (torchao's NF4Tensor), in blocks that
+    every layout splits alike (`nf4_scaler_block`); computes in the weight's own dtype."""
+    return importlib.import_module(NF4_MODULE).to_nf4(weight, NF4_BLOCK, nf4_scaler_block(weight.numel()))
+
+
+def is_nf4(tensor: torch.Tensor) -> bool:
+    """An NF4 weight, or FSDP's shard of one (none exists before torchao is imported)."""
+    nf4 = sys.modules.get(NF4_MODULE)
+    return nf4 is not None and isinstance(tensor.to_local() if isinstance(tensor, DTensor) else tensor, nf4.NF4Tensor)

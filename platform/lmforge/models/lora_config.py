@@ -3,7 +3,7 @@ shapes and names that follow from it (no torch: the job file's checks use it).""
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Literal, Mapping, Optional
 
 from pydantic import Field, field_validator
 
@@ -15,6 +15,10 @@ from lmforge.section import Section
 LINEAR_LAYERS = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj", "w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 HF_TO_LMFORGE = {hf: ours for ours, hf in LINEAR_LAYERS.items()}
 ADAPTER_PARAMS = ("lora_a", "lora_b")
+# QLoRA's NF4 (Dettmers et al. 2023, arXiv:2305.14314): an absmax scaler per block of 64
+# weights, the scalers quantized again in groups; the groups of a weight must divide
+# into this many FSDP shards, whatever the layout, so every layout quantizes alike.
+NF4_BLOCK, NF4_SHARDS = 64, 8
 
 
 class LoraSpec(Section):
@@ -27,6 +31,7 @@ class LoraSpec(Section):
         default_factory=lambda: list(LINEAR_LAYERS),
         description="the blocks' linear layers that get adapters, by lmforge's (wq, w1) or Hugging Face's (q_proj, gate_proj) name",
     )
+    quantize: Optional[Literal["nf4"]] = Field(None, description="nf4: the adapted layers' frozen weights in 4-bit NormalFloat (QLoRA)")
 
     @field_validator("targets")
     @classmethod
@@ -93,3 +98,35 @@ def adapter_shapes(weight_shapes: Mapping[str, tuple[int, ...]], lora: LoraSpec)
 
 def is_adapter(name: str) -> bool:
     return name.rpartition(".")[2] in ADAPTER_PARAMS
+
+
+def nf4_scaler_block(numel: int) -> int | None:
+    """Scalers per second-level group for a weight of `numel` elements: QLoRA's 256, or
+    fewer for a small layer, leaving a multiple of NF4_SHARDS groups; None: none does."""
+    if numel % NF4_BLOCK:
+        return None
+    scalers, size = numel // NF4_BLOCK, 256
+    while size and scalers % (size * NF4_SHARDS):
+        size //= 2
+    return size or None
+
+
+def nf4_bytes(numel: int, shards: int = 1) -> int:
+    """What an NF4 weight (torchao's NF4Tensor) holds, on one of `shards` FSDP ranks: the
+    4-bit codes, the int8 scalers and fp32 group factors split, the fp32 scaler mean and
+    16-value code book whole."""
+    scalers = numel // NF4_BLOCK
+    groups = scalers // (nf4_scaler_block(numel) or 1)
+    return (numel // 2 + scalers + 4 * groups) // shards + 4 + 16 * 4
+
+
+def nf4_refusal(cfg: ModelConfig, lora: LoraSpec) -> str | None:
+    """Why the targeted layers cannot be held in NF4 on every layout (None: they can)."""
+    for target in lora.targets:
+        out, into = layer_sides(cfg)[target]
+        if nf4_scaler_block(out * into) is None or out % NF4_SHARDS:
+            return (
+                f"the {target} layers ({out} x {into}) do not split into NF4 blocks of {NF4_BLOCK} weights in groups that "
+                f"FSDP can shard over up to {NF4_SHARDS} ranks"
+            )
+    return None
