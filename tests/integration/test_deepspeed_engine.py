@@ -7,7 +7,13 @@ silently ignored setting fails the test.
 """
 
 import pytest
+import torch
+import torch.nn.functional as F
 from parity import DISTILL_LOGITS, FAMILY_PARTS, FROM_CACHE, MOE, Launches, losses
+from parity_worker import held_out_batches
+
+from lmforge.models import build_model
+from lmforge.models.weights import open_model_dir
 
 STEPS = ["--steps", "10"]
 OFFLOAD_OPT = "deepspeed.config.zero_optimization.offload_optimizer.device=cpu"
@@ -43,7 +49,11 @@ CASES = {
     "zero3-ac": (2, [*zero(3), "parallel.activation_checkpointing=full"], TEN),
     "zero2-bf16": (2, [*zero(2), "train.precision=bf16"], TEN),
     # A LoRA student: ZeRO partitions the frozen base and optimizes the adapters alone.
-    **{f"{engine}-lora": (2, [*items, *LORA], TEN) for engine, items in (("native", []), ("zero2", zero(2)), ("zero3", zero(3)))},
+    # ZeRO-2's saved after 3 steps: DeepSpeed's checkpoint exported with its frozen base.
+    **{
+        f"{engine}-lora": (2, [*items, *LORA], TEN | save)
+        for engine, items, save in (("native", [], {}), ("zero2", zero(2), {"save_at": 3}), ("zero3", zero(3), {}))
+    },
     # Every model family's parts, and a mixture of experts, on both engines.
     **{f"{engine}-families": (2, [*items, *FAMILY_PARTS], TEN) for engine, items in (("native", []), ("zero3", zero(3)))},
     **{f"{engine}-moe": (2, [*items, *MOE], TEN) for engine, items in (("native", []), ("zero3", zero(3)))},
@@ -118,6 +128,12 @@ def test_a_lora_student_under_zero(runs, stage):
     assert runs(f"zero{stage}-lora")["engine"]["zero_stage"] == stage
     assert runs(f"zero{stage}-lora")["losses"] == pytest.approx(native, rel=1e-4)
     assert native != pytest.approx(runs("native")["losses"], rel=1e-3)
+    if stage == 2:  # `lmforge export` of its checkpoint: the frozen base with the adapters folded in, the job's model at step 3
+        exported = runs.export("zero2-lora", "lmforge")
+        model = build_model(open_model_dir(exported).cfg, weights=str(exported)).eval()
+        with torch.no_grad():
+            losses = [F.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten()).item() for batch in held_out_batches()]
+        assert sum(losses) / len(losses) == pytest.approx(runs("zero2-lora")["eval"]["3"], rel=1e-5)
 
 
 def test_activation_checkpointing_under_zero3(native_dp2, runs):

@@ -8,10 +8,14 @@ add in another order); bf16 (FSDP2 mixed precision, fp32 reduction) within 2e-2.
 """
 
 import pytest
+import torch
+import torch.nn.functional as F
 from parity import DISTILL_LOGITS, FAMILY_PARTS, FROM_CACHE, MOE, Launches
+from parity_worker import held_out_batches
 from safetensors import safe_open
 from torch.distributed.checkpoint import FileSystemReader
 
+from lmforge.models import build_model
 from lmforge.models.weights import open_model_dir, weight_names
 
 
@@ -388,8 +392,7 @@ def test_a_lora_checkpoint_continues_and_exports_merged_and_as_peft(run):
     with the same losses. `lmforge export` folds them into the weights (Hugging Face
     format), and `--format peft` writes them alone: peft puts them on the base's own
     export and gives the merged model's logits."""
-    import torch
-    from peft import PeftModel
+    from peft import PeftModel  # imported by this test alone: transformers takes seconds to import
     from transformers import AutoModelForCausalLM
 
     want, got = run("lora-one"), run("lora-load-one")
@@ -414,13 +417,6 @@ def test_a_qlora_student_trains_alike_on_every_layout_and_exports_what_it_learnt
     not the NF4 weights, and one process continues it from the base it names; `lmforge
     export` folds the adapters into the dequantized base: its held-out loss is the one
     the job measured at that step."""
-    import torch
-    import torch.nn.functional as F
-    from parity_worker import held_out_batches
-
-    from lmforge.models import build_model
-    from lmforge.models.weights import open_model_dir
-
     want, got = run("qlora-one"), run("qlora-dp2")
     assert got["losses"] == pytest.approx(want["losses"], rel=1e-5)
     assert run("bf16-qlora-dp2")["losses"] == pytest.approx(want["losses"], rel=2e-2)
