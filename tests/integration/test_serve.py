@@ -26,6 +26,7 @@ from pathlib import Path
 import grpc
 import httpx2 as httpx  # the HTTP client the openai package is built on
 import jsonschema
+import numpy as np
 import openai
 import pytest
 import torch
@@ -37,6 +38,9 @@ from hf_models import make_hf_model, make_tokenizer
 from lm_eval_tasks import HARNESS, HARNESS_TASKS, harness_output, offline
 from lmforge import sdk
 from lmforge.chat import DEFAULT_CHAT_TEMPLATE
+from lmforge.distill.served_teacher import ServedTeacher
+from lmforge.distill_jobs.teacher_cache import TeacherTopK
+from lmforge.errors import UserError
 from lmforge.inference.generate import Generator
 from lmforge.inference.sampling import SamplingParams
 from lmforge.models import build_model
@@ -209,7 +213,8 @@ def test_echo_scores_prompts_as_a_full_forward_and_token_ids_are_prompts(serving
     """What lm-evaluation-harness's `local-completions` sends: token-id prompts, `echo`
     with `logprobs` and `max_tokens` 0 or 1. Each prompt token's logprob (the first
     null) and its top 2 are a full forward's log-softmax at the position before it;
-    a prefix scores as the start of the whole; token ids answer as their text does."""
+    a prefix scores as the start of the whole; token ids answer as their text does; with
+    vLLM's `return_tokens_as_token_ids`, the top 16 named by id are the forward's."""
     import torch
 
     client, tokenizer = serving.client("teacher"), reference.tokenizer
@@ -237,6 +242,36 @@ def test_echo_scores_prompts_as_a_full_forward_and_token_ids_are_prompts(serving
     as_text = client.completions.create(model="teacher", prompt=PROMPTS[1], max_tokens=8, temperature=0).choices[0].text
     as_ids = client.completions.create(model="teacher", prompt=tokenizer.encode(PROMPTS[1]).ids, max_tokens=8, temperature=0)
     assert as_ids.choices[0].text == as_text == alone(reference, PROMPTS[1], 8)
+    # What a served teacher's top-k needs (vLLM's extra): 16 alternatives per token, named by id.
+    by_id = client.completions.create(
+        model="teacher", prompt=ids, echo=True, max_tokens=0, logprobs=16, extra_body={"return_tokens_as_token_ids": True}
+    ).choices[0]
+    assert by_id.logprobs.tokens == [f"token_id:{i}" for i in ids]
+    best = logprobs.topk(16, dim=-1)
+    for position, top in enumerate(by_id.logprobs.top_logprobs[1:]):
+        got = {int(name.removeprefix("token_id:")): value for name, value in top.items()}
+        assert sorted(got) == sorted(best.indices[position].tolist())
+        assert [got[i] for i in best.indices[position].tolist()] == pytest.approx(best.values[position].tolist(), abs=1e-4)
+    with pytest.raises(openai.BadRequestError, match="logprobs: at most 20 alternatives per token here \\(--max-logprobs\\), got 21"):
+        client.completions.create(model="teacher", prompt=ids, echo=True, max_tokens=0, logprobs=21)
+
+
+def test_a_served_teacher_gives_the_cache_builders_top_k(serving, reference):
+    """`ServedTeacher` against the live server: each position's top 8 ids and
+    log-probabilities are what the offline cache's builder computes from the same
+    model in this process (temperature 1, stored as fp16), rows in two requests; a
+    server that names tokens by text, or refuses k alternatives, is refused in one line."""
+    vocab = min(reference.model.cfg.vocab_size, reference.tokenizer.get_vocab_size())
+    rows = np.random.default_rng(0).integers(0, vocab, size=(70, 17))  # 64 to a request: two requests
+    batch = {"tokens": rows, "sample_id": np.arange(len(rows))}
+    served = ServedTeacher(serving.url("teacher") + "/v1", "teacher", 8)
+    served.check()
+    got, want = served(batch), TeacherTopK([str(serving.teacher)], [1.0], 8, 1.0, vocab, threads=1)(batch)
+    assert np.array_equal(got["topk_ids"], want["topk_ids"])
+    assert np.allclose(got["topk_logprobs"].astype(np.float32), want["topk_logprobs"].astype(np.float32), atol=2e-3)
+    assert served.bytes_received > 0
+    with pytest.raises(UserError, match="distill.teacher.url: .* cannot teach: .*logprobs: at most 20 alternatives"):
+        ServedTeacher(serving.url("teacher") + "/v1", "teacher", 21).check()
 
 
 def lm_eval(out: Path, model: str, model_args: str, tasks=HARNESS_TASKS, *flags: str) -> tuple[dict, dict]:

@@ -44,6 +44,7 @@ def add_parsers(sub) -> None:
     srv.add_argument("--max-running", type=int, default=16, help="sequences decoding together per replica (default 16)")
     srv.add_argument("--max-waiting", type=int, default=256, help="sequences queued per replica before 503 (default 256)")
     srv.add_argument("--max-n", type=int, default=8, help="the largest n a request may ask for (default 8)")
+    srv.add_argument("--max-logprobs", type=int, default=20, help="the most top alternatives per token a request may ask for (default 20, as vLLM's)")
     srv.add_argument(
         "--no-prefix-reuse",
         dest="prefix_reuse",
@@ -137,6 +138,7 @@ def serve_command(args) -> int:
         max_running=args.max_running,
         max_waiting=args.max_waiting,
         max_n=args.max_n,
+        max_logprobs=args.max_logprobs,
         prefix_reuse=args.prefix_reuse,
         long_prompt_tokens=args.long_prompt_tokens,
         long_replicas=args.long_replicas,

@@ -14,7 +14,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from functools import partial
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Callable, Optional
 
 import torch
 
@@ -68,8 +68,18 @@ class ResponseCache:
 class Choice:
     """One sequence's tokens so far and the text a client has been sent of them."""
 
-    def __init__(self, index: int, backend: "Backend", stops: list[str], with_logprobs: bool, echo: Optional[Echo] = None):
+    def __init__(
+        self,
+        index: int,
+        backend: "Backend",
+        stops: list[str],
+        with_logprobs: bool,
+        echo: Optional[Echo] = None,
+        spell: Optional[Callable[[int], str]] = None,
+    ):
+        """`spell`: how logprobs name a token (its text, or vLLM's "token_id:ID")."""
         self.index, self.backend, self.stops, self.with_logprobs = index, backend, stops, with_logprobs
+        self.spell = spell or (lambda token: backend.decode([token]))
         self.echo = echo or NO_ECHO
         self.tokens, self.logprobs, self.tops, self.pieces = [], [], [], []
         self.sent, self.finish_reason, self.previous = "", None, None
@@ -94,8 +104,8 @@ class Choice:
         self.sent = self.sent + delta
         if not self.with_logprobs:
             return delta, None
-        piece = self.backend.decode([token.id])
-        top = [(self.backend.decode([t]), lp) for t, lp in token.top]
+        piece = self.spell(token.id)
+        top = [(self.spell(t), lp) for t, lp in token.top]
         self.pieces.append(piece), self.logprobs.append(token.logprob), self.tops.append(top)
         return delta, {"pieces": [piece], "logprobs": [token.logprob], "tops": [top]}
 
@@ -182,6 +192,10 @@ class Backend:
             raise APIError(400, f"model: {request.model!r} is not served here (GET /v1/models lists {served})", "model", "model_not_found")
         if request.n > self.options.max_n:
             raise APIError(400, f"n: at most {self.options.max_n} choices per request, got {request.n}", "n")
+        asked = request.top_logprobs or 0
+        if asked > self.options.max_logprobs:
+            field = "logprobs" if kind == "completion" else "top_logprobs"
+            raise APIError(400, f"{field}: at most {self.options.max_logprobs} alternatives per token here (--max-logprobs), got {asked}", field)
         if kind == "chat":
             try:
                 texts, field = [self.render_chat([{"role": m.role, "content": m.text} for m in request.messages])], "messages"
@@ -260,12 +274,13 @@ class Backend:
         with_logprobs = (request.logprobs is not None) if kind == "completion" else request.logprobs
         top = request.top_logprobs or 0
         echoes = [None] * len(prompts)
+        spell = self._token_id_text if request.return_tokens_as_token_ids else self._token_text
         if kind == "completion" and request.echo:  # one forward per prompt, shared by its n choices
             echoes = [
-                await asyncio.to_thread(self._echo, text, ids, top if with_logprobs else None, self.adapters.get(request.model, 0))
+                await asyncio.to_thread(self._echo, text, ids, top if with_logprobs else None, self.adapters.get(request.model, 0), spell)
                 for text, ids in zip(request.prompts, prompts)
             ]
-        choices = [Choice(i, self, params.stop, with_logprobs, echoes[i // request.n]) for i in range(choices_count)]
+        choices = [Choice(i, self, params.stop, with_logprobs, echoes[i // request.n], spell) for i in range(choices_count)]
         base_seed = request.seed if request.seed is not None else random.randrange(2**62)
         started = self._start(prompts, params, request.n, base_seed, top, choices, grammar, self.adapters.get(request.model, 0))
         if request.stream:
@@ -277,9 +292,20 @@ class Backend:
             self.cache.put(key, result)
         return shape.response(*result)
 
-    def _echo(self, text: str | list[int], ids: list[int], top: Optional[int], adapter: int = 0) -> Echo:
+    def _token_text(self, token: int) -> str:
+        return self.decode([token])
+
+    @staticmethod
+    def _token_id_text(token: int) -> str:
+        """vLLM's `return_tokens_as_token_ids` form: exact where two tokens decode alike."""
+        return f"token_id:{token}"
+
+    def _echo(
+        self, text: str | list[int], ids: list[int], top: Optional[int], adapter: int = 0, spell: Optional[Callable[[int], str]] = None
+    ) -> Echo:
         """The prompt as `echo` returns it; with `top` (logprobs asked), each token's
         log-probability under the model given the ones before it, from one forward pass."""
+        spell = spell or self._token_text
         text = text if isinstance(text, str) else self.decode(ids)
         if top is None:
             return Echo(text, [], [], [])
@@ -289,8 +315,8 @@ class Backend:
         tops: list = [None]
         for position in range(len(ids) - 1):
             pairs = zip(best.indices[position].tolist(), best.values[position].tolist()) if best is not None else ()
-            tops.append([(self.decode([t]), v) for t, v in pairs])
-        return Echo(text, [self.decode([i]) for i in ids], [None, *chosen], tops)
+            tops.append([(spell(t), v) for t, v in pairs])
+        return Echo(text, [spell(i) for i in ids], [None, *chosen], tops)
 
     def _start(self, prompts, params, n, base_seed, top, choices, grammar, adapter: int = 0):
         queue, post = asyncio.Queue(), self._mailbox()

@@ -23,6 +23,7 @@ class ServerOptions:
     max_running: int = 16  # sequences decoding together
     max_waiting: int = 256  # sequences queued for a slot; more are refused (503)
     max_n: int = 8
+    max_logprobs: int = 20  # top alternatives per token a request may ask for (vLLM's default; a served teacher's top-k wants more)
     prefix_reuse: bool = True  # a prompt's beginning that a slot holds is copied, not computed again
     long_prompt_tokens: Optional[int] = None  # prompts this long go to replicas of their own (None: no routing)
     long_replicas: int = 1  # ... this many
@@ -45,7 +46,7 @@ class ServerOptions:
             raise UserError(f"--backend: {self.backend!r} is not one of {', '.join(BACKENDS)}")
         if self.backend == "onnxruntime":
             self._check_onnx()
-        for flag in ("max_running", "max_waiting", "max_n", "threads", "long_replicas", "stream_interval"):
+        for flag in ("max_running", "max_waiting", "max_n", "max_logprobs", "threads", "long_replicas", "stream_interval"):
             _at_least_one(flag, getattr(self, flag))
         if self.long_prompt_tokens is not None:
             _at_least_one("long_prompt_tokens", self.long_prompt_tokens)

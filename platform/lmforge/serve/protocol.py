@@ -18,6 +18,7 @@ MAX_STOP_CHARS = 256  # each stop string: matched on the event loop as tokens ar
 MAX_PROMPTS = 64  # prompts in one completions request
 MAX_N = 128  # the door's bound; a server's own --max-n is usually lower
 MAX_TOKENS = 1 << 20
+MAX_LOGPROBS = 1024  # the door's bound on top alternatives; a server's own --max-logprobs is lower (OpenAI's: 5, vLLM's default: 20)
 
 
 class APIError(Exception):
@@ -94,6 +95,7 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False  # vLLM's extra: generate max_tokens whatever the model says (benchmarks)
     response_format: Optional[ResponseFormat] = None
     structured_outputs: Optional[StructuredOutputs] = None  # vLLM's extra
+    return_tokens_as_token_ids: bool = False  # vLLM's extra: logprobs name tokens "token_id:ID", exact where texts collide
 
     @model_validator(mode="after")
     def _one_constraint(self):
@@ -129,7 +131,7 @@ class CompletionRequest(_Sampling):
     # Text, texts, token ids or lists of them (what lm-evaluation-harness sends).
     prompt: Union[str, list[str], list[int], list[list[int]]]
     max_tokens: Optional[int] = Field(16, ge=0, le=MAX_TOKENS)  # 0 with echo: the prompt's logprobs alone
-    logprobs: Optional[int] = Field(None, ge=0, le=5)
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)  # more than the server's --max-logprobs: a 400 naming it
     echo: bool = False  # the prompt, and with logprobs its tokens' (the first null), before the completion
 
     @field_validator("prompt", mode="before")
@@ -174,7 +176,7 @@ class ChatRequest(_Sampling):
     max_tokens: Optional[int] = Field(None, ge=1, le=MAX_TOKENS)
     max_completion_tokens: Optional[int] = Field(None, ge=1, le=MAX_TOKENS)
     logprobs: bool = False
-    top_logprobs: Optional[int] = Field(None, ge=0, le=5)
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
 
 
 def parse(model: type[BaseModel], body: object) -> BaseModel:
