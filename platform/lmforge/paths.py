@@ -36,10 +36,10 @@ def resolve_paths(model: BaseModel) -> Any:
         if value is None:
             continue
         marker = _marker(field.metadata) or _marker(get_args(field.annotation), deep=True)
-        if marker is not None:
-            updates[name] = [marker.resolve(v) for v in value] if isinstance(value, list) else marker.resolve(value)
-        elif isinstance(value, BaseModel):
+        if isinstance(value, BaseModel):  # a section (also where a field is a path or a section: distill.teacher)
             updates[name] = resolve_paths(value)
+        elif marker is not None:
+            updates[name] = [marker.resolve(v) for v in value] if isinstance(value, list) else marker.resolve(value)
         elif isinstance(value, list) and any(isinstance(v, BaseModel) for v in value):
             updates[name] = [resolve_paths(v) if isinstance(v, BaseModel) else v for v in value]
     return model.model_copy(update=updates) if updates else model

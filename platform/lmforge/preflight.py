@@ -23,6 +23,7 @@ from lmforge.data.precheck import check_before_ray
 from lmforge.data.prepare_options import PrepareOptions
 from lmforge.data.tokenizer import load_tokenizer
 from lmforge.distill.cache_manifest import is_built, read_cache
+from lmforge.distill.served_teacher import ServedTeacher
 from lmforge.errors import UserError
 from lmforge.models.weights import open_model_dir
 from lmforge.planner.fit import check_fits
@@ -169,7 +170,10 @@ def check_distill(spec: JobSpec, manifest: Optional[DatasetManifest]) -> None:
 
 def check_teachers(spec: JobSpec, manifest: Optional[DatasetManifest], tokenizer=None) -> None:
     """Every teacher opens, shares the dataset's tokenizer (or `tokenizer`, an instruction
-    distillation's), and splits as the student does."""
+    distillation's), and splits as the student does. A served teacher's are the server's
+    to know: `lmforge distill cache` asks it before scoring."""
+    if spec.distill.served is not None:
+        return
     dataset_tokenizer = tokenizer or _dataset_tokenizer(spec, manifest)
     if dataset_tokenizer is None:
         raise UserError(
@@ -302,13 +306,15 @@ def preflight(spec: JobSpec) -> Plan:
 
 def check_cache_build(spec: JobSpec) -> None:
     """`lmforge distill cache`, before anything starts: the job names where the cache
-    goes, and nothing is there yet."""
+    goes, nothing is there yet, and a served teacher answers with its top-k."""
     if spec.distill is None:
         raise UserError("distill: the job has no distill section, so no teacher to cache")
     if not spec.distill.cache:
         raise UserError("distill.cache: not set; name the directory the teacher cache goes to")
     if is_built(spec.distill.cache):
         raise UserError(f"distill.cache: {spec.distill.cache} already holds a teacher cache; remove it or choose another path")
+    if spec.distill.served is not None:
+        ServedTeacher.of(spec.distill.served, spec.distill.top_k).check()
 
 
 def check_generation(spec: JobSpec) -> None:

@@ -312,6 +312,13 @@ EARLY_REFUSALS = {
         ["train", "job.yaml"],
         ["model.lora.quantize: nf4 holds a trained base in 4 bits; set model.init_from"],
     ),
+    "a served teacher that does not answer": (
+        lambda tmp: write_job(
+            tmp, tiny_job(tmp, tmp / "data", distill={"teacher": {"url": "http://127.0.0.1:9/v1", "model": "t", "top_k": 4}, "cache": "cache"})
+        ),
+        ["distill", "cache", "job.yaml"],
+        ["distill.teacher.url: http://127.0.0.1:9/v1/ cannot teach: Connection error"],
+    ),
     "adapters exported from a checkpoint that has none": (
         checkpoint_without_adapters,
         ["export", "checkpoints/step_00000004", "--out", "adapter", "--format", "peft"],

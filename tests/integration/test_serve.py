@@ -28,12 +28,15 @@ import httpx2 as httpx  # the HTTP client the openai package is built on
 import jsonschema
 import numpy as np
 import openai
+import pyarrow.parquet as pq
 import pytest
 import torch
+import yaml
+from mlflow.tracking import MlflowClient
 from tokenizers import Tokenizer
 
 from cli import assert_clean_error, run_cli, run_cli_process
-from conftest import REFERENCE_STEPS, SESSION_MLFLOW
+from conftest import QWEN_TINY, REFERENCE_STEPS, SESSION_MLFLOW, tiny_job
 from hf_models import make_hf_model, make_tokenizer
 from lm_eval_tasks import HARNESS, HARNESS_TASKS, harness_output, offline
 from lmforge import sdk
@@ -51,6 +54,7 @@ from lmforge.models.weights import open_model_dir, write_model_dir
 from lmforge.serve.grpc_api import SERVICER
 from lmforge.serve.proto import completions_pb2 as pb
 from lmforge.serve.proto.completions_pb2_grpc import CompletionsStub
+from lmforge.spec import spec_from_dict
 from multinode import free_port
 
 pytestmark = pytest.mark.ray
@@ -272,6 +276,39 @@ def test_a_served_teacher_gives_the_cache_builders_top_k(serving, reference):
     assert served.bytes_received > 0
     with pytest.raises(UserError, match="distill.teacher.url: .* cannot teach: .*logprobs: at most 20 alternatives"):
         ServedTeacher(serving.url("teacher") + "/v1", "teacher", 21).check()
+
+
+def test_a_served_teacher_builds_the_offline_cache_a_student_trains_from(serving, reference, tiny_dataset, tmp_path):
+    """`distill.teacher: {url, model, top_k}`: `lmforge distill cache` asks the server for
+    every sample's top-k (the cache builder's own scoring of the same model, sample by
+    sample), records the teacher by URL and model, and a student trains from it."""
+    served = {"url": serving.url("teacher") + "/v1", "model": "teacher", "top_k": 8}
+    job = tiny_job(
+        tmp_path,
+        tiny_dataset,
+        model=QWEN_TINY | {"n_layers": 1},
+        train={"max_steps": 2},
+        distill={"teacher": served, "cache": str(tmp_path / "cache")},
+    )
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    built = run_cli("distill", "cache", "job.yaml", cwd=tmp_path)
+    assert built.returncode == 0, built.stderr
+    manifest = json.loads((tmp_path / "cache" / "manifest.json").read_text())
+    assert [(t["path"], t["sha256"]) for t in manifest["teachers"]] == [(f"{serving.url('teacher')}/v1#teacher", "served")]
+    shard = sorted((tmp_path / "cache").glob("*.parquet"))[0]
+    cached = pq.read_table(shard).slice(0, 6).to_pydict()
+    tokens = pq.read_table(tiny_dataset / shard.name, columns=["sample_id", "tokens"]).slice(0, 6).to_pydict()
+    assert cached["sample_id"] == tokens["sample_id"]
+    vocab = min(reference.model.cfg.vocab_size, reference.tokenizer.get_vocab_size())
+    want = TeacherTopK([str(serving.teacher)], [1.0], 8, 1.0, vocab, threads=1)(
+        {"tokens": np.array(tokens["tokens"]), "sample_id": tokens["sample_id"]}
+    )
+    assert np.array_equal(np.array(cached["topk_ids"]), want["topk_ids"])
+    assert np.allclose(np.array(cached["topk_logprobs"], dtype=np.float32), want["topk_logprobs"].astype(np.float32), atol=2e-3)
+    trained = sdk.train(spec_from_dict(job), show_progress=False)
+    assert trained.final_step == 2
+    params = MlflowClient(tracking_uri=trained.mlflow_tracking_uri).get_run(trained.mlflow_run_id).data.params
+    assert (params["distill.teacher.url"], params["distill.teachers_sha256"]) == (served["url"], "served")
 
 
 def lm_eval(out: Path, model: str, model_args: str, tasks=HARNESS_TASKS, *flags: str) -> tuple[dict, dict]:

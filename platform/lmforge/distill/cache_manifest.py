@@ -21,6 +21,8 @@ from lmforge.jsonfile import read_object
 
 FORMAT = "lmforge.teacher-topk.v1"
 
+SERVED = "served"  # a served teacher's record in place of a weight hash
+
 
 class CachedDataset(Record):
     path: str
@@ -74,7 +76,10 @@ def weights_sha256(path: str | os.PathLike) -> str:
 
 
 def teacher_records(distill: DistillSpec) -> list[TeacherRecord]:
-    """Each of the job's teachers (its `distill` section's): path, weight and weight hash."""
+    """Each of the job's teachers (its `distill` section's): path, weight and weight hash;
+    a served teacher's URL and model (its weights are the server's: no hash)."""
+    if distill.served is not None:
+        return [TeacherRecord(path=distill.served.name, weight=1.0, sha256=SERVED)]
     return [TeacherRecord(path=str(s.path), weight=s.weight, sha256=weights_sha256(s.path)) for s in distill.sources]
 
 
@@ -176,7 +181,7 @@ def tracking_params(spec) -> dict[str, str]:
     and, training from a cache, what its manifest says it holds and was made from."""
     if not spec.distill:
         return {}
-    params = {"distill.teachers_sha256": ",".join(weights_sha256(s.path) for s in spec.distill.sources)}
+    params = {"distill.teachers_sha256": ",".join(t.sha256 for t in teacher_records(spec.distill))}
     if not (spec.distill.cache and is_built(spec.distill.cache)):  # not while it is being built
         return params
     return params | cache_params(_load(spec.distill.cache))

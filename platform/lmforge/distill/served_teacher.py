@@ -6,12 +6,14 @@ failed request with exponential backoff, and a teacher that stays down raises.""
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 import numpy as np
 import openai
 
+from lmforge.distill.config import ServedTeacherSpec
 from lmforge.errors import UserError
 
 ROWS_PER_REQUEST = 64  # the server's bound on prompts in one completions request
@@ -28,11 +30,17 @@ class ServedTeacher:
         self.client = openai.OpenAI(base_url=url, api_key=api_key or "none", max_retries=max_retries, timeout=timeout_s)
         self.bytes_received = 0  # the responses' bodies: the wire's cost of the targets
 
+    @classmethod
+    def of(cls, served: ServedTeacherSpec, k: int, in_flight: int = 4) -> "ServedTeacher":
+        """The job's `distill.teacher: {url, model, api_key_env}`, its key read from that variable."""
+        return cls(served.url, served.model, k, os.environ.get(served.api_key_env) if served.api_key_env else None, in_flight)
+
     def check(self) -> None:
         """Before anything starts: the server answers a two-token echo with k alternatives
-        named by id; UserError naming `distill.teacher.url` otherwise."""
+        named by id; UserError naming `distill.teacher.url` otherwise (one retry: a server
+        that is down says so in a second, not after the backoff a job's requests get)."""
         try:
-            self._score([[0, 0]])
+            self._score([[0, 0]], self.client.with_options(max_retries=1))
         except (openai.OpenAIError, ServedTeacherError) as err:
             raise UserError(f"distill.teacher.url: {self.client.base_url} cannot teach: {str(err).splitlines()[0][:300]}") from None
 
@@ -47,10 +55,10 @@ class ServedTeacher:
         logprobs = np.stack([values for _, values in scored]).astype(np.float16)
         return {"sample_id": batch["sample_id"], "topk_ids": ids.reshape(len(rows), -1), "topk_logprobs": logprobs.reshape(len(rows), -1)}
 
-    def _score(self, rows: list[list[int]]) -> list[tuple[np.ndarray, np.ndarray]]:
+    def _score(self, rows: list[list[int]], client: Optional[openai.OpenAI] = None) -> list[tuple[np.ndarray, np.ndarray]]:
         """Per row: [len - 1, k] ids and log-probabilities, most likely first: the teacher's
         next-token distribution after each prefix."""
-        raw = self.client.completions.with_raw_response.create(
+        raw = (client or self.client).completions.with_raw_response.create(
             model=self.model, prompt=rows, echo=True, max_tokens=0, logprobs=self.k, extra_body={"return_tokens_as_token_ids": True}
         )
         self.bytes_received += len(raw.content)
