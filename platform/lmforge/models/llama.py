@@ -175,6 +175,12 @@ class TransformerBlock(nn.Module):
         return x + (self.ffn_out_norm(fed) if self.ffn_out_norm is not None else fed)
 
 
+def named_generator(seed: int, name: str) -> torch.Generator:
+    """A CPU generator of its own for a parameter: every layout that holds the parameter
+    (a pipeline stage, a TP rank before its split) draws the same values."""
+    return torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -230,8 +236,7 @@ class Transformer(nn.Module):
                 param.zero_()
                 continue
             scale = residual_std if name.endswith(("attention.wo.weight", ".w2.weight")) else std  # the MLPs' (and experts') output
-            gen = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-            param.copy_(torch.randn(param.shape, generator=gen) * scale)
+            param.copy_(torch.randn(param.shape, generator=named_generator(seed, name)) * scale)
         self.reset_rope()
 
     def _rope_tables(self) -> tuple:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import importlib
 import math
 import sys
-import zlib
 from typing import Iterator, Mapping
 
 import torch
@@ -16,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from lmforge.models.llama import named_generator
 from lmforge.models.lora_config import NF4_BLOCK, LoraSpec, is_adapter, nf4_scaler_block
 
 
@@ -62,9 +62,8 @@ def apply_lora(model: nn.Module, lora: LoraSpec, seed: int) -> int:
     adapted = 0
     for name, parent, attribute in list(targeted_layers(model, lora.targets)):
         layer = LoraLinear(getattr(parent, attribute), lora.rank, lora.scaling, lora.dropout)
-        gen = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + zlib.crc32(f"{name}.lora_a".encode()))
         bound = 1 / math.sqrt(layer.in_features)
-        layer.lora_a.copy_(torch.empty(layer.lora_a.shape).uniform_(-bound, bound, generator=gen))
+        layer.lora_a.copy_(torch.empty(layer.lora_a.shape).uniform_(-bound, bound, generator=named_generator(seed, f"{name}.lora_a")))
         if lora.quantize == "nf4":
             layer.weight = nn.Parameter(quantize_nf4(layer.weight.detach()), requires_grad=False)
         setattr(parent, attribute, layer)
@@ -73,7 +72,7 @@ def apply_lora(model: nn.Module, lora: LoraSpec, seed: int) -> int:
 
 
 def merged(tensors: Mapping[str, torch.Tensor], lora: LoraSpec) -> dict[str, torch.Tensor]:
-    """The model's weights with each update folded in (W + scaling * B @ A, in fp32), and
+    """The model's weights with each update folded in (W + scaling * B @ A, computed in float64), and
     the adapters left out: a plain model of the same shape."""
     out = {name: tensor for name, tensor in tensors.items() if not is_adapter(name)}
     for name in tensors:
