@@ -17,6 +17,7 @@ from lmforge.distill.config import ServedTeacherSpec
 from lmforge.errors import UserError
 
 ROWS_PER_REQUEST = 64  # the server's bound on prompts in one completions request
+IN_FLIGHT = 4  # requests at once
 TOKEN_ID = "token_id:"
 
 
@@ -25,13 +26,15 @@ class ServedTeacherError(RuntimeError):
 
 
 class ServedTeacher:
-    def __init__(self, url: str, model: str, k: int, api_key: Optional[str] = None, in_flight: int = 4, max_retries: int = 5, timeout_s: float = 300):
+    def __init__(
+        self, url: str, model: str, k: int, api_key: Optional[str] = None, in_flight: int = IN_FLIGHT, max_retries: int = 5, timeout_s: float = 300
+    ):
         self.model, self.k, self.in_flight = model, k, in_flight
         self.client = openai.OpenAI(base_url=url, api_key=api_key or "none", max_retries=max_retries, timeout=timeout_s)
         self.bytes_received = 0  # the responses' bodies: the wire's cost of the targets
 
     @classmethod
-    def of(cls, served: ServedTeacherSpec, k: int, in_flight: int = 4) -> "ServedTeacher":
+    def of(cls, served: ServedTeacherSpec, k: int, in_flight: int = IN_FLIGHT) -> "ServedTeacher":
         """The job's `distill.teacher: {url, model, api_key_env}`, its key read from that variable."""
         return cls(served.url, served.model, k, os.environ.get(served.api_key_env) if served.api_key_env else None, in_flight)
 

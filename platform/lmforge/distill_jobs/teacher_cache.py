@@ -31,7 +31,7 @@ from lmforge.data.manifest import EVAL_DIR, DatasetManifest, Shard, read_manifes
 from lmforge.data.staging import staged
 from lmforge.distill.cache_manifest import CachedHeldOut, CacheIdentity, CacheManifest, made_from, write_cache_manifest
 from lmforge.distill.losses import Mixture, teacher_log_probs
-from lmforge.distill.served_teacher import ServedTeacher
+from lmforge.distill.served_teacher import IN_FLIGHT, ROWS_PER_REQUEST, ServedTeacher
 from lmforge.distill.teacher import load_whole
 from lmforge.preflight import check_cache_build
 from lmforge.ray_runtime import tune_process
@@ -128,7 +128,7 @@ def build_cache(spec, show_progress: bool = True) -> CacheManifest:
     identity = made_from(spec, dataset)
     began = time.time()
     vocab = min([dataset.tokenizer.vocab_size, *(_teacher_vocab(s.path) for s in d.sources)])  # a served teacher: the tokenizer's
-    scorer_class, scorer, actor = _scorer(spec, vocab)
+    scorer_class, scorer, actor, rows = _scorer(spec, vocab)
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True  # shards are written in sample order
     ctx.enable_progress_bars = False
@@ -138,22 +138,23 @@ def build_cache(spec, show_progress: bool = True) -> CacheManifest:
             for name, directory, shards, target in splits:
                 task = progress.add_task(f"teacher top-{d.top_k}, {name}", total=len(shards)) if progress else None
                 ds = ray.data.read_parquet([str(directory / s.file) for s in shards], columns=["sample_id", "tokens"])
-                scored = ds.map_batches(scorer_class, fn_constructor_kwargs=scorer, batch_size=spec.train.micro_batch, batch_format="numpy", **actor)
+                scored = ds.map_batches(scorer_class, fn_constructor_kwargs=scorer, batch_size=rows, batch_format="numpy", **actor)
                 _write_split(scored, shards, target, progress, task)
         manifest = _manifest(identity, dataset, staging, vocab, time.time() - began)
         write_cache_manifest(staging, manifest)
         return manifest
 
 
-def _scorer(spec, vocab: int) -> tuple[type, dict, dict]:
-    """(the Ray Data actor class that scores batches, its arguments, its resources): the
-    teachers on this cluster's devices, or one actor asking the served teacher (its
-    requests in flight at once are its parallelism, not the cluster's devices)."""
+def _scorer(spec, vocab: int) -> tuple[type, dict, dict, int]:
+    """(the Ray Data actor class that scores batches, its arguments, its resources, rows
+    per batch): the teachers on this cluster's devices, a micro-batch at a time; or one
+    actor asking the served teacher, enough rows at a time to fill its requests in
+    flight (its parallelism is the server's, not the cluster's devices)."""
     d = spec.distill
     if d.served is not None:
         served = {"url": d.served.url, "model": d.served.model, "k": d.top_k}
         served["api_key"] = os.environ.get(d.served.api_key_env) if d.served.api_key_env else None
-        return ServedTeacher, served, {"compute": ray.data.ActorPoolStrategy(size=1), "num_cpus": 0}
+        return ServedTeacher, served, {"compute": ray.data.ActorPoolStrategy(size=1), "num_cpus": 0}, ROWS_PER_REQUEST * IN_FLIGHT
     pool = actor_pool(ray.cluster_resources())
     actor = {
         "compute": ray.data.ActorPoolStrategy(size=pool["concurrency"]),
@@ -168,7 +169,7 @@ def _scorer(spec, vocab: int) -> tuple[type, dict, dict]:
         "vocab": vocab,
         "threads": pool["threads"],
     }
-    return TeacherTopK, scorer, actor
+    return TeacherTopK, scorer, actor, spec.train.micro_batch
 
 
 def _teacher_vocab(path: str) -> int:
