@@ -13,16 +13,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from tokenizers import Tokenizer
+
 from lmforge.checkpoint.export import open_source
 from lmforge.checkpoint.store import CheckpointStore, CheckpointUnreadable, CommittedCheckpoint
 from lmforge.data import storage
 from lmforge.data.heldout import check_held_out
 from lmforge.data.identity import describe, order_changes, order_inputs
-from lmforge.data.manifest import MANIFEST, DatasetManifest, Manifest, MixtureManifest, has_manifest, mixture_manifest, read_manifest
+from lmforge.data.manifest import (
+    MANIFEST,
+    DatasetManifest,
+    Manifest,
+    MixtureManifest,
+    has_manifest,
+    mixture_manifest,
+    read_manifest,
+    tokenizer_location,
+)
 from lmforge.data.precheck import check_before_ray
 from lmforge.data.prepare_options import PrepareOptions
 from lmforge.data.tokenizer import load_tokenizer
 from lmforge.distill.cache_manifest import is_built, read_cache
+from lmforge.distill.cross_tokenizer import TokenAligner, aligned_share
 from lmforge.distill.served_teacher import ServedTeacher
 from lmforge.errors import UserError
 from lmforge.models.weights import open_model_dir
@@ -137,10 +149,8 @@ def check_init_from(spec: JobSpec, manifest: Optional[Manifest]) -> None:
 
 def _dataset_tokenizer(spec: JobSpec, manifest: Optional[Manifest]) -> Optional[str]:
     """The dataset's tokenizer.json, or the one preparing it will use (None: a BPE trained then)."""
-    if isinstance(manifest, MixtureManifest):  # a mixture's is a full path already
-        return manifest.tokenizer.file
     if manifest is not None:
-        return storage.join(spec.data.path, manifest.tokenizer.file)
+        return tokenizer_location(spec.data.path, manifest)
     return PrepareOptions.for_job(spec).tokenizer
 
 
@@ -175,6 +185,11 @@ def check_teachers(spec: JobSpec, manifest: Optional[DatasetManifest], tokenizer
     if spec.distill.served is not None:
         return
     dataset_tokenizer = tokenizer or _dataset_tokenizer(spec, manifest)
+    if spec.distill.cross_tokenizer is not None:
+        for number, source in enumerate(spec.distill.sources):
+            name = "distill.teacher" if spec.distill.teacher else f"distill.teachers[{number}]"
+            _check_alignment(open_source(source.path, name=name), name, dataset_tokenizer, _sample_rows(spec, manifest))
+        return
     if dataset_tokenizer is None:
         raise UserError(
             "data.tokenizer: not set, so preparing the data would train a new BPE, not the teacher's tokenizer; "
@@ -184,6 +199,42 @@ def check_teachers(spec: JobSpec, manifest: Optional[DatasetManifest], tokenizer
     for number, source in enumerate(spec.distill.sources):
         name = "distill.teacher" if spec.distill.teacher else f"distill.teachers[{number}]"
         _check_teacher(spec, open_source(source.path, name=name), name, vocabulary, dataset_tokenizer)
+
+
+# Below this share of the student's tokens with a teacher position, the pair does not
+# read the text alike (a byte-level and a word-level vocabulary; another normalization).
+MIN_ALIGNED_SHARE = 0.25
+PROBE_TEXT = "The student's text, as the teacher reads it: 42 tokens, café, naïve.\ndef f(x):\n    return x + 1\n"
+
+
+def _check_alignment(teacher, name: str, dataset_tokenizer, rows: list[list[int]]) -> None:
+    """`distill.cross_tokenizer`: the teacher reads the student's text through its own
+    tokenizer, and the two end tokens at the same characters often enough to learn from.
+    Unknown before a new BPE is trained for the data (a byte-level one reads any text)."""
+    if teacher.tokenizer_json is None:
+        raise UserError(f"{name}: {teacher.path} has no tokenizer to read the student's text with (lmforge export --tokenizer ships one)")
+    if dataset_tokenizer is None:
+        return
+    student = (
+        dataset_tokenizer
+        if not isinstance(dataset_tokenizer, (str, Path))
+        else Tokenizer.from_str(storage.read_text(str(dataset_tokenizer), "data.tokenizer"))
+    )
+    rows = rows or [student.encode(PROBE_TEXT, add_special_tokens=False).ids]
+    share = aligned_share(TokenAligner(student, teacher.tokenizer()), rows)
+    if share < MIN_ALIGNED_SHARE:
+        raise UserError(
+            f"{name}: its tokenizer ({teacher.path}) and the student's end a token at the same character at only {share:.0%} of "
+            f"{sum(map(len, rows))} sample tokens (distill.cross_tokenizer needs {MIN_ALIGNED_SHARE:.0%}): they do not read the text alike"
+        )
+
+
+def _sample_rows(spec: JobSpec, manifest: Optional[DatasetManifest], rows: int = 8) -> list[list[int]]:
+    """The dataset's first rows of tokens (none before it is prepared)."""
+    if manifest is None or not isinstance(manifest, DatasetManifest) or not manifest.shards:
+        return []
+    table = storage.read_parquet([storage.join(spec.data.path, manifest.shards[0].file)], ["tokens"])
+    return table.slice(0, rows).column("tokens").to_pylist()
 
 
 def _check_teacher(spec: JobSpec, teacher, name: str, vocabulary: dict, dataset_tokenizer: str) -> None:

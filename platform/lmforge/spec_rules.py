@@ -193,6 +193,11 @@ def check_distill(spec: "JobSpec", model: ModelConfig) -> None:
         check_hidden_layers(distill.hidden.layers, model.n_layers, "student", "keys")
     if distill.on_policy is not None:
         check_on_policy(spec)
+    if distill.cross_tokenizer is not None and distill.online and spec.parallel.tp > 1:
+        raise ValueError(
+            "distill.cross_tokenizer: an online teacher of another vocabulary is not split like the student's; "
+            "use parallel.tp: 1, or train from an offline cache (distill.cache), which has no such limit"
+        )
     if spec.parallel.pp > 1 and distill.cache is None and distill.instruct is None:
         raise ValueError(
             "distill.cache: with parallel.pp > 1 the teacher's targets come from an offline cache "

@@ -24,7 +24,7 @@ from lmforge.credentials import without_credentials
 from lmforge.data.feed import BatchFeed, FedStep, datasets_of
 from lmforge.data.heldout import HeldOutBatches, eval_batches
 from lmforge.data.identity import order_inputs
-from lmforge.data.manifest import DatasetManifest, Manifest
+from lmforge.data.manifest import DatasetManifest, Manifest, tokenizer_location
 from lmforge.data.order import BatchLayout
 from lmforge.distill.cache_manifest import teacher_cache
 from lmforge.distill.loss import DistillLoss
@@ -105,7 +105,7 @@ class Trainer:
         )
         if self.device.type == "cuda" and not spec.resources.memory_per_worker:
             check_fits(spec, torch.cuda.get_device_properties(self.device).total_memory, f"{torch.cuda.get_device_name(self.device)} memory")
-        self.loss = job_loss(spec, manifest.tokenizer.vocab_size, manifest.tokenizer.eos_id)
+        self.loss = job_loss(spec, manifest.tokenizer.vocab_size, manifest.tokenizer.eos_id, tokenizer_location(spec.data.path, manifest))
         self.engine = create_engine(spec, self.dims, self.device, self.loss)
         self.held_out = None
         if spec.eval is not None and isinstance(manifest, DatasetManifest):  # a mixture has no held-out split (spec rules)
@@ -291,7 +291,8 @@ def _mask(loss_mask):
     return None if loss_mask is None else torch.from_numpy(loss_mask.astype(bool))
 
 
-def job_loss(spec: JobSpec, vocab: Optional[int] = None, eos: int = 0) -> Loss:
+def job_loss(spec: JobSpec, vocab: Optional[int] = None, eos: int = 0, tokenizer: Optional[str] = None) -> Loss:
     """What the job minimises: a distillation's loss, or cross-entropy. `vocab`: the
-    tokenizer's real vocabulary; `eos`: its end-of-text id (on-policy rollouts end there)."""
-    return DistillLoss(spec, vocab, eos) if spec.distill else CrossEntropy()
+    tokenizer's real vocabulary; `eos`: its end-of-text id (on-policy rollouts end there);
+    `tokenizer`: its tokenizer.json (teachers of another tokenizer read the text through it)."""
+    return DistillLoss(spec, vocab, eos, tokenizer) if spec.distill else CrossEntropy()

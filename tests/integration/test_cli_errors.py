@@ -517,8 +517,34 @@ def _teacher_with_the_datasets_tokenizer(tmp_path, hf_teacher, dataset):
     return out
 
 
+def _teacher_reading_words(tmp_path, hf_teacher, dataset):
+    """The Hugging Face Llama with a word-level tokenizer: it cannot spell the dataset's
+    byte-level text (no spaces, unknown words)."""
+    out = tmp_path / "teacher"
+    result = run_cli("export", str(hf_teacher), "--out", str(out), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    (out / "tokenizer_config.json").unlink()
+    word_level_tokenizer(out / "tokenizer.json", 100)
+    return out
+
+
+CROSS = {"distill": {"cross_tokenizer": {"method": "projection"}, "top_k": 8}}
+
 # name: (the teacher made from the Hugging Face one, more job settings, what the message says)
 TEACHER_REFUSALS = {
+    "a tokenizer that cannot read the text, across tokenizers": (
+        _teacher_reading_words,
+        CROSS,
+        "distill.teacher: its tokenizer",
+        "and the student's end a token at the same character at only",
+        "do not read the text alike",
+    ),
+    "no tokenizer, across tokenizers": (
+        lambda tmp_path, hf_teacher, data: _teacher_without_a_tokenizer(tmp_path, hf_teacher),
+        CROSS,
+        "distill.teacher:",
+        "has no tokenizer to read the student's text with",
+    ),
     "missing": (lambda tmp_path, hf_teacher, data: tmp_path / "nowhere", {}, "distill.teacher:", "does not exist"),
     "another tokenizer": (lambda tmp_path, hf_teacher, data: hf_teacher, {}, "distill.teacher: its tokenizer", "is not the dataset's"),
     "no tokenizer": (

@@ -138,3 +138,36 @@ def test_an_on_policy_step_learns_reverse_kl_on_the_students_own_tokens(one_rank
     assert stats.terms["kd_loss"] == pytest.approx(temperature**2 * total / count, rel=1e-5)
     assert stats.loss == pytest.approx(stats.terms["kd_loss"], rel=1e-6)
     assert stats.grad_norm > 0
+
+
+def test_an_on_policy_step_across_one_tokenizer_is_todays_step(one_rank, tmp_path):
+    """`distill.cross_tokenizer` with the teacher's tokenizer the student's: the
+    continuations read through it, every position aligned, the projection the identity:
+    the on-policy step's loss and gradient norm are today's top-k ones to 1e-6."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
+    words.pre_tokenizer, words.decoder = pre_tokenizers.WhitespaceSplit(), decoders.WordPiece()
+    teacher_model = build_model(student().cfg, seed=11)
+    write_model_dir(tmp_path / "teacher", "lmforge", teacher_model.cfg, teacher_model.state_dict())
+    words.save(str(tmp_path / "teacher" / "tokenizer.json"))
+    stats = []
+    for cross in ({}, {"cross_tokenizer": {"method": "projection"}}):
+        distill = {"teacher": str(tmp_path / "teacher"), "temperature": 2.0, "top_k": 16, "on_policy": {"fraction": 1.0, "max_new_tokens": NEW}}
+        spec = spec_from_dict(
+            {
+                "name": "t",
+                "data": {"path": "d"},
+                "model": MODEL,
+                "optim": {"lr": 1e-2, "warmup_steps": 1},
+                "train": {"global_batch": 6, "micro_batch": 3, "seq_len": SEQ, "seed": 3},
+                "distill": distill | cross,
+            }
+        )
+        loss = job_loss(spec, VOCAB, 7, str(tmp_path / "teacher" / "tokenizer.json"))
+        engine = NativeEngine(spec, build_mesh("cpu", MeshShape.for_spec(spec.parallel)), torch.device("cpu"), loss)
+        rollout = OnPolicy(spec, 7).for_step(1, np.arange(6))
+        stats.append(engine.train_step(batches(), loss_mask=masks(), loss_inputs=DistillInputs(rollout=rollout)))
+    assert loss.aligned and stats[1].terms["kd_loss"] > 0
+    assert stats[1].terms["kd_loss"] == pytest.approx(stats[0].terms["kd_loss"], rel=1e-6)
+    assert stats[1].grad_norm == pytest.approx(stats[0].grad_norm, rel=1e-6)

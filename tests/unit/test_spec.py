@@ -154,6 +154,16 @@ def test_overrides_are_parsed_as_yaml_values():
             "distill.on_policy.max_new_tokens: 256 leaves no prompt in a row of train.seq_len 128",
         ),
         (["distill.teacher=t", "distill.on_policy={fraction: 0}"], "distill.on_policy.fraction: Input should be greater than 0"),
+        (["distill.teacher=t", "distill.cross_tokenizer={}"], "distill.cross_tokenizer: targets projected onto the student's vocabulary are top-k"),
+        (["distill.teacher=t", "distill.cross_tokenizer={method: uld}"], "distill.cross_tokenizer.method: Input should be 'projection'"),
+        (
+            ["distill.teacher=t", "distill.cross_tokenizer={}", "distill.top_k=8", "distill.hidden={layers: {0: 1}}"],
+            "distill.cross_tokenizer: a teacher of another tokenizer has other positions",
+        ),
+        (
+            ["distill.teacher=t", "distill.cross_tokenizer={}", "distill.top_k=8", "parallel.tp=2"],
+            "distill.cross_tokenizer: an online teacher of another vocabulary is not split like the student's",
+        ),
     ],
 )
 def test_contradictions_name_the_field(overrides, field):

@@ -142,6 +142,14 @@ class MixtureManifest(Record):
 Manifest = Union[DatasetManifest, MixtureManifest]
 
 
+def tokenizer_location(data_path: str, manifest: Manifest) -> str:
+    """Where the tokenizer.json a prepared dataset's ids come from is (a mixture's
+    manifest names it in full)."""
+    if isinstance(manifest, MixtureManifest):
+        return manifest.tokenizer.file
+    return storage.join(str(data_path), manifest.tokenizer.file)
+
+
 def has_manifest(path: str | Path, field: str = "data.path") -> bool:
     """Whether a prepared dataset is complete at `path` (a directory or a URI)."""
     return storage.exists(storage.join(path, MANIFEST), field)

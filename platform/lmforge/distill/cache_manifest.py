@@ -44,6 +44,7 @@ class CacheIdentity(Record):
     teachers: list[TeacherRecord]
     k: int
     temperature: float
+    cross_tokenizer: Optional[str] = None  # the method: its targets are in the student's ids, -1 where none aligned
 
 
 class CachedHeldOut(BaseModel):
@@ -98,6 +99,7 @@ def made_from(spec, dataset: DatasetManifest) -> CacheIdentity:
         teachers=teacher_records(d),
         k=d.top_k,
         temperature=d.temperature,
+        cross_tokenizer=d.cross_tokenizer.method if d.cross_tokenizer else None,
     )
 
 
@@ -151,6 +153,8 @@ def _differences(have: CacheIdentity, want: CacheIdentity):
         yield f"holds the top {have.k}, not distill.top_k {want.k}"
     if have.temperature != want.temperature:
         yield f"was built at temperature {have.temperature}, not distill.temperature {want.temperature}"
+    if have.cross_tokenizer != want.cross_tokenizer:
+        yield f"was built with distill.cross_tokenizer {have.cross_tokenizer or 'unset'}, not {want.cross_tokenizer or 'unset'}"
 
 
 def teacher_cache(spec) -> Optional[TopKTargets]:

@@ -50,6 +50,19 @@ def _teacher_kind(value) -> str:
 Teacher = Annotated[Union[Annotated[LocalPath, Tag("path")], Annotated[ServedTeacherSpec, Tag("served")]], Discriminator(_teacher_kind)]
 
 
+class CrossTokenizerSpec(BaseModel):
+    """Teachers whose tokenizer is not the student's: aligned on the text both cover."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    method: Literal["projection"] = Field(
+        "projection",
+        description="projection: at every position where both tokenizations end a token at the same character, the teacher's "
+        "next-token distribution mapped onto the student's vocabulary through the tokens both spell alike (GOLD's exact "
+        "matches, NeMo-RL's vocabulary projection); the mass the student cannot spell goes to the top-k tail",
+    )
+
+
 class HiddenSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -153,6 +166,10 @@ class DistillSpec(BaseModel):
         None, description="instruction distillation: the teachers answer these prompts (`lmforge distill generate JOB`) into data.path"
     )
 
+    cross_tokenizer: Optional[CrossTokenizerSpec] = Field(
+        None, description="teachers with another tokenizer than the student's (default: teachers must share the dataset's)"
+    )
+
     on_policy: Optional[OnPolicySpec] = Field(
         None,
         description="on-policy distillation (GKD): on a share of the steps the student writes continuations and learns the "
@@ -179,7 +196,28 @@ class DistillSpec(BaseModel):
             raise ValueError("distill.hidden: matches one teacher's layers; with several teachers distill their logits only")
         if self.on_policy is not None:
             self._on_policy_consistent()
+        if self.cross_tokenizer is not None:
+            self._cross_tokenizer_consistent()
         return self
+
+    def _cross_tokenizer_consistent(self) -> None:
+        """The projected targets are sparse: the tail bucket takes what the student cannot
+        spell. Hidden states and answers stored in a teacher's tokens have no aligned form."""
+        if self.top_k is None:
+            raise ValueError(
+                "distill.cross_tokenizer: targets projected onto the student's vocabulary are top-k ones (the rest of the "
+                "teacher's mass, spellable or not, in one bucket); set distill.top_k (e.g. 32)"
+            )
+        if self.hidden is not None:
+            raise ValueError(
+                "distill.cross_tokenizer: a teacher of another tokenizer has other positions; match layers (distill.hidden) with one that shares the student's"
+            )
+        if self.instruct is not None:
+            raise ValueError(
+                "distill.cross_tokenizer: instruction answers are written in the teachers' tokens; generate them with teachers of the student's tokenizer"
+            )
+        if self.served is not None:
+            raise ValueError("distill.cross_tokenizer: a served teacher scores the student's own token ids; serve one with the student's tokenizer")
 
     def _served_consistent(self) -> None:
         """A served teacher gives top-k log-probabilities at temperature 1 (a server has no

@@ -12,13 +12,16 @@ sides every position is aligned and the projection is the identity: today's KD.
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass
 
 import torch
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
+from torch import nn
 
-from lmforge.distill.losses import LOG_ZERO, TopK
+from lmforge.distill.losses import LOG_ZERO, TopK, log_softmax, top_k, within_vocab
 
 UNREADABLE = "\ufffd"  # what a token holding part of a character decodes to alone
 
@@ -71,10 +74,14 @@ class TokenAligner:
             positions = list(range(len(student_ids)))
             return Alignment(text, list(student_ids), list(student_ids), student_ends, student_ends, list(zip(positions, positions)))
         teacher_ids = self.teacher.encode(text, add_special_tokens=False).ids
-        _, teacher_ends = token_ends(self.teacher, teacher_ids)
+        teacher_text, teacher_ends = token_ends(self.teacher, teacher_ids)
+        # Characters are compared only as far as the teacher's tokens give the text back (a
+        # tokenizer that normalizes, or knows no such character, spells another text after).
+        same_text = len(os.path.commonprefix([text, teacher_text]))
         last_of = {}  # the last teacher token ending at each character (an empty token ends where its neighbour does)
         for position, end in enumerate(teacher_ends):
-            last_of[end] = position
+            if end <= same_text:
+                last_of[end] = position
         pairs, used = [], set()
         for position, end in enumerate(student_ends):
             nxt = student_ends[position + 1] if position + 1 < len(student_ends) else None
@@ -82,6 +89,12 @@ class TokenAligner:
                 pairs.append((position, last_of[end]))
                 used.add(end)
         return Alignment(text, list(student_ids), teacher_ids, student_ends, teacher_ends, pairs)
+
+
+def aligned_share(aligner: TokenAligner, rows: list[list[int]]) -> float:
+    """The share of the rows' student tokens that have an aligned teacher position."""
+    tokens = sum(len(row) for row in rows)
+    return sum(len(aligner.align(row).pairs) for row in rows) / max(1, tokens)
 
 
 class VocabularyMap:
@@ -100,10 +113,14 @@ class VocabularyMap:
             self.target = torch.tensor([spelled.get(spelling(teacher, token), -1) for token in range(teacher.get_vocab_size())])
         self.shared = int((self.target >= 0).sum())
 
+        self.identity = student.to_str() == teacher.to_str()
+
     def project(self, teacher_log_probs: torch.Tensor) -> torch.Tensor:
         """[..., teacher vocabulary] log-probabilities -> [..., student vocabulary]: each
         student token gets the summed probability of the teacher tokens spelled as it;
         one the teacher cannot spell gets LOG_ZERO."""
+        if self.identity:  # as they are: one tokenizer's KD is today's, bit for bit
+            return teacher_log_probs
         mapped = self.target.to(teacher_log_probs.device)
         kept = mapped >= 0
         probs = teacher_log_probs[..., kept].float().exp()
@@ -123,3 +140,68 @@ class VocabularyMap:
         earlier = torch.tril(same, diagonal=-1).any(-1)
         summed = torch.logsumexp(torch.where(same, logprobs[..., None, :], torch.full_like(same, LOG_ZERO, dtype=logprobs.dtype)), dim=-1)
         return TopK(ids, torch.where(earlier, torch.full_like(logprobs, LOG_ZERO), torch.maximum(summed, logprobs)))
+
+
+@dataclass
+class TeacherRows:
+    """A micro-batch re-tokenized for one teacher: its input ids (right-padded: causal
+    attention leaves the earlier positions as they are), and for each student position
+    the teacher position read at it and whether there is one."""
+
+    inputs: torch.Tensor  # [batch, teacher length] int64
+    positions: torch.Tensor  # [batch, student length] int64
+    aligned: torch.Tensor  # [batch, student length] bool
+
+
+class AlignedTeacher:
+    """One teacher of another tokenizer, as a rank uses it: the student's rows in its
+    tokens, and its next-token distributions at the aligned positions in the student's
+    vocabulary."""
+
+    def __init__(self, model: nn.Module, student: Tokenizer, teacher: Tokenizer, teacher_vocab: int, weight: float = 1.0):
+        self.model, self.weight = model, weight
+        self.aligner, self.vocabulary = TokenAligner(student, teacher), VocabularyMap(student, teacher)
+        self.teacher_vocab = min(teacher_vocab, teacher.get_vocab_size())  # its tokenizer's real ids, not the padding rows
+
+    def rows(self, student_ids: torch.Tensor) -> TeacherRows:
+        """The student position s learns, if aligned, the teacher's prediction at the
+        teacher token ending at the same character as student token s: both predict what
+        follows the same text."""
+        batch, length = student_ids.shape
+        alignments = [self.aligner.align(row) for row in student_ids.tolist()]
+        width = max(1, *(len(a.teacher_ids) for a in alignments))
+        inputs = torch.zeros(batch, width, dtype=torch.int64)
+        positions = torch.zeros(batch, length, dtype=torch.int64)
+        aligned = torch.zeros(batch, length, dtype=torch.bool)
+        for row, alignment in enumerate(alignments):
+            inputs[row, : len(alignment.teacher_ids)] = torch.tensor(alignment.teacher_ids, dtype=torch.int64)
+            if alignment.pairs:
+                student_at, teacher_at = torch.tensor(alignment.pairs, dtype=torch.int64).unbind(-1)
+                positions[row, student_at], aligned[row, student_at] = teacher_at, True
+        return TeacherRows(inputs, positions, aligned)
+
+    @torch.no_grad()
+    def log_probs(self, student_ids: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """([batch, student length, student vocabulary] log-probabilities at the
+        temperature, [batch, student length] aligned)."""
+        rows = self.rows(student_ids.cpu())
+        device = student_ids.device
+        logits = self.model(rows.inputs.to(device))
+        index = rows.positions.to(device)[..., None].expand(-1, -1, logits.shape[-1])
+        at_student = logits.gather(1, index)
+        scaled = log_softmax(within_vocab(at_student, self.teacher_vocab) / temperature)
+        return self.vocabulary.project(scaled), rows.aligned.to(device)
+
+
+def aligned_top_k(teachers: list[AlignedTeacher], student_ids: torch.Tensor, temperature: float, k: int, vocab: int) -> TopK:
+    """The teachers' mixture (weights summing to 1) in the student's vocabulary of
+    `vocab` tokens, as top-k targets at the temperature; a position learns from them
+    where every teacher is aligned."""
+    parts, aligned = [], None
+    for teacher in teachers:
+        log_p, where = teacher.log_probs(student_ids, temperature)
+        parts.append(log_p[..., :vocab] if len(teachers) == 1 else log_p[..., :vocab] + math.log(teacher.weight))
+        aligned = where if aligned is None else aligned & where
+    mixed = parts[0] if len(parts) == 1 else torch.logsumexp(torch.stack(parts), dim=0)
+    targets = top_k(mixed, k)
+    return TopK(targets.ids, targets.logprobs, aligned)

@@ -11,13 +11,16 @@ from typing import Optional
 
 import numpy as np
 import torch
+from tokenizers import Tokenizer
 from torch import nn
 
+from lmforge.data import storage
+from lmforge.distill.cross_tokenizer import AlignedTeacher, aligned_top_k
 from lmforge.distill.hidden import ADAPTERS, BlockOutputs, HiddenAdapters
 from lmforge.distill.objective import HELD_OUT_SUMS, DistillObjective, compared_vocab
 from lmforge.distill.on_policy import OnPolicy, Rollout
 from lmforge.distill.pipelined import StagedObjective
-from lmforge.distill.teacher import Cached, build_teacher, micro_batch, teacher_shapes, teacher_targets
+from lmforge.distill.teacher import Cached, aligned_teachers, build_teacher, micro_batch, teacher_shapes, teacher_targets
 from lmforge.engines.loss import Loss, Placement
 
 
@@ -41,12 +44,14 @@ class DistillLoss(Loss):
     measures_held_out = True
     held_out_size = HELD_OUT_SUMS
 
-    def __init__(self, spec, vocab: Optional[int] = None, eos: int = 0):
-        """`vocab`: the tokenizer's real vocabulary (the divergence compares no more of it)."""
-        self.spec, self.vocab = spec, vocab
+    def __init__(self, spec, vocab: Optional[int] = None, eos: int = 0, tokenizer: Optional[str] = None):
+        """`vocab`: the tokenizer's real vocabulary (the divergence compares no more of it);
+        `tokenizer`: its tokenizer.json, which teachers of another tokenizer read the text through."""
+        self.spec, self.vocab, self.tokenizer = spec, vocab, tokenizer
         self.settings = spec.distill
         self.on_policy = OnPolicy(spec, eos) if self.settings.on_policy else None
         self.teachers: list[nn.Module] = []
+        self.aligned: list[AlignedTeacher] = []
         self.hidden: Optional[tuple[BlockOutputs, BlockOutputs]] = None
         self.staged: Optional[StagedObjective] = None
 
@@ -56,11 +61,17 @@ class DistillLoss(Loss):
         self.device = placement.device
         if self.settings.online:
             self.teachers = [build_teacher(source.path, placement.device, placement.parallelize) for source in self.settings.sources]
+        if self.teachers and self.settings.cross_tokenizer is not None:
+            if self.tokenizer is None:
+                raise ValueError("distill.cross_tokenizer: the student's tokenizer.json was not given to the loss")
+            student = Tokenizer.from_str(storage.read_text(self.tokenizer, "data.path"))
+            self.aligned = aligned_teachers(self.teachers, self.settings, student)
         train = self.spec.train
         self.objective = DistillObjective(
             self.spec,
             self.spec.grad_accum * train.micro_batch * train.seq_len,
-            compared_vocab(self.spec, self.vocab, self.teachers),
+            # Teachers of another tokenizer are projected onto the student's whole vocabulary.
+            compared_vocab(self.spec, self.vocab, [] if self.settings.cross_tokenizer else self.teachers),
             placement.tp_group,
         )
         if placement.pipelined:  # from the cache: the last stage computes it, as the schedule's loss
@@ -108,7 +119,7 @@ class DistillLoss(Loss):
     def __call__(self, model, inputs, labels, index, learnt, accum, loss_inputs: Optional[DistillInputs] = None):
         on_policy = self.rewrites(loss_inputs)
         cached = None if on_policy or loss_inputs is None else micro_batch(loss_inputs.cached, index)
-        logits, teacher = model(inputs), teacher_targets(self.teachers, inputs, cached, self.device)
+        logits, teacher = model(inputs), self._targets(inputs, cached)
         hidden = None
         if self.hidden is not None:
             student_side, teacher_side = self.hidden
@@ -117,6 +128,14 @@ class DistillLoss(Loss):
             hidden = (adapted, teacher_side.take(layers.values()))
         # Each term is divided by the tokens this rank trains on per step (see DistillObjective).
         return self.objective(logits, labels, teacher, hidden, learnt, on_policy)
+
+    def _targets(self, inputs: torch.Tensor, cached: Cached):
+        """The online teachers' logits, the cache's top-k, or (teachers of another
+        tokenizer) their top-k projected onto the student's vocabulary where aligned."""
+        if cached is None and self.aligned:
+            s = self.settings
+            return aligned_top_k(self.aligned, inputs, s.temperature, s.top_k, self.objective.vocab)
+        return teacher_targets(self.teachers, inputs, cached, self.device)
 
     @property
     def _stage(self) -> StagedObjective:
@@ -138,8 +157,7 @@ class DistillLoss(Loss):
 
     def held_out_sums(self, model, inputs, labels, index, loss_inputs: Optional[DistillInputs] = None) -> torch.Tensor:
         cached = None if loss_inputs is None else micro_batch(loss_inputs.cached, index)
-        teacher = teacher_targets(self.teachers, inputs, cached, self.device)
-        sums = self.objective.held_out_sums(model(inputs), labels, teacher)
+        sums = self.objective.held_out_sums(model(inputs), labels, self._targets(inputs, cached))
         for side in self.hidden or ():  # what the forwards recorded, no loss uses
             side.clear()
         return sums

@@ -122,19 +122,31 @@ def with_tail(log_top: torch.Tensor) -> torch.Tensor:
 @dataclass
 class TopK:
     """A teacher's sparse targets per token: top-k ids and log-probabilities at the
-    distillation temperature."""
+    distillation temperature; `aligned`, where a teacher of another tokenizer has a
+    target at all (`distill/cross_tokenizer.py`): the positions without one learn nothing from it."""
 
     ids: torch.Tensor  # (..., k) int64
     logprobs: torch.Tensor  # (..., k) float
+    aligned: Optional[torch.Tensor] = None  # (...) bool; None: every position
 
     def __len__(self) -> int:
         return len(self.ids)
 
     def rows(self, index) -> "TopK":
-        return TopK(self.ids[index], self.logprobs[index])
+        return TopK(self.ids[index], self.logprobs[index], None if self.aligned is None else self.aligned[index])
 
     def flat(self) -> "TopK":
-        return TopK(self.ids.flatten(0, -2), self.logprobs.flatten(0, -2))
+        return TopK(self.ids.flatten(0, -2), self.logprobs.flatten(0, -2), None if self.aligned is None else self.aligned.flatten())
+
+    def where_aligned(self, weights: torch.Tensor) -> torch.Tensor:
+        """Per-position weights, zero where the teacher has no target."""
+        return weights if self.aligned is None else weights * self.aligned.reshape(weights.shape).to(weights.dtype)
+
+
+def stored_top_k(ids: torch.Tensor, logprobs: torch.Tensor) -> TopK:
+    """Top-k targets as a cache stores them: where a teacher of another tokenizer has no
+    target, the ids are -1."""
+    return TopK(ids.clamp(min=0), logprobs, ids[..., 0] >= 0)
 
 
 @dataclass
@@ -356,6 +368,8 @@ def kd_loss_sum(
     flat_teacher = teacher.flatten(0, -2) if isinstance(teacher, torch.Tensor) else teacher.flat()
     tokens = flat_student.shape[0]
     weights = torch.ones(tokens, device=flat_student.device) if mask is None else mask.flatten().float()
+    if isinstance(flat_teacher, TopK):
+        weights = flat_teacher.where_aligned(weights)
     size = min(chunk_tokens or tokens, tokens) or 1
     # Forward KL has a closed-form gradient, on dense or top-k targets: one fused pass, as cross-entropy.
     fused = div.name == "forward_kl" or (div.name == "jsd" and div.beta == 0)

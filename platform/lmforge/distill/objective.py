@@ -144,6 +144,7 @@ class DistillObjective:
         if not self.measures_teacher:
             return torch.stack([ce.detach(), torch.zeros_like(ce), torch.zeros_like(ce), mask.sum().float()])
         student = _local(logits)
+        compared = mask
         if isinstance(teacher, TopK):
             kl = (
                 kd_loss_sum(
@@ -152,12 +153,14 @@ class DistillObjective:
                 / self.settings.temperature**2
             )
             teacher_top1 = teacher.ids[..., 0]  # stored most likely first
+            if teacher.aligned is not None:  # no target there (another tokenizer's teacher): no agreement
+                compared = mask & teacher.aligned.reshape(mask.shape)
         else:
             teacher = self._teacher(teacher)
             kl = kd_loss_sum(student, teacher, mask, Divergence("forward_kl"), 1.0, self.vocab, self.tp_group, self.settings.chunk_tokens)
             scores = teacher if isinstance(teacher, torch.Tensor) else teacher_log_probs(teacher, 1.0, self.vocab, self.tp_group)
             teacher_top1 = self._top1(scores)
-        agree = ((self._top1(student) == teacher_top1) & mask).sum()
+        agree = ((self._top1(student) == teacher_top1) & compared).sum()
         return torch.stack([ce.detach(), kl.detach(), agree.float(), mask.sum().float()])
 
     def held_out_means(self, sums: torch.Tensor, dp_group=None) -> dict[str, float]:

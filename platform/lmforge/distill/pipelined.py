@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from lmforge.distill.losses import TopK
+from lmforge.distill.losses import TopK, stored_top_k
 from lmforge.distill.objective import DistillObjective
 
 
@@ -39,7 +39,7 @@ class StagedObjective:
     ) -> None:
         """A step's (or a held-out batch's) cached targets, [accum, micro, seq, k] each;
         `learnt`: a masked step's N / dp."""
-        self.cached = None if cached is None else TopK(*(t.flatten(0, 1).to(device, non_blocking=True) for t in cached))
+        self.cached = None if cached is None else stored_top_k(*(t.flatten(0, 1).to(device, non_blocking=True) for t in cached))
         self.held_out, self.learnt, self.results = held_out, learnt, {}
 
     def totals(self, size: int, device: torch.device) -> torch.Tensor:

@@ -10,11 +10,13 @@ from functools import lru_cache
 from typing import Callable, Optional
 
 import torch
+from tokenizers import Tokenizer
 from torch import nn
 
 from lmforge.checkpoint.export import open_source
 from lmforge.distill.config import DistillSpec
-from lmforge.distill.losses import TopK
+from lmforge.distill.cross_tokenizer import AlignedTeacher
+from lmforge.distill.losses import TopK, stored_top_k
 from lmforge.models import ModelConfig, Transformer, materialize
 from lmforge.models.build import build_model
 
@@ -28,6 +30,16 @@ def build_teacher(path: str, device: torch.device, parallelize: Callable[[nn.Mod
     teacher = materialize(teacher, device, seed=0, weights=weights)
     teacher.requires_grad_(False)
     return parallelize(teacher).eval()
+
+
+def aligned_teachers(models: list[nn.Module], distill: DistillSpec, student: Tokenizer) -> list[AlignedTeacher]:
+    """The teachers (in `sources` order) reading the student's text through their own
+    tokenizers (`distill.cross_tokenizer`)."""
+    names = ["distill.teacher"] if distill.teacher is not None else [f"distill.teachers[{i}]" for i in range(len(models))]
+    return [
+        AlignedTeacher(model, student, open_source(source.path, name=name).tokenizer(), model.cfg.vocab_size, source.weight)
+        for model, source, name in zip(models, distill.sources, names)
+    ]
 
 
 def load_whole(paths: list[str], device: torch.device) -> list[nn.Module]:
@@ -54,7 +66,7 @@ def teacher_targets(teachers: list[nn.Module], inputs: torch.Tensor, cached: Cac
     """What one micro-batch learns from: the online teachers' logits for its inputs, or
     its top-k targets from the offline cache."""
     if cached is not None:
-        return TopK(cached[0].to(device, non_blocking=True), cached[1].to(device, non_blocking=True))
+        return stored_top_k(cached[0].to(device, non_blocking=True), cached[1].to(device, non_blocking=True))
     with torch.no_grad():
         return [teacher(inputs) for teacher in teachers]
 

@@ -24,12 +24,15 @@ import pyarrow.parquet as pq
 import ray
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+from tokenizers import Tokenizer
 
 from lmforge.checkpoint.export import open_source
 from lmforge.console import text_column
-from lmforge.data.manifest import EVAL_DIR, DatasetManifest, Shard, read_manifest
+from lmforge.data import storage
+from lmforge.data.manifest import EVAL_DIR, DatasetManifest, Shard, read_manifest, tokenizer_location
 from lmforge.data.staging import staged
 from lmforge.distill.cache_manifest import CachedHeldOut, CacheIdentity, CacheManifest, made_from, write_cache_manifest
+from lmforge.distill.cross_tokenizer import AlignedTeacher, aligned_top_k
 from lmforge.distill.losses import Mixture, teacher_log_probs
 from lmforge.distill.served_teacher import IN_FLIGHT, ROWS_PER_REQUEST, ServedTeacher
 from lmforge.distill.teacher import load_whole
@@ -43,20 +46,36 @@ class TeacherTopK:
     """A Ray Data actor: the teachers on this actor's device, turning a batch of samples
     into their top-k targets."""
 
-    def __init__(self, paths: list[str], weights: list[float], k: int, temperature: float, vocab: int, threads: int):
+    def __init__(
+        self, paths: list[str], weights: list[float], k: int, temperature: float, vocab: int, threads: int, student_tokenizer: Optional[str] = None
+    ):
+        """`student_tokenizer`: the dataset's tokenizer.json text when the teachers read
+        its text through their own (`distill.cross_tokenizer`)."""
         tune_process(threads)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.teachers = load_whole(paths, self.device)
         self.weights, self.k, self.temperature, self.vocab = weights, k, temperature, vocab
+        self.aligned = []
+        if student_tokenizer is not None:
+            student = Tokenizer.from_str(student_tokenizer)
+            teacher_tokenizers = [open_source(path, name="distill.teacher").tokenizer() for path in paths]
+            self.aligned = [
+                AlignedTeacher(model, student, tokenizer, model.cfg.vocab_size, weight)
+                for model, tokenizer, weight in zip(self.teachers, teacher_tokenizers, weights)
+            ]
 
     def __call__(self, batch: dict) -> dict:
         tokens = batch["tokens"]
         tokens = torch.from_numpy((np.stack(tokens) if tokens.dtype == object else tokens).astype(np.int64))
         with torch.no_grad():
             inputs = tokens[:, :-1].to(self.device)
-            logits = [teacher(inputs) for teacher in self.teachers]
-            teacher = logits[0] if len(logits) == 1 else Mixture(logits, self.weights)
-            values, ids = teacher_log_probs(teacher, self.temperature, self.vocab).topk(self.k, dim=-1)
+            if self.aligned:  # in the student's ids, -1 where the teachers have no target
+                targets = aligned_top_k(self.aligned, inputs, self.temperature, self.k, self.vocab)
+                values, ids = targets.logprobs, torch.where(targets.aligned[..., None], targets.ids, -1)
+            else:
+                logits = [teacher(inputs) for teacher in self.teachers]
+                teacher = logits[0] if len(logits) == 1 else Mixture(logits, self.weights)
+                values, ids = teacher_log_probs(teacher, self.temperature, self.vocab).topk(self.k, dim=-1)
         rows = len(tokens)
         return {
             "sample_id": batch["sample_id"],
@@ -127,8 +146,9 @@ def build_cache(spec, show_progress: bool = True) -> CacheManifest:
     dataset = read_manifest(data_path)
     identity = made_from(spec, dataset)
     began = time.time()
-    vocab = min([dataset.tokenizer.vocab_size, *(_teacher_vocab(s.path) for s in d.sources)])  # a served teacher: the tokenizer's
-    scorer_class, scorer, actor, rows = _scorer(spec, vocab)
+    # The tokenizer's, less any a teacher cannot score (a served teacher's, or other tokenizers': projected onto all of it).
+    vocab = min([dataset.tokenizer.vocab_size, *(_teacher_vocab(s.path) for s in d.sources if d.cross_tokenizer is None)])
+    scorer_class, scorer, actor, rows = _scorer(spec, dataset, vocab)
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True  # shards are written in sample order
     ctx.enable_progress_bars = False
@@ -145,7 +165,7 @@ def build_cache(spec, show_progress: bool = True) -> CacheManifest:
         return manifest
 
 
-def _scorer(spec, vocab: int) -> tuple[type, dict, dict, int]:
+def _scorer(spec, dataset: DatasetManifest, vocab: int) -> tuple[type, dict, dict, int]:
     """(the Ray Data actor class that scores batches, its arguments, its resources, rows
     per batch): the teachers on this cluster's devices, a micro-batch at a time; or one
     actor asking the served teacher, enough rows at a time to fill its requests in
@@ -169,6 +189,8 @@ def _scorer(spec, vocab: int) -> tuple[type, dict, dict, int]:
         "vocab": vocab,
         "threads": pool["threads"],
     }
+    if d.cross_tokenizer is not None:
+        scorer["student_tokenizer"] = storage.read_text(tokenizer_location(spec.data.path, dataset), "data.path")
     return TeacherTopK, scorer, actor, spec.train.micro_batch
 
 
