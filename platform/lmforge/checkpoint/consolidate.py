@@ -26,7 +26,7 @@ from lmforge.jsonfile import member, read_object
 from lmforge.models import ModelConfig, Transformer
 from lmforge.models.config import config_from_dict
 from lmforge.models.lora import apply_lora, merged, quantize_nf4
-from lmforge.models.lora_config import LoraSpec, adapter_shapes
+from lmforge.models.lora_config import LoraSpec, adapter_shapes, quantized_weights
 from lmforge.models.weights import clean_name, open_model_dir, weight_names, weight_shapes
 
 
@@ -46,9 +46,7 @@ def read_trained_tensors(step_dir: str | os.PathLike) -> tuple[ModelConfig, dict
     names = weight_names(cfg)
     adapters = list(adapter_shapes(weight_shapes(cfg), state.lora)) if state.lora else []
     names += adapters
-    in_nf4 = (
-        {f"{name.removesuffix('.lora_a')}.weight" for name in adapters if name.endswith(".lora_a")} if state.lora and state.lora.quantize else set()
-    )
+    in_nf4 = quantized_weights(adapters, state.lora)
     saved = set(names) - in_nf4
     tensors = _read_dcp(step_dir, cfg, state.lora, saved) if state.format == "dcp" else _read_deepspeed(step_dir)
     if in_nf4:

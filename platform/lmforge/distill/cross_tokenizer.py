@@ -104,7 +104,8 @@ class VocabularyMap:
 
     def __init__(self, student: Tokenizer, teacher: Tokenizer):
         self.student_size = student.get_vocab_size()
-        if student.to_str() == teacher.to_str():
+        self.identity = student.to_str() == teacher.to_str()
+        if self.identity:
             self.target = torch.arange(teacher.get_vocab_size())
         else:
             spelled: dict[tuple[str, str], int] = {}
@@ -112,21 +113,36 @@ class VocabularyMap:
                 spelled.setdefault(spelling(student, token), token)
             self.target = torch.tensor([spelled.get(spelling(teacher, token), -1) for token in range(teacher.get_vocab_size())])
         self.shared = int((self.target >= 0).sum())
+        # Projection as gathers in log space: each student token's first teacher token,
+        # then rounds of the rest (two teacher tokens spelled alike), each student token
+        # at most once a round. No exp and log over the vocabulary.
+        self.source = torch.full((self.student_size,), -1, dtype=torch.int64)
+        rounds: list[list[tuple[int, int]]] = []
+        for teacher_token, student_token in enumerate(self.target.tolist()):
+            if student_token < 0:
+                continue
+            if self.source[student_token] < 0:
+                self.source[student_token] = teacher_token
+                continue
+            free = next((r for r in rounds if all(s != student_token for s, _ in r)), None)
+            if free is None:
+                rounds.append(free := [])
+            free.append((student_token, teacher_token))
+        self.rounds = [torch.tensor(r, dtype=torch.int64).unbind(-1) for r in rounds]
 
-        self.identity = student.to_str() == teacher.to_str()
-
-    def project(self, teacher_log_probs: torch.Tensor) -> torch.Tensor:
-        """[..., teacher vocabulary] log-probabilities -> [..., student vocabulary]: each
-        student token gets the summed probability of the teacher tokens spelled as it;
-        one the teacher cannot spell gets LOG_ZERO."""
+    def project(self, teacher_log_probs: torch.Tensor, missing: float = LOG_ZERO) -> torch.Tensor:
+        """[..., teacher vocabulary] log-probabilities (or logits) -> [..., student
+        vocabulary]: each student token gets the summed probability of the teacher tokens
+        spelled as it; one the teacher cannot spell gets `missing`."""
         if self.identity:  # as they are: one tokenizer's KD is today's, bit for bit
             return teacher_log_probs
-        mapped = self.target.to(teacher_log_probs.device)
-        kept = mapped >= 0
-        probs = teacher_log_probs[..., kept].float().exp()
-        out = torch.zeros(*teacher_log_probs.shape[:-1], self.student_size, device=teacher_log_probs.device)
-        out.index_add_(-1, mapped[kept], probs)
-        return torch.where(out > 0, out.log(), torch.full_like(out, LOG_ZERO))
+        device = teacher_log_probs.device
+        source = self.source.to(device)
+        out = teacher_log_probs.index_select(-1, source.clamp(min=0)).masked_fill_(source < 0, missing)
+        for student_ids, teacher_ids in self.rounds:
+            student_ids, teacher_ids = student_ids.to(device), teacher_ids.to(device)
+            out[..., student_ids] = torch.logaddexp(out[..., student_ids], teacher_log_probs[..., teacher_ids])
+        return out
 
     def project_top_k(self, targets: TopK) -> TopK:
         """Top-k targets in teacher ids -> the same in student ids: an unspellable id's
@@ -181,27 +197,44 @@ class AlignedTeacher:
         return TeacherRows(inputs, positions, aligned)
 
     @torch.no_grad()
+    def _tempered_logits(self, student_ids: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """([batch, student length, teacher vocabulary] the teacher's logits over the
+        temperature at the position aligned with each student one, [batch, student length] aligned)."""
+        rows = self.rows(student_ids.cpu())
+        device = student_ids.device
+        logits = within_vocab(self.model(rows.inputs.to(device)), self.teacher_vocab)
+        at_student = logits[torch.arange(len(logits), device=device)[:, None], rows.positions.to(device)]
+        return at_student.div_(temperature), rows.aligned.to(device)
+
     def log_probs(self, student_ids: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
         """([batch, student length, student vocabulary] log-probabilities at the
         temperature, [batch, student length] aligned)."""
-        rows = self.rows(student_ids.cpu())
-        device = student_ids.device
-        logits = self.model(rows.inputs.to(device))
-        index = rows.positions.to(device)[..., None].expand(-1, -1, logits.shape[-1])
-        at_student = logits.gather(1, index)
-        scaled = log_softmax(within_vocab(at_student, self.teacher_vocab) / temperature)
-        return self.vocabulary.project(scaled), rows.aligned.to(device)
+        scaled, aligned = self._tempered_logits(student_ids, temperature)
+        return self.vocabulary.project(log_softmax(scaled)), aligned
+
+    def top_k(self, student_ids: torch.Tensor, temperature: float, k: int, vocab: int) -> TopK:
+        """This teacher alone: its k most likely student tokens at the temperature.
+        The ranking is the logits', so the vocabulary-wide normalizer is subtracted from
+        the k kept alone (one tokenizer: today's log-softmax, for the same bits)."""
+        scaled, aligned = self._tempered_logits(student_ids, temperature)
+        if self.vocabulary.identity:
+            targets = top_k(log_softmax(scaled)[..., :vocab], k)
+            return TopK(targets.ids, targets.logprobs, aligned)
+        normalizer = torch.logsumexp(scaled, dim=-1, keepdim=True)
+        values, ids = self.vocabulary.project(scaled, missing=-math.inf)[..., :vocab].topk(k, dim=-1)
+        return TopK(ids, (values - normalizer).clamp(min=LOG_ZERO), aligned)
 
 
 def aligned_top_k(teachers: list[AlignedTeacher], student_ids: torch.Tensor, temperature: float, k: int, vocab: int) -> TopK:
     """The teachers' mixture (weights summing to 1) in the student's vocabulary of
     `vocab` tokens, as top-k targets at the temperature; a position learns from them
     where every teacher is aligned."""
+    if len(teachers) == 1:
+        return teachers[0].top_k(student_ids, temperature, k, vocab)
     parts, aligned = [], None
     for teacher in teachers:
         log_p, where = teacher.log_probs(student_ids, temperature)
-        parts.append(log_p[..., :vocab] if len(teachers) == 1 else log_p[..., :vocab] + math.log(teacher.weight))
+        parts.append(log_p[..., :vocab] + math.log(teacher.weight))
         aligned = where if aligned is None else aligned & where
-    mixed = parts[0] if len(parts) == 1 else torch.logsumexp(torch.stack(parts), dim=0)
-    targets = top_k(mixed, k)
+    targets = top_k(torch.logsumexp(torch.stack(parts), dim=0), k)
     return TopK(targets.ids, targets.logprobs, aligned)

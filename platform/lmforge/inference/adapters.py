@@ -14,6 +14,8 @@ from lmforge.models.lora import targeted_layers
 from lmforge.models.lora_config import LINEAR_LAYERS
 from lmforge.models.peft_format import Adapter
 
+ATTACHED = "_multi_adapter_layers"  # the model's `MultiAdapterLinear` layers, found once at attach time
+
 
 class MultiAdapterLinear(nn.Module):
     """A frozen linear layer plus stacked factors: A (adapters + 1, rank, in), B (adapters
@@ -42,6 +44,7 @@ def attach_adapters(model: nn.Module, adapters: list[Adapter]) -> None:
     rank = max(adapter.rank for adapter in adapters)
     targets = list(LINEAR_LAYERS)
     param = next(model.parameters())
+    attached = []
     for name, parent, attribute in list(targeted_layers(model, targets)):
         if not any(f"{name}.lora_a" in adapter.factors for adapter in adapters):
             continue
@@ -52,14 +55,16 @@ def attach_adapters(model: nn.Module, adapters: list[Adapter]) -> None:
             if f"{name}.lora_a" in adapter.factors:
                 a[slot, : adapter.rank] = adapter.factors[f"{name}.lora_a"]
                 b[slot, :, : adapter.rank] = adapter.factors[f"{name}.lora_b"] * adapter.scaling
-        setattr(parent, attribute, MultiAdapterLinear(base, a, b))
+        attached.append(MultiAdapterLinear(base, a, b))
+        setattr(parent, attribute, attached[-1])
+    object.__setattr__(model, ATTACHED, attached)  # a plain list, not submodules registered twice
 
 
 @contextmanager
 def adapter_rows(model: nn.Module, rows: list[int]) -> Iterator[None]:
     """Each batch row's adapter slot (0: the base model alone) for the forwards inside;
     nothing to do when no row asks for one."""
-    layers = [m for m in model.modules() if isinstance(m, MultiAdapterLinear)] if any(rows) else []
+    layers = getattr(model, ATTACHED, []) if any(rows) else []
     index = torch.tensor(rows, device=next(model.parameters()).device) if layers else None
     for layer in layers:
         layer.rows = index

@@ -29,7 +29,7 @@ import torch
 
 from lmforge.distill.hidden import ADAPTERS
 from lmforge.models.llama import Transformer
-from lmforge.models.lora_config import LoraSpec, adapter_shapes, nf4_bytes
+from lmforge.models.lora_config import LoraSpec, adapter_shapes, nf4_bytes, quantized_weights
 from lmforge.parallel.fsdp import needs_wrapping
 from lmforge.parallel.pipeline import in_stage, split_layers, stage_indices
 from lmforge.parallel.shape import MeshShape
@@ -132,7 +132,7 @@ def native_states(spec: JobSpec, rank: int, teachers: tuple[ModelConfig, ...] = 
     low_rank = tuple(adapter_shapes(dict(params), lora).items()) if lora else ()
     trained = (*low_rank, *beside) if lora else (*params, *beside)  # LoRA: the base is frozen (no gradient, no moments)
     # QLoRA: the adapted layers' weights in NF4, counted by what torchao's tensor holds.
-    in_nf4 = {f"{name.removesuffix('.lora_a')}.weight" for name, _ in low_rank if name.endswith(".lora_a")} if lora and lora.quantize else set()
+    in_nf4 = quantized_weights(dict(low_rank), lora)
     nf4 = sum(nf4_bytes(math.prod(dims), shape.dp_shard) for name, dims in params if name in in_nf4)
     params = (*(item for item in params if item[0] not in in_nf4), *low_rank, *beside)
     numel = _rank_numel(params, p.tp, coords["tp"], shape.dp_shard, shard_rank)

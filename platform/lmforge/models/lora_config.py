@@ -96,6 +96,14 @@ def adapter_shapes(weight_shapes: Mapping[str, tuple[int, ...]], lora: LoraSpec)
     return shapes
 
 
+def quantized_weights(adapters, lora: LoraSpec | None) -> set[str]:
+    """The weights QLoRA holds in NF4: those of the layers `adapters` (names from
+    `adapter_shapes`) adapt; none without `quantize`."""
+    if lora is None or not lora.quantize:
+        return set()
+    return {f"{name.removesuffix('.lora_a')}.weight" for name in adapters if name.endswith(".lora_a")}
+
+
 def is_adapter(name: str) -> bool:
     return name.rpartition(".")[2] in ADAPTER_PARAMS
 
