@@ -119,3 +119,20 @@ def test_bad_cluster_strings(tmp_path, cluster, fragment):
 
 def test_unknown_preset(tmp_path):
     assert_clean_error(run_cli("plan", SEVEN_B, "--set", "model.preset=99b", cwd=tmp_path), "model.preset", "unknown preset '99b'")
+
+
+def test_plan_counts_a_lora_jobs_trainable_parameters(tmp_path):
+    """`model.lora`: the plan says how many parameters train, the adapters' r * (in + out)
+    for each of a block's seven linear layers, and the optimizer holds their states alone."""
+    lora = ["--set", "model.lora={rank: 8}"]
+    result = run_cli("plan", SEVEN_B, "--json", *lora, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    cfg = load_spec(SEVEN_B).model_arch
+    attention = 2 * (cfg.dim + cfg.n_heads * cfg.head_dim) + 2 * (cfg.dim + cfg.n_kv_heads * cfg.head_dim)
+    per_block = 8 * (attention + 3 * (cfg.dim + cfg.ffn_hidden))
+    assert report["lora"] == {"rank": 8, "trainable_parameters": cfg.n_layers * per_block, "model_parameters": cfg.num_params()}
+    full = json.loads(run_cli("plan", SEVEN_B, "--json", cwd=tmp_path).stdout)
+    assert report["worst_rank"]["optimizer"] < full["worst_rank"]["optimizer"] / 50  # 0.3% of the parameters train
+    shown = " ".join(run_cli("plan", SEVEN_B, "--no-chart", *lora, cwd=tmp_path).stdout.split())  # as wrapped to the terminal
+    assert f"LoRA (model.lora, rank 8): {cfg.n_layers * per_block:,} trainable parameters of the model's {cfg.num_params():,}" in shown

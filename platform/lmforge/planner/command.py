@@ -14,6 +14,7 @@ from lmforge.errors import UserError
 from lmforge.memory.chart import bar_chart
 from lmforge.memory.estimate import Breakdown, stage_peaks, worst_rank
 from lmforge.memory.snapshots import COPIES, snapshot_bytes
+from lmforge.memory.states import lora_parameters
 from lmforge.planner.cluster import Cluster, assumed_cluster, parse_cluster
 from lmforge.planner.report import fits, gib, render, search_reasons, search_table
 from lmforge.planner.search import Candidate, search
@@ -34,6 +35,9 @@ class MemoryPlan(BaseModel):
     cluster: Optional[Cluster] = None
     chart: Optional[str] = None
     in_memory_host_bytes_per_rank: Optional[int] = None  # with checkpoint.in_memory: the snapshots' host memory
+    lora_rank: Optional[int] = None  # with model.lora: its rank, the adapters' parameters, and the model's
+    trainable_parameters: Optional[int] = None
+    model_parameters: Optional[int] = None
 
     @property
     def worst_rank(self) -> dict[str, int]:
@@ -46,6 +50,12 @@ class MemoryPlan(BaseModel):
     def show(self, console: Console) -> None:
         """As `lmforge plan` prints it: the table, the verdict, the snapshots' host memory."""
         render(self.job, self.breakdown, self.world_size, self.cluster, console)
+        if self.trainable_parameters is not None and self.model_parameters:
+            console.print(
+                f"LoRA (model.lora, rank {self.lora_rank}): {self.trainable_parameters:,} trainable parameters of the model's "
+                f"{self.model_parameters:,} ({self.trainable_parameters / self.model_parameters:.2%}); the gradients and optimizer "
+                "states above are theirs alone"
+            )
         if self.in_memory_host_bytes_per_rank is not None:
             console.print(
                 f"in-memory checkpoints (checkpoint.in_memory): {gib(snapshot_bytes(self.breakdown))} per snapshot of this rank, "
@@ -59,6 +69,8 @@ class MemoryPlan(BaseModel):
         out: dict[str, Any] = {"job": self.job, "world_size": self.world_size, "worst_rank": self.worst_rank, "chart": self.chart}
         if self.in_memory_host_bytes_per_rank is not None:
             out["in_memory_host_bytes_per_rank"] = self.in_memory_host_bytes_per_rank
+        if self.trainable_parameters is not None:
+            out["lora"] = {"rank": self.lora_rank, "trainable_parameters": self.trainable_parameters, "model_parameters": self.model_parameters}
         if self.cluster is not None:
             out["cluster"] = _cluster_dict(self.cluster) | {"fits": self.fits}
         return out
@@ -133,7 +145,15 @@ def memory_plan(spec: JobSpec, cluster: Optional[str] = None, chart: Optional[st
         cluster=devices,
         chart=str(chart) if chart else None,
         in_memory_host_bytes_per_rank=COPIES * snapshot_bytes(breakdown) if spec.checkpoint.in_memory else None,
+        **_lora_counts(spec),
     )
+
+
+def _lora_counts(spec: JobSpec) -> dict[str, int]:
+    lora = spec.model.lora
+    if lora is None:
+        return {}
+    return {"lora_rank": lora.rank, "trainable_parameters": lora_parameters(spec.model_arch, lora), "model_parameters": spec.model_arch.num_params()}
 
 
 def layout_search(spec: JobSpec, cluster: Optional[str] = None, top: int = 5, chart: Optional[str | Path] = None) -> LayoutSearch:
