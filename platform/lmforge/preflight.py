@@ -161,8 +161,11 @@ def _vocabulary(tokenizer) -> dict:
 
 def check_distill(spec: JobSpec, manifest: Optional[DatasetManifest]) -> None:
     """The teachers can teach this student, and a teacher cache it names (or the
-    instruction dataset it trains on) is this job's."""
+    instruction dataset it trains on) is this job's; a teacher served to train straight
+    from answers now."""
     check_teachers(spec, manifest)
+    if spec.distill.served is not None and spec.distill.cache is None:
+        ServedTeacher.of(spec.distill.served, spec.distill.top_k).check()
     if spec.distill.instruct is not None:
         check_instruct_dataset(spec, manifest)
     elif manifest is not None and manifest.masked and spec.distill.hidden is not None:

@@ -198,7 +198,7 @@ def check_distill(spec: "JobSpec", model: ModelConfig) -> None:
             "distill.cross_tokenizer: an online teacher of another vocabulary is not split like the student's; "
             "use parallel.tp: 1, or train from an offline cache (distill.cache), which has no such limit"
         )
-    if spec.parallel.pp > 1 and distill.cache is None and distill.instruct is None:
+    if spec.parallel.pp > 1 and distill.cache is None and distill.instruct is None and distill.served is None:
         raise ValueError(
             "distill.cache: with parallel.pp > 1 the teacher's targets come from an offline cache "
             "(build it with `lmforge distill cache JOB`, then set distill.cache and distill.top_k)"

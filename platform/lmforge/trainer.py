@@ -28,6 +28,7 @@ from lmforge.data.manifest import DatasetManifest, Manifest, tokenizer_location
 from lmforge.data.order import BatchLayout
 from lmforge.distill.cache_manifest import teacher_cache
 from lmforge.distill.loss import DistillLoss
+from lmforge.distill.served_teacher import served_scorer
 from lmforge.engines import CrossEntropy, Loss, create_engine
 from lmforge.errors import OutOfMemory
 from lmforge.events import BatchSkipped, Eval, Event, RankResult, Restored, Start, Step
@@ -91,6 +92,7 @@ class Trainer:
         # Start reading ahead first: Ray Data's first read overlaps model building.
         self.layout = BatchLayout(spec.train.global_batch, spec.train.micro_batch, p.dp)
         self.cache = teacher_cache(spec)  # a distillation's offline top-k targets (an instruction dataset's own)
+        scorer = served_scorer(spec.distill)  # or a served teacher's, asked as the rows are read
         datasets, self.mixture = datasets_of(spec, manifest)
         self.feed = BatchFeed(
             datasets,
@@ -102,6 +104,7 @@ class Trainer:
             cache=self.cache,
             reader=reader,
             end_step=spec.train.max_steps,
+            scorer=scorer,
         )
         if self.device.type == "cuda" and not spec.resources.memory_per_worker:
             check_fits(spec, torch.cuda.get_device_properties(self.device).total_memory, f"{torch.cuda.get_device_name(self.device)} memory")
@@ -109,7 +112,7 @@ class Trainer:
         self.engine = create_engine(spec, self.dims, self.device, self.loss)
         self.held_out = None
         if spec.eval is not None and isinstance(manifest, DatasetManifest):  # a mixture has no held-out split (spec rules)
-            self.held_out = HeldOutBatches(spec.data.path, manifest, self.layout, self.dims.dp_rank, eval_batches(spec, manifest), self.cache)
+            self.held_out = HeldOutBatches(spec.data.path, manifest, self.layout, self.dims.dp_rank, eval_batches(spec, manifest), self.cache, scorer)
         self.peak_flops = peak_flops(self.device, spec.train.precision)
         self.flops_per_step = spec.model_arch.flops_per_token(spec.train.seq_len) * spec.train.global_batch * spec.train.seq_len
         if from_memory:

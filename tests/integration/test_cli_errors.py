@@ -578,6 +578,14 @@ def test_a_teacher_that_cannot_teach_this_student_is_refused(case, tmp_path, tin
     assert nothing_written(tmp_path)
 
 
+def test_a_served_teacher_that_does_not_answer_is_refused_before_training(tmp_path, tiny_dataset):
+    """Training straight from a server: it is asked before anything starts."""
+    job = tiny_job(tmp_path, tiny_dataset, distill={"teacher": {"url": "http://127.0.0.1:9/v1", "model": "t", "top_k": 4}})
+    result = run_cli("train", str(write_job(tmp_path, job)), cwd=tmp_path)
+    assert_clean_error(result, "distill.teacher.url: http://127.0.0.1:9/v1/ cannot teach: Connection error")
+    assert nothing_written(tmp_path)
+
+
 # name: (what the job changes of the cache's job, what the message says)
 CACHE_REFUSALS = {
     "no cache there": (lambda job, tmp: {"distill": {"cache": str(tmp / "nowhere")}}, "holds no teacher cache (manifest.json missing)"),

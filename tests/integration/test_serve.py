@@ -11,6 +11,7 @@ The judge is a scripted OpenAI-compatible server (a GPT-4-class judge cannot run
 here): it records what it is sent and answers by a rule the test knows.
 """
 
+import copy
 import json
 import os
 import re
@@ -311,6 +312,111 @@ def test_a_served_teacher_builds_the_offline_cache_a_student_trains_from(serving
     assert trained.final_step == 2
     params = MlflowClient(tracking_uri=trained.mlflow_tracking_uri).get_run(trained.mlflow_run_id).data.params
     assert (params["distill.teacher.url"], params["distill.teachers_sha256"]) == (served["url"], "served")
+
+
+def _step_lines(run_dir: Path, name: str) -> dict[int, dict]:
+    rows = [json.loads(line) for line in (run_dir / name).read_text().splitlines()]
+    return {row["step"]: row for row in rows if "event" not in row}
+
+
+def _events(run_dir: Path, kind: str) -> list[dict]:
+    metrics = run_dir / "metrics.jsonl"
+    lines = metrics.read_text().splitlines() if metrics.is_file() else []
+    return [row for row in map(json.loads, lines) if row.get("event") == kind]
+
+
+STEPS_FROM_SERVER = 16  # the server goes down at step 2: the steps after it need it
+
+
+class Forwarder:
+    """The teacher's address as the job knows it: a plain HTTP server in this process
+    passing each request on to the Serve application. Stopping it is the server going
+    down (connections refused); starting it again on the same port, its return."""
+
+    def __init__(self, upstream: str):
+        import http.server
+
+        self.upstream, self.port = upstream, free_port()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                headers = {k: v for k, v in self.headers.items() if k.lower() in ("content-type", "authorization")}
+                answer = httpx.post(upstream + self.path, content=body, headers=headers, timeout=120)
+                self.send_response(answer.status_code)
+                self.send_header("Content-Type", answer.headers.get("content-type", "application/json"))
+                self.send_header("Content-Length", str(len(answer.content)))
+                self.end_headers()
+                self.wfile.write(answer.content)
+
+            def log_message(self, *args):
+                pass
+
+        self.handler = Handler
+        self.start()
+
+    def start(self) -> None:
+        import http.server
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", self.port), self.handler)
+        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_student_trains_straight_from_a_served_teacher_that_goes_down_mid_run(serving, ray_session, second_dataset, tmp_path):
+    """`distill.teacher: {url, model, top_k}` without a cache, through `lmforge train`:
+    the feed asks the server for each chunk's top-k as it reads the chunk. The server
+    goes down at step 2 (asked with no retries, the attempt fails on it) and comes back
+    once the job has recorded the failure: the job resumes from its checkpoint and ends
+    with the same samples, step for step, and the same losses (1e-6) as the same student
+    taught by the model in-process, top-k at temperature 1."""
+    local = tiny_job(
+        tmp_path,
+        second_dataset,
+        name="from-local-teacher",
+        model=QWEN_TINY | {"n_layers": 1},
+        train={"max_steps": STEPS_FROM_SERVER},
+        data={"prefetch_steps": 1, "record_sample_ids": True},  # a chunk per step: the server is asked all along the run
+        checkpoint={"interval": 2},
+        fault_tolerance={"max_failures": 6, "backoff_s": 0.5},
+        distill={"teacher": str(serving.teacher), "top_k": 8},
+    )
+    server = Forwarder(serving.url("teacher"))
+    served = copy.deepcopy(local) | {"name": "from-served-teacher"}
+    served["distill"] = {"teacher": {"url": f"http://127.0.0.1:{server.port}/v1", "model": "teacher", "top_k": 8, "max_retries": 0}}
+    (tmp_path / "served.yaml").write_text(yaml.safe_dump(served))
+    address = ray_session.get_runtime_context().gcs_address
+    command = [sys.executable, "-m", "lmforge", "train", "served.yaml", "--address", address]
+    driver = subprocess.Popen(
+        command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ | {"OMP_NUM_THREADS": "1"}
+    )
+    run_dir = Path(served["output_dir"]) / served["name"]
+    try:
+        deadline = time.time() + 120
+        while not ((run_dir / "metrics.jsonl").is_file() and len(_step_lines(run_dir, "metrics.jsonl")) >= 2):
+            assert driver.poll() is None and time.time() < deadline, "the job ended, or never reached step 2"
+            time.sleep(0.05)
+        server.stop()
+        while not _events(run_dir, "failure"):
+            assert driver.poll() is None and time.time() < deadline, "the job ended, or never failed"
+            time.sleep(0.05)
+        server.start()
+        output, _ = driver.communicate(timeout=240)
+    finally:
+        driver.kill()
+        server.stop()
+    assert driver.returncode == 0, output[-3000:]
+    (failure, *_), restored = _events(run_dir, "failure"), _events(run_dir, "restored")
+    assert "did not answer (0 retries): Connection error" in failure["cause"] and restored, output[-3000:]
+    want_dir = Path(sdk.train(spec_from_dict(local), show_progress=False).run_dir)
+    assert _step_lines(run_dir, "samples.jsonl") == _step_lines(want_dir, "samples.jsonl")
+    got, want = _step_lines(run_dir, "metrics.jsonl"), _step_lines(want_dir, "metrics.jsonl")
+    assert list(got) == list(range(1, STEPS_FROM_SERVER + 1))
+    for term in ("loss", "kd_loss"):
+        assert [row[term] for row in got.values()] == pytest.approx([row[term] for row in want.values()], rel=1e-6)
 
 
 def lm_eval(out: Path, model: str, model_args: str, tasks=HARNESS_TASKS, *flags: str) -> tuple[dict, dict]:

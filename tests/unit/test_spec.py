@@ -154,6 +154,16 @@ def test_overrides_are_parsed_as_yaml_values():
             "distill.on_policy.max_new_tokens: 256 leaves no prompt in a row of train.seq_len 128",
         ),
         (["distill.teacher=t", "distill.on_policy={fraction: 0}"], "distill.on_policy.fraction: Input should be greater than 0"),
+        (
+            ["distill.teacher={url: 'http://h:1/v1', model: m, top_k: 4}", "distill.hidden={layers: {0: 1}}"],
+            "distill.hidden: a server gives next-token log-probabilities, not hidden states",
+        ),
+        (
+            ["distill.teacher={url: 'http://h:1/v1', model: m, top_k: 4}", "distill.on_policy={}"],
+            "distill.on_policy: the student's continuations are scored by local teachers",
+        ),
+        (["distill.teacher={url: 'http://h:1/v1', model: m, top_k: 4}", "distill.temperature=2"], "distill.temperature: a server gives"),
+        (["distill.teacher={url: 'http://h:1/v1', model: m}"], "distill.teacher.top_k: a served teacher gives its k most likely"),
         (["distill.teacher=t", "distill.cross_tokenizer={}"], "distill.cross_tokenizer: targets projected onto the student's vocabulary are top-k"),
         (["distill.teacher=t", "distill.cross_tokenizer={method: uld}"], "distill.cross_tokenizer.method: Input should be 'projection'"),
         (

@@ -31,6 +31,7 @@ from lmforge.data.feed import datasets_of, first_chunks, start_reader
 from lmforge.data.manifest import Manifest
 from lmforge.data.order import BatchLayout
 from lmforge.distill.cache_manifest import teacher_cache
+from lmforge.distill.served_teacher import served_scorer
 from lmforge.errors import CheckpointWritesFailing, Diverged, OutOfMemory, TrainingFailed, UserError, first_line
 from lmforge.events import Event, Failure, JobResult, Layout, OutOfMemoryEvent, Reader, Recovered, Resized, Rollback, Start, Step
 from lmforge.guards.oom import with_smaller_micro_batch
@@ -283,7 +284,7 @@ class Controller:
         self._stop_reader()
         datasets, mixture = datasets_of(spec, self.manifest)
         self._reader_node = self._capacity.slots.nodes()[0]
-        self._reader = start_reader(datasets, mixture, layout, serves, sharers, teacher_cache(spec), self._reader_node)
+        self._reader = start_reader(datasets, mixture, layout, serves, sharers, teacher_cache(spec), self._reader_node, served_scorer(spec.distill))
         if self._starts_at_step_0(spec):  # read the first steps while the ranks load torch
             self._reader.prefetch.remote(first_chunks(0, spec.data.prefetch_steps, spec.train.max_steps))
         self.report(Reader(kept=False, node=self._reader_node[:12]))

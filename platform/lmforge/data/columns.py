@@ -4,8 +4,9 @@ a teacher cache its top-k targets."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Protocol
 
+import numpy as np
 from pydantic import BaseModel
 
 from lmforge.data.manifest import DatasetManifest
@@ -19,6 +20,23 @@ class TopKTargets(BaseModel):
     directory: str
     k: int
     eval_directory: Optional[str] = None
+
+
+class TargetScorer(Protocol):
+    """Top-k targets made as the rows are read (a teacher behind a server), in the shape
+    a teacher cache stores them: the feed asks it for each chunk's rows at once."""
+
+    k: int
+
+    def score(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """[rows, seq_len + 1] tokens -> top-k ids and log-probabilities [rows, seq_len, k]."""
+        ...
+
+
+def scored_columns(scorer: TargetScorer, tokens: np.ndarray) -> dict[str, np.ndarray]:
+    """The target columns of rows of tokens, named as a cache's."""
+    ids, logprobs = scorer.score(tokens)
+    return {"topk_ids": ids, "topk_logprobs": logprobs}
 
 
 def sample_columns(manifest: DatasetManifest, k: Optional[int] = None) -> dict[str, tuple]:

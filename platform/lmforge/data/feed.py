@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 import ray
 
 from lmforge.data import storage
-from lmforge.data.columns import TopKTargets, sample_columns, target_columns
+from lmforge.data.columns import TargetScorer, TopKTargets, sample_columns, scored_columns, target_columns
 from lmforge.data.manifest import DatasetManifest, Manifest, MixtureManifest
 from lmforge.data.mixture import ID_STRIDE, Mixture
 from lmforge.data.order import BatchLayout, GlobalOrder
@@ -213,10 +213,12 @@ class FeedReader:
         serves: list[int],
         sharers: int = 1,
         cache: Optional[TopKTargets] = None,
+        scorer: Optional[TargetScorer] = None,
     ):
         """`cache`: top-k targets in shards named as the dataset's, read beside them (the
-        dataset's own directory when its samples carry them)."""
-        self.datasets, self.mixture = datasets, mixture
+        dataset's own directory when its samples carry them); `scorer`: or made for each
+        chunk as it is read (a served teacher), while the ranks train on the chunk before."""
+        self.datasets, self.mixture, self.scorer = datasets, mixture, scorer
         self.sources = [self._sources(d, cache) for d in datasets]  # per dataset: its tokens, and a cache's targets
         self.layout, self.serves, self.sharers = layout, list(serves), sharers
         self._chunks: dict[tuple[int, int], list] = {}  # (first step, steps) -> per served rank: (ids, columns, takers left)
@@ -312,7 +314,12 @@ class FeedReader:
                         step_ids[slot] = int(sample) + (d * ID_STRIDE if self.mixture else 0)
                 ids[rank].append(step_ids)
                 rows[rank] += step_rows
-        return [(np.concatenate(ids[r]), {name: np.stack([row[i] for row in rows[r]]) for i, name in enumerate(self.columns)}) for r in self.serves]
+        read = [(np.concatenate(ids[r]), {name: np.stack([row[i] for row in rows[r]]) for i, name in enumerate(self.columns)}) for r in self.serves]
+        if self.scorer is not None:  # every served rank's rows in one go: the scorer fills its requests
+            scored = scored_columns(self.scorer, np.concatenate([columns["tokens"] for _, columns in read]))
+            for start, (_, columns) in zip(range(0, len(scored["topk_ids"]), self.layout.per_rank * steps), read):
+                columns.update({name: values[start : start + self.layout.per_rank * steps] for name, values in scored.items()})
+        return read
 
 
 def start_reader(
@@ -323,12 +330,13 @@ def start_reader(
     sharers: int,
     cache: Optional[TopKTargets],
     node: str,
+    scorer: Optional[TargetScorer] = None,
 ):
     """A `FeedReader` on `node`, strictly: a soft affinity lets Ray move it to a node it
     still counts as free, such as one that vanished moments ago and is not yet declared
     dead (seen after a node loss: the restarted rank failed again)."""
     affinity = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(node, soft=False)
-    return FeedReader.options(scheduling_strategy=affinity).remote(datasets, mixture, layout, serves, sharers, cache)
+    return FeedReader.options(scheduling_strategy=affinity).remote(datasets, mixture, layout, serves, sharers, cache, scorer)
 
 
 AHEAD = 2  # chunks a feed keeps requested
@@ -379,11 +387,12 @@ class BatchFeed:
         cache: Optional[TopKTargets] = None,
         reader=None,
         end_step: Optional[int] = None,
+        scorer: Optional[TargetScorer] = None,
     ):
         """`end_step`: the last step trained; nothing past it is read ahead."""
         self.own_reader = reader is None
         if reader is None:
-            reader = start_reader(datasets, mixture, layout, [dp_rank], 1, cache, ray.get_runtime_context().get_node_id())
+            reader = start_reader(datasets, mixture, layout, [dp_rank], 1, cache, ray.get_runtime_context().get_node_id(), scorer)
         self.reader, self.dp_rank, self.end_step = reader, dp_rank, end_step
         self.layout, self.prefetch_steps = layout, prefetch_steps
         self._next_step = self._next_request = start_step

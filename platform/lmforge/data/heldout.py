@@ -13,7 +13,7 @@ from typing import Optional
 import numpy as np
 
 from lmforge.data import storage
-from lmforge.data.columns import TopKTargets, sample_columns, target_columns
+from lmforge.data.columns import TargetScorer, TopKTargets, sample_columns, scored_columns, target_columns
 from lmforge.data.manifest import DatasetManifest, HeldOutSplit
 from lmforge.data.order import BatchLayout
 from lmforge.errors import UserError
@@ -69,15 +69,23 @@ class HeldOutBatches:
     targets too."""
 
     def __init__(
-        self, data_path: str, manifest: DatasetManifest, layout: BatchLayout, dp_rank: int, batches: int, cache: Optional[TopKTargets] = None
+        self,
+        data_path: str,
+        manifest: DatasetManifest,
+        layout: BatchLayout,
+        dp_rank: int,
+        batches: int,
+        cache: Optional[TopKTargets] = None,
+        scorer: Optional[TargetScorer] = None,
     ):
+        """`scorer`: the targets made for this rank's held-out rows when they are read (a served teacher)."""
         held = manifest.eval
         if held is None:
             raise ValueError(f"{data_path} holds no held-out split")  # refused before launch (check_held_out)
         self.directory = storage.join(data_path, held.dir)
         self.shards = held.shards
         self.shard_samples, self.seq_len, self.manifest = manifest.shard_samples, manifest.seq_len, manifest
-        self.layout, self.dp_rank, self.batches, self.cache = layout, dp_rank, batches, cache
+        self.layout, self.dp_rank, self.batches, self.cache, self.scorer = layout, dp_rank, batches, cache, scorer
         self._read: list[tuple] | None = None
 
     def __iter__(self):
@@ -102,6 +110,9 @@ class HeldOutBatches:
         for batch in range(self.batches):
             first, count = self.layout.rank_positions(batch, self.dp_rank)
             taken = {name: c[first : first + count].reshape(*shape, *c.shape[1:]).copy() for name, c in columns.items()}
+            if self.scorer is not None:
+                scored = scored_columns(self.scorer, taken["tokens"].reshape(count, -1))
+                taken |= {name: values.reshape(*shape, *values.shape[1:]) for name, values in scored.items()}
             targets = (taken["topk_ids"], taken["topk_logprobs"]) if "topk_ids" in taken else None
             yield taken["tokens"], targets, taken.get("loss_mask")
 

@@ -26,17 +26,32 @@ class ServedTeacherError(RuntimeError):
 
 
 class ServedTeacher:
+    """Asks the server for rows' top-k targets. Picklable (a feed reader actor holds one):
+    the HTTP client is made where it is first used."""
+
     def __init__(
         self, url: str, model: str, k: int, api_key: Optional[str] = None, in_flight: int = IN_FLIGHT, max_retries: int = 5, timeout_s: float = 300
     ):
-        self.model, self.k, self.in_flight = model, k, in_flight
-        self.client = openai.OpenAI(base_url=url, api_key=api_key or "none", max_retries=max_retries, timeout=timeout_s)
+        self.url, self.model, self.k, self.in_flight = url, model, k, in_flight
+        self.api_key, self.max_retries, self.timeout_s = api_key, max_retries, timeout_s
+        self._client: Optional[openai.OpenAI] = None
         self.bytes_received = 0  # the responses' bodies: the wire's cost of the targets
+        self.tokens_scored = 0
+
+    def __getstate__(self) -> dict:
+        return {name: value for name, value in self.__dict__.items() if name != "_client"} | {"_client": None}
+
+    @property
+    def client(self) -> openai.OpenAI:
+        if self._client is None:
+            self._client = openai.OpenAI(base_url=self.url, api_key=self.api_key or "none", max_retries=self.max_retries, timeout=self.timeout_s)
+        return self._client
 
     @classmethod
     def of(cls, served: ServedTeacherSpec, k: int, in_flight: int = IN_FLIGHT) -> "ServedTeacher":
         """The job's `distill.teacher: {url, model, api_key_env}`, its key read from that variable."""
-        return cls(served.url, served.model, k, os.environ.get(served.api_key_env) if served.api_key_env else None, in_flight)
+        key = os.environ.get(served.api_key_env) if served.api_key_env else None
+        return cls(served.url, served.model, k, key, in_flight, max_retries=served.max_retries)
 
     def check(self) -> None:
         """Before anything starts: the server answers a two-token echo with k alternatives
@@ -47,16 +62,27 @@ class ServedTeacher:
         except (openai.OpenAIError, ServedTeacherError) as err:
             raise UserError(f"distill.teacher.url: {self.client.base_url} cannot teach: {str(err).splitlines()[0][:300]}") from None
 
-    def __call__(self, batch: dict) -> dict:
-        """A Ray Data batch of samples -> their top-k targets, as `TeacherTopK` gives them."""
-        tokens = batch["tokens"]
-        rows = [list(map(int, row)) for row in (np.stack(tokens) if tokens.dtype == object else tokens)]
+    def score(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Rows of tokens [rows, length] -> the teacher's top-k ids (int32) and
+        log-probabilities (float32) after each prefix, [rows, length - 1, k]."""
+        rows = [list(map(int, row)) for row in tokens]
         groups = [rows[i : i + ROWS_PER_REQUEST] for i in range(0, len(rows), ROWS_PER_REQUEST)]
-        with ThreadPoolExecutor(self.in_flight) as pool:
-            scored = [row for group in pool.map(self._score, groups) for row in group]
-        ids = np.stack([ids for ids, _ in scored]).astype(np.int32)
-        logprobs = np.stack([values for _, values in scored]).astype(np.float16)
-        return {"sample_id": batch["sample_id"], "topk_ids": ids.reshape(len(rows), -1), "topk_logprobs": logprobs.reshape(len(rows), -1)}
+        try:
+            with ThreadPoolExecutor(self.in_flight) as pool:
+                scored = [row for group in pool.map(self._score, groups) for row in group]
+        except openai.OpenAIError as err:  # as a plain error: openai's do not cross a process boundary (they do not unpickle)
+            raise ServedTeacherError(
+                f"the served teacher at {self.url} did not answer ({self.max_retries} retries): {str(err).splitlines()[0][:300]}"
+            ) from None
+        self.tokens_scored += sum(len(row) - 1 for row in rows)
+        return np.stack([ids for ids, _ in scored]).astype(np.int32), np.stack([values for _, values in scored]).astype(np.float32)
+
+    def __call__(self, batch: dict) -> dict:
+        """A Ray Data batch of samples -> their top-k targets, as `TeacherTopK` gives them (fp16, as the cache keeps them)."""
+        tokens = batch["tokens"]
+        ids, logprobs = self.score(np.stack(tokens) if tokens.dtype == object else tokens)
+        rows = len(ids)
+        return {"sample_id": batch["sample_id"], "topk_ids": ids.reshape(rows, -1), "topk_logprobs": logprobs.astype(np.float16).reshape(rows, -1)}
 
     def _score(self, rows: list[list[int]], client: Optional[openai.OpenAI] = None) -> list[tuple[np.ndarray, np.ndarray]]:
         """Per row: [len - 1, k] ids and log-probabilities, most likely first: the teacher's
@@ -82,3 +108,11 @@ class ServedTeacher:
             ids[position] = [int(name.removeprefix(TOKEN_ID)) for name, _ in best]
             values[position] = [value for _, value in best]
         return ids, values
+
+
+def served_scorer(distill) -> Optional[ServedTeacher]:
+    """The job's served teacher when training straight from it (no offline cache): the
+    feed asks it for each chunk's targets as it reads the chunk. None otherwise."""
+    if distill is None or distill.served is None or distill.cache is not None:
+        return None
+    return ServedTeacher.of(distill.served, distill.top_k)

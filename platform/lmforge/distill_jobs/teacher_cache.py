@@ -172,7 +172,7 @@ def _scorer(spec, dataset: DatasetManifest, vocab: int) -> tuple[type, dict, dic
     flight (its parallelism is the server's, not the cluster's devices)."""
     d = spec.distill
     if d.served is not None:
-        served = {"url": d.served.url, "model": d.served.model, "k": d.top_k}
+        served = {"url": d.served.url, "model": d.served.model, "k": d.top_k, "max_retries": d.served.max_retries}
         served["api_key"] = os.environ.get(d.served.api_key_env) if d.served.api_key_env else None
         return ServedTeacher, served, {"compute": ray.data.ActorPoolStrategy(size=1), "num_cpus": 0}, ROWS_PER_REQUEST * IN_FLIGHT
     pool = actor_pool(ray.cluster_resources())
