@@ -95,26 +95,39 @@ def test_the_steps_chosen_follow_the_fraction_and_the_seed():
     assert rollout.row_seeds[0] == rollout.row_seeds[1] != rollout.row_seeds[2]  # a row's seed: the step and its sample id
 
 
-def test_an_on_policy_step_learns_reverse_kl_on_the_students_own_tokens(one_rank, tmp_path):
-    """One process, the native engine: the step's loss equals the reverse KL at T=2,
-    summed over the positions whose next token the student sampled (its own greedy
-    generation from a copy of its weights), divided by their count, scaled by T^2."""
+def teacher_dir(path):
+    """A seeded teacher of the student's shape written as a model directory; returns it."""
     teacher_model = build_model(student().cfg, seed=11)
-    write_model_dir(tmp_path / "teacher", "lmforge", teacher_model.cfg, teacher_model.state_dict())
-    temperature, eos = 2.0, 7
-    spec = spec_from_dict(
+    write_model_dir(path, "lmforge", teacher_model.cfg, teacher_model.state_dict())
+    return teacher_model
+
+
+def on_policy_spec(distill: dict):
+    """The one-process job of these steps: 6 rows of SEQ + 1 in two micro-batches."""
+    return spec_from_dict(
         {
             "name": "t",
             "data": {"path": "d"},
             "model": MODEL,
             "optim": {"lr": 1e-2, "warmup_steps": 1},
             "train": {"global_batch": 6, "micro_batch": 3, "seq_len": SEQ, "seed": 3},
-            "distill": {
-                "teacher": str(tmp_path / "teacher"),
-                "temperature": temperature,
-                "ce_weight": 0.5,
-                "on_policy": {"fraction": 1.0, "max_new_tokens": NEW, "temperature": 0},
-            },
+            "distill": distill,
+        }
+    )
+
+
+def test_an_on_policy_step_learns_reverse_kl_on_the_students_own_tokens(one_rank, tmp_path):
+    """One process, the native engine: the step's loss equals the reverse KL at T=2,
+    summed over the positions whose next token the student sampled (its own greedy
+    generation from a copy of its weights), divided by their count, scaled by T^2."""
+    teacher_model = teacher_dir(tmp_path / "teacher")
+    temperature, eos = 2.0, 7
+    spec = on_policy_spec(
+        {
+            "teacher": str(tmp_path / "teacher"),
+            "temperature": temperature,
+            "ce_weight": 0.5,
+            "on_policy": {"fraction": 1.0, "max_new_tokens": NEW, "temperature": 0},
         }
     )
     engine = NativeEngine(spec, build_mesh("cpu", MeshShape.for_spec(spec.parallel)), torch.device("cpu"), job_loss(spec, VOCAB, eos))
@@ -148,22 +161,12 @@ def test_an_on_policy_step_across_one_tokenizer_is_todays_step(one_rank, tmp_pat
 
     words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
     words.pre_tokenizer, words.decoder = pre_tokenizers.WhitespaceSplit(), decoders.WordPiece()
-    teacher_model = build_model(student().cfg, seed=11)
-    write_model_dir(tmp_path / "teacher", "lmforge", teacher_model.cfg, teacher_model.state_dict())
+    teacher_dir(tmp_path / "teacher")
     words.save(str(tmp_path / "teacher" / "tokenizer.json"))
     stats = []
     for cross in ({}, {"cross_tokenizer": {"method": "projection"}}):
         distill = {"teacher": str(tmp_path / "teacher"), "temperature": 2.0, "top_k": 16, "on_policy": {"fraction": 1.0, "max_new_tokens": NEW}}
-        spec = spec_from_dict(
-            {
-                "name": "t",
-                "data": {"path": "d"},
-                "model": MODEL,
-                "optim": {"lr": 1e-2, "warmup_steps": 1},
-                "train": {"global_batch": 6, "micro_batch": 3, "seq_len": SEQ, "seed": 3},
-                "distill": distill | cross,
-            }
-        )
+        spec = on_policy_spec(distill | cross)
         loss = job_loss(spec, VOCAB, 7, str(tmp_path / "teacher" / "tokenizer.json"))
         engine = NativeEngine(spec, build_mesh("cpu", MeshShape.for_spec(spec.parallel)), torch.device("cpu"), loss)
         rollout = OnPolicy(spec, 7).for_step(1, np.arange(6))
