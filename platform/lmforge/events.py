@@ -415,3 +415,21 @@ class JobResult(RankResult):
     world_size: int
     dp: int
     data_bytes_read: Optional[int] = None  # by the job's readers that lasted to its end
+
+
+class InOrder:
+    """A sender's numbered messages, released in its order whatever order they arrive in
+    (a threaded actor may run one caller's calls out of order)."""
+
+    def __init__(self):
+        self._early: dict[int, Event] = {}
+        self._next = 0
+
+    def arrived(self, number: int, event: Event) -> list[Event]:
+        """The events now in order: this one and any that waited on it; none while an earlier one is missing."""
+        self._early[number] = event
+        ready = []
+        while self._next in self._early:
+            ready.append(self._early.pop(self._next))
+            self._next += 1
+        return ready

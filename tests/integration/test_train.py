@@ -395,14 +395,24 @@ def test_training_from_the_teacher_cache_matches_the_online_teachers(distill_run
 
 
 @pytest.fixture(scope="module")
-def other_tokenizer_dataset(ray_session, tiny_corpus, tmp_path_factory) -> Path:
-    """The tiny corpus in a byte-level BPE of its own (384 tokens against the teachers'
-    512): cut into other tokens, with its own held-out split."""
+def other_tokenizer_dataset(reference_run, ray_session, tiny_corpus, tmp_path_factory) -> Path:
+    """The teacher's own writing in a byte-level BPE of its own (384 tokens against the
+    teacher's 512, so cut into other tokens): 160 continuations of 96 tokens it sampled
+    at temperature 1 from lines of the corpus, one document each, one in ten held out."""
     from lmforge.data.prepare import prepare_dataset
     from lmforge.data.prepare_options import PrepareOptions
+    from lmforge.inference.generate import Generator
+    from lmforge.inference.sampling import SamplingParams
 
-    out = tmp_path_factory.mktemp("data") / "other-tokenizer-32"
-    prepare_dataset(PrepareOptions(source=str(tiny_corpus), out=str(out), seq_len=32, vocab_size=384, eval_fraction=0.1, show_progress=False))
+    teacher = Generator.load(str(Path(reference_run.run_dir) / "checkpoints" / f"step_{STEPS:08d}"))
+    lines = [line.strip()[:24] for f in sorted(tiny_corpus.iterdir()) for line in f.read_text().splitlines() if len(line.strip()) > 8]
+    prompts = lines[:: max(1, len(lines) // 160)][:160]
+    answers = teacher.generate(prompts, SamplingParams(max_new_tokens=96, temperature=1.0, seed=0))
+    corpus = tmp_path_factory.mktemp("teacher-text")
+    for i, (prompt, answer) in enumerate(zip(prompts, answers)):
+        (corpus / f"{i:03d}.txt").write_text(prompt + answer.text)
+    out = tmp_path_factory.mktemp("data") / "teacher-text-32"
+    prepare_dataset(PrepareOptions(source=str(corpus), out=str(out), seq_len=32, vocab_size=384, eval_fraction=0.1, show_progress=False))
     return out
 
 
@@ -427,9 +437,10 @@ def cross_tokenizer_run(distill_run, other_tokenizer_dataset, tmp_path_factory) 
 
 def test_a_student_of_another_tokenizer_learns_from_the_teacher_through_the_cli(cross_tokenizer_run):
     """`distill.cross_tokenizer` through `lmforge train`: a student whose 384-token BPE
-    cuts the text otherwise than the teacher's learns the teacher's projected top-k where
-    the two align, and ends with a lower held-out NLL than the same student on the
-    text alone (the teacher only measured)."""
+    cuts the teacher's writing otherwise than the teacher's own tokenizer learns the
+    teacher's projected top-k where the two align, and ends with a lower held-out NLL
+    on the teacher's text than the same student trained on that text alone (the teacher
+    only measured)."""
     job, run_dir = cross_tokenizer_run
     rows = _step_rows(run_dir)
     assert len(rows) == DISTILL_STEPS and rows[-1]["kd_loss"] < rows[0]["kd_loss"]

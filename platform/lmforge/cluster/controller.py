@@ -33,7 +33,7 @@ from lmforge.data.order import BatchLayout
 from lmforge.distill.cache_manifest import teacher_cache
 from lmforge.distill.served_teacher import served_scorer
 from lmforge.errors import CheckpointWritesFailing, Diverged, OutOfMemory, TrainingFailed, UserError, first_line
-from lmforge.events import Event, Failure, JobResult, Layout, OutOfMemoryEvent, Reader, Recovered, Resized, Rollback, Start, Step
+from lmforge.events import Event, Failure, InOrder, JobResult, Layout, OutOfMemoryEvent, Reader, Recovered, Resized, Rollback, Start, Step
 from lmforge.guards.oom import with_smaller_micro_batch
 from lmforge.parallel.shape import MeshShape
 from lmforge.spec import JobSpec
@@ -73,6 +73,7 @@ class Controller:
         self._failed_layout: list[dict] = []
         self._dp = 0
         self._attempt = 0
+        self._in_order = InOrder()  # the attempt's rank reports, in the rank's order
         self._last_step = 0
         self._failed_rank: int | None = None
         self._raised_at: float | None = None
@@ -93,34 +94,44 @@ class Controller:
             events, self._events = self._events, []
         return events
 
-    def report(self, event: Event, attempt: int | None = None) -> None:
+    def report(self, event: Event, attempt: int | None = None, number: int | None = None) -> None:
+        """`number`: the rank's count of its reports this attempt. This actor's threads
+        may run a rank's calls out of order; they are recorded in the rank's order."""
         with self._lock:
             if attempt is not None and attempt != self._attempt:
                 return
-            before = len(self._events)
-            if isinstance(event, Step) and self._failed_at is not None:
-                self._events.append(
-                    Recovered(
-                        step=event.step,
-                        dp=self._dp,
-                        seconds=round(time.time() - self._failed_at, 2),
-                        steps_redone=self._redone,
-                        nodes_lost=self._nodes_lost(self._failed_layout),
-                        time=time.time(),
-                    )
+            if number is None:
+                self._record(event)
+                return
+            for ready in self._in_order.arrived(number, event):
+                self._record(ready)
+
+    def _record(self, event: Event) -> None:
+        """One report, in order (the lock held)."""
+        before = len(self._events)
+        if isinstance(event, Step) and self._failed_at is not None:
+            self._events.append(
+                Recovered(
+                    step=event.step,
+                    dp=self._dp,
+                    seconds=round(time.time() - self._failed_at, 2),
+                    steps_redone=self._redone,
+                    nodes_lost=self._nodes_lost(self._failed_layout),
+                    time=time.time(),
                 )
-                self._failed_at = None
-            if isinstance(event, Step) and self._resize_from is not None:
-                from_dp, since = self._resize_from
-                self._events.append(Resized(step=event.step, from_dp=from_dp, dp=self._dp, seconds=round(time.time() - since, 2), time=time.time()))
-                self._resize_from = None
-            if isinstance(event, Start) and self._failed_at is not None:
-                self._redone = max(0, self._last_step - event.step)
-            if isinstance(event, Step):
-                self._last_step, self._progress_at = event.step, time.time()
-            self._events.append(event.model_copy(update={"time": time.time()}))
-            for new in self._events[before:]:
-                self._metrics.observe(new)
+            )
+            self._failed_at = None
+        if isinstance(event, Step) and self._resize_from is not None:
+            from_dp, since = self._resize_from
+            self._events.append(Resized(step=event.step, from_dp=from_dp, dp=self._dp, seconds=round(time.time() - since, 2), time=time.time()))
+            self._resize_from = None
+        if isinstance(event, Start) and self._failed_at is not None:
+            self._redone = max(0, self._last_step - event.step)
+        if isinstance(event, Step):
+            self._last_step, self._progress_at = event.step, time.time()
+        self._events.append(event.model_copy(update={"time": time.time()}))
+        for new in self._events[before:]:
+            self._metrics.observe(new)
 
     def snapshot_taken(self, step: int, world: int, attempt: int) -> None:
         """Rank 0: every rank's files of the snapshot at `step` are kept."""
@@ -226,6 +237,7 @@ class Controller:
     def _new_attempt(self, failed: bool) -> None:
         with self._lock:  # from here on, reports of the previous attempt are dropped
             self._attempt += 1
+            self._in_order = InOrder()
             if failed:
                 self._failed_at, self._failed_layout = time.time(), self._layout
 

@@ -9,6 +9,7 @@ and the model code already loaded.
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import traceback
@@ -75,11 +76,13 @@ class Worker:
         spec = JobSpec.model_validate(spec_dict)
         monitor = trainer = None
         try:
-            # Tagged with the attempt: a report still in flight from a failed attempt is dropped.
+            # Tagged with the attempt (a report still in flight from a failed attempt is
+            # dropped) and numbered: the controller's threads may run them out of order.
+            numbers = itertools.count()
             trainer = Trainer(
                 spec,
                 manifest,
-                report=lambda event: controller.report.remote(event, attempt),
+                report=lambda event: controller.report.remote(event, attempt, next(numbers)),
                 should_stop=lambda: ray.get(controller.grow_pending.remote()),
                 metrics=RankMetrics(spec.name, self.rank),
                 reader=reader,
