@@ -100,10 +100,7 @@ class Controller:
         with self._lock:
             if attempt is not None and attempt != self._attempt:
                 return
-            if number is None:
-                self._record(event)
-                return
-            for ready in self._in_order.arrived(number, event):
+            for ready in [event] if number is None else self._in_order.arrived(number, event):
                 self._record(ready)
 
     def _record(self, event: Event) -> None:
