@@ -49,6 +49,39 @@ os.environ.update(s3_environment())  # before Ray starts: its processes inherit 
 SESSION_MLFLOW = f"sqlite:///{PRIVATE_RAY_ENV['root']}/mlflow.db"
 
 
+# Test modules whose torchrun launches (their `CASES`) need no Ray and nothing another
+# test makes: they run from the session's start in the background at the idle
+# scheduling class, on the cores the other tests leave idle, and the modules' tests
+# run last, when the launches are done or nearly (tests/integration/parity.py).
+BACKGROUND_LAUNCHES = ("test_deepspeed_engine.py", "test_engine_parity.py")
+# Meanwhile, first the tests that leave a core idle most (the unit tests compute in this
+# one process; serving and remote jobs wait on servers and clients), then the rest: the
+# launches slow what runs beside them less where the cores were idle anyway.
+IDLE_MOST = ("test_serve.py", "test_remote_jobs.py", "test_capacity.py", "test_serve_requests.py")
+
+
+def pytest_collection_modifyitems(items):
+    def place(item) -> int:
+        if item.path.name in BACKGROUND_LAUNCHES:
+            return 3
+        return 0 if item.path.parent.name == "unit" else 1 if item.path.name in IDLE_MOST else 2
+
+    items.sort(key=place)  # stable: each file's own order kept
+
+
+@pytest.fixture(scope="session", autouse=True)
+def launches_in_the_background(request, tmp_path_factory):
+    modules = {item.path.name: item.module for item in request.session.items if item.path.name in BACKGROUND_LAUNCHES}
+    if not modules:
+        yield
+        return
+    import parity  # importable once a module beside it is collected
+
+    parity.run_in_background([parity.launches_of(modules[name], tmp_path_factory) for name in BACKGROUND_LAUNCHES if name in modules])
+    yield
+    parity.stop_background()
+
+
 @pytest.fixture(scope="session")
 def private_ray_env():
     return PRIVATE_RAY_ENV

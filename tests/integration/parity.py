@@ -1,7 +1,12 @@
 """Launch parity_worker.py under torchrun and read back the losses (and what ran),
 one run per launch (`losses`) or many (`run_cases`). Every native-engine run also
 checks the memory estimator: each rank's model-state bytes must equal, exactly,
-those of the tensors it really allocated."""
+those of the tensors it really allocated.
+
+A table's launches need neither Ray nor anything another test makes, so the suite
+starts them at its beginning in a thread of their own, their processes at the idle
+scheduling class (`Launches.in_background`): they run on the cores that the Ray
+tests leave idle while they wait, and the tests that read them run last."""
 
 import hashlib
 import json
@@ -10,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 WORKER = Path(__file__).with_name("parity_worker.py")
@@ -64,14 +70,15 @@ def losses(tmp_path, nproc, *overrides, extra=(), describe=False):
     return (result["losses"], result["engine"]) if describe else result["losses"]
 
 
-def run_cases(tmp_path, nproc, cases: dict[str, dict], tag: str = "") -> dict[str, dict]:
+def run_cases(tmp_path, nproc, cases: dict[str, dict], tag: str = "", idle: bool = False) -> dict[str, dict]:
     """Several runs in one torchrun launch (the start-up of torch in every rank is
     most of a tiny run's time): {name: {"overrides": [...], "save": ..., "load": ...}}
-    -> {name: result}, each state-checked. A failing case fails the launch."""
+    -> {name: result}, each state-checked. A failing case fails the launch. `idle`:
+    at the idle scheduling class, bounded only by `IDLE_TIMEOUT_S` (it waits on the rest)."""
     listed = [case | {"out": str(tmp_path / f"{name}.json")} for name, case in cases.items()]
     path = tmp_path / f"cases-{tag or nproc}.json"
     path.write_text(json.dumps(listed))
-    _launch([*_torchrun(nproc), "--cases", str(path)], timeout_s=120 + 60 * len(cases))
+    _launch([*_torchrun(nproc), "--cases", str(path)], timeout_s=IDLE_TIMEOUT_S if idle else 120 + 60 * len(cases), idle=idle)
     results = {name: json.loads(Path(case["out"]).read_text()) for name, case in zip(cases, listed)}
     for result in results.values():
         check_state_bytes(result)
@@ -96,14 +103,29 @@ class Launches:
         self.failed: dict[tuple, str] = {}
         self.exported: dict[tuple[str, str], Path] = {}
         self._running: set[tuple] = set()
+        # Held for a whole launch: a test asking for a case the background thread is
+        # running waits for it; one it has not reached yet, the test runs itself.
+        self._lock = threading.RLock()
 
     def __call__(self, name: str) -> dict:
-        launch = self._launch_of(name)
-        if launch in self.failed:
-            raise AssertionError(f"the launch of {launch[0]} ranks holding {name} failed earlier: {self.failed[launch]}")
-        if name not in self.results:
-            self._launch(launch)
-        return self.results[name]
+        with self._lock:
+            launch = self._launch_of(name)
+            if launch in self.failed:
+                raise AssertionError(f"the launch of {launch[0]} ranks holding {name} failed earlier: {self.failed[launch]}")
+            if name not in self.results:
+                self._launch(launch)
+            return self.results[name]
+
+    def run_all(self) -> None:
+        """Every case, launch by launch (a failed launch is kept in `failed` for the
+        test that asks for one of its cases)."""
+        for name in self.table:
+            if _STOPPING.is_set():
+                return
+            try:
+                self(name)
+            except Exception:  # noqa: BLE001 - kept in `failed`, or raised again when a test asks for the case
+                pass
 
     def checkpoint(self, name: str) -> Path:
         return self.tmp / f"{name}-ckpt"
@@ -125,15 +147,17 @@ class Launches:
         if launch in self._running:
             raise RuntimeError(f"the {launch[0]}-rank launch {launch[1]} waits on itself through another launch: give a case its own level")
         self._running.add(launch)
-        group = [name for name in self.table if self._launch_of(name) == launch]
-        for needed in sorted({need for name in group for need in self._needs(name)}):
-            self(needed)  # its checkpoint first
-        cases = {name: self._case(name) for name in group}
         try:
-            self.results.update(run_cases(self.tmp, launch[0], cases, tag=f"{launch[0]}-{launch[1]}"))
+            group = [name for name in self.table if self._launch_of(name) == launch]
+            for needed in sorted({need for name in group for need in self._needs(name)}):
+                self(needed)  # its checkpoint first
+            cases = {name: self._case(name) for name in group}
+            self.results.update(run_cases(self.tmp, launch[0], cases, tag=f"{launch[0]}-{launch[1]}", idle=_in_background()))
         except AssertionError as err:
             self.failed[launch] = str(err)[-3000:]
             raise
+        finally:
+            self._running.discard(launch)
 
     def _case(self, name: str) -> dict:
         _, overrides, options = self.table[name]
@@ -149,13 +173,17 @@ class Launches:
         return case
 
     def export(self, name: str, fmt: str) -> Path:
+        with self._lock:
+            return self._export(name, fmt)
+
+    def _export(self, name: str, fmt: str) -> Path:
         if (name, fmt) not in self.exported:
             step = self.table[name][2]["save_at"]
             out = self.tmp / f"{name}-export-{fmt}"
             cmd = [sys.executable, "-m", "lmforge", "export", str(self.checkpoint(name) / f"step_{step:08d}"), "--out", str(out), "--format", fmt]
             if fmt == "hf":  # the runs' batches are synthetic: a Hugging Face directory still ships a tokenizer
                 cmd += ["--tokenizer", str(self._tokenizer())]
-            result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            result = subprocess.run([*AT_IDLE, *cmd] if _in_background() else cmd, capture_output=True, text=True, timeout=IDLE_TIMEOUT_S)
             assert result.returncode == 0, result.stderr
             self.exported[name, fmt] = out
         return self.exported[name, fmt]
@@ -170,6 +198,40 @@ class Launches:
         return path
 
 
+_SESSION: dict[str, Launches] = {}
+_BACKGROUND: list[threading.Thread] = []
+_STOPPING = threading.Event()
+
+
+def launches_of(module, tmp_path_factory) -> Launches:
+    """The session's one `Launches` of a test module's `CASES`: the one the background
+    runs, when it runs them."""
+    if module.__name__ not in _SESSION:
+        _SESSION[module.__name__] = Launches(module.CASES, tmp_path_factory.mktemp(module.__name__.removeprefix("test_")))
+    return _SESSION[module.__name__]
+
+
+def run_in_background(tables: list[Launches]) -> None:
+    """Every case of `tables`, in order, in one thread whose processes run at the idle
+    scheduling class: only on CPU time nothing else wants."""
+    thread = threading.Thread(target=lambda: [launches.run_all() for launches in tables], name="parity-launches", daemon=True)
+    _BACKGROUND.append(thread)
+    thread.start()
+
+
+def stop_background() -> None:
+    """At the session's end: no further launch, the one running killed."""
+    _STOPPING.set()
+    for proc in list(_RUNNING):
+        os.killpg(proc.pid, signal.SIGKILL)
+    for thread in _BACKGROUND:
+        thread.join(timeout=30)
+
+
+def _in_background() -> bool:
+    return threading.current_thread() in _BACKGROUND
+
+
 def _torchrun(nproc: int) -> list[str]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -177,9 +239,21 @@ def _torchrun(nproc: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(port), str(WORKER)]
 
 
-def _launch(cmd: list[str], timeout_s: float) -> None:
+IDLE_TIMEOUT_S = 1800  # a launch at the idle class runs only when the rest of the suite waits
+_RUNNING: set[subprocess.Popen] = set()
+
+
+# `cmd` run at the idle scheduling class (its children inherit it), by a small
+# interpreter that execs it: a `preexec_fn` is not safe in this threaded process.
+AT_IDLE = [sys.executable, "-c", "import os, sys; os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0)); os.execv(sys.argv[1], sys.argv[1:])"]
+
+
+def _launch(cmd: list[str], timeout_s: float, idle: bool = False) -> None:
     env = os.environ | {"OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        [*AT_IDLE, *cmd] if idle else cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )
+    _RUNNING.add(proc)
     try:
         _, stderr = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -188,4 +262,6 @@ def _launch(cmd: list[str], timeout_s: float) -> None:
         raise AssertionError(
             f"the torchrun launch did not finish within {timeout_s:.0f}s ({' '.join(cmd[-4:])}); the end of its stderr:\n{stderr[-3000:]}"
         ) from None
+    finally:
+        _RUNNING.discard(proc)
     assert proc.returncode == 0, stderr[-3000:]

@@ -6,10 +6,12 @@ and without CPU offload, against the native engine's data-parallel run (fp32,
 silently ignored setting fails the test.
 """
 
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
-from parity import DISTILL_LOGITS, FAMILY_PARTS, FROM_CACHE, MOE, Launches, losses
+from parity import DISTILL_LOGITS, FAMILY_PARTS, FROM_CACHE, MOE, launches_of, losses
 from parity_worker import held_out_batches
 
 from lmforge.models import build_model
@@ -88,7 +90,7 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return Launches(CASES, tmp_path_factory.mktemp("ds"))
+    return launches_of(sys.modules[__name__], tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -7,10 +7,12 @@ torch in every rank costs more than a tiny run. fp32 must match one process with
 add in another order); bf16 (FSDP2 mixed precision, fp32 reduction) within 2e-2.
 """
 
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
-from parity import DISTILL_LOGITS, FAMILY_PARTS, FROM_CACHE, MOE, Launches
+from parity import DISTILL_LOGITS, FAMILY_PARTS, FROM_CACHE, MOE, launches_of
 from parity_worker import held_out_batches
 from safetensors import safe_open
 from torch.distributed.checkpoint import FileSystemReader
@@ -192,7 +194,7 @@ def one_process(case: str) -> str:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    return Launches(CASES, tmp_path_factory.mktemp("parity"))
+    return launches_of(sys.modules[__name__], tmp_path_factory)
 
 
 def losses(run, name):

@@ -475,11 +475,11 @@ def test_lm_evaluation_harness_scores_the_server_and_the_checkpoint_as_its_trans
     assert report["mlflow_run_id"] == reference_run.mlflow_run_id
     logged = MlflowClient(SESSION_MLFLOW).get_metric_history(reference_run.mlflow_run_id, "harness/lmforge_tiny_choice/acc/none")
     assert [(m.step, m.value) for m in logged] == [(REFERENCE_STEPS, local_metrics["lmforge_tiny_choice"]["acc,none"])]
-    unknown = run_cli_process("eval", "harness", str(checkpoint), "--tasks", "no_such_task", *flags, cwd=HARNESS, env=offline(out))
-    assert_clean_error(unknown, "--tasks: no task named no_such_task")
 
     for name, value in offline(tmp_path / "layouts").items():
         monkeypatch.setenv(name, value)
+    unknown = run_cli("eval", "harness", str(checkpoint), "--tasks", "no_such_task", *flags, cwd=HARNESS)
+    assert_clean_error(unknown, "--tasks: no task named no_such_task")
     tasks = ("--tasks", ",".join(HARNESS_TASKS), "--include-path", str(HARNESS), "--no-tracking")
     tp2 = run_cli("eval", "harness", str(checkpoint), *tasks, "--set", "parallel.tp=2", "--out", str(tmp_path / "tp2"), "--json", cwd=HARNESS)
     assert tp2.returncode == 0, tp2.stderr[-3000:]

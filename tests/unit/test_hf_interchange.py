@@ -7,6 +7,7 @@ import json
 import shutil
 
 import pytest
+import numpy as np
 import torch
 
 from cli import assert_clean_error, run_cli
@@ -43,6 +44,12 @@ def test_a_directory_teaches_as_transformers_scores_it(hf_llama):
         want = torch.log_softmax(model(tokens[:, :-1]).logits / 2.0, dim=-1).topk(8, dim=-1)
     assert torch.equal(torch.from_numpy(scored["topk_ids"]).long(), want.indices.reshape(3, -1))
     assert torch.allclose(torch.from_numpy(scored["topk_logprobs"]).float(), want.values.reshape(3, -1), atol=4e-3)
+    # A batch scored a micro-batch at a time (the cache builder's) is, bit for bit, its
+    # micro-batches scored each alone.
+    chunked = TeacherTopK([str(path)], [1.0], 8, 2.0, VOCAB, threads=1, rows_per_forward=2)({"tokens": tokens.numpy(), "sample_id": [0, 1, 2]})
+    alone = [TeacherTopK([str(path)], [1.0], 8, 2.0, VOCAB, threads=1)({"tokens": rows.numpy(), "sample_id": [0]}) for rows in tokens.split(2)]
+    for column in ("topk_ids", "topk_logprobs"):
+        assert np.array_equal(chunked[column], np.concatenate([part[column] for part in alone])), column
 
 
 def test_a_sharded_directory_imports_the_same_weights(hf_llama, tmp_path, hf_tokenizer):

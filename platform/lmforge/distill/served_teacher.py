@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
-import openai
 
 from lmforge.distill.config import ServedTeacherSpec
 from lmforge.errors import UserError
+
+if TYPE_CHECKING:
+    import openai
 
 ROWS_PER_REQUEST = 64  # the server's bound on prompts in one completions request
 IN_FLIGHT = 4  # requests at once
@@ -44,6 +46,7 @@ class ServedTeacher:
     @property
     def client(self) -> openai.OpenAI:
         if self._client is None:
+            openai = _openai()
             self._client = openai.OpenAI(base_url=self.url, api_key=self.api_key or "none", max_retries=self.max_retries, timeout=self.timeout_s)
         return self._client
 
@@ -59,7 +62,7 @@ class ServedTeacher:
         that is down says so in a second, not after the backoff a job's requests get)."""
         try:
             self._score([[0, 0]], self.client.with_options(max_retries=1))
-        except (openai.OpenAIError, ServedTeacherError) as err:
+        except (_openai().OpenAIError, ServedTeacherError) as err:
             raise UserError(f"distill.teacher.url: {self.client.base_url} cannot teach: {str(err).splitlines()[0][:300]}") from None
 
     def score(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -70,7 +73,7 @@ class ServedTeacher:
         try:
             with ThreadPoolExecutor(self.in_flight) as pool:
                 scored = [row for group in pool.map(self._score, groups) for row in group]
-        except openai.OpenAIError as err:  # as a plain error: openai's do not cross a process boundary (they do not unpickle)
+        except _openai().OpenAIError as err:  # as a plain error: openai's do not cross a process boundary (they do not unpickle)
             raise ServedTeacherError(
                 f"the served teacher at {self.url} did not answer ({self.max_retries} retries): {str(err).splitlines()[0][:300]}"
             ) from None
@@ -108,6 +111,14 @@ class ServedTeacher:
             ids[position] = [int(name.removeprefix(TOKEN_ID)) for name, _ in best]
             values[position] = [value for _, value in best]
         return ids, values
+
+
+def _openai():
+    """The openai client library, loaded where a served teacher is first asked: every
+    rank and controller imports this module, and the library costs each 0.5 CPU-seconds."""
+    import openai
+
+    return openai
 
 
 def served_scorer(distill) -> Optional[ServedTeacher]:

@@ -40,6 +40,10 @@ from lmforge.preflight import check_cache_build
 from lmforge.ray_runtime import tune_process
 
 COLUMNS = ("sample_id", "topk_ids", "topk_logprobs")
+# Rows Ray Data hands a scoring actor at once: its cost per batch (a few ms) is paid once
+# for them all, while the teachers still forward `rows_per_forward` (the job's
+# micro-batch) at a time, so memory and every row's numbers are those of a micro-batch.
+ROWS_PER_BATCH = 256
 
 
 class TeacherTopK:
@@ -47,11 +51,21 @@ class TeacherTopK:
     into their top-k targets."""
 
     def __init__(
-        self, paths: list[str], weights: list[float], k: int, temperature: float, vocab: int, threads: int, student_tokenizer: Optional[str] = None
+        self,
+        paths: list[str],
+        weights: list[float],
+        k: int,
+        temperature: float,
+        vocab: int,
+        threads: int,
+        student_tokenizer: Optional[str] = None,
+        rows_per_forward: Optional[int] = None,
     ):
         """`student_tokenizer`: the dataset's tokenizer.json text when the teachers read
-        its text through their own (`distill.cross_tokenizer`)."""
+        its text through their own (`distill.cross_tokenizer`); `rows_per_forward`: rows
+        the teachers score at once (all of a batch when None)."""
         tune_process(threads)
+        self.rows_per_forward = rows_per_forward
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.teachers = load_whole(paths, self.device)
         self.weights, self.k, self.temperature, self.vocab = weights, k, temperature, vocab
@@ -67,6 +81,17 @@ class TeacherTopK:
     def __call__(self, batch: dict) -> dict:
         tokens = batch["tokens"]
         tokens = torch.from_numpy((np.stack(tokens) if tokens.dtype == object else tokens).astype(np.int64))
+        chunks = tokens.split(self.rows_per_forward or len(tokens))
+        ids, values = zip(*(self._top_k(chunk) for chunk in chunks))
+        rows = len(tokens)
+        return {
+            "sample_id": batch["sample_id"],
+            "topk_ids": torch.cat(ids).to(torch.int32).reshape(rows, -1).cpu().numpy(),
+            "topk_logprobs": torch.cat(values).to(torch.float16).reshape(rows, -1).cpu().numpy(),
+        }
+
+    def _top_k(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, log-probabilities) of the teachers' top k after each prefix of these rows."""
         with torch.no_grad():
             inputs = tokens[:, :-1].to(self.device)
             if self.aligned:  # in the student's ids, -1 where the teachers have no target
@@ -76,12 +101,7 @@ class TeacherTopK:
                 logits = [teacher(inputs) for teacher in self.teachers]
                 teacher = logits[0] if len(logits) == 1 else Mixture(logits, self.weights)
                 values, ids = teacher_log_probs(teacher, self.temperature, self.vocab).topk(self.k, dim=-1)
-        rows = len(tokens)
-        return {
-            "sample_id": batch["sample_id"],
-            "topk_ids": ids.to(torch.int32).reshape(rows, -1).cpu().numpy(),
-            "topk_logprobs": values.to(torch.float16).reshape(rows, -1).cpu().numpy(),
-        }
+        return ids, values
 
 
 def actor_pool(cluster: dict, actors: Optional[int] = None) -> dict:
@@ -188,10 +208,11 @@ def _scorer(spec, dataset: DatasetManifest, vocab: int) -> tuple[type, dict, dic
         "temperature": d.temperature,
         "vocab": vocab,
         "threads": pool["threads"],
+        "rows_per_forward": spec.train.micro_batch,
     }
     if d.cross_tokenizer is not None:
         scorer["student_tokenizer"] = storage.read_text(tokenizer_location(spec.data.path, dataset), "data.path")
-    return TeacherTopK, scorer, actor, spec.train.micro_batch
+    return TeacherTopK, scorer, actor, ROWS_PER_BATCH
 
 
 def _teacher_vocab(path: str) -> int:
