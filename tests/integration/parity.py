@@ -5,8 +5,8 @@ those of the tensors it really allocated.
 
 A table's launches need neither Ray nor anything another test makes, so the suite
 starts them at its beginning in a thread of their own, their processes at the idle
-scheduling class (`Launches.in_background`): they run on the cores that the Ray
-tests leave idle while they wait, and the tests that read them run last."""
+scheduling class (`run_in_background`): they run on the cores the other tests leave
+idle, and the tests that read them run last (tests/conftest.py)."""
 
 import hashlib
 import json
@@ -183,7 +183,8 @@ class Launches:
             cmd = [sys.executable, "-m", "lmforge", "export", str(self.checkpoint(name) / f"step_{step:08d}"), "--out", str(out), "--format", fmt]
             if fmt == "hf":  # the runs' batches are synthetic: a Hugging Face directory still ships a tokenizer
                 cmd += ["--tokenizer", str(self._tokenizer())]
-            result = subprocess.run([*AT_IDLE, *cmd] if _in_background() else cmd, capture_output=True, text=True, timeout=IDLE_TIMEOUT_S)
+            idle = _in_background()
+            result = subprocess.run([*AT_IDLE, *cmd] if idle else cmd, capture_output=True, text=True, timeout=IDLE_TIMEOUT_S if idle else 300)
             assert result.returncode == 0, result.stderr
             self.exported[name, fmt] = out
         return self.exported[name, fmt]
