@@ -6,8 +6,8 @@ custom code; export -> import -> export byte-identical; bad directories refused.
 import json
 import shutil
 
-import pytest
 import numpy as np
+import pytest
 import torch
 
 from cli import assert_clean_error, run_cli
