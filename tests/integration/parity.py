@@ -246,7 +246,16 @@ _RUNNING: set[subprocess.Popen] = set()
 
 # `cmd` run at the idle scheduling class (its children inherit it), by a small
 # interpreter that execs it: a `preexec_fn` is not safe in this threaded process.
-AT_IDLE = [sys.executable, "-c", "import os, sys; os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0)); os.execv(sys.argv[1], sys.argv[1:])"]
+# Where there is no such class (not Linux) or it is refused, at the lowest priority.
+_IDLE_THEN_EXEC = """
+import os, sys
+try:
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+except (AttributeError, OSError):
+    os.nice(19)
+os.execv(sys.argv[1], sys.argv[1:])
+"""
+AT_IDLE = [sys.executable, "-c", _IDLE_THEN_EXEC]
 
 
 def _launch(cmd: list[str], timeout_s: float, idle: bool = False) -> None:
