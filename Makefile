@@ -11,11 +11,9 @@ export OMP_NUM_THREADS ?= 1
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml requirements.txt
+$(STAMP): pyproject.toml requirements.txt tools/install.py
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -r requirements.txt
-	$(BIN)/pip install --quiet --no-deps -e .
+	$(BIN)/python tools/install.py
 	touch $(STAMP)
 
 run: $(STAMP)
@@ -23,10 +21,10 @@ run: $(STAMP)
 	$(BIN)/lmforge train jobs/quickstart.yaml
 
 # ruff (pyproject.toml), import-linter's contracts (.importlinter), pyright on the
-# typed boundaries (pyproject.toml); `ruff format platform tests bench` fixes the format.
+# typed boundaries (pyproject.toml); `ruff format platform tests bench tools` fixes the format.
 check: $(STAMP)
-	$(BIN)/ruff check platform tests bench
-	$(BIN)/ruff format --check platform tests bench
+	$(BIN)/ruff check platform tests bench tools
+	$(BIN)/ruff format --check platform tests bench tools
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/pyright
 
