@@ -36,7 +36,7 @@ import yaml
 from mlflow.tracking import MlflowClient
 from tokenizers import Tokenizer
 
-from cli import assert_clean_error, run_cli, run_cli_process
+from cli import assert_clean_error, run_cli
 from conftest import QWEN_TINY, REFERENCE_STEPS, SESSION_MLFLOW, tiny_job
 from hf_models import make_hf_model, make_tokenizer
 from lm_eval_tasks import HARNESS, HARNESS_TASKS, harness_output, offline
@@ -464,11 +464,11 @@ def test_lm_evaluation_harness_scores_the_server_and_the_checkpoint_as_its_trans
     local, local_metrics = lm_eval(tmp_path / "hf", "hf", f"pretrained={serving.teacher_hf},dtype=float32")
     assert_scored_alike(served, local, served_metrics, local_metrics)
 
+    for name, value in offline(tmp_path / "in-process").items():
+        monkeypatch.setenv(name, value)
     out, checkpoint = tmp_path / "in-process", step_dir(reference_run, REFERENCE_STEPS)
     flags = ("--include-path", str(HARNESS), "--tracking-uri", SESSION_MLFLOW)
-    done = run_cli_process(
-        "eval", "harness", str(checkpoint), "--tasks", ",".join(HARNESS_TASKS), "--out", str(out), *flags, "--json", cwd=HARNESS, env=offline(out)
-    )
+    done = run_cli("eval", "harness", str(checkpoint), "--tasks", ",".join(HARNESS_TASKS), "--out", str(out), *flags, "--json", cwd=HARNESS)
     assert done.returncode == 0, done.stderr[-3000:]
     (in_process, _), report = harness_output(out, HARNESS_TASKS), json.loads(done.stdout)
     assert_scored_alike(in_process, local, report["results"], local_metrics)
@@ -476,8 +476,6 @@ def test_lm_evaluation_harness_scores_the_server_and_the_checkpoint_as_its_trans
     logged = MlflowClient(SESSION_MLFLOW).get_metric_history(reference_run.mlflow_run_id, "harness/lmforge_tiny_choice/acc/none")
     assert [(m.step, m.value) for m in logged] == [(REFERENCE_STEPS, local_metrics["lmforge_tiny_choice"]["acc,none"])]
 
-    for name, value in offline(tmp_path / "layouts").items():
-        monkeypatch.setenv(name, value)
     unknown = run_cli("eval", "harness", str(checkpoint), "--tasks", "no_such_task", *flags, cwd=HARNESS)
     assert_clean_error(unknown, "--tasks: no task named no_such_task")
     tasks = ("--tasks", ",".join(HARNESS_TASKS), "--include-path", str(HARNESS), "--no-tracking")
@@ -776,7 +774,7 @@ def test_onnx_runtime_export_generates_and_serves_lmforges_tokens(serving, refer
     each, with nothing written."""
     checkpoint, fp32, int4 = step_dir(reference_run, REFERENCE_STEPS), tmp_path / "onnx-fp32", tmp_path / "onnx-int4"
     for out, dtype in ((fp32, "fp32"), (int4, "int4")):
-        exported = run_cli_process("export", str(checkpoint), "--format", "onnx", "--dtype", dtype, "--out", str(out), cwd=tmp_path)
+        exported = run_cli("export", str(checkpoint), "--format", "onnx", "--dtype", dtype, "--out", str(out), cwd=tmp_path)
         assert exported.returncode == 0, exported.stderr[-3000:]
     onnx_tokenizer = Tokenizer.from_file(str(fp32 / "tokenizer.json"))  # the export's (the builder would save a Qwen2 one)
     assert [onnx_tokenizer.encode(p).ids for p in PROMPTS] == [reference.tokenizer.encode(p).ids for p in PROMPTS]
