@@ -29,6 +29,7 @@ from tokenizers import Tokenizer
 from lmforge.checkpoint.export import open_source
 from lmforge.console import text_column
 from lmforge.data import storage
+from lmforge.data.corpus import parquet_dataset
 from lmforge.data.manifest import EVAL_DIR, DatasetManifest, Shard, read_manifest, tokenizer_location
 from lmforge.data.staging import staged
 from lmforge.distill.cache_manifest import CachedHeldOut, CacheIdentity, CacheManifest, made_from, write_cache_manifest
@@ -177,7 +178,7 @@ def build_cache(spec, show_progress: bool = True) -> CacheManifest:
         with _progress(show_progress) as progress:
             for name, directory, shards, target in splits:
                 task = progress.add_task(f"teacher top-{d.top_k}, {name}", total=len(shards)) if progress else None
-                ds = ray.data.read_parquet([str(directory / s.file) for s in shards], columns=["sample_id", "tokens"])
+                ds = parquet_dataset([str(directory / s.file) for s in shards], columns=["sample_id", "tokens"])
                 scored = ds.map_batches(scorer_class, fn_constructor_kwargs=scorer, batch_size=rows, batch_format="numpy", **actor)
                 _write_split(scored, shards, target, progress, task)
         manifest = _manifest(identity, dataset, staging, vocab, time.time() - began)
