@@ -12,7 +12,6 @@ import os
 import shutil
 import tempfile
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -384,12 +383,14 @@ MULTINODE_TIMEOUT_S = MULTINODE_SCRIPT_S + 300  # pytest-timeout of the tests wh
 MIXTURE_WEIGHTS = (3, 1)  # the elastic scenarios' mixture: tiny_dataset, second_dataset
 
 
-def start_multinode(tiny_corpus: Path, tiny_dataset: Path, second_dataset: Path, tmp_path: Path) -> Future:
-    """tests/multinode_scenarios.py started in a thread: (each scenario's summary, the
-    runs directory), once it is done. The elastic job trains on a mixture: a kill and a
-    dp change must keep its order exactly too."""
+@pytest.fixture(scope="session")
+def multinode(tiny_corpus, tiny_dataset, second_dataset, tmp_path_factory):
+    """(each scenario's summary, the runs directory) from tests/multinode_scenarios.py:
+    one multi-node cluster for the placement and node-loss tests. The elastic job
+    trains on a mixture: a kill and a dp change must keep its order exactly too."""
     from multinode import run_script
 
+    tmp_path = tmp_path_factory.mktemp("multinode")
     placement = tiny_job(tmp_path, tiny_dataset, name="placement", parallel={"dp": 2, "tp": 2}, train={"max_steps": 3}, checkpoint={"interval": 3})
     mixture = [{"path": str(path), "weight": weight} for path, weight in zip((tiny_dataset, second_dataset), MIXTURE_WEIGHTS)]
     elastic = tiny_job(
@@ -412,30 +413,5 @@ def start_multinode(tiny_corpus: Path, tiny_dataset: Path, second_dataset: Path,
         "eval_fraction": 0.1,
     }
     scenarios = {"prepare": prepare, "placement": placement, "elastic": elastic, "spared_steps": SPARED_STEPS}
-    script = REPO / "tests" / "multinode_scenarios.py"
-    pool = ThreadPoolExecutor(1, thread_name_prefix="multinode")
-    done = pool.submit(lambda: (run_script(script, scenarios, tmp_path, timeout_s=MULTINODE_SCRIPT_S), tmp_path / "runs"))
-    pool.shutdown(wait=False)
-    return done
-
-
-# The scenarios run in their own process and cluster and wait on nodes' deaths for about
-# a minute of their two: started with the session (at normal priority: a starved node
-# would look dead), they overlap the tests that leave a core idle, run first.
-@pytest.fixture(scope="session", autouse=True)
-def multinode_in_the_background(request, tmp_path_factory):
-    if not any("multinode" in item.fixturenames for item in request.session.items):
-        yield None
-        return
-    from multinode import stop_scripts
-
-    sources = [request.getfixturevalue(name) for name in ("tiny_corpus", "tiny_dataset", "second_dataset")]
-    yield start_multinode(*sources, tmp_path_factory.mktemp("multinode"))
-    stop_scripts()
-
-
-@pytest.fixture(scope="session")
-def multinode(multinode_in_the_background):
-    """(each scenario's summary, the runs directory) from tests/multinode_scenarios.py:
-    one multi-node cluster for the placement and node-loss tests."""
-    return multinode_in_the_background.result(timeout=MULTINODE_TIMEOUT_S)
+    results = run_script(REPO / "tests" / "multinode_scenarios.py", scenarios, tmp_path, timeout_s=MULTINODE_SCRIPT_S)
+    return results, tmp_path / "runs"

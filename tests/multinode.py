@@ -49,15 +49,6 @@ def start_cluster(worker_nodes: int, cpus_per_node: int) -> tuple[Cluster, list]
     return cluster, nodes
 
 
-_RUNNING: set[subprocess.Popen] = set()
-
-
-def stop_scripts() -> None:
-    """At the session's end: the scripts still running killed, with their clusters."""
-    for proc in list(_RUNNING):
-        os.killpg(proc.pid, signal.SIGKILL)
-
-
 def run_script(script: Path, job: dict, workdir: Path, timeout_s: float = 600) -> dict:
     """Run `script JOB.json RESULT.json` in its own session and return what it wrote
     to RESULT.json (not stdout: Ray's own log lines land there too)."""
@@ -72,14 +63,11 @@ def run_script(script: Path, job: dict, workdir: Path, timeout_s: float = 600) -
         start_new_session=True,
         cwd=script.parent,
     )
-    _RUNNING.add(proc)
     try:
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)  # the script and every Ray process it started
         out, err = proc.communicate()
         raise AssertionError(f"{script.name} did not finish within {timeout_s:.0f}s; the end of its stderr:\n{err[-4000:]}") from None
-    finally:
-        _RUNNING.discard(proc)
     assert proc.returncode == 0, err[-4000:]
     return json.loads(result_file.read_text())
