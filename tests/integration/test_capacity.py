@@ -10,8 +10,9 @@ import pytest
 import ray
 from ray.util.state import list_actors
 
+from lmforge.cluster import placement
 from lmforge.cluster.capacity import Capacity
-from lmforge.cluster.placement import NodeWatch, Slots
+from lmforge.cluster.placement import MISSED_S, NodeWatch, Slots
 from lmforge.errors import UserError
 from lmforge.events import Spares
 from lmforge.spec import JobSpec, spec_from_dict
@@ -116,7 +117,18 @@ def test_spares_that_do_not_fit_are_refused_naming_the_field(ray_session):
     capacity.release()
 
 
-def test_node_watch_answers_for_live_nodes_and_names_the_others(ray_session):
+@ray.remote(num_cpus=0)
+class SlowStartingPinger:
+    """A pinger whose process takes longer than `MISSED_S` to start, as on a loaded node."""
+
+    def __init__(self):
+        time.sleep(2 * MISSED_S)
+
+    def ping(self) -> bool:
+        return True
+
+
+def test_node_watch_answers_for_live_nodes_and_names_the_others(ray_session, monkeypatch):
     here = ray.get_runtime_context().get_node_id()
     watch = NodeWatch(home="")  # no home node: this one is pinged like any other
     watch.watch([here, ""])  # "": a slot Ray has placed nowhere yet
@@ -125,6 +137,12 @@ def test_node_watch_answers_for_live_nodes_and_names_the_others(ray_session):
     gone = "ab" * 28  # a node id no node has: its ping cannot be placed, so it never answers
     assert watch.unresponsive({here, gone}, since=time.time(), missed_s=1.0) == {gone}
     watch.stop()
+    # Silence counts from a pinger's first answer: one slow to start is waited for, not judged lost.
+    monkeypatch.setattr(placement, "_Pinger", SlowStartingPinger)
+    slow = NodeWatch(home="")
+    asked = time.time()
+    assert slow.unresponsive({here}, since=asked) == set() and time.time() - asked > MISSED_S
+    slow.stop()
     with started(job()) as (capacity, _, _first):
         # Placing a layout watches its nodes, but the controller's own answers by itself
         # (other nodes' pingers: the multinode scenarios, where a lost node is found).

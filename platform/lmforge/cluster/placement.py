@@ -22,6 +22,10 @@ from lmforge.errors import UserError
 
 HEARTBEAT_S = 0.5  # how often the controller pings each node of the job
 MISSED_S = 2.0  # a node that has not answered for this long is lost
+# A pinger's first answer waits for a worker process to start on its node: seconds
+# on a loaded node, so silence is counted from its first answer. Until then only a
+# pinger that died (its node with it: Ray says so) or this long a wait marks a node lost.
+FIRST_ANSWER_S = 30.0
 
 
 class Slots:
@@ -107,6 +111,7 @@ class NodeWatch:
         self._pingers: dict[str, ray.actor.ActorHandle] = {}
         self._watched: dict[str, float] = {}  # node -> when it began to be watched
         self._answered: dict[str, float] = {}  # node -> when it last answered
+        self._started: dict[str, float] = {}  # node -> when its pinger's first answer arrived
         self._failed: set[str] = set()  # nodes whose pinger died
         self._stopped = threading.Event()
         self._beating: threading.Thread | None = None
@@ -116,19 +121,22 @@ class NodeWatch:
         for node in set(nodes) - set(self._pingers) - {"", self.home}:
             self._watched[node] = time.time()
             self._failed.discard(node)
+            self._answered.pop(node, None)  # a new pinger: its first answer is awaited afresh
+            self._started.pop(node, None)
             self._pingers[node] = _Pinger.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
         if self._beating is None and self._pingers:
             self._beating = threading.Thread(target=self._beat, name="node-heartbeat", daemon=True)
             self._beating.start()
 
-    def unresponsive(self, nodes: set[str], since: float, missed_s: float = MISSED_S) -> set[str]:
-        """The nodes among `nodes` that have not answered for `missed_s`; waits until
-        each of the others has answered after `since` (a failure's time)."""
+    def unresponsive(self, nodes: set[str], since: float, missed_s: float = MISSED_S, first_answer_s: float = FIRST_ANSWER_S) -> set[str]:
+        """The nodes among `nodes` that have not answered for `missed_s` (or, never
+        answered yet, within `first_answer_s` of being watched); waits until each of
+        the others has answered after `since` (a failure's time)."""
         nodes = set(nodes) - {"", self.home}
         self.watch(nodes)
         while True:
             now = time.time()
-            lost = {node for node in nodes if node in self._failed or now - self._last_sign(node) > missed_s}
+            lost = {node for node in nodes if node in self._failed or self._silent_for(node, now) > self._allowed(node, missed_s, first_answer_s)}
             alive = {node for node in nodes - lost if self._answered.get(node, 0.0) > since}
             if lost | alive == nodes:
                 for node in lost:
@@ -139,8 +147,15 @@ class NodeWatch:
     def stop(self) -> None:
         self._stopped.set()
 
-    def _last_sign(self, node: str) -> float:
-        return max(self._answered.get(node, 0.0), self._watched[node])
+    def _silent_for(self, node: str, now: float) -> float:
+        """Seconds since the node's last sign: its last answer, or its pinger's start
+        (the first ping, sent before the process was up, answers only once it is)."""
+        if node not in self._answered:
+            return now - self._watched[node]
+        return now - max(self._answered[node], self._started[node])
+
+    def _allowed(self, node: str, missed_s: float, first_answer_s: float) -> float:
+        return missed_s if node in self._answered else first_answer_s
 
     def _beat(self) -> None:
         """An answer counts from when its ping was sent, not when it was collected: the
@@ -159,6 +174,7 @@ class NodeWatch:
                 for ref in done:
                     node, sent = pending.pop(ref)
                     if _succeeded(ref):
+                        self._started.setdefault(node, time.time())
                         self._answered[node] = max(self._answered.get(node, 0.0), sent)
                     else:
                         self._failed.add(node)
