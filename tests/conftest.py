@@ -104,7 +104,7 @@ def ray_session(private_ray_env):
 
     import ray
 
-    from multinode import free_port
+    from multinode import IDLE_WORKERS_PER_NODE, free_port
 
     # Ray 2.60 starts its API server even without the dashboard: on a port of its own.
     ray.init(
@@ -112,6 +112,9 @@ def ray_session(private_ray_env):
         num_cpus=6,
         include_dashboard=False,
         dashboard_port=free_port(),
+        # Idle worker processes kept for the next job's reads and ranks, not killed as
+        # soon as the Serve replicas and a job's actors outnumber the 6 CPUs.
+        _system_config={"num_workers_soft_limit": IDLE_WORKERS_PER_NODE},
         log_to_driver=False,
         logging_level=logging.WARNING,
         _temp_dir=private_ray_env["root"],
