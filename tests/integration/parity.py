@@ -92,8 +92,10 @@ class Launches:
     `load` (continue from the named case's checkpoint), `export` (start from the named
     case's checkpoint exported by the real `lmforge export` CLI, in `export_format`,
     lmforge's by default; with `skip_steps`), `teacher` (distil from the named case's
-    checkpoint, exported the same way), `masked` (learn only the tokens of a loss mask
-    shaped as an instruction dataset's: see parity_worker.loss_masks).
+    checkpoint, exported the same way), `exported_as` (formats a saving case is also
+    exported in, for tests that read its export), `masked` (learn only the tokens of a
+    loss mask shaped as an instruction dataset's: see parity_worker.loss_masks).
+    A saving case's exports are made in its launch, by rank 0 right after the save.
     The cases of one world size share a launch, except that a case which needs
     another case's checkpoint runs in a launch after the one that saves it."""
 
@@ -101,7 +103,6 @@ class Launches:
         self.table, self.tmp = table, tmp
         self.results: dict[str, dict] = {}
         self.failed: dict[tuple, str] = {}
-        self.exported: dict[tuple[str, str], Path] = {}
         self._running: set[tuple] = set()
         # Held for a whole launch: a test asking for a case the background thread is
         # running waits for it; one it has not reached yet, the test runs itself.
@@ -164,6 +165,7 @@ class Launches:
         case = {"overrides": list(overrides)} | {k: options[k] for k in ("steps", "save_at", "skip_steps", "masked") if k in options}
         if "save_at" in options:
             case["save"] = str(self.checkpoint(name))
+            case["exports"] = [self._export_request(name, fmt) for fmt in self._formats(name)]
         if "load" in options:
             case["load"] = str(self.checkpoint(options["load"]))
         if "export" in options:
@@ -173,21 +175,31 @@ class Launches:
         return case
 
     def export(self, name: str, fmt: str) -> Path:
-        with self._lock:
-            return self._export(name, fmt)
+        """The named case's checkpoint as `lmforge export` wrote it in `fmt`: in the case's
+        own launch, right after saving (an interpreter per export cost ~5 CPU-seconds)."""
+        self(name)
+        out = self._export_dir(name, fmt)
+        if fmt not in self._formats(name) or not out.is_dir():
+            raise AssertionError(f"case {name} is not exported as {fmt}: name it in the case's `exported_as`")
+        return out
 
-    def _export(self, name: str, fmt: str) -> Path:
-        if (name, fmt) not in self.exported:
-            step = self.table[name][2]["save_at"]
-            out = self.tmp / f"{name}-export-{fmt}"
-            cmd = [sys.executable, "-m", "lmforge", "export", str(self.checkpoint(name) / f"step_{step:08d}"), "--out", str(out), "--format", fmt]
-            if fmt == "hf":  # the runs' batches are synthetic: a Hugging Face directory still ships a tokenizer
-                cmd += ["--tokenizer", str(self._tokenizer())]
-            idle = _in_background()
-            result = subprocess.run([*AT_IDLE, *cmd] if idle else cmd, capture_output=True, text=True, timeout=IDLE_TIMEOUT_S if idle else 300)
-            assert result.returncode == 0, result.stderr
-            self.exported[name, fmt] = out
-        return self.exported[name, fmt]
+    def _formats(self, name: str) -> list[str]:
+        """Formats a saving case is exported in: those the cases starting from it or
+        distilling from it need, and those its `exported_as` names for the tests."""
+        wanted = set(self.table[name][2].get("exported_as", ()))
+        for _, _, options in self.table.values():
+            if options.get("export") == name:
+                wanted.add(options.get("export_format", "lmforge"))
+            if options.get("teacher") == name:
+                wanted.add("lmforge")
+        return sorted(wanted)
+
+    def _export_dir(self, name: str, fmt: str) -> Path:
+        return self.tmp / f"{name}-export-{fmt}"
+
+    def _export_request(self, name: str, fmt: str) -> dict:
+        # The runs' batches are synthetic: a Hugging Face directory still ships a tokenizer.
+        return {"format": fmt, "out": str(self._export_dir(name, fmt)), "tokenizer": str(self._tokenizer()) if fmt == "hf" else None}
 
     def _tokenizer(self) -> Path:
         """Words that fit the tiny model's 256 rows (a byte-level BPE cannot: it needs 257)."""

@@ -26,6 +26,7 @@ from lmforge.checkpoint.sharded import load_checkpoint
 from lmforge.checkpoint.state import TrainerState
 from lmforge.checkpoint.store import CheckpointStore
 from lmforge.checkpoint.writer import CheckpointWriter
+from lmforge.cli import main as cli_main
 from lmforge.distill.loss import DistillInputs
 from lmforge.distill.on_policy import OnPolicy
 from lmforge.engines import create_engine
@@ -127,6 +128,19 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+def export(step_dir: Path, exports: list[dict]) -> None:
+    """Rank 0 exports the checkpoint just saved through `lmforge export` (the CLI's entry
+    point, in this process: torch and lmforge are loaded already), once per format asked."""
+    if dist.get_rank() == 0:
+        for request in exports:
+            argv = ["export", str(step_dir), "--out", request["out"], "--format", request["format"]]
+            if request.get("tokenizer"):
+                argv += ["--tokenizer", request["tokenizer"]]
+            if cli_main(argv) != 0:
+                raise RuntimeError(f"lmforge {' '.join(argv)} failed")
+    dist.barrier()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", help="where rank 0 writes the result")
@@ -138,6 +152,12 @@ def main() -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--skip-steps", type=int, default=0, help="skip this many steps' batches (with model.init_from)")
     parser.add_argument("--masked", action="store_true", help="learn only the tokens of a loss mask per sample (loss_masks)")
+    parser.add_argument(
+        "--exports",
+        type=json.loads,
+        default=[],
+        help='after saving, `lmforge export` the checkpoint: [{"format": ..., "out": ..., "tokenizer": ...}]',
+    )
     parser.add_argument("--cases", help="a JSON list of runs, each a dict of the options above: run one after another in this launch")
     args = parser.parse_args()
     tune_process(1)  # as a rank process is
@@ -245,6 +265,7 @@ def run_case(args: argparse.Namespace, device: torch.device) -> None:
                 TrainerState(step=step + 1, dp=p.dp, model=spec.model_arch.as_dict(), lora=spec.model.lora, init_from=spec.model.init_from),
             )
             writer.close()
+            export(Path(args.save) / f"step_{step + 1:08d}", args.exports)
     per_rank = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, states.get("measured"))
     if dist.get_rank() == 0:

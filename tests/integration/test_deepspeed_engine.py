@@ -54,7 +54,7 @@ CASES = {
     # ZeRO-2's saved after 3 steps: DeepSpeed's checkpoint exported with its frozen base.
     **{
         f"{engine}-lora": (2, [*items, *LORA], TEN | save)
-        for engine, items, save in (("native", [], {}), ("zero2", zero(2), {"save_at": 3}), ("zero3", zero(3), {}))
+        for engine, items, save in (("native", [], {}), ("zero2", zero(2), {"save_at": 3, "exported_as": ("lmforge",)}), ("zero3", zero(3), {}))
     },
     # Every model family's parts, and a mixture of experts, on both engines.
     **{f"{engine}-families": (2, [*items, *FAMILY_PARTS], TEN) for engine, items in (("native", []), ("zero3", zero(3)))},
@@ -199,7 +199,7 @@ def test_exported_weights_move_between_engines(runs, source, target):
     # No dataset behind these runs, so only the Hugging Face export (given --tokenizer) ships one.
     hf_only = ["generation_config.json", "tokenizer.json", "tokenizer_config.json"] if fmt == "hf" else []
     files = sorted(["config.json", "model.safetensors", *hf_only])
-    assert sorted(p.name for p in runs.exported[saved, fmt].iterdir()) == files
+    assert sorted(p.name for p in runs.export(saved, fmt).iterdir()) == files
     assert continued[0] == pytest.approx(runs(saved)["losses"][3], rel=1e-5)
 
 

@@ -89,7 +89,11 @@ CASES = {
     # its adapters) saved after 3 steps and continued by one process.
     **{
         f"distill-{name}": (n, [*DISTILL, *layout], {"teacher": "3d-save", **options})
-        for name, n, layout, options in (("one", 1, [], {}), ("dp2", 2, [], {}), ("tp2", 2, ["parallel.tp=2"], {"save_at": 3}))
+        for name, n, layout, options in (
+            ("one", 1, [], {}),
+            ("dp2", 2, [], {}),
+            ("tp2", 2, ["parallel.tp=2"], {"save_at": 3, "exported_as": ("lmforge",)}),
+        )
     },
     "distill-load-one": (1, DISTILL, {"load": "distill-tp2", "teacher": "3d-save"}),
     **{
@@ -138,7 +142,7 @@ CASES = {
         f"lora-{name}": (n, [*LORA, *layout], LORA_BASE | options)
         for name, n, layout, options in (
             ("one", 1, [], {}),
-            ("tp2", 2, ["parallel.tp=2", "parallel.sequence_parallel=true"], {"save_at": 3}),
+            ("tp2", 2, ["parallel.tp=2", "parallel.sequence_parallel=true"], {"save_at": 3, "exported_as": ("hf", "peft")}),
             ("pp2", 2, [*PP2, *SCHEDULES["1f1b"]], {}),
             ("load-one", 1, [], {"load": "lora-tp2"}),
         )
@@ -147,7 +151,7 @@ CASES = {
     # The NF4 weights FSDP-sharded; saved after 3 steps on dp2 (the adapters alone: the NF4 base is made again) and continued by one process.
     **{
         f"qlora-{name}": (n, QLORA, LORA_BASE | options)
-        for name, n, options in (("one", 1, {}), ("dp2", 2, {"save_at": 3}), ("load-one", 1, {"load": "qlora-dp2"}))
+        for name, n, options in (("one", 1, {}), ("dp2", 2, {"save_at": 3, "exported_as": ("lmforge",)}), ("load-one", 1, {"load": "qlora-dp2"}))
     },
     "bf16-qlora-dp2": (2, [*QLORA, "train.precision=bf16"], LORA_BASE),  # FSDP2's bf16 compute over the NF4 shards
 }
