@@ -136,7 +136,7 @@ class NodeWatch:
         self.watch(nodes)
         while True:
             now = time.time()
-            lost = {node for node in nodes if node in self._failed or self._silent_for(node, now) > self._allowed(node, missed_s, first_answer_s)}
+            lost = {node for node in nodes if node in self._failed or self._silent_too_long(node, now, missed_s, first_answer_s)}
             alive = {node for node in nodes - lost if self._answered.get(node, 0.0) > since}
             if lost | alive == nodes:
                 for node in lost:
@@ -147,15 +147,13 @@ class NodeWatch:
     def stop(self) -> None:
         self._stopped.set()
 
-    def _silent_for(self, node: str, now: float) -> float:
-        """Seconds since the node's last sign: its last answer, or its pinger's start
-        (the first ping, sent before the process was up, answers only once it is)."""
+    def _silent_too_long(self, node: str, now: float, missed_s: float, first_answer_s: float) -> bool:
+        """Silence counts from the node's last answer, or from its pinger's first (the
+        first ping, sent before the process was up, answers only once it is); a pinger
+        that never answered has `first_answer_s` from when it was asked for."""
         if node not in self._answered:
-            return now - self._watched[node]
-        return now - max(self._answered[node], self._started[node])
-
-    def _allowed(self, node: str, missed_s: float, first_answer_s: float) -> float:
-        return missed_s if node in self._answered else first_answer_s
+            return now - self._watched[node] > first_answer_s
+        return now - max(self._answered[node], self._started[node]) > missed_s
 
     def _beat(self) -> None:
         """An answer counts from when its ping was sent, not when it was collected: the
