@@ -104,7 +104,8 @@ def ray_session(private_ray_env):
 
     import ray
 
-    from multinode import IDLE_WORKERS_PER_NODE, free_port
+    from multinode import IDLE_WORKERS_PER_NODE
+    from ports import free_port
 
     # Ray 2.60 starts its API server even without the dashboard: on a port of its own.
     ray.init(

@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,12 +14,7 @@ from pathlib import Path
 import ray
 from ray.cluster_utils import Cluster
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
+from ports import free_port
 
 # Ray keeps at most this many idle worker processes per node, by default as many as
 # the node has CPUs: with the 1- and 2-CPU nodes here that meant killing the worker

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,8 @@ import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+from ports import bindable
 
 BIN = Path(sys.executable).parent
 
@@ -28,14 +29,26 @@ class RayHead:
     log: Path
 
 
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+# Ports for the head's own components and workers: below the kernel's ephemeral range
+# (32768 up), so no port another process is handed by a bind to port 0 (as Ray's other
+# clusters, gloo and torch's stores here get theirs) can take one between this choice
+# and the head's bind; and not Ray's default worker ports (10002-19999). Each is
+# probed on every address (tests/ports.py).
+PRIVATE_LO, PRIVATE_HI = 20000, 32768
+WORKER_PORTS = 200
+
+
+def private_ports(n: int) -> tuple[list[int], int]:
+    """`n` component ports and the first of `WORKER_PORTS` + 1 worker ports, all free,
+    in a block of their own (where it starts derived from this process's id)."""
+    size = n + WORKER_PORTS + 1
+    start = PRIVATE_LO + (os.getpid() * 97) % (PRIVATE_HI - PRIVATE_LO - size)
+    for _ in range((PRIVATE_HI - PRIVATE_LO) // size):
+        block = range(start, start + size)
+        if all(bindable(port) for port in block):
+            return list(block[:n]), block[n]
+        start = PRIVATE_LO + (start + size - PRIVATE_LO) % (PRIVATE_HI - PRIVATE_LO - size)
+    raise AssertionError(f"no free block of {size} ports in {PRIVATE_LO}-{PRIVATE_HI}")
 
 
 @contextmanager
@@ -52,10 +65,7 @@ def ray_head(log_dir: Path, num_cpus: int = 4):
         "OMP_NUM_THREADS": "1",
     }
     env.pop("RAY_ADDRESS", None)
-    gcs, dash, agent, agent_grpc, metrics, rt_env, client, nm, om = free_ports(9)
-    lo = 20000 + (os.getpid() * 97) % 30000
-    while any(lo <= port <= lo + 200 for port in (gcs, dash, agent, agent_grpc, metrics, rt_env, client, nm, om)):
-        lo += 211  # the worker port range must not hold a port given to another component
+    (gcs, dash, agent, agent_grpc, metrics, rt_env, client, nm, om), lo = private_ports(9)
     cmd = [
         str(BIN / "ray"),
         "start",
@@ -75,7 +85,7 @@ def ray_head(log_dir: Path, num_cpus: int = 4):
         f"--node-manager-port={nm}",
         f"--object-manager-port={om}",
         f"--min-worker-port={lo}",
-        f"--max-worker-port={lo + 200}",
+        f"--max-worker-port={lo + WORKER_PORTS}",
         f"--temp-dir={temp_dir}",
     ]
     log = log_dir / "head.log"

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,17 +18,13 @@ import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
+from ports import free_port
+
 BUCKET = "lmforge-tests"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def free_endpoint() -> str:
-    return f"http://127.0.0.1:{_free_port()}"
+    return f"http://127.0.0.1:{free_port()}"
 
 
 def s3_environment() -> dict:

@@ -12,11 +12,12 @@ import hashlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 from pathlib import Path
+
+from ports import free_port
 
 WORKER = Path(__file__).with_name("parity_worker.py")
 # A JSD + cross-entropy logits distillation into a student of another seed, online or
@@ -246,9 +247,7 @@ def _in_background() -> bool:
 
 
 def _torchrun(nproc: int) -> list[str]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(port), str(WORKER)]
 
 

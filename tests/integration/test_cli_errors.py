@@ -831,7 +831,7 @@ def test_serve_refuses_a_replica_larger_than_any_node(tmp_path, monkeypatch):
     would wait forever, so it is refused before that cluster starts."""
     import ray
 
-    from multinode import free_port
+    from ports import free_port
 
     monkeypatch.setattr(ray, "is_initialized", lambda: False)  # as a fresh process: it would start its own cluster
     monkeypatch.delenv("RAY_ADDRESS", raising=False)

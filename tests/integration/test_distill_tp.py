@@ -6,13 +6,13 @@ shards; and with a tokenizer smaller than the models' padded vocabulary, the pad
 rows given no probability in the last shard as one process slices them off."""
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 from lmforge.distill.losses import DIVERGENCES, Divergence, Mixture, kd_loss_sum, teacher_log_probs, top_k
+from ports import free_port
 
 V, T, WORLD, K = 48, 1.5, 2, 6
 
@@ -82,9 +82,7 @@ def sharded(rank: int, port: int, results) -> None:
 
 @pytest.fixture(scope="module")
 def tp_results():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:
         results = manager.dict()

@@ -18,6 +18,7 @@ from nbclient import NotebookClient
 from cli import assert_clean_error, run_cli
 from conftest import REPO
 from lmforge.tracking.summary import RunSummary
+from ports import free_port
 from ray_head import BIN, ray_head
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -246,7 +247,6 @@ def test_remote_job_refusals(head, tiny_dataset, tmp_path):
     from lmforge import sdk
     from lmforge.errors import UserError
     from lmforge.jobs.connection import AuthenticationFailed, ClusterUnreachable, UnknownJob
-    from ray_head import free_ports
 
     args = ["--address", head.address, "--token", head.token]
     before = run_cli("jobs", *args, "--json", cwd=REPO).stdout
@@ -262,7 +262,7 @@ def test_remote_job_refusals(head, tiny_dataset, tmp_path):
     assert_clean_error(run_cli("status", "lmforge-nosuch-1234", *args, cwd=REPO), "no job 'lmforge-nosuch-1234'")
     with pytest.raises(UnknownJob):
         sdk.job("lmforge-nosuch-1234", head.address, head.token)
-    nowhere = f"http://127.0.0.1:{free_ports(1)[0]}"
+    nowhere = f"http://127.0.0.1:{free_port()}"
     assert_clean_error(run_cli("logs", "x", "--address", nowhere, cwd=REPO), nowhere, "no Ray job API")
     with pytest.raises(ClusterUnreachable):
         sdk.submit("jobs/quickstart.yaml", tiny(tiny_dataset, tmp_path), address=nowhere)

@@ -57,7 +57,7 @@ from lmforge.serve.grpc_api import SERVICER
 from lmforge.serve.proto import completions_pb2 as pb
 from lmforge.serve.proto.completions_pb2_grpc import CompletionsStub
 from lmforge.spec import spec_from_dict
-from multinode import free_port
+from ports import free_port
 
 pytestmark = pytest.mark.ray
 KEY = "test-key-not-a-secret"

@@ -20,7 +20,7 @@ from lmforge.inference.sampling import SamplingParams
 from lmforge.serve.api import build_api
 from lmforge.serve.backend import Backend, ResponseCache
 from lmforge.serve.options import ServerOptions, key_digest
-from multinode import free_port
+from ports import free_port
 
 KEY = "request-tests-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

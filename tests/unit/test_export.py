@@ -13,7 +13,7 @@ from lmforge.checkpoint.state import TrainerState
 from lmforge.checkpoint.store import CheckpointStore
 from lmforge.errors import UserError
 from lmforge.models.config import PRESETS
-from multinode import free_port
+from ports import free_port
 
 
 def test_a_tampered_deepspeed_file_is_refused_before_unpickling(tmp_path, caplog):
