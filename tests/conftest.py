@@ -246,6 +246,16 @@ REFERENCE_STEPS = 60  # tiny steps take ~40 ms: enough of them that a fault land
 REFERENCE_EVAL = {"interval": 3, "batches": 2}  # the held-out loss every 3 steps: a 3-step run has one to compare
 
 
+def tensorboard_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """What TensorBoard shows for a run: each scalar's (step, value) as its own reader
+    loads the directory (steps retrained after a restart purged, as TensorBoard does)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})  # 0: keep every event
+    board.Reload()
+    return {tag: [(event.step, event.value) for event in board.Scalars(tag)] for tag in board.Tags()["scalars"]}
+
+
 def reference_job(tmp_path: Path, data_path: Path, **sections) -> dict:
     """The end-to-end tests' job: the tiny job over 60 steps, a checkpoint every 10,
     the held-out loss every 3, sample ids recorded, two restarts allowed. A run of it with other settings that

@@ -72,6 +72,17 @@ class Step(Event):
     hidden_loss: Optional[float] = None
     on_policy: Optional[int] = None  # the step learnt the student's own continuations
 
+    def metrics(self) -> dict[str, float]:
+        return step_metrics(self.as_dict())
+
+
+def step_metrics(row: dict[str, Any]) -> dict[str, float]:
+    """What a step charts (in MLflow and TensorBoard), from its event or its
+    metrics.jsonl row: its measures, and a mixture's samples of each source as shares."""
+    values = {key: float(row[key]) for key in Step.METRICS if row.get(key) is not None}
+    taken = row.get("mixture") or []
+    return values | {f"mixture_{i}": n / sum(taken) for i, n in enumerate(taken) if sum(taken)}
+
 
 class Start(Event):
     """Steps after this one are (re)trained now: whoever records them drops later ones."""

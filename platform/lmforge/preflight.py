@@ -41,6 +41,7 @@ from lmforge.models.weights import open_model_dir
 from lmforge.planner.fit import check_fits
 from lmforge.spec import JobSpec
 from lmforge.spec_rules import check_hidden_layers
+from lmforge.tracking.tensorboard import check_tensorboard
 
 
 @dataclass
@@ -340,6 +341,8 @@ def preflight(spec: JobSpec) -> Plan:
             raise UserError(f"data.vocab_size: {spec.data.vocab_size} is larger than model.vocab_size {spec.model_arch.vocab_size}")
     if spec.engine == "deepspeed":
         check_deepspeed(spec)
+    if spec.tracking.tensorboard:
+        check_tensorboard(spec.tracking.tensorboard)
     if spec.resources.memory_per_worker:
         check_fits(spec, spec.resources.memory_per_worker, "resources.memory_per_worker")
     if spec.model.init_from:

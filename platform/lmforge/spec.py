@@ -149,6 +149,9 @@ class TrackingSpec(Section):
         10.0, ge=0, description="how often each node with ranks samples its CPU, memory, disk, network and GPU use into the run (0: never)"
     )
     run_id: Optional[str] = Field(None, description="set by lmforge: the MLflow run the ranks' system metrics and checkpoints belong to")
+    tensorboard: Optional[LocalPath] = Field(
+        None, description="a directory for TensorBoard (`tensorboard --logdir DIR`): the scalars the MLflow run gets, with or without MLflow"
+    )
 
 
 class ResourcesSpec(Section):

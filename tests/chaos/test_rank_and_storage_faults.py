@@ -29,7 +29,7 @@ from chaos import (
     when_step_reached,
 )
 from cli import assert_clean_error, run_cli
-from conftest import DISTILL_STEPS, REFERENCE_STEPS, distill_job, reference_job, with_sections
+from conftest import DISTILL_STEPS, REFERENCE_STEPS, distill_job, reference_job, tensorboard_scalars, with_sections
 from lmforge import sdk
 from lmforge.checkpoint.store import CheckpointStore
 from lmforge.data.manifest import read_manifest
@@ -112,7 +112,8 @@ def test_rank_killed_while_a_checkpoint_is_written_restores_the_one_before(unint
         killed.append(kill_one_rank_process())
 
     watchers = [when_step_reached(run_dir, 3, hang_the_write), when_step_reached(run_dir, 24, kill_mid_write)]
-    summary = sdk.train(spec_from_dict(chaos_job(tmp_path, tiny_dataset, resume=False)), show_progress=False)
+    board = tmp_path / "tensorboard"
+    summary = sdk.train(spec_from_dict(chaos_job(tmp_path, tiny_dataset, resume=False), [f"tracking.tensorboard={board}"]), show_progress=False)
     for watcher in watchers:
         watcher.join(timeout=5)
     assert killed and summary.final_step == STEPS and summary.failures == 1
@@ -123,6 +124,11 @@ def test_rank_killed_while_a_checkpoint_is_written_restores_the_one_before(unint
     # The rank's node lives on, and so does the job's data reader: laid out anew, not restarted.
     assert [event["kept"] for event in _events(run_dir, "reader")] == [False, True]
     same_as_uninterrupted(run_dir, uninterrupted)
+    # TensorBoard shows each step once, the retrained ones in place of the first tries.
+    scalars, rows = tensorboard_scalars(board), step_rows(run_dir)
+    assert [step for step, _ in scalars["loss"]] == list(range(1, STEPS + 1))
+    assert all(value == pytest.approx(rows[step]["loss"], rel=1e-6) for step, value in scalars["loss"])
+    assert [step for step, _ in scalars["eval_loss"]] == [event["step"] for event in _events(run_dir, "eval")]
 
 
 def test_a_restart_restores_the_in_memory_snapshot_and_keeps_the_surviving_rank(uninterrupted, ray_session, tiny_dataset, tmp_path):

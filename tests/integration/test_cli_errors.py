@@ -452,6 +452,13 @@ def test_evaluation_the_dataset_cannot_serve(case, tmp_path, tiny_dataset):
     assert nothing_written(tmp_path)
 
 
+def test_a_tensorboard_directory_that_is_a_file(tmp_path, tiny_dataset):
+    (tmp_path / "board").write_text("the user's notes")
+    job = tiny_job(tmp_path, tiny_dataset, tracking={"tensorboard": "board"})
+    assert_clean_error(run_cli("train", str(write_job(tmp_path, job)), cwd=tmp_path), f"tracking.tensorboard: {tmp_path / 'board'} is a file")
+    assert nothing_written(tmp_path) and (tmp_path / "board").read_text() == "the user's notes"
+
+
 def test_deepspeed_config_contradicting_the_job(tmp_path):
     (tmp_path / "ds.json").write_text(json.dumps({"train_batch_size": 4096, "zero_optimization": {"stage": 3}}))
     job = tiny_job(tmp_path, tmp_path / "data", engine="deepspeed", deepspeed={"config": "ds.json"})

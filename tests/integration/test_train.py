@@ -18,7 +18,7 @@ from safetensors import safe_open
 from tokenizers import Tokenizer
 
 from cli import run_cli
-from conftest import DISTILL_STEPS, DISTILL_TOP_K, reference_job, tiny_job, with_sections
+from conftest import DISTILL_STEPS, DISTILL_TOP_K, reference_job, tensorboard_scalars, tiny_job, with_sections
 from conftest import REFERENCE_STEPS as STEPS
 from lmforge import sdk
 from lmforge.checkpoint.consolidate import read_checkpoint, read_trained_tensors
@@ -131,7 +131,8 @@ def test_resume_continues_with_identical_losses(uninterrupted, ray_session, s3_d
     checkpoints live on an S3 server, the credentials in the environment only."""
     reference = _losses(uninterrupted[0])
     checkpoints = f"{s3_bucket}/resume-checkpoints"
-    job = reference_job(tmp_path, s3_dataset, train={"max_steps": 20}, checkpoint={"dir": checkpoints})
+    board = tmp_path / "tensorboard"  # written by both drivers
+    job = reference_job(tmp_path, s3_dataset, train={"max_steps": 20}, checkpoint={"dir": checkpoints}, tracking={"tensorboard": str(board)})
     assert read_manifest(s3_dataset).shards == read_manifest(tiny_dataset).shards  # byte for byte, by sha256
     first = sdk.train(spec_from_dict(job, ["train.max_steps=10"]), show_progress=False)
     assert first.final_step == 10
@@ -152,6 +153,10 @@ def test_resume_continues_with_identical_losses(uninterrupted, ray_session, s3_d
         assert evals[step] == pytest.approx(reference_evals[step], rel=1e-6), step
     client = MlflowClient(tracking_uri=second.mlflow_tracking_uri)
     assert sorted(m.step for m in client.get_metric_history(second.mlflow_run_id, "loss")) == list(range(1, 21))
+    scalars = tensorboard_scalars(board)
+    assert [step for step, _ in scalars["loss"]] == list(range(1, 21))
+    assert all(value == pytest.approx(resumed[step], rel=1e-6) for step, value in scalars["loss"])
+    assert {"lr", "grad_norm", "tokens_per_s", "eval_loss"} <= scalars.keys()
 
     # Another seed would continue on another order: refused before anything starts,
     # unless the job says so, and then it is on the record.

@@ -50,6 +50,7 @@ from lmforge.tracking.mlflow_run import MlflowRun
 from lmforge.tracking.progress import ProgressView
 from lmforge.tracking.run_dir import STEP_FIELDS, RunDir
 from lmforge.tracking.summary import RunSummary
+from lmforge.tracking.tensorboard import TensorBoardLog
 
 
 def drive(
@@ -147,12 +148,13 @@ def _run(
         tracker.catch_up(run_dir.steps())
         tracker.log_dataset(manifest)
         spec = spec.with_changes("tracking", run_id=tracker.run_id)  # for the ranks' system metrics and checkpoints
+    board = TensorBoardLog(spec.tracking.tensorboard, plan.start_step) if spec.tracking.tensorboard else None
     began = time.time()
     view = ProgressView(spec.train.max_steps, plan.start_step, console=console, enabled=show_progress)
     if plan.resume_from:
         view.print(f"resuming {spec.name} from step {plan.start_step} ({plan.resume_from.path})")
     seen = Seen(spec, latest_checkpoint=plan.resume_from.path if plan.resume_from else None)
-    handle = lambda event: seen.add(event, _handle(event, view, run_dir, tracker, publish))
+    handle = lambda event: seen.add(event, _handle(event, view, run_dir, tracker, publish, board))
     if plan.order_changes:
         handle(DataChanged(step=plan.start_step, path=plan.resume_from.path, changes=plan.order_changes))
     status, handoff = "FAILED", None
@@ -196,6 +198,8 @@ def _run(
     finally:
         if tracker and lease.taken_by is None:  # else the MLflow run is the other driver's now
             tracker.finish(status)
+        if board:
+            board.close()
     last_eval = seen.last_eval
     summary = RunSummary(
         job=spec.name,
@@ -349,7 +353,14 @@ class WaitTally:
         return round(self.wait / self.step_time, 5) if self.step_time else None
 
 
-def _handle(event: Event, view: ProgressView, run_dir: RunDir, tracker, publish: Optional[Callable[[dict], None]]) -> Optional[str]:
+def _handle(
+    event: Event,
+    view: ProgressView,
+    run_dir: RunDir,
+    tracker: Optional[MlflowRun],
+    publish: Optional[Callable[[dict], None]],
+    board: Optional[TensorBoardLog] = None,
+) -> Optional[str]:
     """Route one event from the controller; returns a checkpoint path when one was committed."""
     if isinstance(event, Step):
         row = event.as_dict()
@@ -359,6 +370,8 @@ def _handle(event: Event, view: ProgressView, run_dir: RunDir, tracker, publish:
         view.step(event)
         if tracker:
             tracker.log_step(row)
+        if board:
+            board.scalars(event.metrics(), event.step, event.time)
         return None
     if isinstance(event, OutOfMemoryEvent) and event.report is not None:  # a file in the run directory, and an MLflow artifact
         path = run_dir.write_report(event.report_name or f"memory-oom-step{event.step}.txt", event.report)
@@ -367,6 +380,8 @@ def _handle(event: Event, view: ProgressView, run_dir: RunDir, tracker, publish:
             tracker.log_artifact(path)
     if isinstance(event, Start):
         run_dir.rewind(event.step)
+        if board:
+            board.rewind(event.step)
     elif isinstance(event, Rollback):
         run_dir.record_skip_batches(event.skip_batches)
     elif isinstance(event, Layout):
@@ -380,10 +395,12 @@ def _handle(event: Event, view: ProgressView, run_dir: RunDir, tracker, publish:
         run_dir.append_event(event.as_dict())
         if publish:
             publish(event.as_dict())
+    step = getattr(event, "step", None)
     if tracker:
-        step = getattr(event, "step", None)
         for key, value in event.metrics().items():
             tracker.log_metric(key, value, step)
         for key, value in event.tags().items():
             tracker.set_tag(key, value)
+    if board and step is not None:
+        board.scalars(event.metrics(), step, event.time)
     return event.path if isinstance(event, Checkpoint) else None

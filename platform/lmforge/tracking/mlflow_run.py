@@ -21,7 +21,7 @@ import yaml
 
 from lmforge.credentials import redact
 from lmforge.data.manifest import Manifest, MixtureManifest
-from lmforge.events import Eval, Step
+from lmforge.events import Eval, step_metrics
 from lmforge.spec import JobSpec, flatten
 
 JOB_TAG = "lmforge.job"
@@ -159,13 +159,12 @@ class MlflowRun:
             {"data.num_samples": manifest.num_samples, "data.num_tokens": manifest.num_tokens, "data.digest": ",".join(digests)},
         )
 
-    def log_step(self, event: dict) -> None:
+    def log_step(self, row: dict) -> None:
+        """A step's metrics.jsonl row."""
         from mlflow.entities import Metric
 
-        stamp = int(event.get("time", time.time()) * 1000)
-        self._pending += [Metric(k, float(event[k]), stamp, event["step"]) for k in Step.METRICS if k in event]
-        taken = event.get("mixture") or []  # a mixture's samples of each source this step, as shares
-        self._pending += [Metric(f"mixture_{i}", n / sum(taken), stamp, event["step"]) for i, n in enumerate(taken)]
+        stamp = int(row.get("time", time.time()) * 1000)
+        self._pending += [Metric(key, value, stamp, row["step"]) for key, value in step_metrics(row).items()]
         if time.time() - self._last_flush >= self.flush_every_s:
             self.flush()
 
