@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from lmforge.checkpoint.memory import SnapshotTarget, SnapshotWriter, load_snapshot, snapshot_state
+from lmforge.checkpoint.schedule import CheckpointSchedule
 from lmforge.checkpoint.sharded import load_checkpoint, restore_point
 from lmforge.checkpoint.state import MlflowRef, TrainerState
 from lmforge.checkpoint.store import CheckpointStore
@@ -87,6 +88,9 @@ class Trainer:
             self.store.clear_after(self.start_step)  # corrupt (set aside) or half-written: to be written again
         dist.barrier(group=checkpoint_group)
         self.writer = CheckpointWriter(self.store, spec.checkpoint, checkpoint_group, self._event)
+        # The clock's word travels in a group of its own: the writer's may be busy in its thread.
+        clock_group = dist.new_group(backend="gloo") if spec.checkpoint.every_minutes else None
+        self.schedule = CheckpointSchedule(spec.checkpoint, spec.train.max_steps, lambda flag: _rank0_says(flag, clock_group))
         # Snapshots get a group of their own too: one may be in flight beside a checkpoint.
         self.snapshots = SnapshotWriter(snapshot_target, dist.new_group(backend="gloo")) if snapshot_target else None
         # Start reading ahead first: Ray Data's first read overlaps model building.
@@ -178,7 +182,7 @@ class Trainer:
                 # Also at a checkpoint's step: until that checkpoint commits, the snapshot is the step's only copy.
                 if self.snapshots and step % self.spec.checkpoint.memory_interval == 0 and step < train.max_steps:
                     self.snapshots.save(step, self.engine, self._trainer_state(step))
-                if step % self.spec.checkpoint.interval == 0 or step == train.max_steps:
+                if self.schedule.due(step):
                     self.writer.save(step, self.engine, self._trainer_state(step).model_copy(update={"records": self.unsaved_records}))
                     self.unsaved_records = []
                     if step < train.max_steps and self._stop_requested():
@@ -288,6 +292,13 @@ class Trainer:
         gathered = [torch.empty_like(local) for _ in range(self.dims.shape.dp)]
         dist.all_gather(gathered, local, group=self.dims.dp_group)
         return torch.cat(gathered).cpu().tolist()
+
+
+def _rank0_says(flag: bool, group: Optional[dist.ProcessGroup]) -> bool:
+    """Rank 0's flag, on every rank of `group` (the whole job)."""
+    value = torch.tensor([int(flag)], dtype=torch.int32)
+    dist.broadcast(value, src=0, group=group)
+    return bool(value.item())
 
 
 def _mask(loss_mask):

@@ -17,6 +17,7 @@ from nbclient import NotebookClient
 
 from cli import assert_clean_error, run_cli
 from conftest import REPO
+from lmforge.checkpoint.store import CheckpointStore
 from lmforge.tracking.summary import RunSummary
 from ports import free_port
 from ray_head import BIN, ray_head
@@ -203,11 +204,14 @@ def scrape(port: int) -> dict[str, list[str]]:
 def test_running_job_exports_metrics_and_stops(head, tiny_dataset, tmp_path):
     """`lmforge submit` of a long job: while it runs, every rank's step gauges and the
     job's evaluation and checkpoint gauges are on the node's metrics endpoint; a second
-    submission of the same job is refused; `lmforge stop` ends it."""
+    submission of the same job is refused; `lmforge stop` ends it. It saves by the clock
+    alone (every 1.2 s; its step interval is never reached): both ranks at one step, or
+    no checkpoint would commit."""
     job_file = tmp_path / "long.yaml"
     job_file.write_text((REPO / "jobs" / "quickstart.yaml").read_text().replace("name: quickstart", "name: long-run"))
     args = ["--address", head.address, "--token", head.token]
-    overrides = [f"--set={item}" for item in tiny(tiny_dataset, tmp_path / "out", steps=100_000)]
+    by_the_clock = ["checkpoint.interval=1000000", "checkpoint.every_minutes=0.02", "checkpoint.keep=100"]
+    overrides = [f"--set={item}" for item in [*tiny(tiny_dataset, tmp_path / "out", steps=100_000), *by_the_clock]]
     submitted = run_cli("submit", str(job_file), *overrides, *args, cwd=REPO)
     assert submitted.returncode == 0, submitted.stderr
     job_id = submitted.stdout.strip()
@@ -229,6 +233,8 @@ def test_running_job_exports_metrics_and_stops(head, tiny_dataset, tmp_path):
             found = {name: lines for name, lines in found.items() if lines}
         assert wanted <= set(found), f"missing {wanted - set(found)}; the job's log:\n" + run_cli("logs", job_id, *args, cwd=REPO).stdout[-3000:]
         assert {"0", "1"} <= {dict(re.findall(r'(\w+)="([^"]*)"', line)).get("rank") for line in found["ray_lmforge_step"]}
+        saved = CheckpointStore(str(tmp_path / "out" / "long-run" / "checkpoints")).committed()
+        assert saved, "no checkpoint by the clock"  # the step interval is never reached: the checkpoint gauge's saves were the clock's
         again = run_cli("submit", str(job_file), *overrides, *args, cwd=REPO)
         assert_clean_error(again, "long-run is already running", job_id)
     finally:

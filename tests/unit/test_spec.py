@@ -89,6 +89,7 @@ def test_overrides_are_parsed_as_yaml_values():
         (["fault_tolerance.spares=1"], "fault_tolerance.spares: spares only serve a restart"),
         (["checkpoint.keep_every=0"], "checkpoint.keep_every: Input should be greater than 0"),
         (["checkpoint.max_failed_writes=0"], "checkpoint.max_failed_writes: Input should be greater than 0"),
+        (["checkpoint.every_minutes=0"], "checkpoint.every_minutes: Input should be greater than 0"),
         (["fault_tolerance.max_failures=-1"], "fault_tolerance.max_failures"),
         (["data.eval_fraction=1"], "data.eval_fraction: Input should be less than 1"),
         (["eval.interval=0"], "eval.interval: Input should be greater than 0"),

@@ -14,6 +14,9 @@ from lmforge.section import Section
 class CheckpointSpec(Section):
     dir: Optional[LocalPath] = Field(None, description="directory or fsspec URI; default <run_dir>/checkpoints")
     interval: int = Field(50, gt=0, description="save every N optimizer steps (and at the last step)")
+    every_minutes: Optional[float] = Field(
+        None, gt=0, description="also save once this long has passed since the last save (whichever of it and interval comes first)"
+    )
     keep: int = Field(3, gt=0, description="newest committed checkpoints kept")
     keep_every: Optional[int] = Field(None, gt=0, description="also keep every checkpoint whose step is a multiple of this")
     async_save: bool = Field(True, description="write in the background; training pauses only to copy the state to CPU memory")
