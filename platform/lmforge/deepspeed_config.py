@@ -78,6 +78,31 @@ KNOWN_KEYS = frozenset(
         "zenflow",
     }
 )
+# Sections DeepSpeed reads but that take effect only with what lmforge does not do
+# (a model built from DeepSpeed's modules, its launcher, its data loader, a call to
+# `engine.compile()`), or that would re-shard ranks lmforge feeds as data-parallel:
+# asked for, each is refused with the reason, instead of accepted and not applied.
+NOT_APPLIED = {
+    "activation_checkpointing": "works only in a model that calls deepspeed.checkpointing; set parallel.activation_checkpointing",
+    "pipeline": "needs a DeepSpeed PipelineModule; the deepspeed engine runs data parallelism only (engine: native for parallel.pp)",
+    "elasticity": "elastic batch sizes for DeepSpeed's own launcher; lmforge's elastic training is the job's `elastic` section",
+    "autotuning": "runs through the deepspeed launcher, not a training job",
+    "sparse_attention": "needs DeepSpeed's sparse attention modules in the model",
+    "curriculum_learning": "schedules DeepSpeed's data sampler; lmforge's feed decides the data order",
+    "data_efficiency": "schedules DeepSpeed's data sampler; lmforge's feed decides the data order",
+    "dataloader_drop_last": "applies to DeepSpeed's data loader; lmforge's feed reads the data",
+    "progressive_layer_drop": "needs a model that takes DeepSpeed's layer-drop arguments",
+    "eigenvalue": "serves progressive layer drop and quantized training, which lmforge does not run",
+    "quantize_training": "needs DeepSpeed's compression applied to the model; `lmforge quantize` quantizes a trained one",
+    "compression_training": "needs DeepSpeed's compression applied to the model; `lmforge quantize` quantizes a trained one",
+    "weight_quantization": "needs DeepSpeed's compression applied to the model; `lmforge quantize` quantizes a trained one",
+    "hybrid_engine": "DeepSpeed-Chat's generation engine for RLHF, which lmforge does not run",
+    "compile": "lmforge does not call DeepSpeed's engine.compile(); use engine: native with parallel.compile",
+    "tensor_parallel": "AutoTP would shard the model across ranks lmforge feeds as data-parallel; use engine: native with parallel.tp",
+    "sequence_parallel_size": "needs the model's attention wrapped for Ulysses; lmforge feeds every rank whole sequences",
+    "expert_parallel": "AutoEP would shard experts across ranks lmforge feeds as data-parallel; engine: native trains experts under FSDP",
+    "use_data_before_expert_parallelism": "belongs to expert parallelism, which lmforge does not run with DeepSpeed",
+}
 OFFLOAD_DEVICES = ("cpu", "nvme", "none")
 ADAM_TYPES = ("adam", "adamw")
 FIELD = "deepspeed.config"
@@ -132,6 +157,22 @@ def _check_keys(config: dict) -> None:
             close = difflib.get_close_matches(key, KNOWN_KEYS, n=1)
             hint = f"; did you mean {close[0]}?" if close else ""
             raise ValueError(f"{FIELD}.{key}: not a DeepSpeed setting (DeepSpeed would ignore it silently){hint}")
+        if key in NOT_APPLIED and _asked_for(config[key]):
+            raise ValueError(f"{FIELD}.{key}: not applied by lmforge ({NOT_APPLIED[key]})")
+
+
+def _asked_for(value: Any) -> bool:
+    """Whether a section asks for anything: not off (`enabled: false`), and holding more
+    than falsy values and sizes of 1."""
+    if isinstance(value, dict):
+        if value.get("enabled") is False:
+            return False
+        return value.get("enabled") is True or any(_asked_for(v) for k, v in value.items() if k != "enabled")
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)):
+        return value not in (0, 1)
+    return value not in (None, "auto", "", [])
 
 
 def _batch(config: dict, train, dp: int) -> None:

@@ -40,7 +40,9 @@ def check_engine(spec: "JobSpec") -> None:
     p = spec.parallel
     if p.tp > 1 or p.pp > 1:
         raise ValueError("parallel.tp: the deepspeed engine runs data parallelism only; use engine: native for tp or pp")
-    for field in ("zero", "dp_replicate", "cpu_offload", "compile"):
+    if "compile" in p.model_fields_set:
+        raise ValueError("parallel.compile: the deepspeed engine does not compile the model; use engine: native to compile")
+    for field in ("zero", "dp_replicate", "cpu_offload"):
         if field in p.model_fields_set:
             raise ValueError(f"parallel.{field}: a native-engine setting; with deepspeed it belongs in deepspeed.config")
     if isinstance(spec.deepspeed.config, str):

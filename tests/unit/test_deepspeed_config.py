@@ -90,6 +90,18 @@ def test_precision_from_the_config_and_auto_values():
         ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, {}, "offload_param: needs stage 3, not 2"),
         ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}, {}, "offload_optimizer: needs stage 1 or 2 or 3, not 0"),
         ({}, {"parallel": {"dp": 2, "zero": 2}}, "parallel.zero: a native-engine setting"),
+        ({}, {"parallel": {"dp": 2, "compile": True}}, "parallel.compile: the deepspeed engine does not compile the model"),
+        (
+            {"activation_checkpointing": {"partition_activations": True}},
+            {},
+            "deepspeed.config.activation_checkpointing: not applied by lmforge (works only in a model that calls deepspeed.checkpointing; "
+            "set parallel.activation_checkpointing)",
+        ),
+        ({"compile": {"deepcompile": True}}, {}, "deepspeed.config.compile: not applied by lmforge (lmforge does not call"),
+        ({"tensor_parallel": {"autotp_size": 2}}, {}, "deepspeed.config.tensor_parallel: not applied by lmforge (AutoTP would shard"),
+        ({"pipeline": {"partition": "parameters"}}, {}, "deepspeed.config.pipeline: not applied by lmforge"),
+        ({"elasticity": {"enabled": True, "max_train_batch_size": 64}}, {}, "deepspeed.config.elasticity: not applied by lmforge"),
+        ({"sequence_parallel_size": 2}, {}, "deepspeed.config.sequence_parallel_size: not applied by lmforge"),
         ({}, {"parallel": {"dp": 1, "tp": 2}}, "parallel.tp: the deepspeed engine runs data parallelism only"),
     ],
 )
@@ -98,6 +110,12 @@ def test_contradictions_name_the_setting(config, sections, message):
         spec_from_dict(ds_job(config, **sections))
     assert message in str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_sections_lmforge_does_not_apply_are_accepted_when_off():
+    off = {"elasticity": {"enabled": False, "max_train_batch_size": 64}, "sequence_parallel_size": 1, "dataloader_drop_last": False}
+    off |= {"activation_checkpointing": {"partition_activations": False, "number_checkpoints": None}, "tensor_parallel": {"autotp_size": 1}}
+    assert spec_from_dict(ds_job(off)).deepspeed.config["elasticity"]["enabled"] is False
 
 
 def test_engine_and_section_must_agree():
