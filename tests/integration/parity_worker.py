@@ -19,6 +19,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 from torch.distributed.tensor import DTensor
 
 from lmforge.checkpoint.config import CheckpointSpec
@@ -67,6 +68,12 @@ def describe(engine) -> dict:
     if hasattr(engine, "parts"):  # native
         modules = [m for part in engine.parts for m in part.modules()]
         info["compiled_modules"] = sum(getattr(m, "_compiled_call_impl", None) is not None for m in modules)
+        groups = [m._get_fsdp_state()._fsdp_param_group for m in modules if isinstance(m, FSDPModule)]
+        info["fsdp_units"] = len(groups)
+        info["offloaded_units"] = sum(isinstance(group.offload_policy, CPUOffloadPolicy) for group in groups if group is not None)
+        states = [p for part in engine.parts for p in part.parameters()]
+        states += [v for opt in engine.optimizers for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+        info["state_devices"] = sorted({_local(t).device.type for t in states if _local(t).numel() > 1})  # not the step scalars
     if hasattr(engine, "engine"):  # DeepSpeed
         ds = engine.engine
         info.update(

@@ -22,8 +22,12 @@ def reference(tmp_path_factory):
 
 @pytest.mark.parametrize("zero", [3, 2])
 def test_fsdp2_cpu_offload_matches_one_gpu(reference, tmp_path, zero):
-    got = losses(tmp_path, 1, ON_GPU, "parallel.cpu_offload=true", f"parallel.zero={zero}", extra=GPU)
+    """One fp32 rank, which needs no FSDP otherwise: offload is applied all the same,
+    and the model states are where the plan puts them (none in GPU memory)."""
+    got, engine = losses(tmp_path, 1, ON_GPU, "parallel.cpu_offload=true", f"parallel.zero={zero}", extra=GPU, describe=True)
     assert got == pytest.approx(reference, rel=1e-4)
+    assert engine["fsdp_units"] > 0 and engine["offloaded_units"] == engine["fsdp_units"], engine
+    assert engine["state_devices"] == ["cpu"], engine
 
 
 def test_deepspeed_fp16_with_loss_scaling_is_close_to_fp32(reference, tmp_path):

@@ -64,7 +64,7 @@ class NativeEngine(Engine):
         self.dims, self.device, self.spec, self.loss = dims, device, spec, loss
         self.tensor_parallel = dims.shape.tp > 1
         self.pipelined = dims.shape.pp > 1
-        self.sharded = needs_wrapping(dims.shape, spec.train.precision)
+        self.sharded = needs_wrapping(dims.shape, spec.train.precision, spec.parallel.cpu_offload)
         self.beside: dict[str, nn.Module] = {}
         loss.build(
             Placement(

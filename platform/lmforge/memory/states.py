@@ -137,7 +137,7 @@ def native_states(spec: JobSpec, rank: int, teachers: tuple[ModelConfig, ...] = 
     params = (*(item for item in params if item[0] not in in_nf4), *low_rank, *beside)
     numel = _rank_numel(params, p.tp, coords["tp"], shape.dp_shard, shard_rank)
     grad_numel = trained_numel = _rank_numel(trained, p.tp, coords["tp"], shape.dp_shard, shard_rank)
-    if p.tp > 1 and not needs_wrapping(shape, spec.train.precision):
+    if p.tp > 1 and not needs_wrapping(shape, spec.train.precision, p.cpu_offload):
         # Measured (torch 2.13): without FSDP to reduce-scatter it, the vocabulary-split
         # embedding's gradient comes back whole (Replicate) on every TP rank.
         grad_numel += sum(

@@ -27,7 +27,9 @@ def apply_fsdp(
         # ZeRO-2 keeps parameters gathered between forward and backward; ZeRO-3 frees them.
         "reshard_after_forward": zero == 3,
         "mp_policy": mp,
-        "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
+        # Pinned host memory makes the copies to the GPU asynchronous; without an
+        # accelerator there is nothing to pin for (and torch refuses to).
+        "offload_policy": CPUOffloadPolicy(pin_memory=dims.dp_mesh.device_type != "cpu") if cpu_offload else OffloadPolicy(),
     }
     for block in [*model.layers.values(), *units]:
         fully_shard(block, **options)
@@ -51,7 +53,7 @@ def gathered_across_forwards(model: nn.Module, zero: int):
             unit.set_reshard_after_forward(zero == 3, recurse=False)
 
 
-def needs_wrapping(shape: MeshShape, precision: str) -> bool:
+def needs_wrapping(shape: MeshShape, precision: str, cpu_offload: bool) -> bool:
     """One fp32 data-parallel rank needs no FSDP at all (with or without TP); bf16
-    still uses FSDP2's mixed precision."""
-    return shape.dp > 1 or precision != "fp32"
+    still uses FSDP2's mixed precision, and CPU offload its offload policy."""
+    return shape.dp > 1 or precision != "fp32" or cpu_offload
