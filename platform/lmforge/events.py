@@ -334,16 +334,23 @@ class Rollback(Event):
         return {"rollbacks": self.rollback}
 
 
-class OutOfMemoryEvent(Event):
+class WithReport(Event):
+    """An event that carries a report: its text is written to `report_name` in the run
+    directory (and the MLflow run) by the driver, which records the event with the
+    file's path instead of the text."""
+
     excluded: ClassVar[frozenset[str]] = frozenset({"report", "report_name"})
+    report: Optional[str] = None
+    report_name: Optional[str] = None
+    report_path: Optional[str] = None
+
+
+class OutOfMemoryEvent(WithReport):
     event: Literal["out_of_memory"] = "out_of_memory"
     step: int
     rank: int
     micro_batch: int
     retry_micro_batch: Optional[int] = None  # None: no smaller micro-batch is left
-    report: Optional[str] = None  # the memory report's text, written to `report_name` in the run directory
-    report_name: Optional[str] = None
-    report_path: Optional[str] = None
 
     def line(self) -> str:
         then = (
@@ -355,6 +362,21 @@ class OutOfMemoryEvent(Event):
 
     def metrics(self) -> dict[str, float]:
         return {"oom_micro_batch": self.micro_batch}
+
+
+class Hang(WithReport):
+    """No step for `fault_tolerance.step_timeout_s`: what every rank was doing (its
+    process state and Python stack, in the report), and the rank holding the others
+    up where that can be told."""
+
+    event: Literal["hang"] = "hang"
+    step: int
+    behind: Optional[int] = None
+    doing: Optional[str] = None  # the rank behind: its process state and innermost frame
+
+    def line(self) -> str:
+        who = f"rank {self.behind} is behind ({self.doing})" if self.behind is not None else "no single rank is behind"
+        return f"hang after step {self.step}: {who}; every rank's stack: {self.report_path}"
 
 
 class Leak(Event):
@@ -396,6 +418,7 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     LossSpike,
     Rollback,
     OutOfMemoryEvent,
+    Hang,
     Leak,
 )
 AnyEvent = Annotated[Union[EVENT_TYPES], Field(discriminator="event")]  # type: ignore[valid-type]

@@ -80,6 +80,13 @@ def test_refused_writes_are_logged_then_a_hung_rank_is_detected_and_the_run_rest
     assert "step_00000010" in failed[0]["error"]
     (failure,) = _events(run_dir, "failure")
     assert failure["cause"].startswith("RankHung: no step for") and failure["step"] >= 30
+    # The hang explains itself: the stopped rank is named, and every rank's stack is kept.
+    (hang,) = _events(run_dir, "hang")
+    assert hang["doing"].startswith(f"pid {stopped[0]}, stopped by a signal, in ") and f"rank {hang['behind']} is behind" in failure["cause"]
+    assert failure["rank"] == hang["behind"]
+    stacks = Path(hang["report_path"]).read_text()
+    assert stacks.count("== rank ") == 2 and f"pid {stopped[0]}, T (stopped)" in stacks
+    assert "(lmforge/trainer.py:" in stacks or "lmforge/trainer.py" in stacks, stacks[-2000:]
     assert _restored_steps(run_dir) == [30]
     assert CheckpointStore(str(run_dir / "checkpoints")).committed() == [40, 50, 60]
     same_as_uninterrupted(run_dir, uninterrupted)

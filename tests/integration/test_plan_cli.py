@@ -94,9 +94,13 @@ def test_search_ranks_layouts_for_32_gpus(tmp_path):
     assert text.returncode == 0 and "best 3 of" in text.stdout and "best: tp" in text.stdout and "the job's own layout" in text.stdout
 
 
-def test_search_with_no_layout_that_fits(tmp_path):
-    result = run_cli("plan", SEVEN_B, "--search", "--cluster", "nodes=1,gpus_per_node=2,gpu_mem=8GB", cwd=tmp_path)
-    assert_clean_error(result, "--cluster: no layout of pretrain-7b fits")
+def test_search_where_only_cpu_offload_fits_and_where_nothing_does(tmp_path):
+    result = run_cli("plan", SEVEN_B, "--search", "--no-chart", "--cluster", "nodes=1,gpus_per_node=2,gpu_mem=8GB", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "no layout fits 8 GB devices as it is; with CPU offload" in result.stdout
+    assert "--set parallel.cpu_offload=true" in result.stdout and "GiB of host memory per rank" in result.stdout
+    result = run_cli("plan", SEVEN_B, "--search", "--cluster", "nodes=1,gpus_per_node=2,gpu_mem=8GB,host_mem=64GB", cwd=tmp_path)
+    assert_clean_error(result, "--cluster: no layout of pretrain-7b fits", "CPU offload included")
 
 
 def assert_png(path):

@@ -14,12 +14,14 @@ CLUSTER = Cluster(nodes=2, gpus_per_node=4, gpu_mem=80 * 10**9)
 
 
 def job(parallel=None, **train):
+    parallel = parallel or {}
     return spec_from_dict(
         {
             "name": "p",
             "model": {"preset": "1b", "tie_embeddings": False},
-            "parallel": parallel or {},
+            "parallel": parallel,
             "train": {"global_batch": 32, "micro_batch": 1, "seq_len": 2048, "precision": "bf16"} | train,
+            "resources": {"gpus_per_worker": 1} if parallel.get("cpu_offload") else {},
             "data": {"path": "unused"},
         }
     )
@@ -32,6 +34,8 @@ def test_cluster_string_with_hardware_figures():
     with pytest.raises(UserError, match="efficiency must be a number above 0 and at most 1"):
         parse_cluster("nodes=1,gpus_per_node=8,gpu_mem=80GB,efficiency=2")
     assert assumed_cluster(32) == Cluster(4, 8, 80 * 10**9) and assumed_cluster(2).gpus == 2
+    offload = parse_cluster("nodes=1,gpus_per_node=8,gpu_mem=80GB,host_mem=1TB,host_gbps=25,cpu_gbps=5")
+    assert (offload.host_mem, offload.host_gbps, offload.cpu_gbps, offload.usable_host_per_gpu) == (10**12, 25.0, 5.0, int(0.9 * 10**12 / 8))
 
 
 def test_bubble_follows_the_schedule_formula():
@@ -83,6 +87,29 @@ def test_search_returns_only_valid_layouts_that_fit_fastest_first():
     small = search(spec, Cluster(2, 4, 10 * 10**9))
     assert 0 < len(small) < len(found) and all(c.memory.device_total <= Cluster(2, 4, 10 * 10**9).usable for c in small)
     assert search(spec, Cluster(2, 4, 10**8)) == []
+
+
+def test_where_nothing_fits_the_devices_cpu_offload_is_weighed_within_host_memory():
+    spec = job()
+    assert not any(c.spec.parallel.cpu_offload for c in search(spec, Cluster(1, 2, 16 * 10**9)))  # it fits: no offload
+    small = Cluster(1, 2, 6 * 10**9)
+    found = search(spec, small)
+    assert found and all(c.spec.parallel.cpu_offload for c in found)
+    for c in found:
+        assert c.memory.device_total <= small.usable and 0 < c.memory.host <= small.usable_host_per_gpu
+        assert c.time.offload > 0 and "CPU offload" in c.reason(small) and "of host memory per rank" in c.reason(small)
+        applied = spec_from_dict(spec.model_dump(mode="json", exclude_unset=True), c.overrides())
+        assert applied.parallel == c.spec.parallel and applied.resources.gpus_per_worker == 1
+    assert search(spec, Cluster(1, 2, 6 * 10**9, host_mem=20 * 10**9)) == []  # the states do not fit the host either
+
+
+def test_offload_costs_its_copies_and_the_optimizer_step_on_the_cpu():
+    on = lambda **parallel: step_time(job({"dp": 8, "cpu_offload": True, **parallel}, global_batch=64), CLUSTER)
+    off = step_time(job({"dp": 8}, global_batch=64), CLUSTER)
+    assert off.offload == 0 and on(zero=2).offload > 0
+    assert on(zero=3).offload > on(zero=2).offload  # parameters copied in for every pass of every micro-batch
+    slow_host = Cluster(2, 4, 80 * 10**9, host_gbps=5.0, cpu_gbps=1.0)
+    assert step_time(job({"dp": 8, "cpu_offload": True}, global_batch=64), slow_host).offload > on(zero=2).offload
 
 
 def test_search_refuses_deepspeed_jobs():

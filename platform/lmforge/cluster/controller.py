@@ -24,16 +24,17 @@ import ray
 from lmforge.checkpoint.store import CheckpointStore
 from lmforge.cluster import placement
 from lmforge.cluster.capacity import Capacity
+from lmforge.cluster.hang import behind, rank_stacks, stacks_report
 from lmforge.cluster.keepers import Keepers
 from lmforge.cluster.supervision import FailureBudget, Handoff
-from lmforge.cluster.worker import Worker
+from lmforge.cluster.worker import RankAddress, Worker
 from lmforge.data.feed import datasets_of, first_chunks, start_reader
 from lmforge.data.manifest import Manifest
 from lmforge.data.order import BatchLayout
 from lmforge.distill.cache_manifest import teacher_cache
 from lmforge.distill.served_teacher import served_scorer
 from lmforge.errors import CheckpointWritesFailing, Diverged, OutOfMemory, TrainingFailed, UserError, first_line
-from lmforge.events import Event, Failure, InOrder, JobResult, Layout, OutOfMemoryEvent, Reader, Recovered, Resized, Rollback, Start, Step
+from lmforge.events import Event, Failure, Hang, InOrder, JobResult, Layout, OutOfMemoryEvent, Reader, Recovered, Resized, Rollback, Start, Step
 from lmforge.guards.oom import with_smaller_micro_batch
 from lmforge.parallel.shape import MeshShape
 from lmforge.spec import JobSpec
@@ -69,6 +70,7 @@ class Controller:
         self._capacity: Capacity | None = None  # created by run()
         self._keepers = Keepers() if spec_dict.get("checkpoint", {}).get("in_memory") else None  # in-memory snapshots
         self._rank_nodes: list[str] = []
+        self._rank_pids: list[int] = []
         self._layout: list[dict] = []
         self._failed_layout: list[dict] = []
         self._dp = 0
@@ -347,7 +349,7 @@ class Controller:
                 self._start_standby(spec)
                 stalled = time.time() - self._progress_at if self._progress_at else 0.0
                 if step_timeout_s and stalled > step_timeout_s:
-                    raise RankHung(f"no step for {stalled:.0f}s after step {self._last_step} (fault_tolerance.step_timeout_s {step_timeout_s:g})")
+                    raise self._hung(stalled, step_timeout_s)
                 continue
             try:
                 ray.get(done[0])
@@ -358,6 +360,24 @@ class Controller:
                     raise self._dead_peer(refs, pending) or err from None
                 raise
         return ray.get(refs)
+
+    def _hung(self, stalled: float, step_timeout_s: float) -> RankHung:
+        """The hang, with every rank's stack in a report and the rank behind named."""
+        stacks = rank_stacks(self._rank_pids, self._rank_nodes)
+        slow = behind(stacks)
+        step = self._last_step
+        self.report(
+            Hang(
+                step=step,
+                behind=slow.rank if slow else None,
+                doing=slow.doing() if slow else None,
+                report=stacks_report(step, stacks, stalled),
+                report_name=f"hang-step{step}.txt",
+            )
+        )
+        self._failed_rank = slow.rank if slow else None
+        who = f"; rank {slow.rank} is behind ({slow.doing()})" if slow else ""
+        return RankHung(f"no step for {stalled:.0f}s after step {step} (fault_tolerance.step_timeout_s {step_timeout_s:g}){who}")
 
     def _dead_peer(self, refs: list, pending: list, grace_s: float = 1.0):
         """A rank that raised because a peer vanished (gloo: "Connection closed by
@@ -412,12 +432,11 @@ class Controller:
                 ]
 
     def _rendezvous(self, shape: MeshShape) -> list[dict]:
-        addresses = ray.get([w.address.remote() for w in self._workers])
-        self._rank_nodes = [node for _, _, node in addresses]
-        master_addr, master_port, _ = addresses[0]
+        addresses: list[RankAddress] = ray.get([w.address.remote() for w in self._workers])
+        self._rank_nodes, self._rank_pids = [a.node for a in addresses], [a.pid for a in addresses]
         world = len(self._workers)
-        ray.get([w.setup.remote(master_addr, master_port, rank, world) for rank, w in enumerate(self._workers)])
-        return [{"rank": r, **shape.coordinates(r), "ip": ip, "node": node[:12]} for r, (ip, _, node) in enumerate(addresses)]
+        ray.get([w.setup.remote(addresses[0].ip, addresses[0].port, rank, world) for rank, w in enumerate(self._workers)])
+        return [{"rank": r, **shape.coordinates(r), "ip": a.ip, "node": a.node[:12]} for r, a in enumerate(addresses)]
 
     def _teardown(self, reuse: bool) -> None:
         """End the attempt's workers. With `reuse`, those whose training returned (or

@@ -40,6 +40,7 @@ from lmforge.events import (
     Rollback,
     Start,
     Step,
+    WithReport,
 )
 from lmforge.lease import JobLease
 from lmforge.memory.snapshots import check_host_memory
@@ -373,8 +374,8 @@ def _handle(
         if board:
             board.scalars(event.metrics(), event.step, event.time)
         return None
-    if isinstance(event, OutOfMemoryEvent) and event.report is not None:  # a file in the run directory, and an MLflow artifact
-        path = run_dir.write_report(event.report_name or f"memory-oom-step{event.step}.txt", event.report)
+    if isinstance(event, WithReport) and event.report is not None:  # a file in the run directory, and an MLflow artifact
+        path = run_dir.write_report(event.report_name or f"{event.event}-report.txt", event.report)
         event = event.model_copy(update={"report": None, "report_path": str(path)})
         if tracker:
             tracker.log_artifact(path)

@@ -16,6 +16,7 @@ import traceback
 from datetime import timedelta
 
 import ray
+from pydantic import BaseModel
 
 from lmforge.cluster.keepers import SnapshotShipper
 from lmforge.data.manifest import Manifest
@@ -24,6 +25,14 @@ from lmforge.ray_runtime import WORKER_ENV, tune_process
 from lmforge.spec import JobSpec
 from lmforge.tracking.prometheus import RankMetrics
 from lmforge.tracking.system_metrics import start_monitor, stop_monitor
+
+
+class RankAddress(BaseModel):
+    ip: str
+    port: int  # free on its node: rank 0's is the rendezvous
+    node: str  # Ray's node id
+    pid: int  # its process (a hang's stacks are read from it)
+
 
 SETTLE_S = 2.0  # after a failure, how long a checkpoint being written may take to finish (and commit)
 
@@ -40,12 +49,12 @@ class Worker:
         tune_process(int(os.environ.get("OMP_NUM_THREADS", "1")))
         self.rank, self.world_size = rank, world_size
 
-    def address(self) -> tuple[str, int, str]:
-        """(ip, a free port, node id): rank 0's answer is the rendezvous."""
+    def address(self) -> RankAddress:
+        """Where this rank runs; rank 0's answer is the rendezvous."""
         with socket.socket() as sock:
             sock.bind(("", 0))
             port = sock.getsockname()[1]
-        return ray.util.get_node_ip_address(), port, ray.get_runtime_context().get_node_id()
+        return RankAddress(ip=ray.util.get_node_ip_address(), port=port, node=ray.get_runtime_context().get_node_id(), pid=os.getpid())
 
     def setup(self, master_addr: str, master_port: int, rank: int, world_size: int) -> None:
         import torch

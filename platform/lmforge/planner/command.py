@@ -93,6 +93,11 @@ class LayoutSearch(BaseModel):
     def best(self) -> list[Candidate]:
         return self.candidates[: self.top]
 
+    @property
+    def offloaded(self) -> bool:
+        """Nothing fits the devices: these layouts keep the model states in host memory."""
+        return self.candidates[0].spec.parallel.cpu_offload
+
     def show_assumption(self, console: Console) -> None:
         if self.assumed:
             console.print(f"cluster: {self.cluster.describe()}, assumed from the job's {self.cluster.gpus} ranks (give --cluster to change)")
@@ -100,6 +105,11 @@ class LayoutSearch(BaseModel):
     def show(self, console: Console) -> None:
         """As `lmforge plan --search` prints it: the best layouts, why, and the job's own."""
         self.show_assumption(console)
+        if self.offloaded:
+            console.print(
+                f"no layout fits {self.cluster.gpu_mem / 1e9:g} GB devices as it is; with CPU offload (parallel.cpu_offload: "
+                "parameters, gradients and optimizer state in host memory, copied in for each pass) these do:"
+            )
         console.print(search_table(self.candidates, self.cluster, self.top))
         for line in search_reasons(self.candidates, self.cluster, self.top):
             console.print(line)
@@ -116,6 +126,7 @@ class LayoutSearch(BaseModel):
             "job": self.job,
             "cluster": _cluster_dict(self.cluster),
             "layouts_that_fit": len(self.candidates),
+            "cpu_offload": self.offloaded,
             "best": [c.as_dict() for c in self.best],
             "job_layout": self.job_layout,
             "chart": self.chart,
@@ -166,7 +177,7 @@ def layout_search(spec: JobSpec, cluster: Optional[str] = None, top: int = 5, ch
     if not candidates:
         raise UserError(
             f"--cluster: no layout of {spec.name} fits {devices.describe()} "
-            f"({devices.usable / 2**30:.1f} GiB usable per device); add devices or shrink train.seq_len or the model"
+            f"({devices.usable / 2**30:.1f} GiB usable per device), CPU offload included; add devices or shrink train.seq_len or the model"
         )
     if chart:
         bars = [(f"#{i} {c.short}", c.memory) for i, c in enumerate(candidates[:top], 1)]

@@ -6,7 +6,10 @@ node), pp, dp (what is left), zero 0/2/3, activation checkpointing (none, op-lev
 selective, full) and the micro-batch; the job's global batch, sequence length,
 precision and model stay as they are. The pipeline schedule is the job's when it
 is valid for the layout, else 1F1B. A layout the job's own rules reject (heads not
-divisible by tp, fewer micro-batches than stages, ...) is not a candidate.
+divisible by tp, fewer micro-batches than stages, ...) is not a candidate. When no
+layout fits, the same layouts with CPU offload (parameters, gradients and optimizer
+state in host memory) are weighed, each needing its states to fit the node's host
+memory; NVMe offload is the deepspeed engine's, which this search does not plan.
 """
 
 from __future__ import annotations
@@ -24,7 +27,14 @@ from lmforge.spec import JobSpec
 
 CHECKPOINTING = (("none", None), ("selective", "op"), ("full", None))
 MAX_MICRO_BATCH = 16
-OVERHEAD_NAMES = {"recompute": "recompute", "bubble": "bubble", "tp_comm": "TP comm", "dp_comm": "DP comm", "pp_comm": "PP comm"}
+OVERHEAD_NAMES = {
+    "recompute": "recompute",
+    "bubble": "bubble",
+    "tp_comm": "TP comm",
+    "dp_comm": "DP comm",
+    "pp_comm": "PP comm",
+    "offload": "CPU offload",
+}
 
 
 @dataclass(frozen=True)
@@ -40,13 +50,14 @@ class Candidate:
         p = self.spec.parallel
         ac = {"none": "no AC", "full": "full AC"}.get(p.activation_checkpointing, f"selective AC ({p.ac_every})")
         schedule = f" {p.schedule}" if p.pp > 1 else ""
-        return f"tp {p.tp} pp {p.pp}{schedule} dp {p.dp}, zero {p.zero}, {ac}, micro-batch {self.spec.train.micro_batch}"
+        offload = ", CPU offload" if p.cpu_offload else ""
+        return f"tp {p.tp} pp {p.pp}{schedule} dp {p.dp}, zero {p.zero}, {ac}{offload}, micro-batch {self.spec.train.micro_batch}"
 
     @property
     def short(self) -> str:
         p = self.spec.parallel
         ac = {"none": "", "full": " AC full"}.get(p.activation_checkpointing, f" AC {p.ac_every}")
-        return f"tp{p.tp} pp{p.pp} dp{p.dp} z{p.zero}{ac} mb{self.spec.train.micro_batch}"
+        return f"tp{p.tp} pp{p.pp} dp{p.dp} z{p.zero}{ac}{' offload' if p.cpu_offload else ''} mb{self.spec.train.micro_batch}"
 
     def reason(self, cluster: Cluster) -> str:
         """What the step spends beyond compute, largest first, and the memory margin."""
@@ -55,12 +66,16 @@ class Candidate:
         if self.time.dp_hidden >= 0.005 * self.time.total:
             shown.append(f"DP comm {self.time.dp_hidden:.2f} s hidden under backward")
         memory = f"{1 - self.memory.device_total / cluster.usable:.0%} memory to spare"
+        if self.spec.parallel.cpu_offload:
+            memory += f", {self.memory.host / 2**30:.1f} GiB of host memory per rank"
         return ", ".join(shown or ["no modelled overhead"]) + f"; {memory}"
 
     def overrides(self) -> list[str]:
         """The `--set` items that give the job this layout."""
         p = self.spec.parallel
         items = [f"parallel.{k}={getattr(p, k)}" for k in ("tp", "pp", "dp", "zero", "activation_checkpointing")]
+        if p.cpu_offload:
+            items += ["parallel.cpu_offload=true", f"resources.gpus_per_worker={self.spec.resources.gpus_per_worker:g}"]
         if p.activation_checkpointing == "selective":
             items.append(f"parallel.ac_every={p.ac_every}")
         if p.pp > 1:
@@ -82,6 +97,8 @@ class Candidate:
             "schedule": p.schedule,
             "activation_checkpointing": p.activation_checkpointing,
             "ac_every": p.ac_every,
+            "cpu_offload": p.cpu_offload,
+            "host_bytes": self.memory.host,
             "micro_batch": self.spec.train.micro_batch,
             "peak_bytes": self.memory.device_total,
             "step_seconds": self.time.total,
@@ -96,13 +113,18 @@ class Candidate:
 def search(spec: JobSpec, cluster: Cluster) -> list[Candidate]:
     """Every layout that fits, fastest first (ties: less memory first), each with its
     best micro-batch: where the model finds micro-batches equally fast, the smallest
-    footprint, so the ranking shows distinct layouts rather than one layout many times."""
+    footprint, so the ranking shows distinct layouts rather than one layout many times.
+    Where none fits, those that do with CPU offload."""
     if spec.engine != "native":
         raise UserError("--search: plans layouts for engine: native (the deepspeed engine runs data parallelism only)")
+    return _ranked(spec, cluster, offload=False) or _ranked(spec, cluster, offload=True)
+
+
+def _ranked(spec: JobSpec, cluster: Cluster, offload: bool) -> list[Candidate]:
     best: dict[tuple, Candidate] = {}
-    for candidate in _layouts(spec, cluster):
+    for candidate in _layouts(spec, cluster, offload):
         memory = worst_rank(candidate)
-        if memory.device_total > cluster.usable:
+        if memory.device_total > cluster.usable or memory.host > cluster.usable_host_per_gpu:
             continue
         time = step_time(candidate, cluster)
         found = Candidate(candidate, memory, time, tokens_per_second_per_gpu(candidate, time), model_flops_utilization(candidate, time, cluster))
@@ -116,9 +138,11 @@ def _order(c: Candidate) -> tuple[float, int]:
     return c.time.total, c.memory.device_total
 
 
-def _layouts(spec: JobSpec, cluster: Cluster) -> Iterator[JobSpec]:
+def _layouts(spec: JobSpec, cluster: Cluster, offload: bool) -> Iterator[JobSpec]:
     base = spec.model_dump(mode="json", exclude_unset=True)
     base.get("resources", {}).pop("workers", None)
+    if offload:  # offloads from GPU memory: each rank holds one GPU
+        base["resources"] = base.get("resources", {}) | {"gpus_per_worker": max(1.0, spec.resources.gpus_per_worker)}
     base.pop("elastic", None)  # a plan is for one size; elastic bounds are the job's own choice
     world, train = cluster.gpus, spec.train
     for tp in _divisors(cluster.gpus_per_node):
@@ -127,19 +151,19 @@ def _layouts(spec: JobSpec, cluster: Cluster) -> Iterator[JobSpec]:
             for micro in (mb for mb in _divisors(MAX_MICRO_BATCH) if train.global_batch % (mb * dp) == 0):
                 for zero in (0, 2, 3) if dp > 1 else (0,):  # nothing to shard over one replica
                     for mode, every in CHECKPOINTING:
-                        layout = _valid(base, _parallel(spec, tp, pp, dp, zero, mode, every), micro)
+                        layout = _valid(base, _parallel(spec, tp, pp, dp, zero, mode, every, offload), micro)
                         if layout is not None:
                             yield layout
 
 
-def _parallel(spec: JobSpec, tp: int, pp: int, dp: int, zero: int, mode: str, every) -> dict:
+def _parallel(spec: JobSpec, tp: int, pp: int, dp: int, zero: int, mode: str, every, offload: bool) -> dict:
     parallel = {
         "tp": tp,
         "pp": pp,
         "dp": dp,
         "zero": zero,
         "dp_replicate": 1,
-        "cpu_offload": False,
+        "cpu_offload": offload,
         "sequence_parallel": tp > 1,
         "activation_checkpointing": mode,
         "compile": spec.parallel.compile,

@@ -23,6 +23,12 @@ step, m micro-batches of b x s tokens, t/p/d the tp/pp/dp sizes:
   the backward's compute, 2/3 of the step's, is exposed.
 - pipeline point-to-point: each stage boundary sends the b x s x dim activation
   forward and its gradient back per micro-batch, between nodes when a stage spans one.
+- CPU offload (FSDP2's, `parallel.cpu_offload`): the rank's fp32 parameter shard
+  copied to the device for each forward and backward of each micro-batch with zero
+  3 (once a step otherwise) and its fp32 gradient shard back, over `host_gbps`;
+  then the optimizer step on the CPU streams the shard's parameter, gradient and two
+  moments in and writes three back (28 bytes a parameter) at `cpu_gbps`. Counted as
+  not overlapped: an upper bound.
 """
 
 from __future__ import annotations
@@ -35,7 +41,8 @@ if TYPE_CHECKING:
     from lmforge.spec import JobSpec
 
 OP_RECOMPUTE = 0.02
-COSTS = ("compute", "recompute", "bubble", "tp_comm", "dp_comm", "pp_comm")
+COSTS = ("compute", "recompute", "bubble", "tp_comm", "dp_comm", "pp_comm", "offload")
+CPU_ADAM_BYTES = 28  # per parameter: p, g, m, v read; p, m, v written
 
 
 @dataclass(frozen=True)
@@ -48,6 +55,7 @@ class StepTime:
     tp_comm: float
     dp_comm: float  # exposed only
     pp_comm: float
+    offload: float = 0.0
     dp_hidden: float = 0.0  # DP traffic that overlaps the backward (not in the total)
 
     @property
@@ -90,7 +98,13 @@ def step_time(spec: JobSpec, cluster: Cluster) -> StepTime:
 
     pp_bytes = 2 * m * activation / (p.tp if p.sequence_parallel else 1) if p.pp > 1 else 0.0
     pp_comm = pp_bytes / _bandwidth(cluster, stage_ranks >= cluster.gpus_per_node)
-    return StepTime(compute, recompute, bubble, tp_comm, dp_exposed, pp_comm, dp_hidden=dp_comm - dp_exposed)
+    offload = _offload_seconds(p.zero, m, params / p.dp, cluster) if p.cpu_offload else 0.0
+    return StepTime(compute, recompute, bubble, tp_comm, dp_exposed, pp_comm, offload, dp_hidden=dp_comm - dp_exposed)
+
+
+def _offload_seconds(zero: int, microbatches: int, shard: float, cluster: Cluster) -> float:
+    copies = 4 * shard * (2 * microbatches if zero == 3 else 1) + 4 * shard  # fp32 parameters in, gradients out
+    return copies / (cluster.host_gbps * 1e9) + CPU_ADAM_BYTES * shard / (cluster.cpu_gbps * 1e9)
 
 
 def tokens_per_second_per_gpu(spec: JobSpec, time: StepTime) -> float:
