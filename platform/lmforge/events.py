@@ -50,7 +50,7 @@ class Step(Event):
     # What MLflow charts for each step (metrics.jsonl keeps the counters beside them).
     METRICS: ClassVar[tuple[str, ...]] = (
         "loss", "ce_loss", "kd_loss", "hidden_loss", "on_policy", "lr", "grad_norm", "tokens_per_s", "mfu", "bubble", "bubble_theory",
-        "step_time", "data_wait",
+        "step_time", "data_wait", "loss_scale",
     )  # fmt: skip
     event: Literal["step"] = "step"
     step: int
@@ -71,6 +71,7 @@ class Step(Event):
     kd_loss: Optional[float] = None
     hidden_loss: Optional[float] = None
     on_policy: Optional[int] = None  # the step learnt the student's own continuations
+    loss_scale: Optional[float] = None  # fp16: the scale the step's loss was multiplied by
 
     def metrics(self) -> dict[str, float]:
         return step_metrics(self.as_dict())
@@ -297,6 +298,24 @@ class Nonfinite(Event):
         return {"nonfinite_in_a_row": self.in_a_row}
 
 
+class Overflow(Event):
+    """fp16: the step's gradients overflowed at its loss scale; its update was skipped
+    and the scale halved (not a divergence: the loss was finite)."""
+
+    event: Literal["overflow"] = "overflow"
+    step: int
+    loss: float
+    loss_scale: float  # the scale the step used
+    next_scale: Optional[float] = None  # what the next step uses
+
+    def line(self) -> str:
+        after = f"; the scale is now {self.next_scale:g}" if self.next_scale is not None else ""
+        return f"step {self.step}: gradients overflowed at loss scale {self.loss_scale:g}, update skipped{after}"
+
+    def metrics(self) -> dict[str, float]:
+        return {"overflows": 1.0}
+
+
 class LossSpike(Event):
     event: Literal["loss_spike"] = "loss_spike"
     step: int
@@ -415,6 +434,7 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     Failure,
     Recovered,
     Nonfinite,
+    Overflow,
     LossSpike,
     Rollback,
     OutOfMemoryEvent,

@@ -128,7 +128,9 @@ class TrainSpec(Section):
     seq_len: int = Field(128, description="tokens per sample fed to the model")
     max_steps: int = Field(100, gt=0)
     seed: int = Field(0, ge=0, le=2**63 - 1, description="decides the initial weights and the data order")
-    precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="fp16: deepspeed engine only (with loss scaling)")
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="bf16 or fp16 compute (fp16 with dynamic loss scaling), fp32 master weights"
+    )
 
     @field_validator("seq_len")
     @classmethod

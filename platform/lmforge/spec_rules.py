@@ -28,8 +28,6 @@ def check_engine(spec: "JobSpec") -> None:
     if spec.engine == "native":
         if spec.deepspeed is not None:
             raise ValueError("deepspeed: set engine: deepspeed to use a DeepSpeed config")
-        if spec.train.precision == "fp16":
-            raise ValueError("train.precision: fp16 needs engine: deepspeed (the native engine trains in fp32 or bf16)")
         return
     if spec.deepspeed is None:
         raise ValueError("deepspeed: engine: deepspeed needs a deepspeed.config (a mapping or a JSON file)")

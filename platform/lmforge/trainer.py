@@ -231,6 +231,8 @@ class Trainer:
             optional["sample_ids"] = self._global_ids(fed.ids)
         if stats.bubble is not None:
             optional.update(bubble=stats.bubble, bubble_theory=stats.bubble_theory)
+        if stats.loss_scale is not None:
+            optional["loss_scale"] = stats.loss_scale
         row = Step(
             step=step,
             loss=stats.loss,

@@ -59,16 +59,23 @@ def check_state_bytes(result: dict) -> None:
             } == measured, (rank, spec.parallel)
 
 
-def losses(tmp_path, nproc, *overrides, extra=(), describe=False):
+def result(tmp_path, nproc, *overrides, extra=()) -> dict:
+    """One run in a torchrun launch of its own: what the worker wrote (losses, loss
+    scales, held-out losses, the engine as its library reports it, ...)."""
     key = hashlib.sha1(repr((overrides, tuple(extra))).encode()).hexdigest()[:12]
     out = tmp_path / f"{nproc}-{key}.json"
     cmd = [*_torchrun(nproc), "--out", str(out)]
     for item in overrides:
         cmd += ["--set", item]
     _launch(cmd + list(extra), timeout_s=180)
-    result = json.loads(out.read_text())
-    check_state_bytes(result)
-    return (result["losses"], result["engine"]) if describe else result["losses"]
+    ran = json.loads(out.read_text())
+    check_state_bytes(ran)
+    return ran
+
+
+def losses(tmp_path, nproc, *overrides, extra=(), describe=False):
+    ran = result(tmp_path, nproc, *overrides, extra=extra)
+    return (ran["losses"], ran["engine"]) if describe else ran["losses"]
 
 
 def run_cases(tmp_path, nproc, cases: dict[str, dict], tag: str = "", idle: bool = False) -> dict[str, dict]:

@@ -31,6 +31,7 @@ from lmforge.cli import main as cli_main
 from lmforge.distill.loss import DistillInputs
 from lmforge.distill.on_policy import OnPolicy
 from lmforge.engines import create_engine
+from lmforge.guards.inject import FaultInjector
 from lmforge.parallel.mesh import build_mesh
 from lmforge.parallel.shape import MeshShape
 from lmforge.ray_runtime import tune_process
@@ -204,6 +205,7 @@ def run_case(args: argparse.Namespace, device: torch.device) -> None:
     p = spec.parallel
     dims = build_mesh(device.type, MeshShape.for_spec(p))
     engine = create_engine(spec, dims, device, job_loss(spec))
+    inject = FaultInjector(spec, engine, dist.get_rank())  # the job's `debug` faults, as a trainer's
     start = args.skip_steps
     if args.load:
         store = CheckpointStore(args.load)
@@ -211,7 +213,7 @@ def run_case(args: argparse.Namespace, device: torch.device) -> None:
         load_checkpoint(store, ckpt, engine)
         start = ckpt.step
     gen = torch.Generator().manual_seed(0)
-    losses, terms, states, evals, against_teacher = [], [], {}, {}, {}
+    losses, terms, states, evals, against_teacher, loss_scales = [], [], {}, {}, {}, []
     share = lambda batch: batch.view(dp, -1, 17)[dims.dp_rank].reshape(spec.grad_accum, spec.train.micro_batch, 17)
 
     # On-policy steps: the row's sample id is its place in the global batch, counted over the steps.
@@ -253,6 +255,7 @@ def run_case(args: argparse.Namespace, device: torch.device) -> None:
         if step < start:
             continue  # the batch was drawn so the generator stays in step
         global_batch = (start_tok + stride * torch.arange(17)) % 256
+        inject.before_step(step + 1)
         stats = engine.train_step(
             share(global_batch),
             before_update=lambda: states.update(measured=state_bytes(engine)),
@@ -261,6 +264,7 @@ def run_case(args: argparse.Namespace, device: torch.device) -> None:
         )
         losses.append(stats.loss)
         terms.append(stats.terms)
+        loss_scales.append(stats.loss_scale)
         evaluate(step + 1)
         if args.save and step + 1 == args.save_at:
             writer = CheckpointWriter(
@@ -281,6 +285,7 @@ def run_case(args: argparse.Namespace, device: torch.device) -> None:
                 {
                     "losses": losses,
                     "terms": terms,
+                    "loss_scales": loss_scales,
                     "eval": evals,
                     "against_teacher": against_teacher,
                     "engine": describe(engine),

@@ -4,7 +4,8 @@ Each case is a real torchrun run with gloo process groups (no Ray: parity is abo
 the engine); the cases of one world size share a launch (`CASES`), since starting
 torch in every rank costs more than a tiny run. fp32 must match one process within
 1e-5 relative for data parallelism, 1e-4 with tensor parallelism (its partial sums
-add in another order); bf16 (FSDP2 mixed precision, fp32 reduction) within 2e-2.
+add in another order); bf16 (FSDP2 mixed precision, fp32 reduction) within 2e-2;
+fp16 (the same, with its loss scale) within 1e-2 of one fp16 process.
 """
 
 import sys
@@ -26,6 +27,7 @@ def dcp_keys(step_dir) -> set[str]:
 
 
 PP2 = ["parallel.pp=2"]
+FP16 = ["train.precision=fp16", "debug.overflow_at_steps=[3]"]
 SCHEDULES = {
     "gpipe": ["parallel.schedule=gpipe"],
     "1f1b": ["parallel.schedule=1f1b"],
@@ -73,6 +75,9 @@ CASES = {
     "compile-fsdp-dp2": (2, ["parallel.compile=true"], {}),
     "compile-3d-ac": (8, ["parallel.compile=true", *THREE_D, "parallel.activation_checkpointing=full"], {}),
     **{f"bf16-{name}": (2, ["train.precision=bf16", *layout], {}) for name, layout in (("dp2", []), ("tp2", ["parallel.tp=2"]), ("pp2", PP2))},
+    # fp16 with its loss scale, the gradients of step 3 made to overflow: skipped and the scale halved alike everywhere.
+    "fp16-one": (1, FP16, {}),
+    **{f"fp16-{name}": (2, [*FP16, *layout], {}) for name, layout in (("dp2", []), ("tp2", ["parallel.tp=2"]), ("pp2", PP2))},
     **{
         f"pp2-{s}-{ac}": (2, [*PP2, *items, f"parallel.activation_checkpointing={ac}"], {})
         for s, items in SCHEDULES.items()
@@ -157,6 +162,7 @@ CASES = {
 }
 ONE_PROCESS = (
     "reference",
+    "fp16-one",
     "distill-one",
     "distill-cache-one",
     "sft-one",
@@ -178,6 +184,7 @@ def one_process(case: str) -> str:
     """The single-process run a case is compared with."""
     case = case.removeprefix("bf16-") if case == "bf16-qlora-dp2" else case  # bf16's tolerance, against fp32's one process
     for prefix in (
+        "fp16",
         "on-policy-masked",
         "on-policy",
         "sft-kd",
@@ -248,6 +255,17 @@ def test_bf16_is_close_to_fp32(reference, run, layout):
     got = losses(run, f"bf16-{layout}")
     assert got == pytest.approx(reference, rel=2e-2)
     assert got != pytest.approx(reference, rel=1e-7), "bf16 produced fp32 numbers: mixed precision is not applied"
+
+
+@pytest.mark.parametrize("layout", ["dp2", "tp2", "pp2"])
+def test_fp16_loss_scaling_skips_alike_on_every_layout(reference, run, layout):
+    """Step 3's gradients overflow (injected): every rank of every layout skips it and
+    halves the scale, and the layouts train as one fp16 process does; fp16 itself
+    is close to fp32 before the skip (and not fp32's numbers)."""
+    one, got = run("fp16-one"), run(f"fp16-{layout}")
+    assert one["loss_scales"] == got["loss_scales"] == [2.0**16] * 3 + [2.0**15] * 3
+    assert got["losses"] == pytest.approx(one["losses"], rel=1e-2)
+    assert one["losses"][:3] == pytest.approx(reference[:3], rel=2e-2) and one["losses"][:3] != pytest.approx(reference[:3], rel=1e-7)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -374,7 +392,7 @@ def test_held_out_loss_matches_one_process(run, case):
     loading and at the end: one number for every fp32 layout within 1e-5 (measured:
     1e-7 at most, TP and 3D included); bf16 within its training tolerance."""
     want, got = run(one_process(case))["eval"], run(case)["eval"]
-    tolerance = 2e-2 if case.startswith("bf16") else 1e-5
+    tolerance = 2e-2 if case.startswith(("bf16", "fp16")) else 1e-5
     assert set(got) <= set(want) and len(got) >= 2, (case, got)
     for step, loss in got.items():
         assert loss == pytest.approx(want[step], rel=tolerance), (case, step)

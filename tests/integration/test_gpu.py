@@ -1,6 +1,6 @@
 """Paths that need a GPU: FSDP2 CPU offload (pinned host memory needs an
-accelerator; on CPU torch refuses), DeepSpeed fp16 with loss scaling (refused on
-CPUs without AVX512-FP16), the pre-flight check against a GPU's own memory and the
+accelerator; on CPU torch refuses), fp16 with loss scaling on both engines (DeepSpeed's
+is refused on CPUs without AVX512-FP16; the native one's runs on CPU too: test_engine_parity), the pre-flight check against a GPU's own memory and the
 allocator's summary in an out-of-memory report. Skipped, with that reason, where no GPU is visible;
 run on a GPU machine with `pytest tests/integration/test_gpu.py`."""
 
@@ -8,7 +8,7 @@ import re
 
 import pytest
 import torch
-from parity import losses
+from parity import losses, result
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 GPU = ["--device", "cuda"]
@@ -30,19 +30,17 @@ def test_fsdp2_cpu_offload_matches_one_gpu(reference, tmp_path, zero):
     assert engine["state_devices"] == ["cpu"], engine
 
 
-def test_deepspeed_fp16_with_loss_scaling_is_close_to_fp32(reference, tmp_path):
-    got = losses(
-        tmp_path,
-        1,
-        ON_GPU,
-        "engine=deepspeed",
-        "deepspeed.config.zero_optimization.stage=2",
-        "train.precision=fp16",
-        "deepspeed.config.fp16.initial_scale_power=8",
-        extra=GPU,
-    )
-    assert got == pytest.approx(reference, rel=2e-2)
-    assert got != pytest.approx(reference, rel=1e-7), "fp16 produced fp32 numbers"
+@pytest.mark.parametrize("engine", ["deepspeed", "native"])
+def test_fp16_with_loss_scaling_is_close_to_fp32_and_its_scaler_acts(reference, tmp_path, engine):
+    """Step 3's gradients overflow (injected): the scaler skips it and halves its scale,
+    whichever engine scales; the steps before are close to fp32's."""
+    on_engine = ["engine=deepspeed", "deepspeed.config.zero_optimization.stage=2", "deepspeed.config.fp16.initial_scale_power=8"]
+    on_engine.append("deepspeed.config.fp16.hysteresis=1")  # halve at the first overflow, as the native scale does
+    ran = result(tmp_path, 1, ON_GPU, "train.precision=fp16", "debug.overflow_at_steps=[3]", *(on_engine if engine == "deepspeed" else []), extra=GPU)
+    scales = ran["loss_scales"]
+    assert scales[3] == scales[2] / 2 and scales[0] == scales[2], scales
+    assert ran["losses"][:3] == pytest.approx(reference[:3], rel=2e-2)
+    assert ran["losses"][:3] != pytest.approx(reference[:3], rel=1e-7), "fp16 produced fp32 numbers"
 
 
 def test_deepspeed_zero3_param_offload_matches_one_gpu(reference, tmp_path):

@@ -26,6 +26,9 @@ class StepStats:
     bubble_theory: Optional[float] = None  # pipelines: the schedule's (p-1)/(v*m+p-1)
     finite: bool = True  # loss and gradient norm both finite
     update_skipped: bool = False  # the engine left the weights as they were (non-finite)
+    overflow: bool = False  # fp16: the gradients overflowed at the loss scale (skipped, the scale halved), the loss finite
+    loss_scale: Optional[float] = None  # fp16: the scale this step's loss was multiplied by
+    next_loss_scale: Optional[float] = None  # fp16: the scale the next step uses
     terms: dict = field(default_factory=dict)  # the loss's named terms (a distillation's ce_loss, kd_loss, hidden_loss), each over the global batch
 
 

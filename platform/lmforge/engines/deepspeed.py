@@ -81,6 +81,7 @@ class DeepSpeedEngine(Engine):
         lr = self.engine.get_lr()[0]
         if self.loss.rewrites(loss_inputs):  # e.g. the student's continuations replace the data's
             micro_batches, loss_mask = self.loss.rewrite(self.engine, micro_batches, loss_mask, loss_inputs)
+        scale, skipped = self._loss_scale(), self.engine.skipped_steps
         loss, terms = self._accumulate(micro_batches, *self._labels(micro_batches, loss_mask), loss_inputs)
         if self.dims.shape.dp > 1:
             reduced = torch.stack([loss, *terms.values()])  # one collective for the loss and its terms
@@ -88,10 +89,28 @@ class DeepSpeedEngine(Engine):
             loss, terms = reduced[0], dict(zip(terms, reduced[1:]))
         norm = self.engine.get_global_grad_norm()
         grad_norm = float(norm) if norm is not None else float("nan")
-        # DeepSpeed has already stepped (fp16's loss scaler skips overflowing steps itself);
-        # a non-finite step still counts towards the guard's rollback.
-        finite = math.isfinite(loss.item()) and (norm is None or math.isfinite(grad_norm))
-        return StepStats(loss=loss.item(), grad_norm=grad_norm, lr=lr, finite=finite, terms={k: v.item() for k, v in terms.items()})
+        # DeepSpeed has already stepped: fp16's loss scaler skipped an overflowing step
+        # itself (no divergence while the loss is finite); any other non-finite step
+        # counts towards the guard's rollback.
+        overflow = self.engine.skipped_steps > skipped and math.isfinite(loss.item())
+        finite = math.isfinite(loss.item()) and not overflow and (norm is None or math.isfinite(grad_norm))
+        return StepStats(
+            loss=loss.item(),
+            grad_norm=grad_norm,
+            lr=lr,
+            finite=finite,
+            update_skipped=overflow,
+            overflow=overflow,
+            loss_scale=scale,
+            next_loss_scale=self._loss_scale(),
+            terms={k: v.item() for k, v in terms.items()},
+        )
+
+    def _loss_scale(self) -> Optional[float]:
+        """fp16: the scale DeepSpeed's optimizer multiplies the loss by now."""
+        if self.spec.train.precision != "fp16":
+            return None
+        return float(getattr(self.engine.optimizer, "loss_scale", 0.0)) or None
 
     def _labels(self, micro_batches: torch.Tensor, loss_mask) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(next tokens, IGNORE_INDEX where the loss mask is 0; N / dp for a masked batch)."""

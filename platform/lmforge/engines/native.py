@@ -28,6 +28,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from lmforge.engines.base import Engine, StepStats, warmup_cosine
 from lmforge.engines.loss import Loss, LossInputs, Placement, cross_entropy
 from lmforge.engines.loss_mask import learnt_per_rank, next_token_labels
+from lmforge.engines.loss_scale import LossScale
 from lmforge.models import Transformer, materialize
 from lmforge.models.lora import apply_lora, is_nf4
 from lmforge.parallel.checkpointing import apply_activation_checkpointing
@@ -95,6 +96,7 @@ class NativeEngine(Engine):
         factor = warmup_cosine(opt.warmup_steps, spec.decay_steps, opt.min_lr_ratio)
         self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, factor) for o in self.optimizers]
         self.grad_clip = opt.grad_clip
+        self.scale = LossScale() if spec.train.precision == "fp16" else None
         if self.pipelined:
             self._build_pipeline()
 
@@ -136,7 +138,8 @@ class NativeEngine(Engine):
 
     def _timed_loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         with self.compute.span():  # the schedule computes the loss outside the stage's chunk
-            return self.loss.stage_loss(logits, target)
+            loss = self.loss.stage_loss(logits, target)
+            return self.scale.scaled(loss) if self.scale else loss  # what the schedule's backward starts from
 
     def _labels(self, micro_batches: torch.Tensor, loss_mask) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(next tokens, IGNORE_INDEX where the loss mask is 0; N / dp for a masked batch,
@@ -168,6 +171,9 @@ class NativeEngine(Engine):
         else:
             (loss, terms), bubble = self._accumulate(micro_batches, labels, learnt, loss_inputs), None
         lr = self.schedulers[0].get_last_lr()[0]
+        scale = self.scale.scale if self.scale else None
+        if self.scale:
+            self.scale.unscale([p.grad for part in self.parts for p in part.parameters() if p.grad is not None])
         if terms:  # reduced with the loss: one collective
             reduced = torch.stack([loss, *terms.values()])
             if self.dims.shape.dp > 1:
@@ -178,6 +184,8 @@ class NativeEngine(Engine):
         grad_norm = self._clip_gradients()
         # Loss and norm are reduced over every rank, so all ranks decide alike.
         finite = bool(torch.isfinite(loss) and torch.isfinite(grad_norm))
+        # fp16: gradients that overflowed while the loss did not are the scale's to handle.
+        overflow = bool(self.scale and torch.isfinite(loss) and self.scale.update(grad_norm.item()))
         if finite:
             before_update()
         for optimizer, scheduler in zip(self.optimizers, self.schedulers):
@@ -185,7 +193,17 @@ class NativeEngine(Engine):
                 optimizer.step()
                 scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-        stats = StepStats(loss=loss.item(), grad_norm=grad_norm.item(), lr=lr, finite=finite, update_skipped=not finite, terms=terms)
+        stats = StepStats(
+            loss=loss.item(),
+            grad_norm=grad_norm.item(),
+            lr=lr,
+            finite=finite,
+            update_skipped=not finite,
+            overflow=overflow,
+            loss_scale=scale,
+            terms=terms,
+            next_loss_scale=self.scale.scale if self.scale else None,
+        )
         if bubble is not None:
             stats.bubble, stats.bubble_theory = bubble, self.bubble_theory
         return stats
@@ -200,7 +218,7 @@ class NativeEngine(Engine):
                 model.set_requires_gradient_sync(i == accum - 1)
             with self._loss_context():
                 loss, terms = self.loss(model, batch[:, :-1], labels[i], i, learnt, accum, loss_inputs)
-                loss.backward()
+                (self.scale.scaled(loss) if self.scale else loss).backward()
             loss_sum += _local(loss.detach())
             for name, value in terms.items():
                 term_sums[name] = term_sums.get(name, 0) + value.detach()
@@ -235,7 +253,10 @@ class NativeEngine(Engine):
         return self.loss.stage_target(labels.flatten(0, 1))
 
     def _last_stage_mean(self, losses: list[torch.Tensor]) -> torch.Tensor:
-        return torch.stack([_local(loss.detach()) for loss in losses]).mean() if self.has_last else torch.zeros((), device=self.device)
+        if not self.has_last:
+            return torch.zeros((), device=self.device)
+        mean = torch.stack([_local(loss.detach()) for loss in losses]).mean()
+        return mean / self.scale.scale if self.scale else mean  # the schedule kept the scaled losses
 
     @torch.no_grad()
     def eval_loss(self, micro_batches: torch.Tensor, loss_mask: Optional[torch.Tensor] = None) -> float:
@@ -313,7 +334,8 @@ class NativeEngine(Engine):
             model.update({name: value for name, value in get_model_state_dict(part).items() if not is_nf4(value)})
             # Hyper-parameters come from the job, not the checkpoint: only tensors are saved.
             optim.update({k: v for k, v in get_optimizer_state_dict(part, optimizer, options=STATE_OPTIONS).items() if isinstance(v, torch.Tensor)})
-        return {"model": model, "optim": optim}, {"scheduler": self.schedulers[0].state_dict()}
+        plain = {"scheduler": self.schedulers[0].state_dict()} | ({"loss_scale": self.scale.state_dict()} if self.scale else {})
+        return {"model": model, "optim": optim}, plain
 
     def load_state_dict(self, tensors: dict, plain: dict) -> None:
         for part, optimizer, scheduler in zip(self.parts, self.optimizers, self.schedulers):
@@ -325,3 +347,5 @@ class NativeEngine(Engine):
             scheduler.load_state_dict(plain["scheduler"])
             for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
                 group["lr"] = lr
+        if self.scale and "loss_scale" in plain:  # a checkpoint of an fp16 run: its scale goes on
+            self.scale.load_state_dict(plain["loss_scale"])

@@ -35,6 +35,9 @@ class DebugSpec(Section):
 
     nan_at_steps: list[int] = Field([], description="make these steps' loss NaN")
     spike_at_steps: list[int] = Field([], description="make these steps' loss spike (the logits scaled up)")
+    overflow_at_steps: list[int] = Field(
+        [], description="make these steps' gradients overflow (infinite), their loss finite: with fp16 the loss scale skips them"
+    )
     oom_at_step: Optional[int] = Field(None, gt=0, description="raise torch.OutOfMemoryError on rank 0 at this step ...")
     oom_above_micro_batch: int = Field(0, ge=0, description="... while train.micro_batch is larger than this")
     leak_per_step: bool = Field(False, description="keep one small tensor alive per step (a leak for guards.leak_check to find)")

@@ -16,7 +16,7 @@ from collections import deque
 
 from lmforge.engines.base import StepStats
 from lmforge.errors import Diverged
-from lmforge.events import Event, LossSpike, Nonfinite
+from lmforge.events import Event, LossSpike, Nonfinite, Overflow
 from lmforge.guards.config import GuardSpec
 
 MIN_HISTORY = 5  # losses needed before a spike can be judged at all
@@ -30,6 +30,8 @@ class DivergenceGuard:
 
     def observe(self, step: int, stats: StepStats) -> list[Event]:
         """Events for this step; raises Diverged at the limit."""
+        if stats.overflow:  # fp16's loss scale skipped the step: no divergence, and no history
+            return [Overflow(step=step, loss=stats.loss, loss_scale=stats.loss_scale or 0.0, next_scale=stats.next_loss_scale)]
         if not stats.finite:
             self.in_a_row.append(step)
             event = Nonfinite(

@@ -133,6 +133,6 @@ def _gathered(spec: JobSpec, states: StateBytes, blocks: int) -> int:
     shape = MeshShape.for_spec(p)
     if not needs_wrapping(shape, spec.train.precision, p.cpu_offload) or shape.dp_shard == 1:
         return 0
-    unit_grads = states.largest_unit * (2 if spec.train.precision == "bf16" else 1)  # one block's fp32 gradients
+    unit_grads = states.largest_unit * (2 if spec.train.precision in ("bf16", "fp16") else 1)  # one block's fp32 gradients
     held = 2 if p.zero == 3 else blocks
     return held * states.largest_unit + unit_grads

@@ -153,7 +153,7 @@ def native_states(spec: JobSpec, rank: int, teachers: tuple[ModelConfig, ...] = 
         )
         * FP32
     )
-    state = StateBytes(weights, grads, optimizer, largest_unit=unit * (2 if spec.train.precision == "bf16" else FP32), teacher=frozen)
+    state = StateBytes(weights, grads, optimizer, largest_unit=unit * (2 if spec.train.precision in ("bf16", "fp16") else FP32), teacher=frozen)
     if p.cpu_offload:
         return StateBytes(0, 0, 0, host=state.total, largest_unit=state.largest_unit)
     return state

@@ -21,7 +21,9 @@ def apply_fsdp(
 ) -> nn.Module:
     """`units`: submodules beside the blocks that are FSDP units of their own (called
     outside the model's forward, as distillation's adapters are)."""
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "bf16" else MixedPrecisionPolicy()
+    # Compute in bf16 or fp16, reduce gradients in fp32 into fp32 shards (fp16's loss scale: engines/loss_scale.py).
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    mp = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32) if half else MixedPrecisionPolicy()
     options = {
         "mesh": dims.dp_mesh,
         # ZeRO-2 keeps parameters gathered between forward and backward; ZeRO-3 frees them.
@@ -54,6 +56,6 @@ def gathered_across_forwards(model: nn.Module, zero: int):
 
 
 def needs_wrapping(shape: MeshShape, precision: str, cpu_offload: bool) -> bool:
-    """One fp32 data-parallel rank needs no FSDP at all (with or without TP); bf16
-    still uses FSDP2's mixed precision, and CPU offload its offload policy."""
+    """One fp32 data-parallel rank needs no FSDP at all (with or without TP); bf16 and
+    fp16 still use FSDP2's mixed precision, and CPU offload its offload policy."""
     return shape.dp > 1 or precision != "fp32" or cpu_offload
