@@ -206,12 +206,14 @@ def test_running_job_exports_metrics_and_stops(head, tiny_dataset, tmp_path):
     job's evaluation and checkpoint gauges are on the node's metrics endpoint; a second
     submission of the same job is refused; `lmforge stop` ends it. It saves by the clock
     alone (every 1.2 s; its step interval is never reached): both ranks at one step, or
-    no checkpoint would commit."""
+    no checkpoint would commit. It trains in fp16, step 3's gradients made to overflow:
+    the loss scale skips that step and halves, and the job goes on."""
     job_file = tmp_path / "long.yaml"
     job_file.write_text((REPO / "jobs" / "quickstart.yaml").read_text().replace("name: quickstart", "name: long-run"))
     args = ["--address", head.address, "--token", head.token]
     by_the_clock = ["checkpoint.interval=1000000", "checkpoint.every_minutes=0.02", "checkpoint.keep=100"]
-    overrides = [f"--set={item}" for item in [*tiny(tiny_dataset, tmp_path / "out", steps=100_000), *by_the_clock]]
+    fp16 = ["train.precision=fp16", "debug.overflow_at_steps=[3]"]
+    overrides = [f"--set={item}" for item in [*tiny(tiny_dataset, tmp_path / "out", steps=100_000), *by_the_clock, *fp16]]
     submitted = run_cli("submit", str(job_file), *overrides, *args, cwd=REPO)
     assert submitted.returncode == 0, submitted.stderr
     job_id = submitted.stdout.strip()
@@ -233,6 +235,12 @@ def test_running_job_exports_metrics_and_stops(head, tiny_dataset, tmp_path):
             found = {name: lines for name, lines in found.items() if lines}
         assert wanted <= set(found), f"missing {wanted - set(found)}; the job's log:\n" + run_cli("logs", job_id, *args, cwd=REPO).stdout[-3000:]
         assert {"0", "1"} <= {dict(re.findall(r'(\w+)="([^"]*)"', line)).get("rank") for line in found["ray_lmforge_step"]}
+        rows = [json.loads(line) for line in (tmp_path / "out" / "long-run" / "metrics.jsonl").read_text().splitlines()]
+        steps = {row["step"]: row for row in rows if "event" not in row}
+        (overflow,) = [row for row in rows if row.get("event") == "overflow"]
+        assert (overflow["step"], overflow["loss_scale"], overflow["next_scale"]) == (3, 2.0**16, 2.0**15) and 3 not in steps
+        assert steps[2]["loss_scale"] == 2.0**16 and steps[4]["loss_scale"] == 2.0**15
+        assert not [row for row in rows if row.get("event") in ("nonfinite", "failure")]
         saved = CheckpointStore(str(tmp_path / "out" / "long-run" / "checkpoints")).committed()
         assert saved, "no checkpoint by the clock"  # the step interval is never reached: the checkpoint gauge's saves were the clock's
         again = run_cli("submit", str(job_file), *overrides, *args, cwd=REPO)
