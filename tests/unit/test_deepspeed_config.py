@@ -123,8 +123,9 @@ def test_engine_and_section_must_agree():
         spec_from_dict({"name": "t", "data": {"path": "d"}, "engine": "deepspeed"})
     with pytest.raises(UserError, match="deepspeed: set engine: deepspeed"):
         spec_from_dict({"name": "t", "data": {"path": "d"}, "deepspeed": {"config": {}}})
-    with pytest.raises(UserError, match="train.precision: fp16 needs engine: deepspeed"):
-        spec_from_dict({"name": "t", "data": {"path": "d"}, "train": {"precision": "fp16"}})
+    assert (
+        spec_from_dict({"name": "t", "data": {"path": "d"}, "train": {"precision": "fp16"}}).train.precision == "fp16"
+    )  # native: its own loss scale
 
 
 def test_config_file_errors_name_the_file(tmp_path):

@@ -50,6 +50,8 @@ EVENTS = {
     "loss_spike": {"step": 3, "loss": 9.0, "zscore": 6.0, "window_mean": 2.0},
     "out_of_memory": {"step": 3, "rank": 0, "micro_batch": 4, "report_path": MARKUP, "retry_micro_batch": 2},
     "leak": {"step": 3, "tensors": 10, "kind": MARKUP, "per_step": 1, "bytes_per_step": 100},
+    "hang": {"step": 3, "behind": 1, "doing": MARKUP, "report_path": MARKUP},
+    "overflow": {"step": 3, "loss": 4.0, "loss_scale": 65536.0, "next_scale": 32768.0},
 }
 
 
