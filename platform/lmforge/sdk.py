@@ -38,10 +38,11 @@ from lmforge.inference.onnx_runtime import OnnxGenerator, export_onnx, is_onnx_m
 from lmforge.inference.sampling import SamplingParams
 from lmforge.jobs import JobHandle, job, jobs, runs, submit
 from lmforge.planner.command import LayoutSearch, MemoryPlan, layout_search, memory_plan
+from lmforge.planner.serving import ServingPlan, serving_plan
 from lmforge.preflight import check_cache_build, check_teachers, preflight
 from lmforge.quantization.command import QuantizeOptions, quantize_model
 from lmforge.ray_runtime import embedded_resources, joined
-from lmforge.serve.app import check_cpus, check_model, check_port, serve_model
+from lmforge.serve.app import check_cpus, check_model, check_port, serve_model, sized_slots
 from lmforge.serve.options import Deployment, ServerOptions
 from lmforge.spec import JobSpec, load_spec
 from lmforge.tracking.mlflow_run import MlflowRun
@@ -175,6 +176,15 @@ def plan(spec: JobSpec, cluster: Optional[str] = None, chart: Optional[Union[str
     return memory_plan(spec, cluster, chart)
 
 
+def plan_serving(
+    spec: JobSpec, sequences: int = 16, context: Optional[int] = None, dtype: str = "fp32", cluster: Optional[str] = None
+) -> ServingPlan:
+    """`lmforge plan --serve`: a serving replica of the job's model, its weights and the KV
+    cache of `sequences` decoding together over `context` positions (default: the model's),
+    and with `cluster` how many full-context sequences fit its device."""
+    return serving_plan(spec, sequences, context, dtype, cluster)
+
+
 def search_layouts(spec: JobSpec, cluster: Optional[str] = None, top: int = 5, chart: Optional[Union[str, Path]] = None) -> LayoutSearch:
     """`lmforge plan --search`: the layouts of the job's model and batch that fit `cluster`
     (default: its world size in 8 x 80 GB nodes), fastest first by the step-time model."""
@@ -282,6 +292,10 @@ def serve(
     embedded = embedded_resources(address)  # what a cluster this call starts would have
     check_cpus(cpus_per_replica, embedded["CPU"] if embedded else None)
     check_model(model_as_given or options.model, options.tokenizer, options.backend, options.adapters)
+    if options.memory_per_replica:
+        asked, options.max_running = options.max_running, sized_slots(options)
+        if options.max_running < asked:
+            say(f"--memory-per-replica holds {options.max_running} full-context sequences beside the weights: --max-running {asked} lowered to that")
     serve_model(options, host, port, replicas, cpus_per_replica, address, route_prefix, app_name or options.name, say, max_replicas, grpc_port)
 
 

@@ -802,6 +802,7 @@ SERVE_REFUSALS = {
     "gRPC on the HTTP port": (["partial", "--grpc-port", "8000"], "--grpc-port: 8000 is the HTTP port too"),
     "gRPC routed by length": (["partial", "--grpc-port", "9000", "--long-prompt-tokens", "512"], "--grpc-port: gRPC calls are not routed by length"),
     "a length threshold of 0": (["partial", "--long-prompt-tokens", "0"], "--long-prompt-tokens: must be at least 1, got 0"),
+    "a replica memory that is no size": (["partial", "--memory-per-replica", "lots"], "--memory-per-replica: 'lots' is not a size"),
     "negative CPUs per replica": (["partial", "--cpus-per-replica", "-1"], "--cpus-per-replica: must be > 0, got -1.0"),
     "a stream interval of 0": (["partial", "--stream-interval", "0"], "--stream-interval: must be at least 1, got 0"),
     "an unknown backend": (["partial", "--backend", "tensorrt"], "--backend: 'tensorrt' is not one of torch, onnxruntime"),
@@ -831,6 +832,23 @@ def test_a_model_that_cannot_be_served_is_refused(case, tmp_path):
     (tmp_path / "onnx").mkdir()
     (tmp_path / "onnx" / "genai_config.json").write_text("{}")  # what marks onnxruntime-genai's model directory
     assert_clean_error(run_cli("serve", *args, cwd=tmp_path), *fragments)
+
+
+def test_serve_sizes_its_slots_by_the_replicas_memory(reference_run, tmp_path):
+    """The reference model's replica (fp32): as many full-context sequences as fit beside
+    its weights, at most --max-running; one that holds none is refused before anything starts."""
+    from lmforge.checkpoint.export import open_source
+    from lmforge.memory.serving import serving_memory
+    from lmforge.serve.app import sized_slots
+    from lmforge.serve.options import ServerOptions
+
+    step = reference_run.latest_checkpoint
+    plan = serving_memory(open_source(step, None).cfg, "fp32", 16)
+    room_for_three = int((plan.weights + 3.5 * plan.kv_per_sequence) / 0.9)
+    assert sized_slots(ServerOptions(model=step, name="m", memory_per_replica=room_for_three)) == 3
+    assert sized_slots(ServerOptions(model=step, name="m", max_running=2, memory_per_replica=room_for_three)) == 2
+    refused = run_cli("serve", step, "--memory-per-replica", str(plan.weights), cwd=tmp_path)
+    assert_clean_error(refused, "--memory-per-replica:", "cannot hold the weights", "and one sequence's KV cache over the model's")
 
 
 def test_serve_refuses_a_replica_larger_than_any_node(tmp_path, monkeypatch):

@@ -103,6 +103,26 @@ def test_search_where_only_cpu_offload_fits_and_where_nothing_does(tmp_path):
     assert_clean_error(result, "--cluster: no layout of pretrain-7b fits", "CPU offload included")
 
 
+def test_plan_of_a_serving_replica(tmp_path):
+    """The 7B's weights and KV cache (bf16, 32 sequences of 4,096 positions), and how many
+    full-context sequences an 80 GB device holds beside the weights."""
+    from lmforge.memory.serving import serving_memory
+    from lmforge.spec import load_spec
+
+    args = ["--serve", "--dtype", "bf16", "--sequences", "32", "--context", "4096", "--cluster", "nodes=1,gpus_per_node=8,gpu_mem=80GB"]
+    plan = json.loads(run_cli("plan", SEVEN_B, *args, "--json", cwd=tmp_path).stdout)
+    want = serving_memory(load_spec(SEVEN_B).model_arch, "bf16", 32, 4096)
+    assert (plan["weights"], plan["kv_per_sequence"], plan["total"]) == (want.weights, want.kv_per_sequence, want.total)
+    assert plan["sequences_per_device"] == want.sequences_that_fit(80 * 10**9) > 0
+    text = run_cli("plan", SEVEN_B, *args, cwd=tmp_path)
+    assert (
+        text.returncode == 0
+        and "KV cache, 32 sequences" in text.stdout
+        and f"holds the weights and {plan['sequences_per_device']} full-context" in text.stdout
+    )
+    assert_clean_error(run_cli("plan", SEVEN_B, "--serve", "--dtype", "int3", cwd=tmp_path), "--dtype: 'int3' is not one of fp32, bf16, fp16")
+
+
 def assert_png(path):
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000

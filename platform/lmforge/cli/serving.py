@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Optional
 
 from lmforge.cli import common
 from lmforge.errors import UserError
 from lmforge.serve.options import ServerOptions, key_digest
+from lmforge.sizes import parse_size
 
 
 def add_parsers(sub) -> None:
@@ -42,6 +44,11 @@ def add_parsers(sub) -> None:
         help="also serve a LoRA adapter (a PEFT directory, e.g. from lmforge export --format peft) as model NAME; repeat for more",
     )
     srv.add_argument("--max-running", type=int, default=16, help="sequences decoding together per replica (default 16)")
+    srv.add_argument(
+        "--memory-per-replica",
+        help='memory a replica may use ("24GiB": its GPU\'s, or on CPU what it may take): --max-running is lowered to the '
+        "full-context sequences that fit beside the weights, and a replica that cannot hold one is refused",
+    )
     srv.add_argument("--max-waiting", type=int, default=256, help="sequences queued per replica before 503 (default 256)")
     srv.add_argument("--max-n", type=int, default=8, help="the largest n a request may ask for (default 8)")
     srv.add_argument("--max-logprobs", type=int, default=20, help="the most top alternatives per token a request may ask for (default 20, as vLLM's)")
@@ -125,6 +132,13 @@ def _adapters(given: list[str]) -> dict[str, str]:
     return adapters
 
 
+def _size(flag: str, text: Optional[str]) -> Optional[int]:
+    try:
+        return None if text is None else parse_size(text)
+    except ValueError as err:
+        raise UserError(f"{flag}: {err}") from None
+
+
 def serve_command(args) -> int:
     key = args.api_key or os.environ.get("LMFORGE_API_KEY")
     model = Path(args.model).resolve()
@@ -148,6 +162,7 @@ def serve_command(args) -> int:
         tokenizer=args.tokenizer,
         threads=args.threads,
         chat_template=str(Path(args.chat_template).resolve()) if args.chat_template else None,
+        memory_per_replica=_size("--memory-per-replica", args.memory_per_replica),
     )
     common.sdk().serve(
         options,

@@ -47,6 +47,10 @@ def add_parsers(sub) -> None:
     )
     plan.add_argument("--search", action="store_true", help="rank the layouts that fit the cluster by a step-time model")
     plan.add_argument("--top", type=int, default=5, help="--search: how many layouts to show (default 5)")
+    plan.add_argument("--serve", action="store_true", help="a serving replica of the job's model instead: weights and KV cache")
+    plan.add_argument("--sequences", type=int, default=16, help="--serve: sequences decoding together (default 16, as lmforge serve's)")
+    plan.add_argument("--context", type=int, help="--serve: positions per sequence (default: the model's max_seq_len)")
+    plan.add_argument("--dtype", default="fp32", help="--serve: the weights' and cache's dtype: fp32 (lmforge serve's), bf16 or fp16")
     plan.add_argument("--chart", help="PNG bar chart to write (default <output_dir>/<name>/memory-plan.png)")
     plan.add_argument("--no-chart", action="store_true", help="write no chart")
     common.add_json(plan)
@@ -145,6 +149,12 @@ def _typed_flags(args, every: bool = False) -> dict:
 
 def plan_command(args) -> int:
     spec = load_spec(args.job, args.overrides)
+    if args.serve:
+        serving = common.sdk().plan_serving(spec, args.sequences, args.context, args.dtype, args.cluster)
+        if args.json:
+            return common.print_json(serving.as_json(), args.stdout)
+        serving.show(text_console(stderr=False))
+        return 0
     chart = None if args.no_chart else (args.chart or Path(spec.run_dir) / ("memory-search.png" if args.search else "memory-plan.png"))
     if args.search:
         result = common.sdk().search_layouts(spec, args.cluster, args.top, chart)

@@ -20,6 +20,7 @@ from ray.serve.handle import DeploymentHandle
 from lmforge.checkpoint.export import open_source
 from lmforge.errors import UserError
 from lmforge.inference.onnx_runtime import check_onnx_model, is_onnx_model
+from lmforge.memory.serving import serving_memory, size_slots
 from lmforge.models.peft_format import read_peft_dir
 from lmforge.models.quantized import QUANTIZATION, is_quantized
 from lmforge.ray_runtime import connect, embedded_resources
@@ -29,6 +30,8 @@ from lmforge.serve.grpc_api import SERVICER, GrpcCompletions
 from lmforge.serve.options import ServerOptions
 from lmforge.serve.protocol import APIError, ChatRequest, CompletionRequest, parse
 from lmforge.serve.routing import PromptLength, build_router_api
+
+REPLICA_DTYPE = "fp32"  # what a replica loads a model in (Generator.load's default)
 
 
 class ModelReplica:
@@ -132,6 +135,17 @@ def check_model(path: str, tokenizer: Optional[str], backend: str = "torch", ada
             read_peft_dir(adapter, source.cfg)
         except ValueError as err:
             raise UserError(f"--adapter {name}: {err}") from None
+
+
+def sized_slots(options: ServerOptions) -> int:
+    """The slots (`--max-running`, at most) a replica of `--memory-per-replica` holds beside
+    the weights, each for a full-context sequence; refused where not even one fits."""
+    if options.backend == "onnxruntime" or is_quantized(options.model):
+        what = "an ONNX Runtime model" if options.backend == "onnxruntime" else "a quantized model"
+        raise UserError(f"--memory-per-replica: sizes the slots of lmforge's full-precision replicas, not {what}'s")
+    source = open_source(options.model, options.tokenizer)
+    plan = serving_memory(source.cfg, REPLICA_DTYPE, options.max_running)
+    return size_slots(plan, options.memory_per_replica or 0, "--memory-per-replica")
 
 
 def serve_model(

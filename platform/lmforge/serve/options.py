@@ -38,6 +38,7 @@ class ServerOptions:
     backend: str = "torch"  # one of BACKENDS
     stream_interval: int = 1  # a stream's chunk holds this many new tokens per running choice (the first: at once)
     adapters: dict[str, str] = field(default_factory=dict)  # name in requests -> a PEFT LoRA directory on this model
+    memory_per_replica: Optional[int] = None  # bytes a replica may hold: its slots are sized to fit beside the weights
 
     def check(self) -> None:
         if self.batching not in MODES:
