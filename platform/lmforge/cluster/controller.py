@@ -24,7 +24,7 @@ import ray
 from lmforge.checkpoint.store import CheckpointStore
 from lmforge.cluster import placement
 from lmforge.cluster.capacity import Capacity
-from lmforge.cluster.hang import behind, rank_stacks, stacks_report
+from lmforge.cluster.hang import RankHung, diagnose
 from lmforge.cluster.keepers import Keepers
 from lmforge.cluster.supervision import FailureBudget, Handoff
 from lmforge.cluster.worker import RankAddress, Worker
@@ -34,7 +34,7 @@ from lmforge.data.order import BatchLayout
 from lmforge.distill.cache_manifest import teacher_cache
 from lmforge.distill.served_teacher import served_scorer
 from lmforge.errors import CheckpointWritesFailing, Diverged, OutOfMemory, TrainingFailed, UserError, first_line
-from lmforge.events import Event, Failure, Hang, InOrder, JobResult, Layout, OutOfMemoryEvent, Reader, Recovered, Resized, Rollback, Start, Step
+from lmforge.events import Event, Failure, InOrder, JobResult, Layout, OutOfMemoryEvent, Reader, Recovered, Resized, Rollback, Start, Step
 from lmforge.guards.oom import with_smaller_micro_batch
 from lmforge.parallel.shape import MeshShape
 from lmforge.spec import JobSpec
@@ -42,10 +42,6 @@ from lmforge.tracking.prometheus import JobMetrics
 
 READER_ANSWER_S = 5.0  # a kept reader must answer its new layout within this, or a new one starts
 LEAVE_S = 2.0  # a rank must be done with a failed attempt, and leave its groups, within this to be kept
-
-
-class RankHung(RuntimeError):
-    """Some rank stopped making progress (stuck in a collective, a stopped process)."""
 
 
 @ray.remote(num_cpus=0, max_concurrency=8)
@@ -349,7 +345,10 @@ class Controller:
                 self._start_standby(spec)
                 stalled = time.time() - self._progress_at if self._progress_at else 0.0
                 if step_timeout_s and stalled > step_timeout_s:
-                    raise self._hung(stalled, step_timeout_s)
+                    hang, error = diagnose(self._last_step, self._rank_pids, self._rank_nodes, stalled, step_timeout_s)
+                    self.report(hang)
+                    self._failed_rank = hang.behind
+                    raise error
                 continue
             try:
                 ray.get(done[0])
@@ -360,24 +359,6 @@ class Controller:
                     raise self._dead_peer(refs, pending) or err from None
                 raise
         return ray.get(refs)
-
-    def _hung(self, stalled: float, step_timeout_s: float) -> RankHung:
-        """The hang, with every rank's stack in a report and the rank behind named."""
-        stacks = rank_stacks(self._rank_pids, self._rank_nodes)
-        slow = behind(stacks)
-        step = self._last_step
-        self.report(
-            Hang(
-                step=step,
-                behind=slow.rank if slow else None,
-                doing=slow.doing() if slow else None,
-                report=stacks_report(step, stacks, stalled),
-                report_name=f"hang-step{step}.txt",
-            )
-        )
-        self._failed_rank = slow.rank if slow else None
-        who = f"; rank {slow.rank} is behind ({slow.doing()})" if slow else ""
-        return RankHung(f"no step for {stalled:.0f}s after step {step} (fault_tolerance.step_timeout_s {step_timeout_s:g}){who}")
 
     def _dead_peer(self, refs: list, pending: list, grace_s: float = 1.0):
         """A rank that raised because a peer vanished (gloo: "Connection closed by

@@ -15,11 +15,17 @@ import ray
 from pydantic import BaseModel
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from lmforge.events import Hang
+
 STACK_TIMEOUT_S = 20.0
 # A thread in one of these waits on its peers: the ranks whose threads all do are
 # not the ones behind (py-spy prints each frame with its file).
 WAITING = ("torch/distributed/", "torch/_C/_distributed", "/gloo", "/nccl")
 STATES = {"R": "running", "S": "sleeping", "D": "in uninterruptible I/O", "T": "stopped by a signal", "t": "stopped by a debugger", "Z": "a zombie"}
+
+
+class RankHung(RuntimeError):
+    """Some rank stopped making progress (stuck in a collective, a stopped process)."""
 
 
 class RankStack(BaseModel):
@@ -88,3 +94,19 @@ def stacks_report(step: int, stacks: list[RankStack], stalled_s: float) -> str:
     for s in stacks:
         lines += [f"== rank {s.rank}: pid {s.pid}, {s.state}", s.stack.rstrip(), ""]
     return "\n".join(lines)
+
+
+def diagnose(step: int, pids: list[int], nodes: list[str], stalled_s: float, step_timeout_s: float) -> tuple[Hang, RankHung]:
+    """No step for `stalled_s` after `step`: the hang event (every rank's stack in its
+    report, the rank behind named) and the error that ends the attempt."""
+    stacks = rank_stacks(pids, nodes)
+    slow = behind(stacks)
+    hang = Hang(
+        step=step,
+        behind=slow.rank if slow else None,
+        doing=slow.doing() if slow else None,
+        report=stacks_report(step, stacks, stalled_s),
+        report_name=f"hang-step{step}.txt",
+    )
+    who = f"; rank {slow.rank} is behind ({slow.doing()})" if slow else ""
+    return hang, RankHung(f"no step for {stalled_s:.0f}s after step {step} (fault_tolerance.step_timeout_s {step_timeout_s:g}){who}")
