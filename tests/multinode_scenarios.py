@@ -10,7 +10,10 @@ nodes, all on this machine; starting one is slow), in this order:
    whose name rich would read as markup (`CLI_DIR`);
 4. spared: the same job at a fixed dp 2 with one spare rank on a third worker
    node and in-memory checkpoints, losing a rank's node (before the first storage
-   checkpoint) while a rival placement group waits for a node.
+   checkpoint) while a rival placement group waits for a node;
+5. topology: pp2 x dp2 x tp2 slots reserved by the placement rule (no ranks start):
+   on 2-CPU nodes, on 2-CPU nodes labelled by rack, on 4-CPU nodes; then `lmforge
+   train` of a layout the racks cannot hold, refused before anything starts.
 
 Writes each run's summary to RESULT.json. Launched by the `multinode` fixture.
 
@@ -33,8 +36,10 @@ TESTS = Path(__file__).parent
 sys.path[:0] = [str(TESTS), str(TESTS / "chaos")]
 from chaos import events, reached_step, recorded_event, wait_until  # noqa: E402
 from lmforge import sdk  # noqa: E402
+from lmforge.cluster.capacity import Capacity, check_placement  # noqa: E402
 from lmforge.data.prepare import prepare_dataset  # noqa: E402
 from lmforge.data.prepare_options import PrepareOptions  # noqa: E402
+from lmforge.errors import UserError  # noqa: E402
 from lmforge.spec import spec_from_dict  # noqa: E402
 from multinode import start_cluster  # noqa: E402
 
@@ -126,6 +131,59 @@ def spared(cluster, job: dict, steps: int) -> dict:
     return outcome["summary"] | {"rival_at_recovery": rival_at_recovery}
 
 
+TOPOLOGY = {"parallel": {"pp": 2, "dp": 2, "tp": 2}, "model": {"preset": "tiny", "vocab_size": 512, "n_layers": 2}}
+
+
+def reserved(job: dict, label: str | None = None) -> list[dict]:
+    """Reserve the job's slots as its controller would, and release them: per node
+    used, the global ranks it would hold and its rack label."""
+    spec = spec_from_dict(job | {"resources": job["resources"] | {"replica_label": label}})
+    capacity = Capacity(spec, "topology/", lambda event: None, placement_timeout_s=30)
+    try:
+        capacity.initial(spares_optional=False)
+        slot_nodes = capacity.slots.nodes()
+    finally:
+        capacity.release()
+    racks = {node["NodeID"]: (node.get("Labels") or {}).get("rack", "") for node in ray.nodes()}
+    by_node: dict[str, list[int]] = {}
+    for rank in range(spec.world_size):
+        by_node.setdefault(slot_nodes[rank // spec.parallel.tp], []).append(rank)
+    return sorted(({"ranks": ranks, "rack": racks[node]} for node, ranks in by_node.items()), key=lambda n: n["ranks"])
+
+
+def topology(cluster, job: dict) -> dict:
+    """Two more 2-CPU nodes (four in all), two more labelled by rack, two of 4 CPUs:
+    each check reserves on the cluster as it then is (the roomiest nodes first)."""
+    job = job | TOPOLOGY | {"name": "topology"}
+    for _ in range(2):
+        cluster.add_node(num_cpus=2)
+    cluster.wait_for_nodes()
+    results = {"two_cpu_nodes": reserved(job)}
+    for rack in ("a", "b", "a", "b"):  # created interleaved: only the label keeps a replica in one rack
+        cluster.add_node(num_cpus=2, labels={"rack": rack})
+    cluster.wait_for_nodes()
+    results["by_rack"] = reserved(job, "rack")
+    for _ in range(2):
+        cluster.add_node(num_cpus=4)
+    cluster.wait_for_nodes()
+    results["four_cpu_nodes"] = reserved(job)
+    # a replica of three stages; each rack holds two 2-CPU nodes: room for four TP groups, but not three in one rack
+    refused = job | {
+        "parallel": {"pp": 3, "dp": 1, "tp": 2},
+        "model": job["model"] | {"n_layers": 3},
+        "resources": job["resources"] | {"replica_label": "rack"},
+        "train": job["train"] | {"global_batch": 6},
+    }
+    thread, outcome = through_cli(refused, cluster.address)
+    thread.join()
+    too_wide = job | {"parallel": {"dp": 1, "tp": 2}, "resources": job["resources"] | {"cpus_per_worker": 3}}  # 6 CPUs; nodes have 4 at most
+    try:
+        check_placement(spec_from_dict(too_wide))
+    except UserError as err:
+        results["too_wide"] = str(err)
+    return results | {"refused": outcome["summary"]}
+
+
 def main() -> None:
     jobs = json.loads(open(sys.argv[1]).read())
     began = time.perf_counter()
@@ -148,6 +206,7 @@ def main() -> None:
         results["whole"] = timed("whole", lambda: sdk.train(spec_from_dict(elastic | {"name": "whole"}), show_progress=False).as_json())
         results["shrunk"] = timed("shrunk", lambda: shrink_then_grow(cluster, elastic))
         results["spared"] = timed("spared", lambda: spared(cluster, elastic, jobs["spared_steps"]))
+        results["topology"] = timed("topology", lambda: topology(cluster, jobs["placement"]))
         Path(sys.argv[2]).write_text(json.dumps(results | {"seconds": seconds}))
     finally:
         ray.shutdown()

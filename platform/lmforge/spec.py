@@ -163,6 +163,12 @@ class ResourcesSpec(Section):
     memory_per_worker: Optional[Union[int, str]] = Field(
         None, description='device memory of one worker ("24GiB"; on CPU, what a rank may use): a job whose estimate exceeds it is refused'
     )
+    replica_label: Optional[str] = Field(
+        None,
+        min_length=1,
+        description="a node label (e.g. a rack or switch): each data-parallel replica is placed on nodes of one value of it, "
+        "and replicas fill one value's nodes before the next; nodes without the label are not used",
+    )
 
     @field_validator("memory_per_worker")
     @classmethod

@@ -130,3 +130,25 @@ def test_a_layouts_overrides_give_the_job_that_layout():
     ):
         applied = spec_from_dict(spec.model_dump(mode="json", exclude_unset=True), c.overrides())
         assert applied.parallel == c.spec.parallel and applied.train == c.spec.train
+
+
+def test_links_follow_the_placement_rule():
+    """pp2 x dp2 x tp2 placed as cluster.topology places it: on nodes of 4 a replica
+    fills a node (the pipeline inside it, DP between nodes); on nodes of 2 a replica
+    spans two (the pipeline between nodes too); on one node of 8 nothing crosses."""
+    layout = job({"pp": 2, "dp": 2, "tp": 2}, global_batch=16, seq_len=256)
+    fast = 1e9 * CLUSTER.intra_gbps
+    slow = 1e9 * CLUSTER.inter_gbps
+
+    def links(gpus_per_node):
+        t = step_time(layout, Cluster(nodes=8 // gpus_per_node, gpus_per_node=gpus_per_node, gpu_mem=80 * 10**9))
+        one_node = step_time(layout, Cluster(nodes=1, gpus_per_node=8, gpu_mem=80 * 10**9))
+        ratio = lambda term: (
+            (getattr(t, term) + (t.dp_hidden if term == "dp_comm" else 0))
+            / (getattr(one_node, term) + (one_node.dp_hidden if term == "dp_comm" else 0))
+        )
+        return {term: round(ratio(term), 6) for term in ("pp_comm", "dp_comm")}
+
+    assert links(4) == {"pp_comm": 1.0, "dp_comm": round(fast / slow, 6)}
+    assert links(2) == {"pp_comm": round(fast / slow, 6), "dp_comm": round(fast / slow, 6)}
+    assert links(8) == {"pp_comm": 1.0, "dp_comm": 1.0}

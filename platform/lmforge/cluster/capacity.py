@@ -18,7 +18,8 @@ from typing import Callable
 import ray
 from ray.autoscaler.sdk import request_resources
 
-from lmforge.cluster.placement import NodeWatch, Slots
+from lmforge.cluster.placement import NodeWatch, Slots, node_labels, node_rooms, tp_bundle
+from lmforge.cluster.topology import Unplaceable, arrange, assign
 from lmforge.errors import UserError
 from lmforge.events import Event, GrowPending, Spares
 from lmforge.ray_runtime import DATA_CPUS, fits
@@ -30,6 +31,35 @@ PROBE_EVERY_S = 2.0  # how often a running job looks for room to grow or for its
 # an answer from a node counts as life only from this long after the failure (seen: a
 # node's pinger answering 0.3 s after its ranks had died, and the restart placed there).
 NODE_SETTLE_S = 1.0
+
+
+def check_placement(spec: JobSpec) -> None:
+    """Before anything starts: the layout (an elastic job's smallest) and its spares
+    can be placed by the rule (cluster.topology) on the cluster's nodes, all their
+    resources counted; else one line saying why."""
+    p, res = spec.parallel, spec.resources
+    dp = spec.elastic.min_dp if spec.elastic else p.dp
+    bundle, label = tp_bundle(p.tp, res.cpus_per_worker, res.gpus_per_worker), res.replica_label
+    rooms = node_rooms(bundle, label, free=False)
+    if label and not rooms:
+        raise UserError(f"resources.replica_label: no live node carries the label {label!r}")
+    if not any(room.groups for room in rooms):
+        raise UserError(
+            f"parallel.tp: a tensor-parallel group of {p.tp} ranks needs {_amounts(bundle)} on one node; "
+            f"no {'node labelled ' + repr(label) if label else 'node'} has that much"
+        )
+    try:
+        assign(p.pp, dp, spec.fault_tolerance.spares // p.tp, rooms, by_label=bool(label))
+    except Unplaceable as err:
+        field = "resources.replica_label" if label else "parallel"
+        raise UserError(
+            f"{field}: pp {p.pp} x dp {dp} x tp {p.tp} cannot be placed with each tensor-parallel group inside a node"
+            f"{' and each replica within one value of ' + repr(label) if label else ''} ({_amounts(bundle)} a group): {err}"
+        ) from None
+
+
+def _amounts(bundle: dict[str, float]) -> str:
+    return " + ".join(f"{amount:g} {kind}" for kind, amount in bundle.items())
 
 
 class Capacity:
@@ -59,11 +89,12 @@ class Capacity:
             timeout_s = self.placement_timeout_s if i == len(dps) - 1 else RESIZE_PROBE_S
             for spares in (self.spare_groups, 0) if spares_optional and self.spare_groups else (self.spare_groups,):
                 try:
-                    self.slots.add(self.groups(dp) + spares, timeout_s)
+                    self.slots.add(self.groups(dp) + spares, timeout_s, on=self._by_rule(dp, spares))
                 except UserError as err:
                     error = err
                     continue
                 self._report_spares(spares)
+                self._arrange(dp)
                 self.watch.watch(self.slots.nodes())
                 return spec if elastic is None else spec.with_dp(dp)
         if self.spare_groups and not spares_optional and error is not None:
@@ -95,6 +126,7 @@ class Capacity:
             except UserError as err:
                 field = "elastic.min_dp" if elastic else "resources"
                 raise UserError(f"{field}: after a failure the cluster cannot hold dp {dp} again: {err}") from None
+        self._arrange(dp)
         self.slots.keep(self.groups(dp) + self.spare_groups)
         self._report_spares(len(self.slots) - self.groups(dp))
         self.watch.watch(self.slots.nodes())
@@ -134,6 +166,23 @@ class Capacity:
         elastic = self.spec.elastic
         if elastic:
             request_resources(bundles=[dict(self.slots.bundle) for _ in range(self.groups(elastic.max_dp) + self.spare_groups)])
+
+    def _by_rule(self, dp: int, spares: int) -> list[str] | None:
+        """The node of each new slot by the placement rule (cluster.topology), in what
+        the nodes have free now; None (Ray chooses, and `_arrange` orders what it
+        chose) when the free room does not hold them so, e.g. while an autoscaler adds nodes."""
+        rooms = node_rooms(self.slots.bundle, self.spec.resources.replica_label, frozenset(self.lost))
+        try:
+            return assign(self.spec.parallel.pp, dp, spares, rooms, by_label=bool(self.spec.resources.replica_label))
+        except Unplaceable:
+            return None
+
+    def _arrange(self, dp: int) -> None:
+        """Order the slots held so that the layout's ranks sit where the rule puts them
+        (after a restart, the survivors and their replacements)."""
+        label = self.spec.resources.replica_label
+        order = arrange(self.spec.parallel.pp, dp, self.slots.nodes(), node_labels(label), by_label=bool(label))
+        self.slots.reorder(order)
 
     def alive_nodes(self) -> set[str]:
         return {node["NodeID"] for node in ray.nodes() if node["Alive"]} - self.lost

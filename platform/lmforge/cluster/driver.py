@@ -17,6 +17,7 @@ from rich.console import Console
 
 from lmforge.checkpoint.store import CheckpointStore
 from lmforge.cluster import placement
+from lmforge.cluster.capacity import check_placement
 from lmforge.cluster.controller import Controller
 from lmforge.cluster.supervision import FailureBudget, Handoff
 from lmforge.console import plain, text_console
@@ -67,11 +68,12 @@ def drive(
     if embedded is not None:
         _check_capacity(spec, embedded)  # before starting a cluster it would not fit
     with JobLease(spec.checkpoint_dir, spec.name) as lease:  # a second driver of this job, or of its checkpoints, is refused here
-        _start_over(spec, console)
         with joined(address):
             _check_capacity(spec)
+            check_placement(spec)
             if spec.checkpoint.in_memory:
                 check_host_memory(spec, ray.nodes())
+            _start_over(spec, console)  # after the checks: a refused job deletes nothing
             manifest = _ensure_dataset(plan, console, show_progress)
             summary = _run(plan, manifest, console, show_progress, lease, publish)
     if publish:

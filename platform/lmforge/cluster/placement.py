@@ -14,10 +14,12 @@ import threading
 import time
 
 import ray
+from ray._private.state import available_resources_per_node
 from ray._raylet import PlacementGroupID
 from ray.util.placement_group import NODE_ID_LABEL_KEY, PlacementGroup, placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
+from lmforge.cluster.topology import NodeRoom
 from lmforge.errors import UserError
 
 HEARTBEAT_S = 0.5  # how often the controller pings each node of the job
@@ -28,13 +30,18 @@ MISSED_S = 2.0  # a node that has not answered for this long is lost
 FIRST_ANSWER_S = 30.0
 
 
+def tp_bundle(tp: int, cpus_per_worker: float, gpus_per_worker: float) -> dict[str, float]:
+    """What one slot (a tensor-parallel group's ranks) takes of its node."""
+    return {"CPU": cpus_per_worker * tp} | ({"GPU": gpus_per_worker * tp} if gpus_per_worker else {})
+
+
 class Slots:
     """The slots one controller holds, in rank order: those of the running layout's
     TP groups first, then spares and capacity reserved for growing."""
 
     def __init__(self, group_size: int, cpus: float, gpus: float, name: str):
         self.group_size, self.name = group_size, name
-        self.bundle = {"CPU": cpus * group_size} | ({"GPU": gpus * group_size} if gpus else {})
+        self.bundle = tp_bundle(group_size, cpus, gpus)
         self._held: list[PlacementGroup] = []
         self._made = 0  # Ray wants unique names: slot 0, 1, ... of this controller
 
@@ -47,12 +54,17 @@ class Slots:
     def strategy(self, index: int) -> PlacementGroupSchedulingStrategy:
         return PlacementGroupSchedulingStrategy(placement_group=self._held[index], placement_group_bundle_index=0)
 
-    def add(self, count: int, timeout_s: float, avoid: frozenset[str] = frozenset()) -> None:
+    def add(self, count: int, timeout_s: float, avoid: frozenset[str] = frozenset(), on: list[str] | None = None) -> None:
         """Reserve `count` more slots, all or none within `timeout_s` (UserError).
         `avoid`: nodes known lost that Ray may not have declared dead yet, and would
-        otherwise place on."""
-        selector = [{NODE_ID_LABEL_KEY: f"!in({','.join(sorted(avoid))})"}] if avoid else None
-        new = [placement_group([dict(self.bundle)], name=f"{self.name}{self._made + i}", bundle_label_selector=selector) for i in range(count)]
+        otherwise place on. `on`: the node of each new slot (the placement rule's);
+        without it Ray chooses."""
+        anywhere = [{NODE_ID_LABEL_KEY: f"!in({','.join(sorted(avoid))})"}] if avoid else None
+        selectors = [[{NODE_ID_LABEL_KEY: node}] for node in on] if on else [anywhere] * count
+        new = [
+            placement_group([dict(self.bundle)], name=f"{self.name}{self._made + i}", bundle_label_selector=selector)
+            for i, selector in enumerate(selectors)
+        ]
         self._made += count
         try:
             ray.get([pg.ready() for pg in new], timeout=timeout_s)
@@ -71,6 +83,12 @@ class Slots:
         table = placement_group_table()  # one call for all
         return [table.get(pg.id.hex(), {}).get("bundles_to_node_id", {}).get(0, "") for pg in self._held]
 
+    def reorder(self, order: list[int]) -> None:
+        """Hold the slots in this order of their current indices (those left out go)."""
+        for index in set(range(len(self._held))) - set(order):
+            remove_placement_group(self._held[index])
+        self._held = [self._held[index] for index in order]
+
     def drop_lost(self, lost: set[str]) -> int:
         """Release the slots on lost nodes (keeping the others' order); how many."""
         kept = []
@@ -87,6 +105,28 @@ class Slots:
         for pg in self._held[count:]:
             remove_placement_group(pg)
         self._held = self._held[:count]
+
+
+def node_rooms(bundle: dict, label: str | None, avoid: frozenset[str] = frozenset(), free: bool = True) -> list[NodeRoom]:
+    """How many slots of `bundle` each live node holds: in what is free now, or
+    (`free=False`) in all it has. With a replica `label`, only the nodes that carry it."""
+    resources = available_resources_per_node() if free else {}
+    rooms = []
+    for node in ray.nodes():
+        labels, node_id = node.get("Labels") or {}, node["NodeID"]
+        if not node["Alive"] or node_id in avoid or (label and label not in labels):
+            continue
+        has = resources.get(node_id, {}) if free else node["Resources"]
+        room = min(int(has.get(kind, 0.0) // amount) for kind, amount in bundle.items() if amount)
+        rooms.append(NodeRoom(node_id, room, labels.get(label, "") if label else ""))
+    return rooms
+
+
+def node_labels(label: str | None) -> dict[str, str]:
+    """Each live node's value of `label` ({} without one)."""
+    if not label:
+        return {}
+    return {node["NodeID"]: (node.get("Labels") or {}).get(label, "") for node in ray.nodes() if node["Alive"]}
 
 
 @ray.remote(num_cpus=0)

@@ -18,11 +18,13 @@ step, m micro-batches of b x s tokens, t/p/d the tp/pp/dp sizes:
   reduce-scatter (d - 1) / d G plus the updated parameters' all-gather (d - 1) / d P
   with zero 2, and zero 3 gathering the parameters again for the forward and the
   backward of each micro-batch, 2 m (d - 1) / d P (the ZeRO paper, section 7: 1.5x
-  DDP's volume at m = 1). Between nodes when the DP group spans them. It overlaps
+  DDP's volume at m = 1). Ranks are placed replicas outermost (cluster.topology):
+  the DP group spans nodes unless all its replicas fit on one. It overlaps
   the backward (bucketed reduce-scatter, prefetched all-gathers): only what exceeds
   the backward's compute, 2/3 of the step's, is exposed.
 - pipeline point-to-point: each stage boundary sends the b x s x dim activation
-  forward and its gradient back per micro-batch, between nodes when a stage spans one.
+  forward and its gradient back per micro-batch, between nodes when a replica is
+  larger than a node.
 - CPU offload (FSDP2's, `parallel.cpu_offload`): the rank's fp32 parameter shard
   copied to the device for each forward and backward of each micro-batch with zero
   3 (once a step otherwise) and its fp32 gradient shard back, over `host_gbps`;
@@ -92,12 +94,15 @@ def step_time(spec: JobSpec, cluster: Cluster) -> StepTime:
     tp_comm = tp_bytes / (cluster.intra_gbps * 1e9)
 
     params = cfg.num_params() / (p.pp * p.tp)
-    stage_ranks = p.tp * p.dp  # consecutive ranks: one pipeline stage's, as placed
-    dp_comm = _dp_bytes(p.zero, p.dp, m, params, act_bytes) / _bandwidth(cluster, stage_ranks > cluster.gpus_per_node)
+    # As placed (cluster.topology): a replica's pp x tp ranks on as few nodes as hold
+    # them, whole replicas side by side on a node while they fit.
+    replica_ranks = p.tp * p.pp
+    replicas_per_node = cluster.gpus_per_node // replica_ranks
+    dp_comm = _dp_bytes(p.zero, p.dp, m, params, act_bytes) / _bandwidth(cluster, replicas_per_node < p.dp)
     dp_exposed = max(0.0, dp_comm - 2 / 3 * (compute + recompute))
 
     pp_bytes = 2 * m * activation / (p.tp if p.sequence_parallel else 1) if p.pp > 1 else 0.0
-    pp_comm = pp_bytes / _bandwidth(cluster, stage_ranks >= cluster.gpus_per_node)
+    pp_comm = pp_bytes / _bandwidth(cluster, replicas_per_node == 0)
     offload = _offload_seconds(p.zero, m, params / p.dp, cluster) if p.cpu_offload else 0.0
     return StepTime(compute, recompute, bubble, tp_comm, dp_exposed, pp_comm, offload, dp_hidden=dp_comm - dp_exposed)
 
