@@ -248,6 +248,7 @@ class JobSpec(Section):
         rules.check_sharding(self)
         rules.check_elastic(self)
         rules.check_spares(self)
+        rules.check_slow_rank(self)
         rules.check_eval(self)
         rules.check_mixture(self)
         rules.check_distill(self, model)

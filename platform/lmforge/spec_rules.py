@@ -163,6 +163,12 @@ def check_spares(spec: "JobSpec") -> None:
         raise ValueError("fault_tolerance.spares: spares only serve a restart; set fault_tolerance.max_failures too")
 
 
+def check_slow_rank(spec: "JobSpec") -> None:
+    slow = spec.debug.slow_rank
+    if slow is not None and slow >= spec.world_size:
+        raise ValueError(f"debug.slow_rank: {slow} is not a rank of the job's {spec.world_size}")
+
+
 def check_mixture(spec: "JobSpec") -> None:
     """A mixture trains a model on blended pretraining data; measuring and distilling
     read one dataset's own splits and shards."""

@@ -37,6 +37,7 @@ from lmforge.guards.divergence import DivergenceGuard
 from lmforge.guards.inject import FaultInjector
 from lmforge.guards.leaks import LeakCheck
 from lmforge.guards.memory_report import memory_report
+from lmforge.guards.stragglers import StragglerWatch
 from lmforge.parallel.mesh import build_mesh
 from lmforge.parallel.shape import MeshShape
 from lmforge.planner.fit import check_fits
@@ -93,6 +94,8 @@ class Trainer:
         self.schedule = CheckpointSchedule(spec.checkpoint, spec.train.max_steps, lambda flag: _rank0_says(flag, clock_group))
         # Snapshots get a group of their own too: one may be in flight beside a checkpoint.
         self.snapshots = SnapshotWriter(snapshot_target, dist.new_group(backend="gloo")) if snapshot_target else None
+        world = dist.get_world_size()
+        self.stragglers = StragglerWatch(dist.new_group(backend="gloo") if world > 1 else None, world)
         # Start reading ahead first: Ray Data's first read overlaps model building.
         self.layout = BatchLayout(spec.train.global_batch, spec.train.micro_batch, p.dp)
         self.cache = teacher_cache(spec)  # a distillation's offline top-k targets (an instruction dataset's own)
@@ -210,11 +213,13 @@ class Trainer:
             self.faults.before_step(step)
             loss_inputs = self.loss.step_inputs(step, fed.ids, fed.targets)
             # A checkpoint started at the last step may still be copying the weights.
+            self.stragglers.ready()
             stats = self.engine.train_step(
                 torch.from_numpy(fed.tokens.astype(np.int64)), before_update=self._staged, loss_mask=_mask(fed.loss_mask), loss_inputs=loss_inputs
             )
         except torch.OutOfMemoryError as err:
             raise OutOfMemory(step, self.rank, train.micro_batch, memory_report(self.spec, self.rank, step, self.device, err)) from None
+        stragglers = self.stragglers.done()
         self.faults.after_step()
         elapsed = time.perf_counter() - began
         tokens_per_step = train.global_batch * train.seq_len
@@ -245,6 +250,7 @@ class Trainer:
             tokens=step * tokens_per_step,
             samples_consumed=step * train.global_batch,
             **optional,
+            **stragglers,
             **stats.terms,  # the loss's named terms, and what it adds of its own
             **self.loss.row_fields(loss_inputs),
         )

@@ -39,6 +39,7 @@ from lmforge.spec import spec_from_dict
 from lmforge.tracking.summary import RunSummary
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
+SLOW_S = 0.5  # how long the straggler dawdles
 STEPS = REFERENCE_STEPS
 
 
@@ -64,7 +65,9 @@ def test_refused_writes_are_logged_then_a_hung_rank_is_detected_and_the_run_rest
     _block_steps(run_dir, 10, 20)
     stopped = []
     watcher = when(committed(run_dir, 30), lambda: stopped.append(kill_one_rank_process(sig=signal.SIGSTOP)))
-    spec = spec_from_dict(chaos_job(tmp_path, tiny_dataset, max_failed_writes=3), ["fault_tolerance.step_timeout_s=3"])
+    # Rank 1 dawdles before step 5: the straggler report names it.
+    overrides = ["fault_tolerance.step_timeout_s=3", "debug.slow_rank=1", "debug.slow_at_steps=[5]", f"debug.slow_s={SLOW_S}"]
+    spec = spec_from_dict(chaos_job(tmp_path, tiny_dataset, max_failed_writes=3), overrides)
     try:
         summary = sdk.train(spec, show_progress=False)
     finally:
@@ -90,6 +93,8 @@ def test_refused_writes_are_logged_then_a_hung_rank_is_detected_and_the_run_rest
     assert _restored_steps(run_dir) == [30]
     assert CheckpointStore(str(run_dir / "checkpoints")).committed() == [40, 50, 60]
     same_as_uninterrupted(run_dir, uninterrupted)
+    slow = step_rows(run_dir)[5]
+    assert slow["straggler"] == 1 and slow["rank_between_s"][1] >= SLOW_S and slow["straggle_s"] > SLOW_S / 2, slow
 
 
 def _events(run_dir, kind):

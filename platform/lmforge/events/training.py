@@ -19,7 +19,7 @@ class Step(Event):
     # What MLflow charts for each step (metrics.jsonl keeps the counters beside them).
     METRICS: ClassVar[tuple[str, ...]] = (
         "loss", "ce_loss", "kd_loss", "hidden_loss", "on_policy", "lr", "grad_norm", "tokens_per_s", "mfu", "bubble", "bubble_theory",
-        "step_time", "data_wait", "loss_scale",
+        "step_time", "data_wait", "loss_scale", "straggle_s",
     )  # fmt: skip
     event: Literal["step"] = "step"
     step: int
@@ -41,6 +41,11 @@ class Step(Event):
     hidden_loss: Optional[float] = None
     on_policy: Optional[int] = None  # the step learnt the student's own continuations
     loss_scale: Optional[float] = None  # fp16: the scale the step's loss was multiplied by
+    # Each rank's seconds between its last step and this one (guards.stragglers); the
+    # slowest, and how much longer than the quickest it took: its peers' wait.
+    rank_between_s: Optional[list[float]] = None
+    straggler: Optional[int] = None
+    straggle_s: Optional[float] = None
 
     def metrics(self) -> dict[str, float]:
         return step_metrics(self.as_dict())

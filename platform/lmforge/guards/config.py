@@ -41,3 +41,6 @@ class DebugSpec(Section):
     oom_at_step: Optional[int] = Field(None, gt=0, description="raise torch.OutOfMemoryError on rank 0 at this step ...")
     oom_above_micro_batch: int = Field(0, ge=0, description="... while train.micro_batch is larger than this")
     leak_per_step: bool = Field(False, description="keep one small tensor alive per step (a leak for guards.leak_check to find)")
+    slow_rank: Optional[int] = Field(None, ge=0, description="this rank sleeps debug.slow_s before the steps in debug.slow_at_steps ...")
+    slow_at_steps: list[int] = Field([], description="... (a straggler for the step rows' report to name)")
+    slow_s: float = Field(0.5, gt=0)

@@ -1,9 +1,11 @@
 """Fault injection from the job's `debug` section, to see the guards act: a NaN
 or spiking loss at chosen steps, gradients that overflow at others, an out-of-memory
-error while the micro-batch is above a size, one tensor leaked per step."""
+error while the micro-batch is above a size, one tensor leaked per step, a rank
+that dawdles before chosen steps."""
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,6 +32,8 @@ class FaultInjector:
         d = self.debug
         if d.oom_at_step == step and self.rank == 0 and self.micro_batch > d.oom_above_micro_batch:
             raise torch.OutOfMemoryError(f"injected by debug.oom_at_step={step} (micro-batch {self.micro_batch} > {d.oom_above_micro_batch})")
+        if self.rank == d.slow_rank and step in d.slow_at_steps:
+            time.sleep(d.slow_s)
         self.poison = float("nan") if step in d.nan_at_steps else SPIKE_FACTOR if step in d.spike_at_steps else None
         self.overflow = step in d.overflow_at_steps
 

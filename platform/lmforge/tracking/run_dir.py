@@ -12,7 +12,16 @@ from pathlib import Path
 from lmforge.events import Step
 from lmforge.tracking.summary import RunSummary
 
-STEP_FIELDS = ("step", *Step.METRICS, "tokens", "samples_consumed", "mixture", "time")  # a step's line in metrics.jsonl
+STEP_FIELDS = (
+    "step",
+    *Step.METRICS,
+    "tokens",
+    "samples_consumed",
+    "mixture",
+    "straggler",
+    "rank_between_s",
+    "time",
+)  # a step's line in metrics.jsonl
 
 
 REDONE_EVENTS = {"eval"}  # measured again when their step is
