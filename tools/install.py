@@ -1,4 +1,5 @@
-"""Installs requirements.txt and lmforge (editable) into the running interpreter's venv.
+"""Installs requirements.txt and lmforge (editable) into the running interpreter's venv,
+then what NVMe offload needs (tools/aio.py).
 
 Through uv where it can be had (installs in parallel: 52 s against pip's 107 s for this
 list on 2 cores, measured from empty caches), else through pip as before.
@@ -63,3 +64,4 @@ def with_pip() -> None:
 
 if __name__ == "__main__":
     with_uv() or with_pip()
+    subprocess.run([sys.executable, str(REPO / "tools" / "aio.py")], check=True)

@@ -82,6 +82,15 @@ def describe(engine) -> dict:
             offload_optimizer=_device(ds.zero_offload_optimizer()),
             offload_param=_device(ds.zero_offload_param()),
             optimizer=type(ds.basic_optimizer).__name__,
+            # What DeepSpeed swaps to NVMe (ZeRO-Infinity), as its own swappers say.
+            nvme_swapped=[
+                part
+                for part, swapped in (
+                    ("optimizer", getattr(ds.optimizer, "optimizer_swapper", None) is not None),
+                    ("params", any(getattr(p, "nvme_swapper", None) is not None for p in ds.module.parameters())),
+                )
+                if swapped
+            ],
         )
     return info
 

@@ -19,10 +19,23 @@ def test_zero2_matches_deepspeeds_estimator(cfg, gpus):
     cpu, gpu = estimate_zero2_model_states_mem_needs(psi, num_gpus_per_node=gpus, cpu_offload=False)
     assert deepspeed_states(cfg, gpus, "bf16", stage=2).total == pytest.approx(gpu, abs=4)  # each term truncated
     cpu, gpu = estimate_zero2_model_states_mem_needs(psi, num_gpus_per_node=gpus, cpu_offload=True, additional_buffer_factor=1.0)
-    offloaded = deepspeed_states(cfg, gpus, "bf16", stage=2, offload_optimizer=True)
+    offloaded = deepspeed_states(cfg, gpus, "bf16", stage=2, offload_optimizer="cpu")
     assert offloaded.total == gpu
     if gpus <= 4:  # beyond, DeepSpeed sizes the host for 4 bytes per parameter per GPU instead
         assert offloaded.host * gpus == pytest.approx(cpu, abs=4 * gpus)
+
+
+@pytest.mark.parametrize("cfg", MODELS[:2])
+def test_nvme_offload_counts_as_disk_not_host(cfg):
+    """ZeRO-Infinity: what goes to NVMe leaves host memory; the fp32 gradient
+    partition stays there, and the device holds the same as with CPU offload."""
+    to = lambda device, params: deepspeed_states(cfg, 4, "bf16", stage=3, offload_optimizer=device, offload_params=device if params else "none")
+    for params in (False, True):
+        cpu, nvme = to("cpu", params), to("nvme", params)
+        assert nvme.total == cpu.total and nvme.host + nvme.disk == cpu.host
+        grads32 = 4 * cfg.num_params() // 4
+        assert nvme.host == pytest.approx(grads32, abs=4) and nvme.disk > 0
+    assert deepspeed_states(cfg, 4, "bf16", stage=2, offload_optimizer="nvme", offload_params="nvme").disk == to("nvme", False).disk
 
 
 @pytest.mark.parametrize("cfg", MODELS)
@@ -33,7 +46,9 @@ def test_zero3_matches_deepspeeds_estimator(cfg, gpus, offload):
     cpu, gpu, largest_memory = estimate_zero3_model_states_mem_needs(
         psi, largest, num_gpus_per_node=gpus, cpu_offload=offload != "none", cpu_offload_params=offload == "params", additional_buffer_factor=1.0
     )
-    ours = deepspeed_states(cfg, gpus, "bf16", stage=3, offload_optimizer=offload != "none", offload_params=offload == "params")
+    ours = deepspeed_states(
+        cfg, gpus, "bf16", stage=3, offload_optimizer="cpu" if offload != "none" else "none", offload_params="cpu" if offload == "params" else "none"
+    )
     assert ours.largest_unit == largest_memory
     assert ours.total + ours.largest_unit == pytest.approx(gpu, abs=4)
     if offload != "none":

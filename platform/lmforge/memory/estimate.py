@@ -42,6 +42,7 @@ class Breakdown:
     temporary: int
     host: int  # offloaded to CPU memory
     teacher: int = 0  # a distillation's frozen teachers' weights
+    disk: int = 0  # offloaded to NVMe
 
     @property
     def device_total(self) -> int:
@@ -68,7 +69,7 @@ def estimate(spec: JobSpec, rank: int) -> Breakdown:
     last = any(last for _, _, last in stages)
     temporary = (act.logits_bytes(cfg, shape) if last else 0) + _gathered(spec, states, sum(blocks for blocks, _, _ in stages))
     temporary += sum(act.teacher_logits_bytes(t, shape) for t in teachers)
-    return Breakdown(rank, states.params, states.grads, states.optimizer, activations, temporary, states.host, states.teacher)
+    return Breakdown(rank, states.params, states.grads, states.optimizer, activations, temporary, states.host, states.teacher, states.disk)
 
 
 def worst_rank(spec: JobSpec) -> Breakdown:
@@ -110,7 +111,7 @@ def _stages(spec: JobSpec, pp_rank: int) -> list[tuple[int, bool, bool]]:
 def _states(spec: JobSpec, rank: int, teachers: tuple) -> StateBytes:
     if spec.engine == "deepspeed":
         zero = (spec.deepspeed.config or {}).get("zero_optimization", {})
-        device = lambda key: (zero.get(key) or {}).get("device", "none") in ("cpu", "nvme")
+        device = lambda key: (zero.get(key) or {}).get("device", "none")
         states = deepspeed_states(
             spec.model_arch,
             spec.parallel.dp,

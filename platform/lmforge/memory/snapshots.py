@@ -20,8 +20,8 @@ COPIES = 4  # (its node + a replica) x (the last complete snapshot + the one bei
 
 
 def snapshot_bytes(breakdown: Breakdown) -> int:
-    """One copy of a rank's snapshot: what DCP saves of it."""
-    return breakdown.params + breakdown.optimizer + breakdown.host
+    """One copy of a rank's snapshot: what DCP saves of it (NVMe-resident states too)."""
+    return breakdown.params + breakdown.optimizer + breakdown.host + breakdown.disk
 
 
 def host_bytes_per_rank(spec: JobSpec) -> int:

@@ -48,6 +48,7 @@ class StateBytes:
     grads: int
     optimizer: int
     host: int = 0  # offloaded to CPU memory instead (not in the three above)
+    disk: int = 0  # offloaded to NVMe (DeepSpeed's ZeRO-Infinity): on disk, neither device nor host
     largest_unit: int = 0  # unsharded parameters of the biggest FSDP/ZeRO-3 unit (a block)
     teacher: int = 0  # a distillation's frozen teachers' weights (no gradients, no optimizer state)
 
@@ -170,12 +171,15 @@ def deepspeed_states(
     dp: int,
     precision: str,
     stage: int,
-    offload_optimizer: bool = False,
-    offload_params: bool = False,
+    offload_optimizer: str = "none",
+    offload_params: str = "none",
     lora: LoraSpec | None = None,
 ) -> StateBytes:
     """Bytes per rank under DeepSpeed ZeRO `stage` (1, 2 or 3) over `dp` ranks; with
-    `lora`, gradients and optimizer states are the adapters' alone."""
+    `lora`, gradients and optimizer states are the adapters' alone. The offloads name
+    a device as DeepSpeed's config does ("cpu", "nvme", "none"): offloaded to NVMe,
+    the optimizer states (or the parameters) are on disk, the fp32 gradients still
+    in host memory."""
     n, psi = dp, cfg.num_params()
     trained = psi if lora is None else lora_parameters(cfg, lora)
     psi += 0 if lora is None else trained
@@ -185,11 +189,13 @@ def deepspeed_states(
     grads32 = _share(FP32 * trained, n)  # the fp32 gradient partition
     optimizer = _share(3 * FP32 * trained, n)  # fp32 master weights, exp_avg, exp_avg_sq
     largest = 2 * half * largest_module_params(cfg) if stage == 3 else 0  # its gathered 16-bit weights and grads
-    if offload_params and stage == 3:
-        return StateBytes(0, 0, 0, host=params + grads32 + optimizer, largest_unit=largest)
-    if offload_optimizer:
-        return StateBytes(params, 0, 0, host=grads32 + optimizer, largest_unit=largest)
-    return StateBytes(params, grads16 + grads32, optimizer, largest_unit=largest)
+    params_at = offload_params if stage == 3 else "none"
+    if params_at == "none" and offload_optimizer == "none":
+        return StateBytes(params, grads16 + grads32, optimizer, largest_unit=largest)
+    placed = {"none": 0, "cpu": grads32, "nvme": 0}
+    placed[offload_optimizer if offload_optimizer != "none" else "cpu"] += optimizer
+    placed[params_at] += params
+    return StateBytes(placed["none"], 0, 0, host=placed["cpu"], disk=placed["nvme"], largest_unit=largest)
 
 
 def _share(total: int, parts: int) -> int:

@@ -38,6 +38,8 @@ def breakdown_table(title: str, breakdown: Breakdown) -> Table:
     table.add_row("total", gib(breakdown.device_total), style="bold")
     if breakdown.host:
         table.add_row("offloaded to host memory", gib(breakdown.host))
+    if breakdown.disk:
+        table.add_row("offloaded to NVMe (disk)", gib(breakdown.disk))
     return table
 
 
