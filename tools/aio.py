@@ -1,9 +1,11 @@
 """NVMe offload's requirement: DeepSpeed's async I/O op, built against Debian's libaio.
 
-Installs libaio-dev where its header is missing (apt, as root) and builds the op once:
-torch keeps it in its per-user extension cache, so ranks load it in a moment instead of
-compiling it at start (about 3 minutes on 2 cores). Where neither can be done it says so
-and the NVMe tests skip with the reason; nothing else needs the op.
+Installs libaio-dev where its header is missing (apt, as root) and builds the op, so
+ranks load it in a moment instead of compiling it at start: 150-200 s on 2 cores. torch
+keeps it in its per-user extension cache, keyed by the paths it was built from (the
+venv's): a later setup of the same checkout finds it (5 s), one elsewhere builds again.
+Where neither can be done it says so and the NVMe tests skip with the reason; nothing
+else needs the op.
 """
 
 from __future__ import annotations

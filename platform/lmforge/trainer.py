@@ -170,6 +170,7 @@ class Trainer:
         step = self.start_step
         last = None
         stopped = False
+        self.stragglers.begin()
         try:
             while step < train.max_steps:
                 began = time.perf_counter()

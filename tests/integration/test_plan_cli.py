@@ -100,7 +100,7 @@ def test_search_where_only_cpu_offload_fits_and_where_nothing_does(tmp_path):
     assert "no layout fits 8 GB devices as it is; with CPU offload" in result.stdout
     assert "--set parallel.cpu_offload=true" in result.stdout and "GiB of host memory per rank" in result.stdout
     result = run_cli("plan", SEVEN_B, "--search", "--cluster", "nodes=1,gpus_per_node=2,gpu_mem=8GB,host_mem=64GB", cwd=tmp_path)
-    assert_clean_error(result, "--cluster: no layout of pretrain-7b fits", "CPU offload included")
+    assert_clean_error(result, "--cluster: no layout of pretrain-7b fits", "CPU offload included", "NVMe offload")
 
 
 def test_plan_of_a_serving_replica(tmp_path):

@@ -4,6 +4,7 @@ how layout choices move the figures the way they must."""
 import pytest
 
 from lmforge.memory.estimate import estimate, in_flight, worst_rank
+from lmforge.planner.report import breakdown_table
 from lmforge.spec import spec_from_dict
 
 
@@ -100,3 +101,26 @@ def test_a_distillation_counts_its_teacher_and_adapters(tmp_path):
     ds_teacher = estimate(spec_from_dict(zero3 | {"distill": {"teacher": str(tmp_path / "teacher")}}), 0)
     assert ds_teacher.teacher == 4 * teacher_cfg.num_params()
     assert ds_teacher.device_total - ds_plain.device_total == ds_teacher.teacher + 2 * 128 * 8192 * 4
+
+
+def test_a_deepspeed_job_offloading_to_nvme_is_planned_with_its_states_on_disk():
+    def offloaded(device):
+        where = {"device": device} | ({"nvme_path": "/nvme"} if device == "nvme" else {})
+        zero = {"stage": 3, "offload_optimizer": where, "offload_param": where}
+        tree = {
+            "name": "m",
+            "model": {"preset": "1b"},
+            "engine": "deepspeed",
+            "deepspeed": {"config": {"zero_optimization": zero}},
+            "parallel": {"dp": 4},
+            "train": {"global_batch": 64, "micro_batch": 1, "seq_len": 2048, "precision": "bf16"},
+            "data": {"path": "unused"},
+        }
+        return worst_rank(spec_from_dict(tree))
+
+    cpu, nvme = offloaded("cpu"), offloaded("nvme")
+    assert nvme.device_total == cpu.device_total and nvme.host + nvme.disk == cpu.host and nvme.disk > nvme.host > 0
+    rows = [row for column in breakdown_table("t", nvme).columns[:1] for row in column._cells]
+    assert "offloaded to NVMe (disk)" in rows and "offloaded to NVMe (disk)" not in [
+        r for c in breakdown_table("t", cpu).columns[:1] for r in c._cells
+    ]

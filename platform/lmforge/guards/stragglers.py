@@ -20,6 +20,10 @@ class StragglerWatch:
         self._last_done = time.perf_counter()
         self._between = 0.0
 
+    def begin(self) -> None:
+        """The training loop starts: the first step's time between counts from here."""
+        self._last_done = time.perf_counter()
+
     def ready(self) -> None:
         """The rank is about to train its step: what it did since its last counts."""
         self._between = time.perf_counter() - self._last_done

@@ -177,7 +177,8 @@ def layout_search(spec: JobSpec, cluster: Optional[str] = None, top: int = 5, ch
     if not candidates:
         raise UserError(
             f"--cluster: no layout of {spec.name} fits {devices.describe()} "
-            f"({devices.usable / 2**30:.1f} GiB usable per device), CPU offload included; add devices or shrink train.seq_len or the model"
+            f"({devices.usable / 2**30:.1f} GiB usable per device), CPU offload included; add devices or shrink train.seq_len or the model, "
+            "or keep the states on disk with DeepSpeed ZeRO-3's NVMe offload (engine: deepspeed; `lmforge plan` of that job counts them)"
         )
     if chart:
         bars = [(f"#{i} {c.short}", c.memory) for i, c in enumerate(candidates[:top], 1)]
