@@ -9,6 +9,16 @@ coordinating task on the cluster (Ray Data's executor): work done in either does
 not scale out when nodes are added.
 
     python bench/prepare.py [--repeats 5] [--files 0] [--seq-len 128]
+
+`--cli` measures it as a user runs it instead: `lmforge data prepare` as a whole
+process (its own embedded Ray, the CLI, progress on) over half the corpus and over
+all of it, interleaved with `encode_batch` over the half that the larger run adds.
+Two sizes separate the fixed cost (start-up: Ray, the CLI, the first tasks) from the
+rate: the marginal rate is the added tokens over the added seconds, against
+`encode_batch`'s on the same added texts (target >= 0.8x), and the fixed cost is what
+the smaller run took beyond its tokens at that rate (target <= 5 s).
+
+    python bench/prepare.py --cli [--repeats 3]
 """
 
 from __future__ import annotations
@@ -16,6 +26,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -26,6 +37,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import ray
 
 from lmforge.data.corpus import stdlib_files
+from lmforge.data.manifest import read_manifest
 from lmforge.data.prepare import prepare_dataset
 from lmforge.data.prepare_options import PrepareOptions
 from lmforge.data.tokenizer import load_tokenizer, train_bpe
@@ -34,13 +46,7 @@ from lmforge.data.tokenizer import load_tokenizer, train_bpe
 def corpus(limit: int) -> tuple[list[str], list[str]]:
     """The built-in corpus's files (the first `limit`, 0: all), and their decodable texts."""
     files = stdlib_files()[: limit or None]
-    texts = []
-    for path in files:
-        try:
-            texts.append(Path(path).read_bytes().decode("utf-8"))
-        except UnicodeDecodeError:
-            pass  # as prepare does: skipped and counted
-    return files, texts
+    return files, [t for t in map(decoded, files) if t is not None]  # undecodable: skipped and counted, as prepare does
 
 
 def encode_batch_seconds(tokenizer_path: str, texts: list[str]) -> tuple[float, int]:
@@ -58,19 +64,77 @@ def prepare_seconds(source: str, tokenizer_path: str, seq_len: int, workdir: str
     return time.perf_counter() - began, time.process_time() - cpu, manifest
 
 
+def linked(files: list[str], folder: str) -> str:
+    """A folder of links to `files`: one source, as prepare reads it."""
+    os.makedirs(folder)
+    for i, path in enumerate(files):
+        os.symlink(path, os.path.join(folder, f"{i:05d}.py"))
+    return folder
+
+
+def cli_seconds(source: str, tokenizer_path: str, seq_len: int, out: str) -> tuple[float, int]:
+    """(wall seconds, corpus tokens) of `lmforge data prepare` as its own process."""
+    cmd = [sys.executable, "-m", "lmforge", "data", "prepare", "--source", source, "--out", out, "--seq-len", str(seq_len)]
+    began = time.perf_counter()
+    done = subprocess.run([*cmd, "--tokenizer", tokenizer_path], capture_output=True, text=True)
+    seconds = time.perf_counter() - began
+    assert done.returncode == 0, done.stderr[-2000:]
+    return seconds, read_manifest(out, check_shards=False).corpus_tokens
+
+
+def cli_main(args, files: list[str], texts: list[str]) -> None:
+    """Half the corpus and all of it through the CLI, interleaved with `encode_batch` over the added half."""
+    half = len(files) // 2
+    added = [t for t in (decoded(path) for path in files[half:]) if t is not None]
+    with tempfile.TemporaryDirectory() as workdir:
+        sources = {"half": linked(files[:half], os.path.join(workdir, "half")), "all": linked(files, os.path.join(workdir, "all"))}
+        tokenizer_path = os.path.join(workdir, "tokenizer.json")
+        train_bpe(texts, 8192).save(tokenizer_path)
+        seconds: dict[str, list[float]] = {"half": [], "all": [], "encode_added": []}
+        tokens: dict[str, int] = {}
+        for run in range(args.repeats):
+            for size in ("half", "all"):
+                took, tokens[size] = cli_seconds(sources[size], tokenizer_path, args.seq_len, os.path.join(workdir, f"{size}-{run}"))
+                seconds[size].append(took)
+            took, tokens["encode_added"] = encode_batch_seconds(tokenizer_path, added)
+            seconds["encode_added"].append(took)
+            print(f"run {run + 1}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in seconds.items()), file=sys.stderr)
+    median = {k: statistics.median(v) for k, v in seconds.items()}
+    added_tokens = tokens["all"] - tokens["half"]
+    marginal = added_tokens / (median["all"] - median["half"])
+    baseline = tokens["encode_added"] / median["encode_added"]
+    fixed = median["half"] - tokens["half"] / marginal
+    per_run = sorted(
+        (added_tokens / (a - h)) / (tokens["encode_added"] / e) for h, a, e in zip(seconds["half"], seconds["all"], seconds["encode_added"])
+    )
+    print(f"corpus: {len(files):,} files; half {tokens['half']:,} tokens, all {tokens['all']:,}; {os.cpu_count()} CPUs")
+    print(f"lmforge data prepare (CLI): half {median['half']:.2f} s, all {median['all']:.2f} s (medians of {args.repeats})")
+    print(f"marginal rate: {marginal:,.0f} tokens/s; encode_batch on the added texts: {baseline:,.0f} tokens/s")
+    print(f"ratio marginal / encode_batch: {marginal / baseline:.3f}  (per-run {per_run[0]:.3f}..{per_run[-1]:.3f}; target >= 0.8)")
+    print(f"fixed cost: {fixed:.1f} s  (target <= 5 s)")
+
+
+def decoded(path: str) -> str | None:
+    try:
+        return Path(path).read_bytes().decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--files", type=int, default=0, help="the first N files of the built-in corpus (0: all)")
     parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--cli", action="store_true", help="the CLI as a whole process, at two corpus sizes (fixed cost and marginal rate)")
     args = parser.parse_args()
 
     files, texts = corpus(args.files)
+    if args.cli:
+        cli_main(args, files, texts)
+        return
     with tempfile.TemporaryDirectory() as workdir:
-        source = os.path.join(workdir, "corpus")
-        os.makedirs(source)
-        for i, path in enumerate(files):  # a copy, so --files can take a subset as one source folder
-            os.symlink(path, os.path.join(source, f"{i:05d}.py"))
+        source = linked(files, os.path.join(workdir, "corpus"))  # so --files can take a subset as one source folder
         tokenizer_path = os.path.join(workdir, "tokenizer.json")
         train_bpe(texts, 8192).save(tokenizer_path)
         ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
