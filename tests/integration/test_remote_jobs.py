@@ -235,8 +235,15 @@ def test_running_job_exports_metrics_and_stops(head, tiny_dataset, tmp_path):
             found = {name: lines for name, lines in found.items() if lines}
         assert wanted <= set(found), f"missing {wanted - set(found)}; the job's log:\n" + run_cli("logs", job_id, *args, cwd=REPO).stdout[-3000:]
         assert {"0", "1"} <= {dict(re.findall(r'(\w+)="([^"]*)"', line)).get("rank") for line in found["ray_lmforge_step"]}
-        rows = [json.loads(line) for line in (tmp_path / "out" / "long-run" / "metrics.jsonl").read_text().splitlines()]
-        steps = {row["step"]: row for row in rows if "event" not in row}
+        # The gauges come from the ranks, metrics.jsonl from the driver: wait for its row of step 4 too.
+        metrics, deadline = tmp_path / "out" / "long-run" / "metrics.jsonl", time.time() + 60
+        while True:
+            text = metrics.read_text() if metrics.exists() else ""
+            rows = [json.loads(line) for line in text.splitlines()[: None if text.endswith("\n") else -1]]  # whole lines only
+            steps = {row["step"]: row for row in rows if "event" not in row}
+            if 4 in steps or time.time() > deadline:
+                break
+            time.sleep(0.5)
         (overflow,) = [row for row in rows if row.get("event") == "overflow"]
         assert (overflow["step"], overflow["loss_scale"], overflow["next_scale"]) == (3, 2.0**16, 2.0**15) and 3 not in steps
         assert steps[2]["loss_scale"] == 2.0**16 and steps[4]["loss_scale"] == 2.0**15
