@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from lmforge.tracking.mlflow_run import ROLE_TAG, experiment_id
+from lmforge.tracking.store import mlflow_client
 
 DEFAULT_TRACKING_URI = "sqlite:///runs/mlflow.db"
 
@@ -25,9 +26,8 @@ def tracking_uri(given: str | None) -> str:
 def log_command_run(uri: str, experiment: str, name: str, role: str, params: dict, metrics: dict, artifacts: list[Path]) -> str:
     """The run's id."""
     from mlflow.entities import Metric, Param
-    from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(tracking_uri=uri)
+    client = mlflow_client(uri)
     run = client.create_run(experiment_id(client, experiment, uri), run_name=name, tags={ROLE_TAG: role})
     stamp = int(time.time() * 1000)
     client.log_batch(

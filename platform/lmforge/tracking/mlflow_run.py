@@ -23,6 +23,7 @@ from lmforge.credentials import redact
 from lmforge.data.manifest import Manifest, MixtureManifest
 from lmforge.events import Eval, step_metrics
 from lmforge.spec import JobSpec, flatten
+from lmforge.tracking.store import mlflow_client
 
 JOB_TAG = "lmforge.job"
 ROLE_TAG = "lmforge.role"  # "train", "cache", "generate" and "evaluation"; "job" for a distillation's parent; "pipeline"
@@ -59,10 +60,8 @@ class MlflowRun:
     def __init__(self, spec: JobSpec, flush_every_s: float = 2.0, role: str = "train", more_params: Callable[[], dict[str, str]] = dict):
         """`more_params`: what the job's params leave out (a distillation's teachers' weight
         hashes, its cache's identity), computed only when a new run logs its params."""
-        from mlflow.tracking import MlflowClient
-
         self.spec, self.flush_every_s, self.role, self.more_params = spec, flush_every_s, role, more_params
-        self.client = MlflowClient(tracking_uri=spec.tracking_uri)
+        self.client = mlflow_client(spec.tracking_uri)
         self._pending: list = []
         self._last_flush = time.time()
         self.exp_id = experiment_id(self.client, spec.tracking.experiment, spec.tracking_uri)

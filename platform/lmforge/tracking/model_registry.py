@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Optional
 
 from lmforge.checkpoint.export import RegisteredModel
+from lmforge.tracking.store import mlflow_client
 
 ARTIFACT_PATH = "model"
 
@@ -20,9 +21,8 @@ def register_export(record: dict, out: str | Path, fmt: str, step: Optional[int]
     if not tracking or not tracking.get("run_id"):
         return None
     from mlflow.exceptions import MlflowException
-    from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(tracking_uri=tracking["tracking_uri"], registry_uri=tracking["tracking_uri"])
+    client = mlflow_client(tracking["tracking_uri"], registry=True)
     run_id, name = tracking["run_id"], record["job"]
     client.log_artifacts(run_id, str(out), ARTIFACT_PATH)
     try:

@@ -9,15 +9,14 @@ import json
 from pathlib import Path
 
 from lmforge.tracking.mlflow_run import JOB_TAG, PARENT_TAG, ROLE_TAG, experiment_id, log_answers
+from lmforge.tracking.store import mlflow_client
 
 STAGE_METRICS = ("final_loss", "eval_loss", "eval_kl", "eval_top1")
 
 
 class PipelineRun:
     def __init__(self, pipeline, first_job, run_id: str | None, source: Path):
-        from mlflow.tracking import MlflowClient
-
-        self.client = MlflowClient(tracking_uri=first_job.tracking_uri)
+        self.client = mlflow_client(first_job.tracking_uri)
         self.exp_id = experiment_id(self.client, first_job.tracking.experiment, first_job.tracking_uri)
         self.key = f"pipeline:{Path(pipeline.output_dir).absolute() / pipeline.name}"
         if run_id:
