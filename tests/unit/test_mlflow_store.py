@@ -10,8 +10,11 @@ from lmforge.tracking.store import mlflow_client, start_from_template, template_
 
 
 def _schema(db) -> tuple:
+    """Each table's, index's and trigger's definition as its sorted clauses: MLflow's own
+    migrations write a table's constraints in an order that differs from build to build."""
     with sqlite3.connect(db) as con:
-        tables = sorted(row[0] for row in con.execute("SELECT sql FROM sqlite_master WHERE sql IS NOT NULL"))
+        statements = [row[0] for row in con.execute("SELECT sql FROM sqlite_master WHERE sql IS NOT NULL")]
+        tables = sorted(sorted(line.strip().rstrip(",").strip() for line in sql.splitlines()) for sql in statements)
         version = con.execute("SELECT version_num FROM alembic_version").fetchall()
     con.close()
     return tables, version
